@@ -1,0 +1,31 @@
+"""Builds zen_ext._C: the CPU kernels always, the CUDA kernels only when torch has CUDA and nvcc exists.
+
+Build against the installed torch with ``pip install --no-build-isolation -e .`` (build isolation
+would download the newest torch, with GBs of CUDA packages, into the build environment).
+"""
+
+import glob
+import os
+
+from setuptools import setup
+
+try:
+    import torch
+    from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+except ImportError:  # metadata-only builds (no torch yet): the package falls back to its reference ops
+    torch = None
+
+ext_modules, cmdclass = [], {}
+if torch is not None and os.environ.get("ZEN_NO_CPP_OP", "0") != "1":
+    sources = ["csrc/zen_ext.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
+    cflags = {"cxx": ["-O3", "-std=c++17"]}
+    use_cuda = torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("USE_CUDA", "1") != "0"
+    if use_cuda:
+        sources += sorted(glob.glob("csrc/cuda/*.cu"))
+        cflags["nvcc"] = ["-O3", "-std=c++17"]
+        ext_modules.append(CUDAExtension("zen_ext._C", sources, extra_compile_args=cflags))
+    else:
+        ext_modules.append(CppExtension("zen_ext._C", sources, extra_compile_args=cflags))
+    cmdclass = {"build_ext": BuildExtension.with_options(use_ninja=True)}
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -1,0 +1,79 @@
+"""Plain data types shared by every scheme: a sparse gradient in COO form.
+
+Legend: ``_N`` dense length, ``_K`` non-zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INDEX_INT32_LIMIT = 2**31
+
+
+@dataclass
+class SparseGrad:
+    """A flat gradient of ``numel`` elements given by its non-zeros.
+
+    ``indices`` may repeat (duplicates are summed, as a dense scatter-add would) and need not be
+    sorted. ``values`` carries the gradient's dtype.
+    """
+
+    indices: torch.Tensor  # idx_K, int64
+    values: torch.Tensor  # val_K
+    numel: int
+
+    def __post_init__(self) -> None:
+        if self.indices.dim() != 1 or self.values.dim() != 1:
+            raise ValueError(
+                f"SparseGrad indices and values must be 1-D, got {self.indices.dim()}-D and {self.values.dim()}-D"
+            )
+        if self.indices.numel() != self.values.numel():
+            raise ValueError(
+                f"SparseGrad has {self.indices.numel()} indices but {self.values.numel()} values"
+            )
+        if self.indices.dtype != torch.int64:
+            self.indices = self.indices.to(torch.int64)
+
+    @property
+    def nnz(self) -> int:
+        return self.indices.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @classmethod
+    def from_dense(cls, grad_N: torch.Tensor) -> "SparseGrad":
+        """The non-zeros of a dense tensor (flattened)."""
+        flat = grad_N.reshape(-1)
+        idx = flat.nonzero().flatten()
+        return cls(idx, flat[idx], flat.numel())
+
+    def to_dense(self) -> torch.Tensor:
+        """Scatter-add into a dense flat tensor (duplicates summed)."""
+        out = torch.zeros(self.numel, dtype=self.values.dtype, device=self.values.device)
+        if self.nnz:
+            out.index_add_(0, self.indices, self.values)
+        return out
+
+    def check_range(self) -> None:
+        """Raise ValueError when an index falls outside ``[0, numel)``."""
+        if self.nnz:
+            lo, hi = int(self.indices.min()), int(self.indices.max())
+            if lo < 0 or hi >= self.numel:
+                raise ValueError(f"SparseGrad indices must lie in [0, {self.numel}), got [{lo}, {hi}]")
+
+
+def as_sparse(grad: "SparseGrad | torch.Tensor") -> SparseGrad:
+    return grad if isinstance(grad, SparseGrad) else SparseGrad.from_dense(grad)
+
+
+def as_dense(grad: "SparseGrad | torch.Tensor") -> torch.Tensor:
+    return grad.to_dense() if isinstance(grad, SparseGrad) else grad.reshape(-1).clone()
+
+
+def index_dtype(numel: int) -> torch.dtype:
+    """Wire dtype of indices: int32 when they fit (numel < 2**31), else int64; never a float."""
+    return torch.int32 if numel < INDEX_INT32_LIMIT else torch.int64

@@ -1,0 +1,61 @@
+"""Python wrappers of the zen_ext hashing ops (csrc/), falling back to the pure-torch reference.
+
+``HAVE_CPP_OP`` says whether the compiled library loaded. Without it every op still works, only slower:
+the reference in ``_reference.py`` is bit-identical and doubles as the test oracle.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from . import _reference
+from ._reference import NUM_ROUNDS, derive_keys, half_bits
+
+log = logging.getLogger(__name__)
+
+HAVE_CPP_OP = False
+if os.environ.get("ZEN_DISABLE_CPP_OP", "0") != "1":
+    try:
+        from zen_ext import _C  # noqa: F401  (importing runs the TORCH_LIBRARY registrars)
+
+        HAVE_CPP_OP = True
+    except ImportError as exc:  # the package stays usable, on the reference path
+        log.info("zen_ext C++ op not available (%s); using the pure-torch reference", exc)
+
+__all__ = ["HAVE_CPP_OP", "NUM_ROUNDS", "derive_keys", "half_bits", "permute", "hash_partition"]
+
+
+def _use_op(t: torch.Tensor) -> bool:
+    return HAVE_CPP_OP and (t.device.type == "cpu" or hasattr(torch.ops.zen_ext.hash_partition, "default"))
+
+
+def permute(idx_K: torch.Tensor, numel: int, keys_R: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Keyed permutation ``P`` of ``[0, numel)`` (``P⁻¹`` with ``inverse``) behind h0."""
+    if _use_op(idx_K):
+        return torch.ops.zen_ext.permute(idx_K, numel, keys_R, inverse)
+    return _reference.permute(idx_K, numel, keys_R, inverse)
+
+
+def hash_partition(
+    idx_K: torch.Tensor,
+    numel: int,
+    num_parts: int,
+    keys_R: torch.Tensor,
+    num_rehash: int = 3,
+    parallel_factor: float = 2.0,
+    serial_factor: float = 0.1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group indices by partition; returns ``(counts_P, order_K, pos_K, stats_3)``.
+
+    On CUDA this is the paper's Algorithm 1 (``num_rehash`` rehash functions, parallel memory of
+    ``parallel_factor * K`` slots, serial memory of ``serial_factor`` times that); the order inside a
+    partition then follows the hash slots. On the CPU the grouping is a stable counting sort.
+    """
+    if _use_op(idx_K):
+        return torch.ops.zen_ext.hash_partition(
+            idx_K, numel, num_parts, keys_R, num_rehash, parallel_factor, serial_factor
+        )
+    return _reference.hash_partition(idx_K, numel, num_parts, keys_R)

@@ -1,0 +1,113 @@
+"""Pure-torch reference of the zen_ext hashing ops; the C++ and CUDA ops must match it exactly.
+
+h0 is a keyed pseudo-random *permutation* ``P`` of ``[0, numel)``: a 4-round Feistel network over the
+smallest even-width bit domain that holds ``numel``, made exact on ``[0, numel)`` by cycle walking.
+Its round function is MurmurHash3's ``fmix32`` finalizer. An index ``idx`` belongs to partition
+``P(idx) % n`` at local position ``P(idx) // n``. Because ``P`` is a bijection, the ordered index set
+of partition ``i`` is ``𝕀_i[p] = P⁻¹(i + p·n)``: the hash-bitmap decoder computes it on the fly and
+never stores the ``numel``-sized table the paper precomputes (its memory would equal the gradient's).
+
+Legend: ``_K`` non-zeros, ``_P`` partitions, ``_R`` Feistel rounds.
+"""
+
+from __future__ import annotations
+
+import torch
+
+NUM_ROUNDS = 4
+_MASK32 = 0xFFFFFFFF
+_MASK64 = (1 << 64) - 1
+
+
+def derive_keys(seed: int) -> torch.Tensor:
+    """Expand one shared seed into ``NUM_ROUNDS`` 32-bit round keys with splitmix64.
+
+    Returns:
+        int64 tensor ``keys_R`` (values in ``[0, 2**32)``), identical on every rank for one seed.
+    """
+    x = seed & _MASK64
+    keys = []
+    for _ in range(NUM_ROUNDS):
+        x = (x + 0x9E3779B97F4A7C15) & _MASK64
+        z = x
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        z ^= z >> 31
+        keys.append(z & _MASK32)
+    return torch.tensor(keys, dtype=torch.int64)
+
+
+def half_bits(numel: int) -> int:
+    """Width in bits of one Feistel half for a domain of ``numel`` elements (at least 1)."""
+    bits = max(2, int(numel - 1).bit_length())
+    bits += bits & 1
+    return bits // 2
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # (x * c) mod 2**32 for x, c < 2**32 without int64 overflow: split x into 16-bit halves.
+    lo = (x & 0xFFFF) * c
+    hi = ((x >> 16) * c) & 0xFFFF
+    return (lo + (hi << 16)) & _MASK32
+
+
+def fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer on int64 tensors holding values in ``[0, 2**32)``."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _feistel(x: torch.Tensor, keys: list[int], h: int, inverse: bool) -> torch.Tensor:
+    mask = (1 << h) - 1
+    left, right = x >> h, x & mask
+    if not inverse:
+        for k in keys:
+            left, right = right, left ^ (fmix32(right ^ k) & mask)
+    else:
+        for k in reversed(keys):
+            left, right = right ^ (fmix32(left ^ k) & mask), left
+    return (left << h) | right
+
+
+def permute(idx_K: torch.Tensor, numel: int, keys_R: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """``P(idx)`` (or ``P⁻¹`` with ``inverse``), a bijection of ``[0, numel)``; int64 in, int64 out."""
+    if idx_K.dtype != torch.int64:
+        raise TypeError(f"idx must be int64, got {idx_K.dtype}")
+    if numel <= 1 or idx_K.numel() == 0:
+        return idx_K.clone()
+    keys = [int(k) for k in keys_R.tolist()]
+    h = half_bits(numel)
+    if int(idx_K.min()) < 0 or int(idx_K.max()) >= numel:
+        # Cycle walking only returns into [0, numel) for inputs that start there.
+        raise ValueError(f"permute indices must lie in [0, {numel}), got [{int(idx_K.min())}, {int(idx_K.max())}]")
+    y = _feistel(idx_K, keys, h, inverse)
+    # Cycle walking: the Feistel network permutes [0, 4**h); re-applying it until the value falls
+    # back into [0, numel) gives a permutation of [0, numel) (expected < 4 rounds since 4**h < 4*numel).
+    out = y.clone()
+    todo = (out >= numel).nonzero().flatten()
+    while todo.numel():
+        nxt = _feistel(out[todo], keys, h, inverse)
+        out[todo] = nxt
+        todo = todo[nxt >= numel]
+    return out
+
+
+def hash_partition(
+    idx_K: torch.Tensor, numel: int, num_parts: int, keys_R: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group non-zero indices by partition ``h0(idx) = P(idx) % num_parts``.
+
+    Returns:
+        ``counts_P`` (int64), ``order_K`` (int64 positions into ``idx_K``, grouped by partition and
+        stable inside one), ``pos_K`` (int64 local position ``P(idx) // num_parts`` of each grouped
+        entry), ``stats_3`` (int64 collisions, serial writes, overflows: always 0 on this path).
+    """
+    y = permute(idx_K, numel, keys_R)
+    part = y % num_parts
+    order = torch.sort(part, stable=True).indices
+    counts = torch.bincount(part, minlength=num_parts)
+    pos = (y // num_parts)[order]
+    return counts, order, pos, torch.zeros(3, dtype=torch.int64)
