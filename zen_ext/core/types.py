@@ -14,24 +14,28 @@ INDEX_INT32_LIMIT = 2**31
 
 @dataclass
 class SparseGrad:
-    """A flat gradient of ``numel`` elements given by its non-zeros.
+    """A flat gradient given by its non-zeros, element-wise or row-wise.
 
-    ``indices`` may repeat (duplicates are summed, as a dense scatter-add would) and need not be
-    sorted. ``values`` carries the gradient's dtype.
+    Element form: ``values`` is ``[K]`` and ``indices`` address ``numel`` elements. Row form (embedding
+    gradients, EmbRace's row granularity): ``values`` is ``[K, W]`` and ``indices`` address ``numel``
+    rows of width ``W``; the dense gradient then has ``numel·W`` elements. ``indices`` may repeat
+    (duplicates are summed, as a dense scatter-add would) and need not be sorted. ``values`` carries
+    the gradient's dtype.
     """
 
     indices: torch.Tensor  # idx_K, int64
-    values: torch.Tensor  # val_K
+    values: torch.Tensor  # val_K or val_KW
     numel: int
 
     def __post_init__(self) -> None:
-        if self.indices.dim() != 1 or self.values.dim() != 1:
+        if self.indices.dim() != 1 or self.values.dim() not in (1, 2):
             raise ValueError(
-                f"SparseGrad indices and values must be 1-D, got {self.indices.dim()}-D and {self.values.dim()}-D"
+                f"SparseGrad indices must be 1-D and values 1-D or 2-D, got {self.indices.dim()}-D and "
+                f"{self.values.dim()}-D"
             )
-        if self.indices.numel() != self.values.numel():
+        if self.indices.numel() != self.values.shape[0]:
             raise ValueError(
-                f"SparseGrad has {self.indices.numel()} indices but {self.values.numel()} values"
+                f"SparseGrad has {self.indices.numel()} indices but {self.values.shape[0]} values"
             )
         if self.indices.dtype != torch.int64:
             self.indices = self.indices.to(torch.int64)
@@ -44,6 +48,22 @@ class SparseGrad:
     def dtype(self) -> torch.dtype:
         return self.values.dtype
 
+    @property
+    def row_width(self) -> int:
+        """Elements per index: 1 in element form, ``W`` in row form."""
+        return 1 if self.values.dim() == 1 else self.values.shape[1]
+
+    @property
+    def dense_numel(self) -> int:
+        return self.numel * self.row_width
+
+    @classmethod
+    def from_dense_rows(cls, grad_RW: torch.Tensor) -> "SparseGrad":
+        """The non-zero rows of a 2-D gradient (row form)."""
+        rows = grad_RW.reshape(grad_RW.shape[0], -1)
+        idx = rows.ne(0).any(1).nonzero().flatten()
+        return cls(idx, rows[idx], rows.shape[0])
+
     @classmethod
     def from_dense(cls, grad_N: torch.Tensor) -> "SparseGrad":
         """The non-zeros of a dense tensor (flattened)."""
@@ -52,11 +72,12 @@ class SparseGrad:
         return cls(idx, flat[idx], flat.numel())
 
     def to_dense(self) -> torch.Tensor:
-        """Scatter-add into a dense flat tensor (duplicates summed)."""
-        out = torch.zeros(self.numel, dtype=self.values.dtype, device=self.values.device)
+        """Scatter-add into a dense flat tensor of ``dense_numel`` (duplicates summed)."""
+        out = torch.zeros((self.numel,) + tuple(self.values.shape[1:]), dtype=self.values.dtype,
+                          device=self.values.device)
         if self.nnz:
             out.index_add_(0, self.indices, self.values)
-        return out
+        return out.reshape(-1)
 
     def check_range(self) -> None:
         """Raise ValueError when an index falls outside ``[0, numel)``."""

@@ -7,7 +7,7 @@ import torch
 
 def pack(*tensors: torch.Tensor) -> torch.Tensor:
     """Concatenate the raw bytes of 1-D tensors into one uint8 tensor."""
-    parts = [t.contiguous().view(torch.uint8) for t in tensors if t.numel()]
+    parts = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
     if not parts:
         return torch.empty(0, dtype=torch.uint8, device=tensors[0].device if tensors else "cpu")
     return torch.cat(parts) if len(parts) > 1 else parts[0].clone()

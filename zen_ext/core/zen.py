@@ -114,7 +114,10 @@ class ZenScheme(SyncScheme):
         n, rank, numel = comm.size, comm.rank, sg.numel
         dtype, device = sg.values.dtype, sg.values.device
         idt = index_dtype(numel)
-        isz, vsz = torch.empty(0, dtype=idt).element_size(), sg.values.element_size()
+        width = sg.row_width
+        # vsz: bytes of one value entry (a whole row in row form).
+        isz, vsz = torch.empty(0, dtype=idt).element_size(), sg.values.element_size() * width
+        row_shape = tuple(sg.values.shape[1:])
         part = self.partitioner(numel, n)
 
         # Step 1: partition.
@@ -136,14 +139,14 @@ class ZenScheme(SyncScheme):
         # Step 3: aggregate into the compact buffer of this server's index set.
         t0 = time.perf_counter()
         m = part.part_size(rank)
-        acc = torch.zeros(m, dtype=_acc_dtype(dtype), device=device)
+        acc = torch.zeros((m,) + row_shape, dtype=_acc_dtype(dtype), device=device)
         touched = torch.zeros(m, dtype=torch.bool, device=device)
         pos_in, val_in = [], []
         for buf in recv:
             k = buf.numel() // (isz + vsz)
             if k:
                 pos_in.append(view_as(buf, 0, k, idt))
-                val_in.append(view_as(buf, k * isz, k, dtype))
+                val_in.append(view_as(buf, k * isz, k * width, dtype).view((k,) + row_shape))
         if pos_in:
             p_all = torch.cat(pos_in).to(torch.int64)
             acc.index_add_(0, p_all, torch.cat(val_in).to(acc.dtype))
@@ -178,21 +181,22 @@ class ZenScheme(SyncScheme):
             m_i = part.part_size(i)
             if fmt_i == _FMT_DENSE:
                 pos = torch.arange(m_i, device=device)
-                vals = view_as(buf, _HEADER_BYTES, m_i, dtype)
+                vals = view_as(buf, _HEADER_BYTES, m_i * width, dtype).view((m_i,) + row_shape)
             elif fmt_i == _FMT_BITMAP:
                 nb = bitmap_bytes(m_i)
                 pos = decode_bitmap(buf[_HEADER_BYTES : _HEADER_BYTES + nb], m_i)
-                vals = view_as(buf, _HEADER_BYTES + nb + (-nb % 8), cnt, dtype)
+                vals = view_as(buf, _HEADER_BYTES + nb + (-nb % 8), cnt * width, dtype).view((cnt,) + row_shape)
             else:
                 pos = view_as(buf, _HEADER_BYTES, cnt, idt).to(torch.int64)
-                vals = view_as(buf, _HEADER_BYTES + cnt * isz, cnt, dtype)
+                vals = view_as(buf, _HEADER_BYTES + cnt * isz, cnt * width, dtype).view((cnt,) + row_shape)
             if pos.numel():
                 ys.append(pos * n + i)
                 vs.append(vals)
-        out = torch.zeros(numel, dtype=dtype, device=device)
+        out = torch.zeros((numel,) + row_shape, dtype=dtype, device=device)
         if ys:
             idx = part.unpermute(torch.cat(ys))
             out[idx] = torch.cat(vs)
+        out = out.reshape(-1)
         t["decode_s"] = time.perf_counter() - t0
         if timings is not None:
             timings.update(t)
