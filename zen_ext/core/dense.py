@@ -21,7 +21,8 @@ class DenseScheme(SyncScheme):
     name = "dense"
 
     def sync(
-        self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None
+        self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
+        key: str | None = None,
     ) -> torch.Tensor:
         check_op(op)
         t0 = time.perf_counter()

@@ -28,7 +28,8 @@ class SyncScheme(abc.ABC):
 
     @abc.abstractmethod
     def sync(
-        self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None
+        self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
+        key: str | None = None,
     ) -> torch.Tensor:
         """Aggregate ``grad`` over ``comm``; returns a dense flat tensor of ``grad``'s numel and dtype.
 
@@ -37,6 +38,8 @@ class SyncScheme(abc.ABC):
             grad: this rank's gradient, sparse (COO) or dense.
             op: ``"sum"`` or ``"mean"``.
             timings: if given, filled with seconds per phase.
+            key: a stable name of the gradient slice (e.g. a parameter or bucket name); schemes that
+                keep per-slice decisions (``auto``) use it, the others ignore it.
         """
 
     def options(self) -> dict:

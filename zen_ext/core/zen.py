@@ -97,7 +97,8 @@ class ZenScheme(SyncScheme):
         return p
 
     def sync(
-        self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None
+        self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
+        key: str | None = None,
     ) -> torch.Tensor:
         """Synchronize ``grad`` losslessly.
 
@@ -208,3 +209,14 @@ class ZenScheme(SyncScheme):
             return {"coo": _FMT_COO, "bitmap": _FMT_BITMAP, "dense": _FMT_DENSE}[self.pull_format]
         costs = pull_costs(count, part_size, isz, vsz)
         return min(costs, key=lambda f: (costs[f], -f))  # ties go to the simpler decode (dense first)
+
+
+@register_scheme
+class ZenCooScheme(ZenScheme):
+    """``zen`` without the hash bitmap: the pull always uses COO (paper Fig. 17b ablation)."""
+
+    name = "zen_coo"
+
+    def __init__(self, seed: int = 0, num_rehash: int = 3, parallel_factor: float = 2.0,
+                 serial_factor: float = 0.1) -> None:
+        super().__init__(seed, "coo", num_rehash, parallel_factor, serial_factor)
