@@ -1,0 +1,104 @@
+"""The sparsifier contract shared by ``natural``, ``dgc`` and ``none`` (GRACE's Compressor, ZEN paper §4).
+
+A sparsifier turns a *group* of named gradient tensors (views into one flat bucket, in bucket order)
+into what travels: a ``SparseGrad`` (or a dense tensor) over the **concatenation** of the group. The
+Synchronizer maps that index space back to bucket offsets, so a sparsifier never sees bucket layout
+and its memory is keyed by parameter name, never by bucket index (engines rebuild buckets).
+
+Sparsifiers send nothing themselves; ``dgc`` may talk over a tensor-parallel group to agree on one
+threshold per layer. Config dataclasses validate in ``__post_init__`` with errors of the form
+``zen.<section>.<field> (<value>) must <rule>``; ``config_from_dict`` builds one from a plain dict.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar, Sequence, TypeVar
+
+import torch
+
+from ..core.types import SparseGrad
+
+KINDS = ("natural", "dgc", "dense")
+"""The values of ``param_kinds``: which path a parameter's gradient takes."""
+
+
+@dataclass(frozen=True)
+class NamedGrad:
+    """One parameter's gradient: a view into the flat bucket, shaped like the parameter."""
+
+    name: str
+    grad: torch.Tensor
+
+
+class Sparsifier(abc.ABC):
+    """Select what a group of gradients sends; the ``kind`` in ``param_kinds`` that it serves."""
+
+    kind: ClassVar[str]
+    lossless: ClassVar[bool]
+
+    @abc.abstractmethod
+    def compress(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad | torch.Tensor:
+        """What this rank sends for ``grads``, indexed over their concatenation (in the given order).
+
+        Args:
+            grads: the group's gradients, in bucket order; all of one dtype and device.
+            tp_comm: the tensor-parallel group, for sparsifiers that agree on a threshold across it.
+
+        Returns:
+            A SparseGrad whose ``dense_numel`` is the total numel of ``grads`` with values in their dtype,
+            or a dense flat tensor of that size.
+        """
+
+    def end_step(self) -> None:
+        """Called once per optimizer step, after every bucket of the step was synchronized."""
+
+
+C = TypeVar("C")
+
+
+def config_from_dict(cls: type[C], values: "dict | C | None", section: str) -> C:
+    """Build the config dataclass ``cls`` from a plain dict (JSON keys equal field names).
+
+    Raises:
+        ValueError: an unknown key (the valid ones are listed).
+        TypeError: ``values`` is neither a dict nor a ``cls``.
+    """
+    if values is None:
+        return cls()
+    if isinstance(values, cls):
+        return values
+    if not isinstance(values, dict):
+        raise TypeError(f"zen.{section} must be a dict or {cls.__name__}, got {type(values).__name__}")
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(values) - set(names))
+    if unknown:
+        raise ValueError(f"zen.{section} got unknown key(s) {unknown}; valid keys are {sorted(names)}")
+    return cls(**values)
+
+
+def check_bool(section: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"zen.{section}.{name} ({value!r}) must be a bool")
+
+
+def check_number(section: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"zen.{section}.{name} ({value!r}) must be a number")
+
+
+def check_int(section: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"zen.{section}.{name} ({value!r}) must be an int")
+
+
+def check_choice(section: str, name: str, value, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"zen.{section}.{name} ({value!r}) must be one of {list(choices)}")
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sparsifier memory accumulates in: fp32 for half-precision gradients (as ZEN's servers)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

@@ -1,0 +1,398 @@
+"""Synchronizer: reduce one flat gradient bucket, each parameter by its own path (ZEN paper §4).
+
+Engine adapters (DeepSpeed's bucket reduction, a DDP comm hook) hand over a flat bucket and the
+``GradSlice`` of every parameter in it; the Synchronizer routes each slice by its kind:
+
+* ``"natural"`` (untied embeddings): the non-zero rows, as a row-form SparseGrad, one scheme call per
+  slice (lossless);
+* ``"dgc"``: DGC top-k with error feedback per parameter name; all DGC slices of the bucket are fused
+  into **one** element-form SparseGrad over the bucket's index space and one scheme call (lossy:
+  the result is the reduction of what each rank sent);
+* ``"dense"`` (1-D, small, tied) and every element no slice covers: one dense all-reduce per bucket.
+
+Bytes each rank sends per bucket: the dense part's ring all-reduce ``2·(n−1)/n·D·itemsize`` plus what
+the scheme sends for each SparseGrad (``zen``: Eq. 1 of the paper, ``≈ 2·(n−1)/n·nnz`` COO entries
+for balanced partitions), plus DGC's tensor-parallel threshold agreement (compress/dgc.py).
+``pop_step_stats`` reports them next to what a dense all-reduce of every bucket would have sent.
+
+Every decision that shapes a collective is agreed explicitly: the first time a rank sees a bucket
+layout, the data-parallel ranks compare layouts, kinds, op, scheme and DGC config (and the TP ranks
+their DGC parameter names) and raise RuntimeError naming both ranks' values instead of hanging.
+All sparsifier memory lives in one ``SparsifierState`` keyed by parameter name; ``state_dict`` leaves
+process groups out.
+
+Legend: ``_N`` elements of the bucket, ``_K`` selected entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..comm.base import Communicator
+from ..compress import (
+    KINDS,
+    DGCConfig,
+    DGCSparsifier,
+    NamedGrad,
+    NaturalConfig,
+    NaturalSparsifier,
+    NoneSparsifier,
+    SparsifierState,
+    classify_parameters,
+)
+from .scheme import SyncScheme, build_scheme, check_op
+from .types import SparseGrad
+
+log = logging.getLogger(__name__)
+
+SYNC_STATE_FORMAT = "zen_ext.synchronizer"
+SYNC_STATE_VERSION = 1
+
+__all__ = ["GradSlice", "Synchronizer", "classify_parameters"]
+
+
+@dataclass(frozen=True)
+class GradSlice:
+    """One parameter's place in a flat bucket."""
+
+    name: str
+    """Parameter name: the stable key of all state (never a bucket index)."""
+    offset: int
+    """Element offset inside the flat bucket."""
+    numel: int
+    shape: tuple[int, ...]
+    """The parameter's shape (rows along dim 0 for embeddings)."""
+
+
+@dataclass
+class _Plan:
+    """How one bucket layout is routed (cached per layout, agreed across ranks once)."""
+
+    numel: int
+    dense_ranges: list[tuple[int, int]]
+    natural: list[GradSlice]
+    dgc: list[GradSlice]
+    dgc_key: str | None
+    shift_S: torch.Tensor | None = None  # concat → bucket offset of each DGC slice
+    ends_S: torch.Tensor | None = None  # concat end of each DGC slice
+
+
+class Synchronizer:
+    """Reduce flat gradient buckets over ``dp_comm`` with natural sparsity, DGC and a sync scheme.
+
+    Args:
+        dp_comm: the data-parallel group the gradients are reduced over.
+        scheme: the SyncScheme for sparse gradients (or its registered name, built with defaults).
+        param_kinds: parameter name → ``"natural"``, ``"dgc"`` or ``"dense"`` (``classify_parameters``).
+        dgc: the ``zen.dgc`` section as a dict (or DGCConfig); ``None`` = DGC disabled.
+        natural: the ``zen.natural`` section as a dict (or NaturalConfig); ``None`` = disabled.
+        tp_comm: the tensor-parallel group; DGC then agrees on one threshold per layer across it.
+
+    Raises:
+        ValueError: a kind that is not one of ``KINDS``, or a kind whose sparsifier is disabled.
+
+    Example::
+
+        >>> kinds = classify_parameters(model, natural={}, dgc={"enabled": True})  # doctest: +SKIP
+        >>> sync = Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=kinds,
+        ...                     dgc={"enabled": True}, natural={})  # doctest: +SKIP
+        >>> bucket.copy_(sync.sync_flat(bucket, slices, op="mean"))  # doctest: +SKIP
+        >>> sync.end_step()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        *,
+        dp_comm: Communicator,
+        scheme: SyncScheme | str,
+        param_kinds: dict[str, str],
+        dgc: "dict | DGCConfig | None" = None,
+        natural: "dict | NaturalConfig | None" = None,
+        tp_comm: Communicator | None = None,
+    ) -> None:
+        self.dp_comm = dp_comm
+        self.tp_comm = tp_comm
+        self.scheme = build_scheme(scheme) if isinstance(scheme, str) else scheme
+        self.dgc_config = DGCConfig.from_dict(dgc) if dgc is not None else DGCConfig(enabled=False)
+        self.natural_config = NaturalConfig.from_dict(natural) if natural is not None else NaturalConfig(enabled=False)
+        enabled = {"natural": self.natural_config.enabled, "dgc": self.dgc_config.enabled, "dense": True}
+        for name, kind in param_kinds.items():
+            if kind not in KINDS:
+                raise ValueError(f"param_kinds[{name!r}] ({kind!r}) must be one of {list(KINDS)}")
+            if not enabled[kind]:
+                raise ValueError(f"param_kinds[{name!r}] ({kind!r}) must name an enabled sparsifier, but "
+                                 f"zen.{kind}.enabled is false; classify with the same sections")
+        self.param_kinds = dict(param_kinds)
+        self.state = SparsifierState()
+        self._dense = NoneSparsifier()
+        self._natural = NaturalSparsifier(self.natural_config)
+        self._dgc = DGCSparsifier(self.dgc_config, self.state, dp_size=dp_comm.size)
+        self._plans: dict[tuple, _Plan] = {}
+        self._stats = self._empty_stats()
+        if dp_comm.rank == 0 and (tp_comm is None or tp_comm.rank == 0):
+            log.info("zen: Synchronizer scheme=%r dp_size=%d tp_size=%d natural=%s dgc=%s", self.scheme,
+                     dp_comm.size, tp_comm.size if tp_comm else 1, dataclasses.asdict(self.natural_config),
+                     dataclasses.asdict(self.dgc_config))
+
+    # --- the hot path -------------------------------------------------------------------------------
+    def sync_flat(self, flat: torch.Tensor, slices: list[GradSlice], op: str = "mean") -> torch.Tensor:
+        """Reduce the flat bucket ``flat`` over the data-parallel group.
+
+        1. Plan: route each slice by its kind (cached per layout; agreed across ranks the first time).
+        2. Dense: the dense slices and uncovered elements, gathered into one buffer, one all-reduce.
+        3. Natural: each embedding slice's non-zero rows through the scheme (lossless).
+        4. DGC: compress every DGC slice (memory keyed by name), fuse them into one SparseGrad over
+           the bucket's index space, one scheme call.
+
+        Args:
+            flat: this rank's bucket (contiguous; any shape, read as flat). Not modified.
+            slices: the parameters in the bucket; they must not overlap.
+            op: ``"sum"`` or ``"mean"`` over the data-parallel ranks.
+
+        Returns:
+            The reduced bucket, a new tensor of ``flat``'s shape and dtype.
+
+        Raises:
+            ValueError: bad slices (overlap, out of range, unknown name, shape ≠ numel) or op.
+            RuntimeError: ranks disagree on the bucket layout or configuration.
+        """
+        t_start = time.perf_counter()
+        check_op(op)
+        if not flat.is_contiguous():
+            raise ValueError("sync_flat needs a contiguous bucket")
+        flat_N = flat.reshape(-1)
+        dp, n = self.dp_comm, self.dp_comm.size
+        st = self._stats
+        dp_before = dp.stats.snapshot()
+        tp_before = self.tp_comm.stats.snapshot() if self.tp_comm is not None else None
+
+        # Step 1: plan.
+        plan = self._plan_for(flat_N, slices, op)
+        out_N = torch.empty_like(flat_N)
+        timings: dict = {}
+
+        # Step 2: one dense all-reduce for everything routed dense.
+        if plan.dense_ranges:
+            views = [NamedGrad("", flat_N[s:e]) for s, e in plan.dense_ranges]
+            buf = self._dense.compress(views)
+            dp.all_reduce(buf)
+            if op == "mean":
+                buf.div_(n)
+            at = 0
+            for s, e in plan.dense_ranges:
+                out_N[s:e] = buf[at : at + e - s]
+                at += e - s
+            self._count("dense", buf.numel(), buf.numel())
+            st["schemes"].add("dense")
+
+        # Step 3: natural slices, one scheme call each (row widths differ).
+        for s in plan.natural:
+            t0 = time.perf_counter()
+            sg = self._natural.compress([NamedGrad(s.name, flat_N[s.offset : s.offset + s.numel].view(s.shape))])
+            st["compress_s"] += time.perf_counter() - t0
+            res = self.scheme.sync(dp, sg, op, timings=timings, key=f"{s.name}:natural")
+            self._note_scheme(timings)
+            out_N[s.offset : s.offset + s.numel] = res
+            self._count("natural", s.numel, sg.nnz * sg.row_width)
+
+        # Step 4: all DGC slices of the bucket fused into one SparseGrad over the bucket's indices.
+        if plan.dgc:
+            t0 = time.perf_counter()
+            grads = [NamedGrad(s.name, flat_N[s.offset : s.offset + s.numel]) for s in plan.dgc]
+            sg = self._dgc.compress(grads, tp_comm=self.tp_comm)
+            idx_K = self._to_bucket(plan, sg.indices)
+            st["compress_s"] += time.perf_counter() - t0
+            res = self.scheme.sync(dp, SparseGrad(idx_K, sg.values, plan.numel), op, timings=timings, key=plan.dgc_key)
+            self._note_scheme(timings)
+            for s in plan.dgc:
+                out_N[s.offset : s.offset + s.numel] = res[s.offset : s.offset + s.numel]
+            self._count("dgc", sg.numel, sg.nnz)
+
+        # Stats of this call.
+        st["buckets"] += 1
+        d = dp.stats - dp_before
+        st["bytes_sent"] += d.bytes_sent
+        st["bytes_recv"] += d.bytes_recv
+        if tp_before is not None:
+            t = self.tp_comm.stats - tp_before
+            st["tp_bytes_sent"] += t.bytes_sent
+            st["tp_bytes_recv"] += t.bytes_recv
+        if n > 1:
+            st["dense_bytes_sent"] += 2 * (n - 1) * flat_N.numel() * flat_N.element_size() // n
+        st["sync_s"] += time.perf_counter() - t_start
+        return out_N.view_as(flat)
+
+    def end_step(self) -> None:
+        """Advance the step counter (warm-up, sampling offsets) once per optimizer step."""
+        self.state.step += 1
+        for sp in (self._dense, self._natural, self._dgc):
+            sp.end_step()
+
+    # --- state --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Residuals, momenta, thresholds (keyed by parameter name) and the step counter; CPU tensors."""
+        sd = {
+            "format": SYNC_STATE_FORMAT,
+            "version": SYNC_STATE_VERSION,
+            "sparsifiers": self.state.state_dict(),
+            "dgc": dataclasses.asdict(self.dgc_config),
+        }
+        if hasattr(self.scheme, "state_dict"):
+            sd["scheme"] = self.scheme.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore from ``state_dict()``; tensors move to their gradient's device on first use.
+
+        Raises:
+            ValueError: ``sd`` is not a Synchronizer state of a supported version.
+        """
+        if not isinstance(sd, dict) or sd.get("format") != SYNC_STATE_FORMAT:
+            raise ValueError(f"Synchronizer state_dict must have format {SYNC_STATE_FORMAT!r}, got "
+                             f"{sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r}")
+        if sd.get("version") != SYNC_STATE_VERSION:
+            raise ValueError(f"Synchronizer state_dict version ({sd.get('version')!r}) must be {SYNC_STATE_VERSION}")
+        if sd.get("dgc") != dataclasses.asdict(self.dgc_config):
+            log.warning("zen: resuming with a different dgc config: saved %s, now %s", sd.get("dgc"),
+                        dataclasses.asdict(self.dgc_config))
+        self.state.load_state_dict(sd["sparsifiers"])
+        if "scheme" in sd and hasattr(self.scheme, "load_state_dict"):
+            self.scheme.load_state_dict(sd["scheme"])
+
+    # --- stats --------------------------------------------------------------------------------------
+    def pop_step_stats(self) -> dict:
+        """This step's statistics (since the last call), then reset them.
+
+        Returns:
+            ``buckets``; ``bytes_sent``/``bytes_recv`` over the DP group and ``tp_bytes_sent``/
+            ``tp_bytes_recv`` over the TP group (per this rank); ``dense_bytes_sent``: what a ring
+            all-reduce of the same buckets would send; ``numel``, ``nnz`` and ``density`` per kind
+            (elements sent / elements); ``schemes``: sorted names used; ``sync_s``, ``compress_s``,
+            ``hash_s``: seconds.
+        """
+        st = self._stats
+        self._stats = self._empty_stats()
+        st["density"] = {k: (st["nnz"][k] / st["numel"][k] if st["numel"][k] else 0.0) for k in st["numel"]}
+        st["schemes"] = sorted(st["schemes"])
+        st["step"] = self.state.step
+        return st
+
+    @staticmethod
+    def _empty_stats() -> dict:
+        return {"buckets": 0, "bytes_sent": 0, "bytes_recv": 0, "tp_bytes_sent": 0, "tp_bytes_recv": 0,
+                "dense_bytes_sent": 0, "numel": {}, "nnz": {}, "schemes": set(), "sync_s": 0.0,
+                "compress_s": 0.0, "hash_s": 0.0}
+
+    def _count(self, kind: str, numel: int, nnz: int) -> None:
+        self._stats["numel"][kind] = self._stats["numel"].get(kind, 0) + numel
+        self._stats["nnz"][kind] = self._stats["nnz"].get(kind, 0) + nnz
+
+    def _note_scheme(self, timings: dict) -> None:
+        # A planner scheme reports what it chose under "scheme"; the others are their own name.
+        self._stats["schemes"].add(str(timings.get("scheme", self.scheme.name)))
+        self._stats["hash_s"] += timings.pop("hash_s", 0.0)
+
+    # --- planning -----------------------------------------------------------------------------------
+    def _plan_for(self, flat_N: torch.Tensor, slices: list[GradSlice], op: str) -> _Plan:
+        key = (flat_N.numel(), str(flat_N.dtype), op,
+               tuple((s.name, s.offset, s.numel, tuple(s.shape)) for s in slices))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._build_plan(flat_N.numel(), slices)
+            self._agree(plan, key)
+            self._plans[key] = plan
+        if plan.dgc and (plan.shift_S is None or plan.shift_S.device != flat_N.device):
+            cat_end, shifts, ends = 0, [], []
+            for s in plan.dgc:
+                shifts.append(s.offset - cat_end)
+                cat_end += s.numel
+                ends.append(cat_end)
+            plan.shift_S = torch.tensor(shifts, dtype=torch.int64, device=flat_N.device)
+            plan.ends_S = torch.tensor(ends, dtype=torch.int64, device=flat_N.device)
+        return plan
+
+    def _build_plan(self, numel: int, slices: list[GradSlice]) -> _Plan:
+        ordered = sorted((s for s in slices if s.numel), key=lambda s: s.offset)
+        names = set()
+        dense_ranges: list[tuple[int, int]] = []
+        natural, dgc = [], []
+
+        def add_dense(s: int, e: int) -> None:
+            if e <= s:
+                return
+            if dense_ranges and dense_ranges[-1][1] == s:
+                dense_ranges[-1] = (dense_ranges[-1][0], e)
+            else:
+                dense_ranges.append((s, e))
+
+        at = 0
+        for s in ordered:
+            if s.name not in self.param_kinds:
+                known = sorted(self.param_kinds)
+                raise ValueError(f"GradSlice name ({s.name!r}) must be in param_kinds "
+                                 f"({len(known)} names, e.g. {known[:5]})")
+            if s.name in names:
+                raise ValueError(f"GradSlice name ({s.name!r}) must appear once per bucket")
+            names.add(s.name)
+            if math.prod(s.shape) != s.numel:
+                raise ValueError(f"GradSlice {s.name!r} shape ({tuple(s.shape)}) must have numel {s.numel}")
+            if s.offset < at:
+                raise ValueError(f"GradSlice {s.name!r} (offset {s.offset}) must not overlap the slice "
+                                 f"before it, which ends at {at}")
+            if s.offset + s.numel > numel:
+                raise ValueError(f"GradSlice {s.name!r} (offset {s.offset}, numel {s.numel}) must lie inside "
+                                 f"the bucket of {numel} elements")
+            add_dense(at, s.offset)  # elements no slice covers are reduced dense
+            kind = self.param_kinds[s.name]
+            if kind == "dense":
+                add_dense(s.offset, s.offset + s.numel)
+            else:
+                (natural if kind == "natural" else dgc).append(s)
+            at = s.offset + s.numel
+        add_dense(at, numel)
+        return _Plan(numel, dense_ranges, natural, dgc, f"{dgc[0].name}:dgc" if dgc else None)
+
+    def _agree(self, plan: _Plan, key: tuple) -> None:
+        """Compare this layout with every rank's; raise RuntimeError naming the first difference."""
+        numel, dtype, op, entries = key
+        mine = {
+            "numel": numel, "dtype": dtype, "op": op, "scheme": repr(self.scheme),
+            "dgc": dataclasses.asdict(self.dgc_config), "natural": dataclasses.asdict(self.natural_config),
+            "slices": [(*e[:3], self.param_kinds[e[0]]) for e in entries],
+        }
+        _check_same(self.dp_comm, "data-parallel", mine)
+        if self.tp_comm is not None and self.tp_comm.size > 1 and plan.dgc:
+            _check_same(self.tp_comm, "tensor-parallel",
+                        {"dgc_names": [s.name for s in plan.dgc], "dgc": dataclasses.asdict(self.dgc_config)})
+
+    @staticmethod
+    def _to_bucket(plan: _Plan, idx_K: torch.Tensor) -> torch.Tensor:
+        """Map indices over the concatenation of the DGC slices to bucket offsets."""
+        if len(plan.dgc) == 1 or not idx_K.numel():
+            return idx_K + plan.dgc[0].offset if len(plan.dgc) == 1 else idx_K
+        seg = torch.searchsorted(plan.ends_S, idx_K, right=True)
+        return idx_K + plan.shift_S[seg]
+
+
+def _check_same(comm: Communicator, group: str, mine: dict) -> None:
+    if comm.size == 1:
+        return
+    for r, theirs in enumerate(comm.all_gather_object(mine)):
+        if theirs == mine:
+            continue
+        field = next(k for k in mine if theirs.get(k) != mine.get(k))
+        a, b = theirs.get(field), mine.get(field)
+        if isinstance(a, list) and isinstance(b, list):
+            i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            a = a[i] if i < len(a) else f"<{len(a)} entries>"
+            b = b[i] if i < len(b) else f"<{len(b)} entries>"
+            field = f"{field}[{i}]"
+        raise RuntimeError(f"zen: {group} ranks disagree on the bucket's {field}: rank {r} has {a!r}, "
+                           f"rank {comm.rank} has {b!r}; every rank must reduce the same buckets with the "
+                           f"same configuration")
