@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Callable, Sequence
 
@@ -23,8 +24,11 @@ from .base import CommStats, Communicator
 
 
 class _Shared:
-    def __init__(self, n: int, timeout_s: float) -> None:
+    def __init__(self, n: int, timeout_s: float, max_active: int) -> None:
         self.barrier = threading.Barrier(n, timeout=timeout_s)
+        # At most max_active ranks compute at once (a rank gives its token back while it waits at a
+        # barrier): peak memory is then set by max_active ranks' temporaries, not n of them.
+        self.active = threading.BoundedSemaphore(max_active)
         self.slots: list[Any] = [None] * n
         self.result: Any = None
 
@@ -37,7 +41,11 @@ class SimCommunicator(Communicator):
         self.rank, self.size, self._sh = rank, size, shared
 
     def _wait(self) -> None:
-        self._sh.barrier.wait()
+        self._sh.active.release()
+        try:
+            self._sh.barrier.wait()
+        finally:
+            self._sh.active.acquire()
 
     def _post_and_collect(self, item: Any) -> list[Any]:
         self._sh.slots[self.rank] = item
@@ -85,18 +93,21 @@ class SimWorld:
         n: number of ranks (>= 1).
         timeout_s: how long a rank waits at a collective before the run fails (a scheme that calls
             different collectives on different ranks must fail loudly, never hang).
+        max_active: ranks computing at once between collectives (default: the CPU count). Keeps
+            memory bounded at n = 128, where every rank builds a dense result.
     """
 
-    def __init__(self, n: int, timeout_s: float = 600.0) -> None:
+    def __init__(self, n: int, timeout_s: float = 600.0, max_active: int | None = None) -> None:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"SimWorld n ({n}) must be an int >= 1")
         self.n = n
         self.timeout_s = timeout_s
+        self.max_active = max(1, max_active or os.cpu_count() or 1)
         self.stats: list[CommStats] = [CommStats() for _ in range(n)]
         self._comms: list[SimCommunicator] | None = None
 
     def communicators(self) -> list[SimCommunicator]:
-        shared = _Shared(self.n, self.timeout_s)
+        shared = _Shared(self.n, self.timeout_s, self.max_active)
         self._comms = [SimCommunicator(r, self.n, shared) for r in range(self.n)]
         self.stats = [c.stats for c in self._comms]
         return self._comms
@@ -116,12 +127,16 @@ class SimWorld:
         errors: list[tuple[int, BaseException]] = []
 
         def body(r: int) -> None:
+            sh = comms[r]._sh
+            sh.active.acquire()
             try:
                 args = (comms[r],) if inputs is None else (comms[r], inputs[r])
                 results[r] = fn(*args)
             except BaseException as exc:  # noqa: BLE001 — re-raised below, after every rank stopped
                 errors.append((r, exc))
-                comms[r]._sh.barrier.abort()
+                sh.barrier.abort()
+            finally:
+                sh.active.release()
 
         if self.n == 1:
             body(0)

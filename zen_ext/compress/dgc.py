@@ -71,7 +71,7 @@ THRESHOLDS = ("sampled", "exact")
 REFINE_PASSES = 3
 """Threshold refinement passes after the sampled estimate (each one count over the tensor)."""
 REFINE_BAND = (0.8, 1.25)
-"""A count within ``[0.8·k, 1.25·k]`` is accepted; outside it the sample rank moves by ``k / count``."""
+"""A count within ``[0.8·k, 1.25·k]`` is accepted; outside it the threshold moves (``_ThresholdSearch``)."""
 MIN_KEPT_SAMPLES = 8
 """At least this many samples above the threshold (``8 / density`` samples), or small tensors get
 a threshold from one or two values."""
@@ -267,23 +267,15 @@ class DGCSparsifier(Sparsifier):
         if exact:
             return [s.topk(min(k, s.numel())).values[-1] for s, k in zip(samples_U, k_U)]
 
-        # Sampled: start at the sample's density quantile, then move the sample rank r by k / count.
-        sorted_U = [s.sort(descending=True).values for s in samples_U]
-        device = sorted_U[0].device
-        rank_U = [torch.tensor(min(max(1.0, k * s.numel() / n), s.numel()), dtype=torch.float64, device=device)
-                  for k, s, n in zip(k_U, sorted_U, numel_U)]
-        thr_U = [_at_rank(s, r) for s, r in zip(sorted_U, rank_U)]
-        lo, hi = REFINE_BAND
+        # Sampled: start at the sample's density quantile, then search (counts are global under TP).
+        searches = [_ThresholdSearch(s.sort(descending=True).values, k, n) for s, k, n in zip(samples_U, k_U, numel_U)]
         for _ in range(REFINE_PASSES):
-            counts_U = torch.stack([sum((abs_vs[i] >= t).sum() for i in u) for u, t in zip(units, thr_U)])
+            counts_U = torch.stack([sum((abs_vs[i] >= s.thr).sum() for i in u) for u, s in zip(units, searches)])
             if tp:
                 tp_comm.all_reduce(counts_U)
-            for j, (s, k) in enumerate(zip(sorted_U, k_U)):
-                c = counts_U[j].to(torch.float64)
-                moved = (rank_U[j] * k / c.clamp(min=1)).clamp(1, s.numel())
-                rank_U[j] = torch.where((c >= lo * k) & (c <= hi * k), rank_U[j], moved)
-                thr_U[j] = _at_rank(s, rank_U[j])
-        return thr_U
+            for j, s in enumerate(searches):
+                s.update(counts_U[j])
+        return [s.thr for s in searches]
 
     def _sample(self, parts: list[torch.Tensor], numel: int, density: float, key: str) -> torch.Tensor:
         """Strided samples over the concatenation of ``parts``, with an offset that changes per step."""
@@ -310,6 +302,49 @@ def _at_rank(sorted_S: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
     """The value at 1-based (fractional, device) rank ``rank`` of a descending sort, as a 0-d tensor."""
     idx = (rank.ceil().long() - 1).clamp(0, sorted_S.numel() - 1)
     return sorted_S.index_select(0, idx.reshape(1)).reshape(())
+
+
+class _ThresholdSearch:
+    """Find a threshold whose count lies in ``REFINE_BAND·k``, on device scalars only (no host branch).
+
+    The first probe is the sample's density quantile. While only one side of the target is known, the
+    next probe moves the sample rank by ``k / count`` (exact if the sample were perfectly
+    representative). Once one probe counted too many and another too few, the next one interpolates
+    between the closest two in (threshold, log count), which a lumpy sample cannot make oscillate.
+    A probe inside the band is kept.
+    """
+
+    def __init__(self, sorted_S: torch.Tensor, k: int, numel: int) -> None:
+        dev = sorted_S.device
+        self.sorted_S, self.k = sorted_S, k
+        ns = sorted_S.numel()
+        self.rank = torch.tensor(min(max(1.0, k * ns / numel), ns), dtype=torch.float64, device=dev)
+        self.thr = _at_rank(sorted_S, self.rank)
+        f64 = dict(dtype=torch.float64, device=dev)
+        self.done = torch.zeros((), dtype=torch.bool, device=dev)
+        # Closest probe with too many selected (highest such threshold) and with too few (lowest).
+        self.has_over, self.t_over, self.c_over = self.done.clone(), torch.zeros((), **f64), torch.zeros((), **f64)
+        self.has_under, self.t_under, self.c_under = self.done.clone(), torch.zeros((), **f64), torch.zeros((), **f64)
+
+    def update(self, count: torch.Tensor) -> None:
+        """Record the count at ``self.thr`` and move ``self.thr`` to the next probe."""
+        lo, hi = REFINE_BAND
+        k, c, t = self.k, count.to(torch.float64), self.thr.to(torch.float64)
+        self.done = self.done | ((c >= lo * k) & (c <= hi * k))
+        over = (c > hi * k) & (~self.has_over | (t > self.t_over))
+        under = (c < lo * k) & (~self.has_under | (t < self.t_under))
+        self.t_over, self.c_over = torch.where(over, t, self.t_over), torch.where(over, c, self.c_over)
+        self.t_under, self.c_under = torch.where(under, t, self.t_under), torch.where(under, c, self.c_under)
+        self.has_over, self.has_under = self.has_over | over, self.has_under | under
+        # Next probe: rank step on the sample, or interpolation once the target is bracketed.
+        rank = (self.rank * k / c.clamp(min=1)).clamp(1, self.sorted_S.numel())
+        t_rank = _at_rank(self.sorted_S, rank).to(torch.float64)
+        log_over, log_under = self.c_over.clamp(min=0.5).log(), self.c_under.clamp(min=0.5).log()
+        w = (log_over - math.log(k)) / (log_over - log_under).clamp(min=1e-12)
+        t_interp = self.t_over + (self.t_under - self.t_over) * w
+        t_next = torch.where(self.has_over & self.has_under, t_interp, t_rank)
+        self.rank = torch.where(self.done, self.rank, rank)
+        self.thr = torch.where(self.done, self.thr, t_next.to(self.thr.dtype))
 
 
 def _gather_samples(samples_U: list[torch.Tensor], numel_U: list[int], tp_comm) -> tuple[list[torch.Tensor], list[int]]:

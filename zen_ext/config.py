@@ -1,0 +1,371 @@
+"""The ``"zen"`` section of a DeepSpeed (or ColossalAI) JSON config, as typed and validated config.
+
+A top-level ``"zen"`` object in ``ds_config.json`` turns ZEN gradient synchronization on (DeepSpeed
+ignores unknown top-level keys). Keys equal the dataclass field names below; every field has a
+docstring with its unit, default and why. Validation runs before the first step:
+
+* an unknown key raises ``ValueError`` listing the valid keys of its section;
+* a wrong type raises ``TypeError`` and a value out of range ``ValueError``, both in the form
+  ``zen.<field> (<value>) must <rule>`` (nested fields as ``zen.dgc.density``);
+* an engine setting ZEN cannot serve (ZeRO-3, pipeline parallelism) raises ``NotImplementedError``
+  naming what is supported (``check_deepspeed_settings``).
+
+This module is engine-neutral: it reads plain dicts and imports neither DeepSpeed nor ColossalAI.
+``python -m zen_ext.config`` prints the Markdown reference of every key (docs/deepspeed.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from .compress import DGCConfig, NaturalConfig
+
+HIERARCHICAL_CHOICES = ("auto", True, False)
+SUPPORTED_ZERO_STAGES = (0, 1, 2)
+
+
+class _Section:
+    """Base of every section: validates on construction, so ``PlannerConfig(bandwidth_gbps=0)`` fails too."""
+
+    _PATH: typing.ClassVar[str]
+
+    def __post_init__(self) -> None:
+        _validate(self, self._PATH)
+
+
+@dataclass(kw_only=True)
+class PlannerConfig(_Section):
+    """Inputs of the ``"auto"`` scheme's cost model (paper §3.4, Eq. 1–2); ignored by other schemes."""
+    _PATH = "zen.planner"
+
+    bandwidth_gbps: float = 10.0
+    """Per-rank link bandwidth the cost model assumes, in Gbit/s, > 0. Default 10."""
+    latency_us: float = 50.0
+    """Per-message latency the cost model assumes, in microseconds, >= 0. Default 50."""
+    profile_steps: int = 3
+    """Steps profiled (density, overlap) before the first choice, >= 1. Default 3."""
+    reprofile_every: int = 1000
+    """Re-profile and re-choose every this many steps; 0 never re-profiles. Default 1000."""
+
+
+@dataclass(kw_only=True)
+class StatsConfig(_Section):
+    """Per-step statistics and the end-of-run summary."""
+    _PATH = "zen.stats"
+
+    jsonl_path: str | None = None
+    """Per-step JSONL file (bytes sent/received vs dense, density, scheme, times); one line per
+    optimizer step, written by rank 0 with the group's totals. null: no file (the recipes default it
+    to ``<output_dir>/zen_stats.jsonl``)."""
+    summary: bool = True
+    """Print a summary (bytes vs dense, scheme choices, time) on rank 0 at the end. Default true."""
+
+
+@dataclass(kw_only=True)
+class ZenConfig(_Section):
+    """The ``"zen"`` section: which scheme synchronizes gradients and which sparsity feeds it."""
+    _PATH = "zen"
+
+    enabled: bool = True
+    """Attach ZEN when the section is present. Default true; false keeps DeepSpeed's all-reduce."""
+    scheme: str = "zen"
+    """The synchronization scheme: ``"zen"`` (Balanced Parallelism with hash bitmap), ``"auto"``
+    (the paper's planner picks per gradient), or any registered scheme (``dense``, ``agsparse``,
+    ``sparcml``, ``omnireduce``, ``sparse_ps``, ``zen_coo``). Default zen."""
+    seed: int = 0
+    """Seed of the shared hash partition, >= 0; every rank must use the same (checked). Default 0."""
+    pull_format: str = "auto"
+    """Index encoding of ZEN's pull: ``"auto"`` (cheapest per partition), ``"bitmap"`` (hash
+    bitmap), ``"coo"``, ``"dense"``. Default auto."""
+    exchange_impl: str = "p2p"
+    """Transport of variable-size exchanges: ``"p2p"`` (receives posted first; faster on shaped
+    links) or ``"a2a"`` (one ``all_to_all_single``). Default p2p."""
+    bucket_cap_mb: float = 128.0
+    """Gradients are synchronized in buckets of at most this many MB (the paper's 128 MB DDP
+    buckets); DeepSpeed hands up to 5e8 elements at once, so buckets are re-cut. > 0. Default 128."""
+    hierarchical: Union[bool, str] = "auto"
+    """Multi-GPU nodes (paper §4): dense reduce-scatter inside a node, ZEN across nodes on each
+    shard, all-gather inside the node. ``"auto"``: on when the data-parallel group spans several
+    nodes with several ranks each (from the launcher's LOCAL_WORLD_SIZE / LOCAL_SIZE); true forces
+    it (an error if it cannot apply); false never. Default auto."""
+    dgc: DGCConfig = field(default_factory=DGCConfig)
+    """DGC top-k sparsification of dense gradients (see the ``zen.dgc`` table)."""
+    natural: NaturalConfig = field(default_factory=NaturalConfig)
+    """Natural (embedding row) sparsity (see the ``zen.natural`` table)."""
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """Cost-model inputs of ``scheme: "auto"`` (see the ``zen.planner`` table)."""
+    stats: StatsConfig = field(default_factory=StatsConfig)
+    """Statistics output (see the ``zen.stats`` table)."""
+
+    # --- construction ---------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, section: dict | None) -> "ZenConfig":
+        """Build and validate from the ``"zen"`` section (a plain dict; None gives the defaults).
+
+        Raises:
+            ValueError: unknown key (lists the valid ones) or a value out of range.
+            TypeError: a value of the wrong type.
+        """
+        if section is None:
+            section = {}
+        return _from_dict(cls, section, "zen")
+
+    @classmethod
+    def from_ds_config(cls, ds_config: "str | os.PathLike | dict") -> "ZenConfig":
+        """Read the ``"zen"`` section of a DeepSpeed config (a path or a dict) and check the engine
+        settings it must coexist with. A config without the section gives ``enabled=False``.
+
+        Raises:
+            ValueError, TypeError: see ``from_dict``.
+            NotImplementedError: ZeRO-3 or pipeline parallelism with an enabled section.
+        """
+        ds = load_json_config(ds_config)
+        if "zen" not in ds:
+            return cls(enabled=False)
+        cfg = cls.from_dict(ds["zen"])
+        if cfg.enabled:
+            check_deepspeed_settings(ds)
+        return cfg
+
+    def to_dict(self) -> dict:
+        """The section as a JSON-ready dict (round-trips through ``from_dict``)."""
+        return dataclasses.asdict(self)
+
+    # --- what the config builds -----------------------------------------------------------------------
+    def scheme_options(self) -> dict:
+        """Constructor options of ``scheme``: the planner fields for ``"auto"``, and ``seed`` /
+        ``pull_format`` for schemes whose constructor takes them (hash-based schemes)."""
+        from .core.scheme import _REGISTRY, _load_builtin
+
+        _load_builtin()
+        accepted = set(inspect.signature(_REGISTRY[self.scheme].__init__).parameters) - {"self"}
+        opts = {"seed": self.seed, "pull_format": self.pull_format}
+        if self.scheme == "auto":
+            opts.update(dataclasses.asdict(self.planner))
+        return {k: v for k, v in opts.items() if k in accepted}
+
+    def build_scheme(self):
+        """The configured SyncScheme instance."""
+        from .core.scheme import build_scheme
+
+        return build_scheme(self.scheme, **self.scheme_options())
+
+    def dgc_options(self) -> DGCConfig | None:
+        """The DGC section for the Synchronizer and ``classify_parameters`` (None when DGC is off)."""
+        return self.dgc if self.dgc.enabled else None
+
+    def natural_options(self) -> NaturalConfig | None:
+        """The natural-sparsity section for the Synchronizer (None when off)."""
+        return self.natural if self.natural.enabled else None
+
+    @property
+    def bucket_cap_bytes(self) -> int:
+        return int(self.bucket_cap_mb * 2**20)
+
+
+# --- loading ------------------------------------------------------------------------------------------
+def load_json_config(config: "str | os.PathLike | dict") -> dict:
+    """A DeepSpeed config as a dict: a dict is returned as is, a path is read as JSON (or HJSON, as
+    DeepSpeed accepts, when ``hjson`` is installed)."""
+    if isinstance(config, dict):
+        return config
+    if not isinstance(config, (str, os.PathLike)):
+        raise TypeError(f"ds_config ({config!r}) must be a path or a dict")
+    with open(config) as f:
+        text = f.read()
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            import hjson
+        except ImportError:
+            raise
+        return hjson.loads(text)
+
+
+def check_deepspeed_settings(ds: dict) -> None:
+    """Refuse DeepSpeed settings ZEN cannot serve, naming what is supported.
+
+    ZEN replaces the data-parallel all-reduce of ZeRO 0/1/2 (optionally with AutoTP tensor
+    parallelism). ZeRO-3 reduce-scatters partitioned parameters' gradients with no full bucket to
+    sparsify, and pipeline parallelism reduces per stage through another path.
+
+    Raises:
+        NotImplementedError: ZeRO-3, pipeline or sequence parallelism.
+    """
+    zero = ds.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if stage not in SUPPORTED_ZERO_STAGES:
+        raise NotImplementedError(
+            f"zen supports zero_optimization.stage in {list(SUPPORTED_ZERO_STAGES)} (with optional AutoTP "
+            f"tensor parallelism), got stage {stage!r}: ZeRO-3 reduce-scatters partitioned gradients, so "
+            f"there is no full gradient bucket to synchronize sparsely; use stage 1 or 2, or remove \"zen\"")
+    pipe = ds.get("pipeline") or {}
+    stages = pipe.get("stages", 1) if isinstance(pipe, dict) else 1
+    if isinstance(stages, int) and stages > 1:
+        raise NotImplementedError(
+            f"zen supports data parallelism and AutoTP tensor + data parallelism, not pipeline "
+            f"parallelism (pipeline.stages = {stages}); remove \"zen\" or run without pipeline stages")
+    sp = ds.get("sequence_parallel_size", 1)
+    if isinstance(sp, int) and sp > 1:
+        raise NotImplementedError(
+            f"zen supports data parallelism and AutoTP tensor + data parallelism, not sequence "
+            f"parallelism (sequence_parallel_size = {sp})")
+
+
+# --- validation ---------------------------------------------------------------------------------------
+def _from_dict(cls, data, path: str):
+    if not isinstance(data, dict):
+        raise TypeError(f"{path} ({data!r}) must be a JSON object (dict)")
+    if hasattr(cls, "from_dict") and cls not in _RULES:
+        return cls.from_dict(data)  # zen.dgc / zen.natural validate in zen_ext.compress
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(data) - set(names))
+    if unknown:
+        raise ValueError(f"{path} got unknown key(s) {unknown}; valid keys are {sorted(names)}")
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in data.items():
+        if dataclasses.is_dataclass(hints[name]):
+            value = _from_dict(hints[name], value, f"{path}.{name}")
+        kwargs[name] = value
+    return cls(**kwargs)  # __post_init__ validates
+
+
+def _type_error(path: str, value: Any, what: str) -> TypeError:
+    return TypeError(f"{path} ({value!r}) must be {what}")
+
+
+def _check_type(path: str, value: Any, hint) -> Any:
+    """Type-check one field; ints are accepted where a float is expected."""
+    origin = typing.get_origin(hint)
+    if origin is Union or origin is types.UnionType:
+        args = typing.get_args(hint)
+        if value is None and type(None) in args:
+            return None
+        if bool in args and str in args:  # hierarchical
+            if isinstance(value, (bool, str)):
+                return value
+            raise _type_error(path, value, 'true, false or "auto"')
+        (inner,) = [a for a in args if a is not type(None)]
+        if value is None:
+            raise _type_error(path, value, "a number")
+        return _check_type(path, value, inner)
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise _type_error(path, value, "a bool (true or false)")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _type_error(path, value, "an integer")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _type_error(path, value, "a number")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise _type_error(path, value, "a string")
+        return value
+    if dataclasses.is_dataclass(hint):
+        if isinstance(value, dict):
+            return _from_dict(hint, value, path)
+        if not isinstance(value, hint):
+            raise _type_error(path, value, f"a {hint.__name__} or a JSON object")
+        return value
+    raise AssertionError(f"unhandled config type {hint} for {path}")
+
+
+def _range_error(path: str, value: Any, rule: str) -> ValueError:
+    return ValueError(f"{path} ({value!r}) must {rule}")
+
+
+def _validate(obj, path: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        setattr(obj, f.name, _check_type(f"{path}.{f.name}", getattr(obj, f.name), hints[f.name]))
+    _RULES[type(obj)](obj, path)
+
+
+def _rules_zen(c: ZenConfig, p: str) -> None:
+    from .comm.torch_dist import EXCHANGE_IMPLS
+    from .core.scheme import available_schemes
+    from .core.zen import PULL_FORMATS
+
+    schemes = available_schemes()
+    if c.scheme not in schemes:
+        raise _range_error(f"{p}.scheme", c.scheme, f"be one of {schemes}")
+    if c.seed < 0:
+        raise _range_error(f"{p}.seed", c.seed, "be >= 0")
+    if c.pull_format not in PULL_FORMATS:
+        raise _range_error(f"{p}.pull_format", c.pull_format, f"be one of {list(PULL_FORMATS)}")
+    if c.exchange_impl not in EXCHANGE_IMPLS:
+        raise _range_error(f"{p}.exchange_impl", c.exchange_impl, f"be one of {list(EXCHANGE_IMPLS)}")
+    if not c.bucket_cap_mb > 0:
+        raise _range_error(f"{p}.bucket_cap_mb", c.bucket_cap_mb, "be > 0")
+    if isinstance(c.hierarchical, str) and c.hierarchical != "auto":
+        raise _range_error(f"{p}.hierarchical", c.hierarchical, 'be true, false or "auto"')
+
+
+def _rules_planner(c: PlannerConfig, p: str) -> None:
+    if not c.bandwidth_gbps > 0:
+        raise _range_error(f"{p}.bandwidth_gbps", c.bandwidth_gbps, "be > 0")
+    if not c.latency_us >= 0:
+        raise _range_error(f"{p}.latency_us", c.latency_us, "be >= 0")
+    if c.profile_steps < 1:
+        raise _range_error(f"{p}.profile_steps", c.profile_steps, "be >= 1")
+    if c.reprofile_every < 0:
+        raise _range_error(f"{p}.reprofile_every", c.reprofile_every, "be >= 0 (0: never)")
+
+
+def _rules_stats(c: StatsConfig, p: str) -> None:
+    if c.jsonl_path is not None and not c.jsonl_path:
+        raise _range_error(f"{p}.jsonl_path", c.jsonl_path, "be a non-empty path or null")
+
+
+_RULES = {ZenConfig: _rules_zen, PlannerConfig: _rules_planner, StatsConfig: _rules_stats}
+
+
+# --- reference documentation --------------------------------------------------------------------------
+def _field_docs(cls) -> dict[str, str]:
+    """Field name → the docstring under it, read from this module's source."""
+    import ast
+
+    src = inspect.getsource(cls)
+    body = ast.parse(src).body[0].body
+    docs = {}
+    for prev, node in zip(body, body[1:]):
+        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
+                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)):
+            docs[prev.target.id] = " ".join(node.value.value.split())
+    return docs
+
+
+def config_reference_markdown() -> str:
+    """Markdown tables of every key with its default and meaning (the docs' config reference)."""
+    out = []
+    sections = [(ZenConfig, "zen"), (DGCConfig, "zen.dgc"), (NaturalConfig, "zen.natural"),
+                (PlannerConfig, "zen.planner"), (StatsConfig, "zen.stats")]
+    for cls, path in sections:
+        docs = _field_docs(cls)
+        out.append(f"#### `{path}`\n\n{' '.join(inspect.getdoc(cls).split())}\n")
+        out.append("| key | default | meaning |\n| --- | --- | --- |")
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            value = getattr(defaults, f.name)
+            shown = "(section)" if dataclasses.is_dataclass(value) else f"`{json.dumps(value)}`"
+            out.append(f"| `{f.name}` | {shown} | {docs.get(f.name, '')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(config_reference_markdown())

@@ -1,0 +1,111 @@
+"""``agsparse``: all-gather the COO gradient of every rank and sum locally (ZEN paper §2.4, Table 3).
+
+AGsparse is [One-shot aggregation, Centralization]: Horovod's sparse allgather and GRACE's
+``Allgather`` communicator. It cannot use the overlap between ranks, so its volume grows linearly with
+``n`` (paper Fig. 8: worse than dense all-reduce past ~40 GPUs for NMT, i.e. once ``n·d ≳ 1``).
+
+Bytes rank ``r`` sends (its ``K_r`` entries of ``W`` values each, index ``ib`` and value ``vb`` bytes):
+``(n−1)·(8 + K_r·(ib + W·vb))``; it receives the sum of the others' messages. Sizes travel first and the
+payload is never padded (GRACE pads every rank to the largest one).
+
+Wire format, one message per rank: ``[indices (int32, or int64 if numel ≥ 2^31) | values]`` — indices
+are never packed into floats (Ok-Topk's float packing corrupts indices past 2^24). Row-form gradients
+travel as rows, one index per row, as Horovod sends ``IndexedSlices``. Duplicates are sent as they are
+(as Horovod does) and summed by the receiver with ``index_add_``, never overwritten (dragonn's batched
+``scatter_`` lost them).
+
+This module also holds the COO wire helpers the other COO baselines (``sparse_ps``, ``sparcml``) use.
+
+Legend: ``_K`` entries, ``_N`` dense length (rows in row form).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..comm.base import Communicator
+from .scheme import SyncScheme, check_op, register_scheme
+from .types import SparseGrad, as_sparse, index_dtype
+from .wire import pack, view_as
+from .zen import _acc_dtype
+
+
+def entry_bytes(numel: int, row_width: int, dtype: torch.dtype) -> int:
+    """Wire bytes of one COO entry: its index plus ``row_width`` values."""
+    isz = torch.empty(0, dtype=index_dtype(numel)).element_size()
+    return isz + row_width * torch.empty(0, dtype=dtype).element_size()
+
+
+def encode_coo(idx_K: torch.Tensor, val_K: torch.Tensor, numel: int) -> torch.Tensor:
+    """One uint8 message ``[indices | values]`` (indices in the wire dtype for ``numel``)."""
+    return pack(idx_K.to(index_dtype(numel)), val_K)
+
+
+def decode_coo(
+    buf_B: torch.Tensor, numel: int, row_shape: tuple[int, ...], dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of ``encode_coo``: ``(idx_K int64, val_K)``; the count follows from the message size."""
+    width = 1
+    for s in row_shape:
+        width *= s
+    idt = index_dtype(numel)
+    isz = torch.empty(0, dtype=idt).element_size()
+    k = buf_B.numel() // entry_bytes(numel, width, dtype)
+    idx = view_as(buf_B, 0, k, idt).to(torch.int64)
+    vals = view_as(buf_B, k * isz, k * width, dtype).view((k,) + row_shape)
+    return idx, vals
+
+
+def finish(out: torch.Tensor, dtype: torch.dtype, op: str, n: int) -> torch.Tensor:
+    """Cast an exact sum to the gradient dtype, then divide for ``mean`` — the order ``dense`` uses."""
+    out = out.to(dtype).reshape(-1)
+    if op == "mean":
+        out = out.div_(n)
+    return out
+
+
+@register_scheme
+class AGSparseScheme(SyncScheme):
+    """All-gather of COO, then a local sum of every rank's entries (the AGsparse baseline)."""
+
+    name = "agsparse"
+
+    def sync(
+        self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
+        key: str | None = None,
+    ) -> torch.Tensor:
+        """Synchronize ``grad`` losslessly.
+
+        1. Encode: this rank's entries as one COO message, duplicates included.
+        2. All-gather: every rank receives every other rank's message (sizes first, no padding).
+        3. Aggregate: sum all entries in rank order with ``index_add_`` (same order on every rank, so
+           every rank computes the same bits).
+        """
+        check_op(op)
+        t = {}
+        sg = as_sparse(grad)
+        dtype, device, row_shape = sg.values.dtype, sg.values.device, tuple(sg.values.shape[1:])
+
+        # Step 1: encode.
+        t0 = time.perf_counter()
+        msg = encode_coo(sg.indices, sg.values, sg.numel)
+        t["encode_s"] = time.perf_counter() - t0
+
+        # Step 2: all-gather.
+        t0 = time.perf_counter()
+        parts = comm.all_gather_v(msg)
+        t["allgather_s"] = time.perf_counter() - t0
+
+        # Step 3: aggregate.
+        t0 = time.perf_counter()
+        acc = torch.zeros((sg.numel,) + row_shape, dtype=_acc_dtype(dtype), device=device)
+        decoded = [decode_coo(p, sg.numel, row_shape, dtype) for p in parts if p.numel()]
+        if decoded:
+            acc.index_add_(0, torch.cat([i for i, _ in decoded]), torch.cat([v for _, v in decoded]).to(acc.dtype))
+        out = finish(acc, dtype, op, comm.size)
+        t["aggregate_s"] = time.perf_counter() - t0
+        if timings is not None:
+            timings.update(t)
+        return out

@@ -1,0 +1,130 @@
+"""``sparse_ps``: parameter servers owning contiguous index ranges, COO push and pull (ZEN paper §2.2, §3.1).
+
+The "Sparse PS" of the paper: [Point-to-point, Parallelism, Imbalanced]. Rank ``j`` serves the range
+``[j·S, (j+1)·S)``, ``S = ⌈numel/n⌉`` (rows in row form). Every rank pushes the entries of each range to
+its owner, the owner sums them, and pulls its aggregate back to every rank. Its partition is the one
+ZEN replaces by hashing: embedding gradients are skewed (frequent tokens have small ids, ≥ 60 % of the
+non-zeros fall into the first of 8 ranges, paper §2.1 C3), so the first owner receives and sends most
+of the traffic. Thesis cost: ``2(n−1)(d + dⁿ)·s·M/n/B`` with skewness ``s``.
+
+Bytes rank ``r`` sends: push ``Σ_{j≠r} (8 + K_r^j·(ib + W·vb))`` (``K_r^j`` of its entries fall into range
+``j``); pull ``(n−1)·(8 + U_r·(ib + W·vb))`` for the ``U_r`` aggregated entries of its own range.
+
+Wire format: push ``[offsets in the range (int32, or int64 if numel ≥ 2^31) | values]`` per owner, pull
+the same for the owner's aggregate. Duplicates are pushed as they are and summed by the owner.
+
+``range_push_pull`` is shared with ``omnireduce``, which runs the same protocol over 256-element blocks.
+
+Legend: ``_K`` entries, ``_P`` owners (ranks), ``_S`` one range.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..comm.base import Communicator
+from .agsparse import decode_coo, encode_coo, finish
+from .scheme import SyncScheme, check_op, register_scheme
+from .types import SparseGrad, as_sparse
+from .zen import _acc_dtype
+
+
+def range_size(numel: int, n: int) -> int:
+    """``S``: the length of each owner's contiguous range (the last one may be shorter or empty)."""
+    return max(1, -(-numel // n))
+
+
+def range_push_pull(
+    comm: Communicator, idx_K: torch.Tensor, val_K: torch.Tensor, numel: int, timings: dict
+) -> torch.Tensor:
+    """Push entries to the owners of their contiguous ranges, aggregate, pull every aggregate back.
+
+    Args:
+        comm: the ranks.
+        idx_K: indices in ``[0, numel)`` (duplicates allowed).
+        val_K: their values, ``[K]`` or ``[K, W...]``.
+        numel: size of the index space.
+        timings: filled with seconds per phase.
+
+    Returns:
+        The sum over ranks as ``[numel, W...]`` in the gradient dtype (each owner sums in fp32 for half
+        types and rounds once).
+    """
+    n, rank = comm.size, comm.rank
+    dtype, device, row_shape = val_K.dtype, val_K.device, tuple(val_K.shape[1:])
+    size = range_size(numel, n)
+
+    # Step 1: partition by contiguous range (stable, so each owner sees entries in input order).
+    t0 = time.perf_counter()
+    owner_K = idx_K // size
+    order = torch.argsort(owner_K, stable=True)
+    idx_K, val_K, owner_K = idx_K[order], val_K[order], owner_K[order]
+    bounds = torch.searchsorted(owner_K, torch.arange(n + 1, device=device)).tolist()
+    timings["partition_s"] = time.perf_counter() - t0
+
+    # Step 2: push each range to its owner (offsets inside the range, so int32 always suffices there).
+    t0 = time.perf_counter()
+    send = [encode_coo(idx_K[s:e] - j * size, val_K[s:e], numel) if e > s
+            else torch.empty(0, dtype=torch.uint8, device=device)
+            for j, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
+    recv = comm.exchange_v(send)
+    timings["push_s"] = time.perf_counter() - t0
+
+    # Step 3: aggregate this rank's range (sum, never overwrite; fp32 for half types).
+    t0 = time.perf_counter()
+    mine = max(0, min(size, numel - rank * size))
+    acc = torch.zeros((mine,) + row_shape, dtype=_acc_dtype(dtype), device=device)
+    touched = torch.zeros(mine, dtype=torch.bool, device=device)
+    decoded = [decode_coo(b, numel, row_shape, dtype) for b in recv if b.numel()]
+    if decoded:
+        off = torch.cat([i for i, _ in decoded])
+        acc.index_add_(0, off, torch.cat([v for _, v in decoded]).to(acc.dtype))
+        touched[off] = True
+    off_out = touched.nonzero().flatten()
+    timings["aggregate_s"] = time.perf_counter() - t0
+
+    # Step 4: pull: the owner's aggregated entries go to every rank in the gradient dtype (ranges are
+    # disjoint, so that is the one rounding of each sum).
+    t0 = time.perf_counter()
+    pulled = comm.all_gather_v(encode_coo(off_out, acc[off_out].to(dtype), numel))
+    timings["pull_s"] = time.perf_counter() - t0
+
+    # Step 5: decode every owner's range into the dense result.
+    t0 = time.perf_counter()
+    out = torch.zeros((numel,) + row_shape, dtype=dtype, device=device)
+    for j, buf in enumerate(pulled):
+        if buf.numel():
+            off, vals = decode_coo(buf, numel, row_shape, dtype)
+            out[off + j * size] = vals
+    timings["decode_s"] = time.perf_counter() - t0
+    return out
+
+
+@register_scheme
+class SparsePSScheme(SyncScheme):
+    """Contiguous-range parameter servers with COO push and pull (the skewed "Sparse PS" baseline)."""
+
+    name = "sparse_ps"
+
+    def sync(
+        self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
+        key: str | None = None,
+    ) -> torch.Tensor:
+        """Synchronize ``grad`` losslessly.
+
+        1. Partition: entry ``i`` belongs to owner ``i // ⌈numel/n⌉``.
+        2. Push: each owner receives its range's entries from every rank.
+        3. Aggregate: the owner sums them (duplicates included).
+        4. Pull: the owner's aggregate goes to every rank as COO.
+        5. Decode: every rank writes all ranges into the dense result.
+        """
+        check_op(op)
+        t: dict = {}
+        sg = as_sparse(grad)
+        out = range_push_pull(comm, sg.indices, sg.values, sg.numel, t)
+        out = finish(out, sg.values.dtype, op, comm.size)
+        if timings is not None:
+            timings.update(t)
+        return out

@@ -1,0 +1,236 @@
+"""Flat gradient buckets ↔ named GradSlices, re-bucketing to ``bucket_cap_mb``, and node sharding.
+
+Engines hand over gradients as one flat buffer (DeepSpeed: up to 5e8 elements per dtype at once) or
+as a list of tensors that they flatten. The Synchronizer needs to know which parameter each range is
+(embedding rows → natural sparsity, dense weights → DGC), so:
+
+* ``locate_slices`` maps tensors to names by storage address (``data_ptr``), which works for
+  ``param.grad`` lists (ZeRO-0), for views into an optimizer's flat buffer (BF16_Optimizer, ZeRO-1/2
+  contiguous buckets) and for a mix of both;
+* ``split_to_cap`` cuts a flat range into buckets of at most ``cap`` elements at parameter boundaries
+  (a parameter bigger than the cap is a bucket of its own, as in DDP), so ZEN's per-bucket state and
+  message sizes match the paper's 128 MB buckets whatever the engine does;
+* ``shard_bounds`` / ``clip_slices`` cut a bucket into one shard per local rank for hierarchical
+  synchronization (paper §4), snapping cuts to embedding-row boundaries so row sparsity survives.
+
+Elements covered by no slice (alignment padding) are reduced dense by the Synchronizer.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from ..core.synchronizer import GradSlice
+
+
+@dataclass(frozen=True)
+class _Known:
+    ptr: int
+    numel: int
+    name: str
+    shape: tuple
+
+
+def locate_slices(tensors: Sequence[torch.Tensor], named: Iterable[tuple[str, torch.Tensor]]) -> list[GradSlice]:
+    """Slices of the flat buffer made by concatenating ``tensors``, named after ``named`` tensors.
+
+    A tensor of ``tensors`` that *is* a named tensor (same address and size) gives one slice; a tensor
+    that *contains* named tensors (a flat buffer whose views they are) gives one slice per view.
+    Ranges no named tensor covers get no slice.
+
+    Args:
+        tensors: the bucket, in flattening order, all of one dtype.
+        named: ``(name, tensor)`` pairs, e.g. parameter names with their gradients or gradient views.
+
+    Returns:
+        Slices sorted by offset, non-overlapping.
+    """
+    if not tensors:
+        return []
+    itemsize = tensors[0].element_size()
+    known = sorted((_Known(t.data_ptr(), t.numel(), n, tuple(t.shape)) for n, t in named
+                    if t is not None and t.numel() and t.element_size() == itemsize and t.is_contiguous()),
+                   key=lambda k: k.ptr)
+    ptrs = [k.ptr for k in known]
+    out: list[GradSlice] = []
+    offset = 0
+    for t in tensors:
+        start, end = t.data_ptr(), t.data_ptr() + t.numel() * itemsize
+        i = bisect.bisect_left(ptrs, start)
+        while i < len(known) and known[i].ptr < end:
+            k = known[i]
+            if k.ptr + k.numel * itemsize <= end:
+                out.append(GradSlice(k.name, offset + (k.ptr - start) // itemsize, k.numel, k.shape))
+            i += 1
+        offset += t.numel()
+    return _drop_overlaps(out)
+
+
+def _drop_overlaps(slices: list[GradSlice]) -> list[GradSlice]:
+    # Two names at one address (shared/tied parameters seen twice) must not be synchronized twice.
+    out: list[GradSlice] = []
+    for s in sorted(slices, key=lambda s: s.offset):
+        if not out or s.offset >= out[-1].offset + out[-1].numel:
+            out.append(s)
+    return out
+
+
+def split_to_cap(numel: int, slices: Sequence[GradSlice], cap: int) -> list[tuple[int, int, list[GradSlice]]]:
+    """Cut ``[0, numel)`` into buckets of at most ``cap`` elements at slice boundaries.
+
+    Returns:
+        ``(start, end, slices)`` per bucket, covering ``[0, numel)`` in order, with slice offsets
+        relative to ``start``. A slice larger than ``cap`` forms its own bucket.
+    """
+    if cap < 1:
+        raise ValueError(f"bucket cap ({cap}) must be >= 1 element")
+    buckets: list[tuple[int, int, list[GradSlice]]] = []
+    start, members = 0, []
+    for s in sorted(slices, key=lambda s: s.offset):
+        end_s = s.offset + s.numel
+        if members and end_s - start > cap:
+            buckets.append((start, s.offset, members))
+            start, members = s.offset, []
+        members.append(s)
+        if end_s - start >= cap:  # full, or a single oversized slice
+            buckets.append((start, end_s, members))
+            start, members = end_s, []
+    if start < numel or not buckets:
+        buckets.append((start, numel, members))
+    return [(a, b, [_rebase(s, a) for s in m]) for a, b, m in buckets]
+
+
+def _rebase(s: GradSlice, base: int) -> GradSlice:
+    return GradSlice(s.name, s.offset - base, s.numel, s.shape)
+
+
+def _row_width(s: GradSlice) -> int:
+    return math.prod(s.shape[1:]) if len(s.shape) >= 2 else 1
+
+
+def shard_bounds(numel: int, slices: Sequence[GradSlice], parts: int) -> list[int]:
+    """``parts + 1`` cut points splitting ``[0, numel)`` evenly, moved to row boundaries of 2-D slices.
+
+    Row sparsity (one index per embedding row) survives only if no row is split across shards.
+    """
+    cuts = [numel * i // parts for i in range(parts + 1)]
+    by_offset = sorted(slices, key=lambda s: s.offset)
+    offsets = [s.offset for s in by_offset]
+    for i in range(1, parts):
+        j = bisect.bisect_right(offsets, cuts[i]) - 1
+        if j >= 0:
+            s = by_offset[j]
+            w = _row_width(s)
+            if s.offset < cuts[i] < s.offset + s.numel and w > 1:
+                cuts[i] = s.offset + round((cuts[i] - s.offset) / w) * w
+    for i in range(1, parts + 1):  # keep cuts monotone after snapping
+        cuts[i] = max(cuts[i], cuts[i - 1])
+    return cuts
+
+
+def clip_slices(slices: Sequence[GradSlice], start: int, end: int) -> list[GradSlice]:
+    """The parts of ``slices`` inside ``[start, end)``, rebased to ``start``.
+
+    A clipped 2-D slice keeps its row shape when the part is whole rows; any other part is 1-D.
+    Names are kept, so per-parameter state (DGC residuals) stays keyed by parameter.
+    """
+    out = []
+    for s in slices:
+        a, b = max(s.offset, start), min(s.offset + s.numel, end)
+        if a >= b:
+            continue
+        if (a, b) == (s.offset, s.offset + s.numel):
+            out.append(GradSlice(s.name, a - start, s.numel, s.shape))
+            continue
+        w = _row_width(s)
+        whole_rows = w > 1 and (a - s.offset) % w == 0 and (b - a) % w == 0
+        shape = ((b - a) // w, *s.shape[1:]) if whole_rows else (b - a,)
+        out.append(GradSlice(s.name, a - start, b - a, tuple(shape)))
+    return out
+
+
+# --- hierarchical synchronization (paper §4) --------------------------------------------------------
+def node_layout(dp_ranks: Sequence[int], local_size: int) -> list[list[int]]:
+    """The data-parallel ranks grouped by node (global rank // ``local_size``), nodes in order.
+
+    Both the ``deepspeed`` launcher and torchrun number ranks node by node, so a node holds the
+    global ranks ``[node·local_size, (node+1)·local_size)``.
+    """
+    nodes: dict[int, list[int]] = {}
+    for r in sorted(dp_ranks):
+        nodes.setdefault(r // local_size, []).append(r)
+    return [nodes[k] for k in sorted(nodes)]
+
+
+def hierarchy_applies(nodes: list[list[int]]) -> bool:
+    """Node sharding needs several nodes, each holding the same number (> 1) of the group's ranks."""
+    sizes = {len(n) for n in nodes}
+    return len(nodes) > 1 and len(sizes) == 1 and sizes.pop() > 1
+
+
+class NodeShardedReduce:
+    """Dense reduce-scatter inside the node, a sparse sync across nodes per shard, all-gather back.
+
+    With ``L`` ranks per node and ``N`` nodes, a bucket of ``M`` elements costs each rank about
+    ``2·(L−1)/L·M`` dense elements on the fast intra-node links and one sparse synchronization of
+    ``M/L`` elements over ``N`` ranks on the slow inter-node links (paper §4: ZEN runs on the
+    inter-node level, where the bandwidth is).
+
+    Args:
+        intra_group: the torch.distributed group of this rank's node (within its DP group).
+        local_rank: this rank's index in ``intra_group``.
+        local_size: ``L``.
+    """
+
+    def __init__(self, intra_group, local_rank: int, local_size: int) -> None:
+        self.intra_group = intra_group
+        self.local_rank = local_rank
+        self.local_size = local_size
+        self.bytes_sent = 0
+
+    def reduce(self, flat: torch.Tensor, slices: Sequence[GradSlice], op: str, sync_shard) -> torch.Tensor:
+        """Reduce ``flat`` over all ranks of all nodes; ``sync_shard(shard, shard_slices, op)`` reduces
+        one shard across the nodes (the Synchronizer over the inter-node group).
+
+        1. Cut the bucket into ``L`` shards at row boundaries and pad them to one length.
+        2. Reduce-scatter inside the node (sum): rank ``l`` holds the node's sum of shard ``l``.
+        3. Synchronize shard ``l`` across the nodes (sparse; the mean divides by ``L`` first).
+        4. All-gather the shards inside the node and drop the padding.
+        """
+        import torch.distributed as dist
+
+        # torch 2.13 renamed the *_tensor collectives to *_single (the old names warn).
+        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        L, flat_N = self.local_size, flat.reshape(-1)
+        # Step 1: shards.
+        cuts = shard_bounds(flat_N.numel(), slices, L)
+        width = max(b - a for a, b in zip(cuts, cuts[1:]))
+        padded = torch.zeros(L, width, dtype=flat_N.dtype, device=flat_N.device)
+        for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+            padded[i, : b - a] = flat_N[a:b]
+        # Step 2: reduce-scatter inside the node.
+        mine = torch.empty(width, dtype=flat_N.dtype, device=flat_N.device)
+        reduce_scatter(mine, padded.reshape(-1), group=self.intra_group)
+        self.bytes_sent += (L - 1) * width * flat_N.element_size()
+        # Step 3: across nodes, on this rank's shard.
+        a, b = cuts[self.local_rank], cuts[self.local_rank + 1]
+        shard = mine[: b - a]
+        if op == "mean":
+            shard.div_(L)
+        reduced = sync_shard(shard, clip_slices(slices, a, b), op) if b > a else shard
+        mine[: b - a] = reduced
+        # Step 4: all-gather inside the node.
+        gathered = torch.empty(L * width, dtype=flat_N.dtype, device=flat_N.device)
+        all_gather(gathered, mine, group=self.intra_group)
+        self.bytes_sent += (L - 1) * width * flat_N.element_size()
+        rows = gathered.view(L, width)
+        out = torch.empty_like(flat_N)
+        for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
+            out[a:b] = rows[i, : b - a]
+        return out.view_as(flat)

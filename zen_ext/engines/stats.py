@@ -1,0 +1,149 @@
+"""Per-step synchronization statistics: a JSONL writer, DeepSpeed's monitor, and the rank-0 summary.
+
+One record per optimizer step, with this rank's numbers (ranks are balanced by design, paper
+Def. 8; the summary gathers every rank's totals once at the end):
+
+* ``bytes_sent`` / ``bytes_recv``: what the schemes sent on the data-parallel group (plus the
+  tensor-parallel and intra-node groups, reported apart), with the Communicator's byte model;
+* ``dense_bytes``: what DeepSpeed's ring all-reduce of the same buckets would have sent
+  (``2·(n−1)/n · numel · itemsize``), so ``bytes_sent / dense_bytes`` is the saving;
+* ``sync_s``: wall time inside the gradient reduction; plus whatever the Synchronizer reports for
+  the step (density, γ, scheme chosen, hashing time), passed through unchanged;
+* fields the training loop adds with ``annotate`` (loss, tokens).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import Counter
+
+_SPARK = "▁▂▃▄▅▆▇█"
+
+
+def sparkline(values: list[float], width: int = 60) -> str:
+    """A one-line text plot of ``values`` (averaged into ``width`` bins)."""
+    vals = [v for v in values if v is not None and math.isfinite(v)]
+    if not vals:
+        return ""
+    bins = min(width, len(vals))
+    edges = [len(vals) * i // bins for i in range(bins + 1)]
+    means = [sum(vals[a:b]) / (b - a) for a, b in zip(edges, edges[1:])]
+    lo, hi = min(means), max(means)
+    span = (hi - lo) or 1.0
+    return "".join(_SPARK[min(len(_SPARK) - 1, int((m - lo) / span * len(_SPARK)))] for m in means)
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TB"
+
+
+class StepStats:
+    """Accumulates one step's numbers, writes them, and keeps the run's totals.
+
+    Args:
+        rank: this process's global rank (only rank 0 writes the file and the monitor).
+        jsonl_path: the per-step file, or None for none.
+        monitor: DeepSpeed's ``MonitorMaster`` (``engine.monitor``) or None.
+    """
+
+    _TOTALS = ("bytes_sent", "bytes_recv", "dense_bytes", "tp_bytes_sent", "intra_bytes_sent", "sync_s",
+               "hash_s", "syncs")
+
+    def __init__(self, rank: int, jsonl_path: str | None = None, monitor=None) -> None:
+        self.rank = rank
+        self.jsonl_path = jsonl_path
+        self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
+        self.current: dict = {}
+        self.totals: dict = {k: 0 for k in self._TOTALS}
+        self.steps = 0
+        self.losses: list[float] = []
+        self.schemes: Counter = Counter()
+        self._file = None
+        if rank == 0 and jsonl_path:
+            os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
+            self._file = open(jsonl_path, "a", buffering=1)
+
+    def add(self, **values) -> None:
+        """Add numeric values to the current step (summed when added twice)."""
+        for k, v in values.items():
+            self.current[k] = self.current.get(k, 0) + v
+
+    def annotate(self, **values) -> None:
+        """Set fields of the current step's record (e.g. ``loss``); the last value wins."""
+        self.current.update(values)
+
+    def end_step(self, step: int, extra: dict | None = None, sample_count: int | None = None) -> dict:
+        """Close the step: update totals, write the record (rank 0) and return it."""
+        rec = {"step": step, **self.current, **(extra or {})}
+        if rec.get("dense_bytes"):
+            rec["sent_vs_dense"] = rec.get("bytes_sent", 0) / rec["dense_bytes"]
+        for k in self._TOTALS:
+            if isinstance(rec.get(k), (int, float)):
+                self.totals[k] += rec[k]
+        for key in ("scheme", "schemes"):
+            chosen = rec.get(key)
+            if isinstance(chosen, str):
+                self.schemes[chosen] += 1
+            elif isinstance(chosen, dict):
+                self.schemes.update({str(v): 1 for v in chosen.values()})
+            elif isinstance(chosen, (list, tuple)):
+                self.schemes.update(map(str, chosen))
+        if isinstance(rec.get("loss"), (int, float)):
+            self.losses.append(float(rec["loss"]))
+        self.steps += 1
+        if self._file is not None:
+            self._file.write(json.dumps(rec, default=_jsonable) + "\n")
+        if self.monitor is not None and self.rank == 0:
+            x = sample_count if sample_count is not None else step
+            self.monitor.write_events([(f"Zen/{k}", float(v), x) for k, v in rec.items()
+                                       if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"])
+        self.current = {}
+        return rec
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def _jsonable(obj):
+    try:
+        return float(obj)
+    except (TypeError, ValueError):
+        return str(obj)
+
+
+def summarize(totals_by_rank: list[dict], steps: int, schemes: Counter, losses: list[float],
+              config_line: str = "") -> str:
+    """The end-of-run summary: bytes vs dense, scheme choices, loss curve, time."""
+    sent = sum(t["bytes_sent"] for t in totals_by_rank)
+    dense = sum(t["dense_bytes"] for t in totals_by_rank)
+    n = len(totals_by_rank)
+    lines = ["=" * 72, f"ZEN gradient synchronization summary ({n} ranks, {steps} optimizer steps)"]
+    if config_line:
+        lines.append(f"  config:          {config_line}")
+    if dense:
+        lines.append(f"  bytes sent:      {format_bytes(sent / n)} per rank  vs  dense all-reduce "
+                     f"{format_bytes(dense / n)}  ->  {sent / dense:.1%} of dense "
+                     f"({dense / max(sent, 1):.1f}x less)")
+    tp = sum(t.get("tp_bytes_sent", 0) for t in totals_by_rank)
+    intra = sum(t.get("intra_bytes_sent", 0) for t in totals_by_rank)
+    if tp:
+        lines.append(f"  tensor-parallel: {format_bytes(tp / n)} per rank (DGC thresholds, embedding share)")
+    if intra:
+        lines.append(f"  intra-node:      {format_bytes(intra / n)} per rank (hierarchical reduce-scatter)")
+    sync = max(t["sync_s"] for t in totals_by_rank)
+    lines.append(f"  sync time:       {sync:.2f} s total on the slowest rank "
+                 f"({1e3 * sync / max(steps, 1):.1f} ms per step)")
+    if schemes:
+        lines.append("  scheme choices:  " + ", ".join(f"{k} x{v}" for k, v in schemes.most_common()))
+    if losses:
+        lines.append(f"  loss:            {losses[0]:.4f} -> {losses[-1]:.4f}   {sparkline(losses)}")
+    lines.append("=" * 72)
+    return "\n".join(lines)
