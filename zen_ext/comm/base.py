@@ -123,7 +123,9 @@ class Communicator(abc.ABC):
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         saved = self.stats.snapshot()
         parts = self.all_gather_v(data)
-        self.stats = saved
+        # Restore in place: callers (SimWorld.stats) hold a reference to this CommStats object.
+        for key, value in saved.as_dict().items():
+            setattr(self.stats, key, value)
         return [pickle.loads(p.numpy().tobytes()) for p in parts]
 
     # --- accounting ---------------------------------------------------------------------------------
