@@ -7,7 +7,8 @@ is the point: paper Eq. 1, ``T = (n−1)/n · (γ_n + 1) · 2·M·d / b``.
 
 Wire formats (indices never travel as floats):
 
-* push: per peer one message ``[pos (int32, or int64 if numel ≥ 2^31) | values (gradient dtype)]``;
+* push: per peer one message ``[pos (int32, or int64 if numel ≥ 2^31) | values (gradient dtype)]``,
+  or the peer's whole partition as dense values when that is not larger (its size tells them apart);
 * pull: per server one message ``[header int64×2 = (format, count) | body]`` where the body is the
   cheapest of COO (``pos | values``), hash bitmap (``⌈|𝕀_i|/8⌉`` bytes padded to 8 ``| values``), or
   dense (``|𝕀_i|`` values), so every rank knows how to decode it (paper Fig. 17a crossover).
@@ -132,8 +133,19 @@ class ZenScheme(SyncScheme):
         t0 = time.perf_counter()
         bounds = counts_P.cumsum(0).tolist()
         starts = [0] + bounds[:-1]
-        send = [pack(pos_K[s:e], vals_K[s:e]) if e > s else torch.empty(0, dtype=torch.uint8, device=device)
-                for s, e in zip(starts, bounds)]
+        send = []
+        for j, (s, e) in enumerate(zip(starts, bounds)):
+            m_j = part.part_size(j)
+            if e == s:
+                send.append(torch.empty(0, dtype=torch.uint8, device=device))
+            elif (e - s) * (isz + vsz) >= m_j * vsz:
+                # Denser than the partition itself: send it dense (pre-summed), exactly m_j·vsz bytes,
+                # which a COO payload (strictly smaller by this rule) can never be.
+                local = torch.zeros((m_j,) + row_shape, dtype=_acc_dtype(dtype), device=device)
+                local.index_add_(0, pos_K[s:e].to(torch.int64), vals_K[s:e].to(local.dtype))
+                send.append(pack(local.to(dtype)))
+            else:
+                send.append(pack(pos_K[s:e], vals_K[s:e]))
         recv = comm.exchange_v(send)
         t["push_s"] = time.perf_counter() - t0
 
@@ -144,6 +156,10 @@ class ZenScheme(SyncScheme):
         touched = torch.zeros(m, dtype=torch.bool, device=device)
         pos_in, val_in = [], []
         for buf in recv:
+            if m and buf.numel() == m * vsz:  # dense push payload
+                acc += view_as(buf, 0, m * width, dtype).view((m,) + row_shape).to(acc.dtype)
+                touched.fill_(True)
+                continue
             k = buf.numel() // (isz + vsz)
             if k:
                 pos_in.append(view_as(buf, 0, k, idt))

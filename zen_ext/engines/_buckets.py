@@ -80,8 +80,15 @@ def _drop_overlaps(slices: list[GradSlice]) -> list[GradSlice]:
     return out
 
 
-def split_to_cap(numel: int, slices: Sequence[GradSlice], cap: int) -> list[tuple[int, int, list[GradSlice]]]:
+def split_to_cap(numel: int, slices: Sequence[GradSlice], cap: int,
+                 isolate: frozenset[str] | set[str] = frozenset()) -> list[tuple[int, int, list[GradSlice]]]:
     """Cut ``[0, numel)`` into buckets of at most ``cap`` elements at slice boundaries.
+
+    Args:
+        numel: elements of the flat buffer.
+        slices: the named parameters in it.
+        cap: the bucket cap in elements.
+        isolate: names of slices that get a bucket of their own (handled by another path).
 
     Returns:
         ``(start, end, slices)`` per bucket, covering ``[0, numel)`` in order, with slice offsets
@@ -93,11 +100,15 @@ def split_to_cap(numel: int, slices: Sequence[GradSlice], cap: int) -> list[tupl
     start, members = 0, []
     for s in sorted(slices, key=lambda s: s.offset):
         end_s = s.offset + s.numel
-        if members and end_s - start > cap:
+        alone = s.name in isolate
+        if members and (alone or end_s - start > cap):
             buckets.append((start, s.offset, members))
             start, members = s.offset, []
+        if alone and s.offset > start:  # an uncovered gap before an isolated slice
+            buckets.append((start, s.offset, []))
+            start = s.offset
         members.append(s)
-        if end_s - start >= cap:  # full, or a single oversized slice
+        if alone or end_s - start >= cap:  # isolated, full, or a single oversized slice
             buckets.append((start, end_s, members))
             start, members = end_s, []
     if start < numel or not buckets:
@@ -234,3 +245,134 @@ class NodeShardedReduce:
         for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
             out[a:b] = rows[i, : b - a]
         return out.view_as(flat)
+
+
+# --- one engine bucket, end to end ------------------------------------------------------------------
+class BucketReducer:
+    """Reduce one engine bucket in place: re-bucket, shard by node or by TP rank, guard, account.
+
+    This is what every engine override calls (DeepSpeed's ``allreduce_bucket`` and ZeRO's
+    ``gradient_reduction_w_predivide``); it knows nothing about the engine.
+
+    Args:
+        sync: the Synchronizer (over the data-parallel group, or over the inter-node group when
+            ``node`` is set).
+        cap_bytes: the bucket cap (``zen.bucket_cap_mb``).
+        dp_size: ranks of the whole data-parallel group (the dense baseline's ring size).
+        node: node-sharded reduction (paper §4) or None.
+        tp_comm: the tensor-parallel group, or None.
+        tp_shared: parameters replicated across the TP group with identical gradients (AutoTP keeps
+            the embedding replicated): each TP rank synchronizes ``1/tp`` of their rows over its DP
+            group and the TP ranks exchange the (sparse) results, so the embedding is synchronized
+            once per DP group instead of ``tp`` times.
+        guard_comm: a group spanning every rank that reduces (DP × TP). When set, a non-finite
+            gradient on any rank turns every rank's bucket into NaN without synchronizing it, so a
+            loss scaler sees the overflow everywhere and skips the step (a sparsifier would
+            otherwise drop NaN/Inf that fall under its threshold), and no residual memory is
+            polluted.
+    """
+
+    def __init__(self, sync, *, cap_bytes: int, dp_size: int, node: "NodeShardedReduce | None" = None,
+                 tp_comm=None, tp_shared: frozenset[str] = frozenset(), guard_comm=None) -> None:
+        self.sync = sync
+        self.cap_bytes = cap_bytes
+        self.dp_size = dp_size
+        self.node = node
+        self.tp_comm = tp_comm if tp_comm is not None and tp_comm.size > 1 else None
+        self.tp_shared = frozenset(tp_shared) if self.tp_comm is not None else frozenset()
+        self.guard_comm = guard_comm
+        self.calls = 0
+        self._stats = self._empty()
+
+    @staticmethod
+    def _empty() -> dict:
+        return {"reduce_calls": 0, "dense_bytes": 0, "intra_bytes_sent": 0, "tp_share_bytes_sent": 0,
+                "nonfinite_steps": 0, "natural_local_rows": 0, "natural_union_rows": 0}
+
+    def reduce_(self, flat: torch.Tensor, slices: Sequence[GradSlice], op: str) -> None:
+        """Replace ``flat`` (this rank's bucket) by its reduction over the data-parallel group.
+
+        1. Guard: agree whether any rank holds a non-finite gradient; if so, NaN-fill and stop.
+        2. Re-bucket to ``cap_bytes`` at parameter boundaries (TP-shared parameters alone).
+        3. Reduce each bucket: TP-shared rows split across TP ranks, the rest by node shards or
+           directly through the Synchronizer.
+        """
+        self.calls += 1
+        st = self._stats
+        st["reduce_calls"] += 1
+        flat_N = flat.view(-1)
+        n = self.dp_size
+        if n > 1:
+            st["dense_bytes"] += 2 * (n - 1) * flat_N.numel() * flat_N.element_size() // n
+        # Step 1: non-finite guard.
+        if self.guard_comm is not None:
+            bad = torch.tensor([0.0 if bool(torch.isfinite(flat_N).all()) else 1.0])
+            if float(self.guard_comm.all_reduce(bad, "max")[0]) > 0:
+                flat_N.fill_(float("nan"))
+                st["nonfinite_steps"] += 1
+                return
+        # Step 2: re-bucket.
+        cap = max(1, self.cap_bytes // flat_N.element_size())
+        for a, b, members in split_to_cap(flat_N.numel(), slices, cap, self.tp_shared):
+            chunk = flat_N[a:b]
+            # Step 3: reduce.
+            if len(members) == 1 and members[0].name in self.tp_shared:
+                out = self._reduce_tp_shared(chunk, members[0], op)
+            else:
+                out = self._reduce_dp(chunk, members, op)
+            chunk.copy_(out)
+
+    def _reduce_dp(self, chunk: torch.Tensor, members: list[GradSlice], op: str) -> torch.Tensor:
+        nat = [s for s in members if self.sync.param_kinds.get(s.name) == "natural" and len(s.shape) >= 2]
+        if nat:
+            self._stats["natural_local_rows"] += sum(_nonzero_rows(chunk, s) for s in nat)
+        if self.node is not None:
+            before = self.node.bytes_sent
+            out = self.node.reduce(chunk, members, op, self.sync.sync_flat)
+            self._stats["intra_bytes_sent"] += self.node.bytes_sent - before
+        else:
+            out = self.sync.sync_flat(chunk, list(members), op)
+        if nat:
+            self._stats["natural_union_rows"] += sum(_nonzero_rows(out, s) for s in nat)
+        return out
+
+    def _reduce_tp_shared(self, chunk: torch.Tensor, s: GradSlice, op: str) -> torch.Tensor:
+        """Synchronize this TP rank's share of the rows over DP, then gather the shares over TP."""
+        tp = self.tp_comm
+        cuts = shard_bounds(chunk.numel(), [s], tp.size)
+        a, b = cuts[tp.rank], cuts[tp.rank + 1]
+        mine = self._reduce_dp(chunk[a:b], clip_slices([s], a, b), op) if b > a else chunk[a:b]
+        width = _row_width(s)
+        rows = mine.reshape(-1, width)
+        before = tp.stats.snapshot()
+        # Only the non-zero rows travel: the synchronized embedding is as sparse as the batch's tokens.
+        idx = rows.ne(0).any(1).nonzero().flatten()
+        all_idx = tp.all_gather_v(idx)
+        all_val = tp.all_gather_v(rows[idx].reshape(-1))
+        self._stats["tp_share_bytes_sent"] += (tp.stats - before).bytes_sent
+        out = torch.zeros_like(chunk).view(-1, width)
+        for r, (ix, val) in enumerate(zip(all_idx, all_val)):
+            if ix.numel():
+                out[cuts[r] // width + ix] = val.view(-1, width)
+        return out.view(-1)
+
+    def pop_stats(self) -> dict:
+        """This step's numbers (since the last call), merged with the Synchronizer's."""
+        st, self._stats = self._stats, self._empty()
+        sync = self.sync.pop_step_stats()
+        rec = {k: v for k, v in sync.items() if k not in ("bytes_sent", "bytes_recv", "dense_bytes_sent")}
+        rec["dp_bytes_sent"] = sync.get("bytes_sent", 0)
+        rec["dp_bytes_recv"] = sync.get("bytes_recv", 0)
+        rec["bytes_sent"] = (rec["dp_bytes_sent"] + sync.get("tp_bytes_sent", 0) + st["intra_bytes_sent"]
+                             + st["tp_share_bytes_sent"])
+        rec["tp_bytes_sent"] = sync.get("tp_bytes_sent", 0) + st["tp_share_bytes_sent"]
+        rec.update({k: v for k, v in st.items() if not k.startswith("natural_")})
+        if st["natural_local_rows"]:
+            # γ of the paper (densification): union of non-zero rows after the sync over one rank's.
+            rec["gamma_natural"] = st["natural_union_rows"] / st["natural_local_rows"]
+        return rec
+
+
+def _nonzero_rows(flat_N: torch.Tensor, s: GradSlice) -> int:
+    rows = flat_N[s.offset: s.offset + s.numel].view(s.shape[0], -1)
+    return int(rows.ne(0).any(1).sum())

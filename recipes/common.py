@@ -1,0 +1,175 @@
+"""The model / data / tokenizer pipeline shared by the fine-tuning recipes (DeepSpeed, ColossalAI).
+
+Engine-neutral: nothing here imports DeepSpeed or ColossalAI, and nothing downloads unless asked
+to (an HF model or dataset *name*; everything else is local).
+
+* Models: an HF name or local checkpoint directory (``from_pretrained``), or a model-config JSON
+  (``configs/models/*.json``: ``{"model_type": "llama", ...}``) built with random weights.
+* Text: ``pydoc`` (the Python reference documentation shipped inside every CPython, ~465 K
+  characters of human-written prose and examples: always on the machine, nothing to download), a
+  ``.txt`` / ``.md`` file, a ``.jsonl`` file (``"text"`` field), a directory of those, or an HF
+  dataset as ``hf:<name>[:<config>]``.
+* Tokenizer: an HF name or path, or ``train`` — a byte-level BPE trained with HF ``tokenizers`` on
+  the text itself and cached in the output directory.
+* Packing: documents joined with EOS and cut into blocks of ``seq_len`` tokens; a fixed split into
+  train and eval blocks; per-data-parallel-rank batches (tensor-parallel ranks of one replica get the
+  same batch, as AutoTP requires).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Iterator
+
+import torch
+
+BUILTIN_TEXT = "pydoc"
+
+
+# --- text ------------------------------------------------------------------------------------------
+def load_texts(spec: str, text_field: str = "text") -> list[str]:
+    """Documents from ``spec`` (see the module docstring).
+
+    Raises:
+        FileNotFoundError: a path that does not exist or a directory without text files.
+        ValueError: an unsupported file type or an empty corpus.
+    """
+    if spec == BUILTIN_TEXT:
+        import pydoc_data.topics
+
+        docs = [pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics)]
+    elif spec.startswith("hf:"):
+        import datasets
+
+        name, _, config = spec[3:].partition(":")
+        ds = datasets.load_dataset(name, config or None, split="train")
+        docs = [row[text_field] for row in ds]
+    elif os.path.isdir(spec):
+        files = sorted(f for ext in ("txt", "md", "jsonl") for f in glob.glob(os.path.join(spec, f"**/*.{ext}"),
+                                                                            recursive=True))
+        if not files:
+            raise FileNotFoundError(f"data ({spec!r}) is a directory without .txt, .md or .jsonl files")
+        docs = [d for f in files for d in load_texts(f, text_field)]
+    elif os.path.isfile(spec):
+        if spec.endswith(".jsonl"):
+            with open(spec) as f:
+                docs = [json.loads(line)[text_field] for line in f if line.strip()]
+        elif spec.endswith((".txt", ".md")):
+            with open(spec, errors="replace") as f:
+                docs = [d for d in f.read().split("\n\n\n") if d.strip()]
+        else:
+            raise ValueError(f"data file ({spec!r}) must end in .txt, .md or .jsonl")
+    else:
+        raise FileNotFoundError(f"data ({spec!r}) must be {BUILTIN_TEXT!r}, hf:<name>, or an existing file or "
+                                f"directory")
+    docs = [d for d in docs if d and d.strip()]
+    if not docs:
+        raise ValueError(f"data ({spec!r}) holds no text")
+    return docs
+
+
+# --- tokenizer -------------------------------------------------------------------------------------
+def build_tokenizer(spec: str, texts: list[str] | None = None, cache_dir: str | None = None,
+                    vocab_size: int = 1024):
+    """A ``PreTrainedTokenizerFast``: loaded from ``spec``, or trained on ``texts`` when ``spec`` is
+    ``"train"`` (byte-level BPE of ``vocab_size``, cached as ``<cache_dir>/tokenizer.json``)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    if spec != "train":
+        tok = AutoTokenizer.from_pretrained(spec)
+        if tok.pad_token is None:
+            tok.pad_token = tok.eos_token
+        return tok
+    path = os.path.join(cache_dir, "tokenizer.json") if cache_dir else None
+    if path is None or not os.path.isfile(path):
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+        if not texts:
+            raise ValueError("tokenizer 'train' needs texts to train on")
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+        tok.train_from_iterator(texts, trainer)
+        if path is None:
+            return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                           pad_token="<|endoftext|>")
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        tok.save(tmp)
+        os.replace(tmp, path)  # atomic: ranks may race to write the same file
+    return PreTrainedTokenizerFast(tokenizer_file=path, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+# --- model -----------------------------------------------------------------------------------------
+def build_model(spec: str, *, seed: int = 0, vocab_size: int | None = None, dtype: torch.dtype | None = None):
+    """A causal LM from an HF name / checkpoint directory, or from a model-config JSON (random init).
+
+    Args:
+        spec: HF name, local checkpoint directory, or a ``.json`` model config.
+        seed: seed of the random initialization (same on every rank, so replicas start equal).
+        vocab_size: overrides the config's vocabulary size (to match a trained tokenizer).
+        dtype: weights dtype (default: the checkpoint's, or fp32).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if spec.endswith(".json"):
+        with open(spec) as f:
+            cfg_dict = json.load(f)
+        cfg_dict.pop("_comment", None)
+        model_type = cfg_dict.pop("model_type")
+        if vocab_size is not None:
+            cfg_dict["vocab_size"] = vocab_size
+        cfg = AutoConfig.for_model(model_type, **cfg_dict)
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+        return model.to(dtype) if dtype is not None else model
+    return AutoModelForCausalLM.from_pretrained(spec, torch_dtype=dtype)
+
+
+# --- packing and batches ---------------------------------------------------------------------------
+def pack_tokens(texts: list[str], tokenizer, seq_len: int) -> torch.Tensor:
+    """Documents tokenized, joined with EOS and cut into ``[num_blocks, seq_len]`` (the tail is dropped)."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for enc in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        ids.extend(enc)
+        ids.append(eos)
+    n = len(ids) // seq_len
+    if n == 0:
+        raise ValueError(f"the text has {len(ids)} tokens, fewer than one block of seq_len ({seq_len})")
+    return torch.tensor(ids[: n * seq_len], dtype=torch.long).view(n, seq_len)
+
+
+def split_blocks(blocks: torch.Tensor, eval_fraction: float, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed random split into train and eval blocks (at least one eval block when asked for)."""
+    g = torch.Generator().manual_seed(seed)
+    perm = torch.randperm(blocks.shape[0], generator=g)
+    n_eval = max(1, int(round(blocks.shape[0] * eval_fraction))) if eval_fraction > 0 else 0
+    return blocks[perm[n_eval:]], blocks[perm[:n_eval]]
+
+
+def train_batches(blocks: torch.Tensor, micro_batch: int, dp_rank: int, dp_size: int, seed: int = 0,
+                  start_step: int = 0) -> Iterator[torch.Tensor]:
+    """Endless micro-batches for one data-parallel rank: each epoch a new shuffle, every rank a
+    disjoint share; ``start_step`` skips micro-batches already trained on (resume)."""
+    per_epoch = blocks.shape[0] // (micro_batch * dp_size)
+    if per_epoch == 0:
+        raise ValueError(f"{blocks.shape[0]} training blocks cannot fill one batch of {micro_batch} x {dp_size} ranks")
+    step = start_step
+    while True:
+        epoch, i = divmod(step, per_epoch)
+        perm = torch.randperm(blocks.shape[0], generator=torch.Generator().manual_seed(seed + epoch))
+        at = (i * dp_size + dp_rank) * micro_batch
+        yield blocks[perm[at: at + micro_batch]]
+        step += 1
+
+
+def eval_batches(blocks: torch.Tensor, micro_batch: int, dp_rank: int, dp_size: int) -> Iterator[torch.Tensor]:
+    """This rank's share of the eval blocks, in order."""
+    mine = blocks[dp_rank::dp_size]
+    for at in range(0, mine.shape[0], micro_batch):
+        yield mine[at: at + micro_batch]

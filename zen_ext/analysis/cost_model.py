@@ -1,0 +1,410 @@
+"""α–β communication cost model: measured per-rank traffic → time, the paper's Eq. 1 and 2, and
+per-scheme predictions from a sparsity profile (for the ``auto`` planner).
+
+Time of one rank with full-duplex links: ``α·max(msgs_sent, msgs_recv) + max(bytes_sent, bytes_recv)/B``
+(every message pays the latency ``α`` once; a rank sends and receives at the same time). A sync takes
+as long as its slowest rank, so schemes are compared on the maximum over ranks — which is where an
+imbalanced partition (Sparse PS, OmniReduce) pays.
+
+The paper's closed forms (ZEN §2.3, COO with one word per index and per value, bandwidth ``b``):
+
+* Eq. 1, Balanced Parallelism: ``T_bp = (n−1)/n · (γⁿ + 1) · 2·M·d / b``;
+* Eq. 2, Hierarchical Centralization: ``T_hc = Σ_{i=1}^{log2 n} γ^{2^(i−1)} · 2·M·d / b``.
+
+The predictors below instead mirror each scheme's wire format and the Communicator's byte model
+(counts, headers, index widths, the COO/bitmap/dense pull choice, SparCML's dense switch and folding),
+and return predicted ``CommStats`` per rank, so a prediction and a SimWorld measurement go through the
+same time formula and can be compared one to one (``tests/unit/test_planner.py``).
+
+A ``SparsityProfile`` holds what they need, gathered from all ranks: exact per-rank entry counts per
+server for each partition pattern, and hash-sampled index sets from which unions of any group of ranks
+are estimated (sampling by h0 keeps the overlap structure: an index is in every rank's sample or in
+none).
+
+Legend: ``_P`` per server/rank, ``M`` dense elements, ``W`` row width, ``e`` bytes of one COO entry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from ..comm.base import CommStats
+from ..core.hashing import HashPartitioner, contiguous_partition_of
+from ..core.types import SparseGrad, index_dtype
+from ..core.zen import _HEADER_BYTES, _FMT_BITMAP, _FMT_COO, _FMT_DENSE, pull_costs
+
+_COUNT_BYTES = 8  # the Communicator's int64 size/count per peer (comm/base.py)
+BLOCK_SIZE = 256
+
+
+# --- networks and measured time ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Network:
+    """A uniform full-duplex network: ``bandwidth_gbps`` per link and direction, ``latency_us`` per message."""
+
+    bandwidth_gbps: float = 10.0
+    latency_us: float = 50.0
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth_gbps > 0:
+            raise ValueError(f"zen.bandwidth_gbps ({self.bandwidth_gbps!r}) must be > 0")
+        if not self.latency_us >= 0:
+            raise ValueError(f"zen.latency_us ({self.latency_us!r}) must be >= 0")
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.bandwidth_gbps * 1e9 / 8
+
+    @property
+    def alpha_s(self) -> float:
+        return self.latency_us * 1e-6
+
+
+def rank_time_s(stats: CommStats, net: Network) -> float:
+    """``α·max(msgs_sent, msgs_recv) + max(bytes_sent, bytes_recv)/B`` for one rank."""
+    return (net.alpha_s * max(stats.msgs_sent, stats.msgs_recv)
+            + max(stats.bytes_sent, stats.bytes_recv) / net.bytes_per_s)
+
+
+def modeled_time_s(stats: Sequence[CommStats], net: Network) -> float:
+    """Time of a sync: the slowest rank's ``rank_time_s``."""
+    return max((rank_time_s(s, net) for s in stats), default=0.0)
+
+
+# --- the paper's closed forms --------------------------------------------------------------------
+def eq1_balanced_parallelism_s(n: int, numel: int, density: float, gamma_n: float, bandwidth_gbps: float,
+                               word_bytes: int = 4) -> float:
+    """Paper Eq. 1: ``(n−1)/n · (γⁿ + 1) · 2·M·d / b`` (COO: one word per index and per value)."""
+    return (n - 1) / n * (gamma_n + 1) * 2 * numel * density * word_bytes / (bandwidth_gbps * 1e9 / 8)
+
+
+def eq2_hierarchical_centralization_s(n: int, numel: int, density: float, gammas: dict[int, float],
+                                      bandwidth_gbps: float, word_bytes: int = 4) -> float:
+    """Paper Eq. 2: ``Σ_{i=1}^{log2 n} γ^{2^(i−1)} · 2·M·d / b``; ``gammas[k]`` is ``γ^k`` (``γ¹ = 1``)."""
+    rounds = int(math.log2(n)) if n > 1 else 0
+    total = sum(gammas.get(1 << i, 1.0 if i == 0 else float("nan")) for i in range(rounds))
+    return total * 2 * numel * density * word_bytes / (bandwidth_gbps * 1e9 / 8)
+
+
+def prefers_balanced_parallelism(n: int, gammas: dict[int, float]) -> bool:
+    """The paper's selection rule: Balanced Parallelism iff ``Σ γ^{2^(i−1)} > (n−1)/n·(γⁿ + 1)``."""
+    rounds = int(math.log2(n)) if n > 1 else 0
+    lhs = sum(gammas.get(1 << i, 1.0) for i in range(rounds))
+    return lhs > (n - 1) / n * (gammas.get(n, 1.0) + 1)
+
+
+# --- sparsity profiles -----------------------------------------------------------------------------
+@dataclass
+class LocalProfile:
+    """One rank's contribution to a ``SparsityProfile`` (small: 3·n counts and two bounded samples)."""
+
+    raw_nnz: int
+    unique_nnz: int
+    hash_counts: list[int]
+    range_counts: list[int]
+    block_counts: list[int]
+    sample: torch.Tensor
+    block_sample: torch.Tensor
+
+
+@dataclass
+class SparsityProfile:
+    """What the predictors need about one slice on ``n`` ranks (identical on every rank).
+
+    ``sample_parts`` ``S``: the samples keep the indices that h0 (with ``S`` partitions) maps to
+    partition 0, i.e. a ``1/S`` fraction; ``S = 1`` means exact.
+    """
+
+    numel: int
+    row_width: int
+    value_bytes: int
+    seed: int
+    locals: list[LocalProfile]
+    sample_parts: int
+    block_sample_parts: int
+    block_size: int = BLOCK_SIZE
+    _union_cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def n(self) -> int:
+        return len(self.locals)
+
+    @property
+    def index_bytes(self) -> int:
+        return torch.empty(0, dtype=index_dtype(self.numel)).element_size()
+
+    @property
+    def entry_bytes(self) -> int:
+        return self.index_bytes + self.row_width * self.value_bytes
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.numel * self.row_width // self.block_size)
+
+    def density(self) -> float:
+        """Mean per-rank density ``d_G``."""
+        return sum(p.unique_nnz for p in self.locals) / self.n / self.numel
+
+    def union(self, ranks: Sequence[int], blocks: bool = False) -> float:
+        """Estimated number of distinct indices (or non-zero blocks) over ``ranks``."""
+        ranks = tuple(sorted(ranks))
+        if len(ranks) == 1:
+            p = self.locals[ranks[0]]
+            return float(sum(p.block_counts)) if blocks else float(p.unique_nnz)
+        key = (ranks, blocks)
+        if key not in self._union_cache:
+            samples = [self.locals[r].block_sample if blocks else self.locals[r].sample for r in ranks]
+            parts = self.block_sample_parts if blocks else self.sample_parts
+            self._union_cache[key] = torch.unique(torch.cat(samples)).numel() * float(parts)
+        return self._union_cache[key]
+
+    def gamma(self, k: int) -> float:
+        """``γ^k``: mean over the aligned groups of ``k`` ranks of union / mean member size (Def. 4)."""
+        vals = []
+        for s in range(0, self.n - k + 1, k):
+            group = range(s, s + k)
+            mean = sum(self.locals[r].unique_nnz for r in group) / k
+            if mean:
+                vals.append(self.union(group) / mean)
+        return sum(vals) / len(vals) if vals else 1.0
+
+    def gammas(self) -> dict[int, float]:
+        ks = sorted({1 << i for i in range(self.n.bit_length()) if 1 << i <= self.n} | {self.n})
+        return {k: self.gamma(k) for k in ks}
+
+    def union_per_range(self, blocks: bool = False) -> list[float]:
+        """Estimated distinct indices (blocks) of the union falling into each contiguous range."""
+        samples = [p.block_sample if blocks else p.sample for p in self.locals]
+        space = self.num_blocks if blocks else self.numel
+        parts = self.block_sample_parts if blocks else self.sample_parts
+        union = torch.unique(torch.cat(samples))
+        counts = torch.bincount(contiguous_partition_of(union, space, self.n), minlength=self.n)
+        return [float(c) * parts for c in counts.tolist()]
+
+
+def local_profile(indices: torch.Tensor, numel: int, row_width: int, n: int, seed: int, sample_parts: int,
+                  block_sample_parts: int, block_size: int = BLOCK_SIZE) -> LocalProfile:
+    """This rank's ``LocalProfile`` for ``n`` ranks from its gradient's indices (rows in row form).
+
+    The sample rates must be agreed beforehand (``sample_parts_for`` of the largest count).
+    """
+    idx = indices.cpu()
+    uniq = torch.unique(idx)
+    hash_counts = torch.bincount(HashPartitioner(numel, n, seed).partition_of(idx), minlength=n)
+    range_counts = torch.bincount(contiguous_partition_of(idx, numel, n), minlength=n)
+    blocks = _block_ids(uniq, row_width, block_size)
+    num_blocks = -(-numel * row_width // block_size)
+    block_counts = torch.bincount(contiguous_partition_of(blocks, num_blocks, n), minlength=n)
+    return LocalProfile(
+        raw_nnz=idx.numel(), unique_nnz=uniq.numel(), hash_counts=hash_counts.tolist(),
+        range_counts=range_counts.tolist(), block_counts=block_counts.tolist(),
+        sample=_sample(uniq, numel, sample_parts, seed),
+        block_sample=_sample(blocks, num_blocks, block_sample_parts, seed),
+    )
+
+
+def sample_parts_for(max_count: int, budget: int) -> int:
+    """``S`` so that a ``1/S`` sample of ``max_count`` indices has about ``budget`` entries (≥ 1)."""
+    return max(1, -(-max_count // max(1, budget)))
+
+
+def profile_from_grads(grads: Sequence[SparseGrad], seed: int = 0, sample_budget: int = 4096,
+                       block_size: int = BLOCK_SIZE) -> SparsityProfile:
+    """A ``SparsityProfile`` computed in one process from every rank's gradient (simulations, tests)."""
+    n = len(grads)
+    first = grads[0]
+    uniq_max = max(torch.unique(g.indices).numel() for g in grads)
+    blocks_max = max(_block_ids(torch.unique(g.indices), g.row_width, block_size).numel() for g in grads)
+    s, sb = sample_parts_for(uniq_max, sample_budget), sample_parts_for(blocks_max, sample_budget)
+    return SparsityProfile(
+        numel=first.numel, row_width=first.row_width, value_bytes=first.values.element_size(), seed=seed,
+        locals=[local_profile(g.indices, g.numel, g.row_width, n, seed, s, sb, block_size) for g in grads],
+        sample_parts=s,
+        block_sample_parts=sb, block_size=block_size,
+    )
+
+
+def _block_ids(uniq: torch.Tensor, row_width: int, block_size: int) -> torch.Tensor:
+    if row_width == 1:
+        return torch.unique(uniq // block_size)
+    first, last = uniq * row_width // block_size, (uniq * row_width + row_width - 1) // block_size
+    if bool((first == last).all()):
+        return torch.unique(first)
+    span = int((last - first).max()) + 1
+    ids = first.unsqueeze(1) + torch.arange(span)
+    return torch.unique(ids[ids <= last.unsqueeze(1)])
+
+
+def _sample(idx: torch.Tensor, numel: int, parts: int, seed: int) -> torch.Tensor:
+    if parts == 1 or idx.numel() == 0:
+        return idx.clone()
+    return idx[HashPartitioner(numel, parts, seed + 7919).partition_of(idx) == 0]
+
+
+# --- predicted traffic per scheme ----------------------------------------------------------------
+class _Traffic:
+    """Predicted ``CommStats`` of every rank, built with the Communicator's byte model (comm/base.py)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.stats = [CommStats() for _ in range(n)]
+
+    def exchange_v(self, nbytes: Callable[[int, int], float]) -> None:
+        """``nbytes(src, dst)``: payload bytes from ``src`` to ``dst``; counts go to every peer."""
+        n = self.n
+        for r in range(n):
+            s = self.stats[r]
+            s.bytes_sent += (n - 1) * _COUNT_BYTES
+            s.bytes_recv += (n - 1) * _COUNT_BYTES
+            s.msgs_sent += n - 1
+            s.msgs_recv += n - 1
+            for j in range(n):
+                if j == r:
+                    continue
+                out, inn = nbytes(r, j), nbytes(j, r)
+                s.bytes_sent += out
+                s.msgs_sent += out > 0
+                s.bytes_recv += inn
+                s.msgs_recv += inn > 0
+
+    def all_gather_v(self, nbytes: Callable[[int], float]) -> None:
+        n = self.n
+        sizes = [nbytes(r) for r in range(n)]
+        for r in range(n):
+            s = self.stats[r]
+            s.bytes_sent += (n - 1) * (_COUNT_BYTES + sizes[r])
+            s.msgs_sent += (n - 1) * (1 + (sizes[r] > 0))
+            s.bytes_recv += (n - 1) * _COUNT_BYTES + sum(sizes) - sizes[r]
+            s.msgs_recv += (n - 1) + sum(1 for j in range(n) if j != r and sizes[j] > 0)
+
+    def all_reduce(self, nbytes: int) -> None:
+        n = self.n
+        if n > 1:
+            ring = 2 * (n - 1) * nbytes // n
+            for s in self.stats:
+                s.bytes_sent += ring
+                s.bytes_recv += ring
+                s.msgs_sent += 2 * (n - 1)
+                s.msgs_recv += 2 * (n - 1)
+
+
+def _predict_dense(p: SparsityProfile, opts: dict) -> _Traffic:
+    tr = _Traffic(p.n)
+    tr.all_reduce(p.numel * p.row_width * p.value_bytes)
+    return tr
+
+
+def _predict_agsparse(p: SparsityProfile, opts: dict) -> _Traffic:
+    tr = _Traffic(p.n)
+    tr.all_gather_v(lambda r: p.locals[r].raw_nnz * p.entry_bytes)
+    return tr
+
+
+def _predict_zen(p: SparsityProfile, opts: dict) -> _Traffic:
+    n, tr = p.n, _Traffic(p.n)
+    tr.exchange_v(lambda i, j: p.locals[i].hash_counts[j] * p.entry_bytes)
+    # Pull: h0 balances the union, so each server holds ~|U|/n (exact per server when unsampled).
+    if p.sample_parts == 1:
+        union = torch.unique(torch.cat([q.sample for q in p.locals]))
+        per_server = torch.bincount(HashPartitioner(p.numel, n, p.seed).partition_of(union), minlength=n).tolist()
+    else:
+        per_server = [p.union(range(n)) / n] * n
+    fmt = opts.get("pull_format", "auto")
+    vsz = p.row_width * p.value_bytes
+
+    def body(i: int) -> float:
+        part = max(0, (p.numel - i + n - 1) // n)
+        costs = pull_costs(int(round(per_server[i])), part, p.index_bytes, vsz)
+        if fmt == "auto":
+            return min(costs.values())
+        return costs[{"coo": _FMT_COO, "bitmap": _FMT_BITMAP, "dense": _FMT_DENSE}[fmt]]
+
+    tr.all_gather_v(lambda i: _HEADER_BYTES + body(i))
+    return tr
+
+
+def _predict_zen_coo(p: SparsityProfile, opts: dict) -> _Traffic:
+    return _predict_zen(p, {**opts, "pull_format": "coo"})
+
+
+def _predict_range_ps(p: SparsityProfile, counts: Callable[[int, int], int], union_per_range: list[float],
+                      entry_bytes: float) -> _Traffic:
+    tr = _Traffic(p.n)
+    tr.exchange_v(lambda i, j: counts(i, j) * entry_bytes)
+    tr.all_gather_v(lambda j: union_per_range[j] * entry_bytes)
+    return tr
+
+
+def _predict_sparse_ps(p: SparsityProfile, opts: dict) -> _Traffic:
+    return _predict_range_ps(p, lambda i, j: p.locals[i].range_counts[j], p.union_per_range(), p.entry_bytes)
+
+
+def _predict_omnireduce(p: SparsityProfile, opts: dict) -> _Traffic:
+    block_size = opts.get("block_size", p.block_size)
+    if block_size != p.block_size:
+        raise ValueError(f"omnireduce block_size ({block_size}) must equal the profile's ({p.block_size})")
+    idx_bytes = torch.empty(0, dtype=index_dtype(p.num_blocks)).element_size()
+    return _predict_range_ps(p, lambda i, j: p.locals[i].block_counts[j], p.union_per_range(blocks=True),
+                             idx_bytes + block_size * p.value_bytes)
+
+
+def _predict_sparcml(p: SparsityProfile, opts: dict) -> _Traffic:
+    n, tr = p.n, _Traffic(p.n)
+    dense_bytes = p.numel * p.row_width * p.value_bytes
+
+    def stream_bytes(group: Sequence[int]) -> float:
+        coo = p.union(group) * p.entry_bytes
+        return dense_bytes if coo >= dense_bytes else coo
+
+    def step(pairs: dict[int, tuple[int, Sequence[int]]]) -> None:
+        # pairs[src] = (dst, group whose aggregate src sends)
+        sizes = {src: stream_bytes(g) for src, (_, g) in pairs.items()}
+        tr.exchange_v(lambda i, j: sizes[i] if i in pairs and pairs[i][0] == j else 0.0)
+
+    p2 = 1 << (n.bit_length() - 1)
+    rem = n - p2
+    groups = {r: (r,) for r in range(n)}
+    if rem:
+        step({r: (r + 1, groups[r]) for r in range(0, 2 * rem, 2)})
+        for r in range(1, 2 * rem, 2):
+            groups[r] = (r - 1, r)
+    real = [2 * v + 1 if v < rem else v + rem for v in range(p2)]
+    mask = 1
+    while mask < p2:
+        step({real[v]: (real[v ^ mask], groups[real[v]]) for v in range(p2)})
+        groups = {**groups, **{real[v]: tuple(sorted(groups[real[v]] + groups[real[v ^ mask]])) for v in range(p2)}}
+        mask <<= 1
+    if rem:
+        step({r: (r - 1, tuple(range(n))) for r in range(1, 2 * rem, 2)})
+    return tr
+
+
+PREDICTORS: dict[str, Callable[[SparsityProfile, dict], _Traffic]] = {
+    "dense": _predict_dense,
+    "zen": _predict_zen,
+    "zen_coo": _predict_zen_coo,
+    "agsparse": _predict_agsparse,
+    "sparse_ps": _predict_sparse_ps,
+    "omnireduce": _predict_omnireduce,
+    "sparcml": _predict_sparcml,
+}
+
+
+def predict_stats(scheme: str, profile: SparsityProfile, options: dict | None = None) -> list[CommStats]:
+    """Predicted per-rank ``CommStats`` of ``scheme`` (built with ``options``) on ``profile``.
+
+    Raises:
+        ValueError: no predictor for ``scheme`` (lists the ones there are).
+    """
+    if scheme not in PREDICTORS:
+        raise ValueError(f"cost model scheme ({scheme!r}) must be one of {sorted(PREDICTORS)}")
+    return PREDICTORS[scheme](profile, options or {}).stats
+
+
+def predict_time_s(scheme: str, profile: SparsityProfile, net: Network, options: dict | None = None) -> float:
+    """``modeled_time_s`` of the predicted traffic."""
+    return modeled_time_s(predict_stats(scheme, profile, options), net)

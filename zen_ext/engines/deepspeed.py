@@ -1,0 +1,437 @@
+"""DeepSpeed integration: ``initialize`` = ``deepspeed.initialize`` + ZEN attached to the engine.
+
+DeepSpeed has no gradient-reduction hook, so ``attach`` replaces, on the engine instance only, the
+method that all-reduces one flat gradient bucket (shared/research/engines.md A1.4):
+
+=============================  ===================================================  =================
+ZeRO stage                     overridden instance method                           checked on
+=============================  ===================================================  =================
+0 (fp32, fp16, bf16, AutoTP,   ``engine.allreduce_bucket(bucket, dp_group,          deepspeed 0.19.8
+BF16_Optimizer)                dp_world_size)``
+1, 2                           ``engine.optimizer.gradient_reduction_w_predivide(   deepspeed 0.19.8
+                               tensor, communication_data_type)``, with
+                               ``zero_optimization.reduce_scatter`` forced false
+                               and ``contiguous_gradients`` true
+=============================  ===================================================  =================
+
+Both overrides keep DeepSpeed's semantics: values travel in ``communication_data_type``, the result is
+the data-parallel mean (or sum with ``gradient_allreduce_op: "sum"``), and groups other than the
+data-parallel one (MoE expert groups) go to the original method. ``engine.step`` is wrapped to end
+the Synchronizer's step and write statistics; ``save_checkpoint`` / ``load_checkpoint`` are wrapped
+to store each rank's ZEN state (DGC residuals differ per rank) in ``<dir>/<tag>/zen_ext/``.
+After every optimizer step the wrapper checks that the override ran, so a DeepSpeed release that
+moves the reduction fails loudly instead of silently training with the wrong gradients.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+import logging
+import os
+import time
+
+import torch
+
+from ..comm.torch_dist import TorchCommunicator
+from ..compress import classify_parameters
+from ..config import ZenConfig, check_deepspeed_settings, load_json_config
+from ..core.synchronizer import Synchronizer
+from ._buckets import BucketReducer, NodeShardedReduce, hierarchy_applies, locate_slices, node_layout
+from .stats import StepStats, summarize
+
+log = logging.getLogger(__name__)
+
+VERIFIED_DEEPSPEED = ("0.19.8", "0.19.8")
+"""The DeepSpeed releases the overrides were verified on (inclusive)."""
+ALLOW_UNVERIFIED_ENV = "ZEN_EXT_ALLOW_UNVERIFIED_DEEPSPEED"
+STATE_DIRNAME = "zen_ext"
+
+_original_initialize = None
+
+
+# --- public entry points --------------------------------------------------------------------------------
+def check_deepspeed_version(version: str | None = None) -> str:
+    """Raise RuntimeError unless DeepSpeed's version is in ``VERIFIED_DEEPSPEED`` (or the override
+    environment variable is set). Returns the version."""
+    if version is None:
+        import deepspeed
+
+        version = deepspeed.__version__
+    from packaging.version import Version
+
+    lo, hi = VERIFIED_DEEPSPEED
+    if not Version(lo) <= Version(version.split("+")[0]) <= Version(hi):
+        msg = (f"zen_ext overrides private DeepSpeed methods verified on deepspeed {lo}..{hi}, found "
+               f"{version}; install deepspeed=={hi} (launch/setup.sh), or set {ALLOW_UNVERIFIED_ENV}=1 to try "
+               f"anyway (tests/e2e/test_deepspeed_engine.py checks that the override is still called)")
+        if os.environ.get(ALLOW_UNVERIFIED_ENV) != "1":
+            raise RuntimeError(msg)
+        log.warning(msg)
+    return version
+
+
+def initialize(*args, **kwargs):
+    """``deepspeed.initialize`` with ZEN attached when the config has an enabled ``"zen"`` section.
+
+    Same arguments and return value as ``deepspeed.initialize``: ``(engine, optimizer,
+    training_dataloader, lr_scheduler)``; the attachment is ``engine.zen``.
+
+    1. Find the config (``config``, ``config_params`` or ``args.deepspeed_config``) and validate its
+       ``"zen"`` section and the engine settings it needs.
+    2. Rewrite the ZeRO settings the override relies on (ZeRO-1/2: ``reduce_scatter`` false,
+       ``contiguous_gradients`` true) in a copy of the config.
+    3. Call DeepSpeed, then ``attach``.
+    """
+    orig = _original_initialize or _deepspeed_initialize()
+    bound = inspect.signature(orig).bind(*args, **kwargs)
+    a = bound.arguments
+    # Step 1: the config and its "zen" section.
+    ds_args = a.get("args")
+    source = a.get("config") if a.get("config") is not None else a.get("config_params")
+    if source is None and getattr(ds_args, "deepspeed_config", None) is not None:
+        source = ds_args.deepspeed_config
+    if source is None:
+        return orig(*bound.args, **bound.kwargs)
+    ds_config = copy.deepcopy(load_json_config(source))
+    cfg = ZenConfig.from_ds_config(ds_config)
+    if not cfg.enabled:
+        return orig(*bound.args, **bound.kwargs)
+    check_deepspeed_version()
+    _refuse_pipeline_model(a.get("model"))
+    # Step 2: the ZeRO settings the override needs.
+    _rewrite_zero_settings(ds_config)
+    a["config"] = ds_config
+    a.pop("config_params", None)
+    if ds_args is not None and getattr(ds_args, "deepspeed_config", None) is not None:
+        a["args"] = copy.copy(ds_args)
+        a["args"].deepspeed_config = None
+    # Step 3: DeepSpeed, then ZEN.
+    result = orig(*bound.args, **bound.kwargs)
+    attach(result[0], cfg)
+    return result
+
+
+def enable() -> None:
+    """Make plain ``deepspeed.initialize`` attach ZEN (one line for HF Trainer / Accelerate users).
+
+    Example::
+
+        >>> import zen_ext.deepspeed; zen_ext.deepspeed.enable()  # doctest: +SKIP
+        >>> TrainingArguments(..., deepspeed="ds_config.json")  # a "zen" section in it now applies
+    """
+    import deepspeed
+
+    global _original_initialize
+    if _original_initialize is None:
+        _original_initialize = deepspeed.initialize
+    deepspeed.initialize = _patched_initialize
+
+
+def disable() -> None:
+    """Undo ``enable``."""
+    import deepspeed
+
+    global _original_initialize
+    if _original_initialize is not None:
+        deepspeed.initialize = _original_initialize
+        _original_initialize = None
+
+
+@functools.wraps(initialize)
+def _patched_initialize(*args, **kwargs):
+    return initialize(*args, **kwargs)
+
+
+def _deepspeed_initialize():
+    import deepspeed
+
+    return deepspeed.initialize
+
+
+def attach(engine, cfg: "ZenConfig | dict") -> "ZenDeepSpeed":
+    """Attach ZEN to an initialized DeepSpeed engine; returns the attachment (also ``engine.zen``).
+
+    Raises:
+        NotImplementedError: ZeRO-3, pipeline or sequence parallelism, MoE, or ZeRO-1/2 without the
+            settings ``initialize`` writes (``reduce_scatter: false``).
+    """
+    if isinstance(cfg, dict):
+        cfg = ZenConfig.from_dict(cfg)
+    check_deepspeed_version()
+    if getattr(engine, "zen", None) is not None:
+        raise RuntimeError("zen: this engine already has ZEN attached")
+    engine.zen = ZenDeepSpeed(engine, cfg)
+    return engine.zen
+
+
+# --- the attachment -------------------------------------------------------------------------------------
+class ZenDeepSpeed:
+    """ZEN attached to one DeepSpeed engine: the Synchronizer, the overrides, statistics, checkpoints.
+
+    Args:
+        engine: the ``DeepSpeedEngine``.
+        cfg: the validated ``"zen"`` section.
+    """
+
+    def __init__(self, engine, cfg: ZenConfig) -> None:
+        import torch.distributed as dist
+        from deepspeed.utils import groups
+
+        self.engine, self.cfg = engine, cfg
+        # Step 1: refuse what the overrides cannot serve.
+        self.stage = engine.zero_optimization_stage()
+        check_deepspeed_settings({"zero_optimization": {"stage": self.stage},
+                                  "sequence_parallel_size": getattr(engine, "sequence_parallel_size", 1)})
+        if getattr(engine, "pipeline_parallelism", False):
+            _refuse_pipeline_model(engine.module, force=True)
+        if getattr(engine, "has_moe_layers", False):
+            raise NotImplementedError("zen supports dense models (data and AutoTP tensor parallelism), not MoE "
+                                      "expert parallelism")
+        if self.stage in (1, 2) and getattr(engine.optimizer, "reduce_scatter", False):
+            raise NotImplementedError(
+                "zen with ZeRO-1/2 needs zero_optimization.reduce_scatter = false (ZEN reduces the whole bucket "
+                "itself); build the engine with zen_ext.deepspeed.initialize, or zen_ext.deepspeed.enable(), "
+                "which set it")
+        if (self.stage == 2 and cfg.dgc.enabled and engine.gradient_accumulation_steps() > 1):
+            raise NotImplementedError(
+                "zen with DGC supports ZeRO-2 only with gradient_accumulation_steps = 1: ZeRO-2 reduces every "
+                "micro-batch, and DGC's momentum correction must run once per optimizer step; use ZeRO-1 "
+                "(reduces once per step) or ZeRO-0")
+        self.rank = dist.get_rank()
+        self.op = "mean" if engine.gradient_average else "sum"
+
+        # Step 2: groups. ZEN runs over the data-parallel group; DGC agrees thresholds over the TP group.
+        self.dp_group = engine.seq_data_parallel_group if self.stage == 0 else engine.optimizer.dp_process_group
+        self.dp_ranks = dist.get_process_group_ranks(self.dp_group)
+        tp_size = engine.autotp_size() if hasattr(engine, "autotp_size") else 1
+        self.tp_comm = (TorchCommunicator(groups.get_tensor_model_parallel_group(), cfg.exchange_impl)
+                        if tp_size and tp_size > 1 else None)
+        node = self._maybe_node_sharding(dist)
+        sync_comm = TorchCommunicator(self._inter_group if node else self.dp_group, cfg.exchange_impl)
+
+        # Step 3: the Synchronizer, routing each parameter by kind.
+        self.names = {id(p): n for n, p in engine.module.named_parameters()}
+        kinds = classify_parameters(engine.module, natural=cfg.natural_options(), dgc=cfg.dgc_options(),
+                                    log=self.rank == 0)
+        self.sync = Synchronizer(dp_comm=sync_comm, scheme=cfg.build_scheme(), param_kinds=kinds,
+                                 dgc=cfg.dgc_options(), natural=cfg.natural_options(), tp_comm=self.tp_comm)
+        from deepspeed.runtime.utils import is_model_parallel_parameter
+
+        tp_shared = frozenset(n for n, p in engine.module.named_parameters()
+                              if kinds.get(n) == "natural" and p.dim() == 2 and not is_model_parallel_parameter(p))
+        guard = TorchCommunicator(None) if engine.fp16_enabled() else None
+        self.reducer = BucketReducer(self.sync, cap_bytes=cfg.bucket_cap_bytes, dp_size=len(self.dp_ranks),
+                                     node=node, tp_comm=self.tp_comm, tp_shared=tp_shared, guard_comm=guard)
+        self.stats = StepStats(self.rank, cfg.stats.jsonl_path, getattr(engine, "monitor", None))
+        self.hierarchical = node is not None
+
+        # Step 4: install the overrides.
+        self._install()
+        if self.rank == 0:
+            log.info("zen: attached to DeepSpeed ZeRO-%d (dp=%d, tp=%d, hierarchical=%s, op=%s): %s", self.stage,
+                     len(self.dp_ranks), tp_size or 1, self.hierarchical, self.op, cfg.to_dict())
+
+    # --- groups -------------------------------------------------------------------------------------------
+    def _maybe_node_sharding(self, dist) -> NodeShardedReduce | None:
+        """Node-sharded (hierarchical) reduction when the DP group spans several multi-rank nodes."""
+        want = self.cfg.hierarchical
+        if want is False:
+            return None
+        local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or dist.get_world_size())
+        # Every rank must create every subgroup in the same order, so all DP groups are gathered first.
+        all_dp = sorted({tuple(g) for g in _all_gather_object(dist, tuple(self.dp_ranks))})
+        layouts = {g: node_layout(g, local_size) for g in all_dp}
+        if not all(hierarchy_applies(nodes) for nodes in layouts.values()):
+            if want is True:
+                raise ValueError(
+                    f"zen.hierarchical (True) must be false or \"auto\" here: the data-parallel group "
+                    f"{self.dp_ranks} does not span several nodes with several ranks each (local size {local_size})")
+            return None
+        mine = None
+        for g in all_dp:  # identical order on every rank
+            nodes = layouts[g]
+            for members in nodes:
+                grp = dist.new_group(members)
+                if self.rank in members:
+                    mine = (grp, members.index(self.rank), len(members))
+            for i in range(len(nodes[0])):
+                inter = [n[i] for n in nodes]
+                grp = dist.new_group(inter)
+                if self.rank in inter:
+                    self._inter_group = grp
+        return NodeShardedReduce(*mine)
+
+    # --- the overrides ------------------------------------------------------------------------------------
+    def _install(self) -> None:
+        eng = self.engine
+        self.override_calls = 0
+        self._calls_at_last_step = 0
+        if self.stage == 0:
+            self._orig_allreduce_bucket = eng.allreduce_bucket
+            eng.allreduce_bucket = self._allreduce_bucket
+        else:
+            self._orig_reduction = eng.optimizer.gradient_reduction_w_predivide
+            eng.optimizer.gradient_reduction_w_predivide = self._gradient_reduction_w_predivide
+        self._orig_step = eng.step
+        eng.step = self._step
+        self._orig_save, self._orig_load = eng.save_checkpoint, eng.load_checkpoint
+        eng.save_checkpoint, eng.load_checkpoint = self._save_checkpoint, self._load_checkpoint
+
+    def _is_dp_group(self, group) -> bool:
+        import torch.distributed as dist
+
+        return group is self.dp_group or (group is not None and dist.get_process_group_ranks(group) == self.dp_ranks)
+
+    def _allreduce_bucket(self, bucket, dp_group, dp_world_size=None):
+        """ZeRO-0: the engine's ``allreduce_bucket`` contract — flatten, reduce, return the flat tensor."""
+        if not self._is_dp_group(dp_group):
+            return self._orig_allreduce_bucket(bucket, dp_group, dp_world_size)
+        flat = self.engine.flatten(bucket)
+        slices = locate_slices(bucket, self._named_grads())
+        self._reduce(flat, slices, self.engine.communication_data_type)
+        return flat
+
+    def _gradient_reduction_w_predivide(self, tensor, communication_data_type):
+        """ZeRO-1/2: reduce the flat IPG bucket in place; return it in the communication dtype."""
+        if tensor.numel() == 0:
+            return tensor
+        opt = self.engine.optimizer
+        bucket = opt.ipg_buckets[communication_data_type]
+        named = [(self.names[id(opt.bit16_groups[i][j])], g) for (i, j, _), g in zip(bucket.params, bucket.grads)]
+        return self._reduce(tensor, locate_slices([tensor], named), communication_data_type)
+
+    def _reduce(self, flat, slices, comm_dtype) -> torch.Tensor:
+        """Reduce ``flat`` in place, with values travelling in ``comm_dtype``; returns the comm tensor."""
+        t0 = time.perf_counter()
+        self.override_calls += 1
+        work = flat if flat.dtype == comm_dtype else flat.to(comm_dtype)
+        self.reducer.reduce_(work, slices, self.op)
+        if work is not flat:
+            flat.copy_(work)
+        self.stats.add(reduce_s=time.perf_counter() - t0)
+        return work
+
+    def _named_grads(self):
+        """(name, gradient) of every parameter, where the bucket's tensors may live."""
+        opt = self.engine.optimizer
+        if hasattr(opt, "fp32_groups_gradients") and hasattr(opt, "bf16_groups"):
+            # BF16_Optimizer reduces its fp32 flat gradient buffers, one per param group.
+            return [(self.names[id(p)], g) for ps, gs in zip(opt.bf16_groups, opt.fp32_groups_gradients)
+                    for p, g in zip(ps, gs)]
+        return [(n, p.grad) for n, p in self.engine.module.named_parameters() if p.grad is not None]
+
+    # --- step, statistics ---------------------------------------------------------------------------------
+    def _step(self, *args, **kwargs):
+        eng = self.engine
+        boundary = eng.is_gradient_accumulation_boundary() or not eng.managed_gradient_accumulation()
+        out = self._orig_step(*args, **kwargs)
+        if boundary:
+            self.end_step()
+        return out
+
+    def end_step(self) -> dict:
+        """Close one optimizer step: check the override ran, advance the Synchronizer, write stats."""
+        if self.override_calls == self._calls_at_last_step:
+            import deepspeed
+
+            raise RuntimeError(
+                f"zen: DeepSpeed {deepspeed.__version__} did not call the ZEN gradient reduction during this "
+                f"optimizer step (ZeRO-{self.stage}); the override point moved, so gradients were not synchronized "
+                f"by ZEN. Supported: deepspeed {VERIFIED_DEEPSPEED[0]}..{VERIFIED_DEEPSPEED[1]}")
+        self._calls_at_last_step = self.override_calls
+        self.sync.end_step()
+        rec = self.reducer.pop_stats()
+        return self.stats.end_step(self.engine.global_steps, rec, getattr(self.engine, "global_samples", None))
+
+    def annotate(self, **values) -> None:
+        """Add fields (e.g. ``loss``) to the current step's statistics record."""
+        self.stats.annotate(**values)
+
+    @property
+    def totals(self) -> dict:
+        """This rank's totals so far (bytes_sent, dense_bytes, ...)."""
+        return dict(self.stats.totals)
+
+    def summary(self, print_it: bool | None = None) -> str:
+        """Gather every rank's totals (a collective: call it on all ranks) and return the summary text;
+        rank 0 prints it when ``zen.stats.summary`` is on."""
+        import torch.distributed as dist
+
+        totals = _all_gather_object(dist, self.stats.totals)
+        text = summarize(totals, self.stats.steps, self.stats.schemes, self.stats.losses,
+                         f"scheme={self.cfg.scheme} dgc={'on' if self.cfg.dgc.enabled else 'off'} "
+                         f"natural={'on' if self.cfg.natural.enabled else 'off'} ZeRO-{self.stage} "
+                         f"hierarchical={self.hierarchical}")
+        if (self.cfg.stats.summary if print_it is None else print_it) and self.rank == 0:
+            print(text, flush=True)
+        return text
+
+    def close(self) -> None:
+        self.stats.close()
+
+    # --- checkpoints --------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"sync": self.sync.state_dict(), "dp_size": len(self.dp_ranks), "rank": self.rank,
+                "config": self.cfg.to_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if sd.get("dp_size") != len(self.dp_ranks):
+            log.warning("zen: checkpoint was saved with dp_size %s, now %d: ZEN state (DGC residuals) starts fresh",
+                        sd.get("dp_size"), len(self.dp_ranks))
+            return
+        self.sync.load_state_dict(sd["sync"])
+
+    def _state_path(self, root: str, tag) -> str:
+        return os.path.join(root, str(tag), STATE_DIRNAME, f"rank{self.rank:05d}.pt")
+
+    def _save_checkpoint(self, save_dir, tag=None, *args, **kwargs):
+        if tag is None:  # DeepSpeed's default tag, resolved before it increments anything
+            tag = f"global_step{self.engine.global_steps}"
+        out = self._orig_save(save_dir, tag, *args, **kwargs)
+        path = self._state_path(save_dir, tag)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save(self.state_dict(), path)
+        return out
+
+    def _load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        load_path, client_state = self._orig_load(load_dir, tag, *args, **kwargs)
+        if load_path is None:
+            return load_path, client_state
+        if tag is None:
+            with open(os.path.join(load_dir, "latest")) as f:
+                tag = f.read().strip()
+        path = self._state_path(load_dir, tag)
+        if os.path.isfile(path):
+            self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        else:
+            log.warning("zen: no ZEN state at %s (a checkpoint without ZEN?): DGC residuals start fresh", path)
+        return load_path, client_state
+
+
+# --- helpers -------------------------------------------------------------------------------------------
+def _all_gather_object(dist, obj) -> list:
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _rewrite_zero_settings(ds_config: dict) -> None:
+    zero = ds_config.setdefault("zero_optimization", {})
+    if zero.get("stage", 0) in (1, 2):
+        for key, value in (("reduce_scatter", False), ("contiguous_gradients", True)):
+            if zero.get(key, None) not in (None, value):
+                log.warning("zen: setting zero_optimization.%s = %s (was %s): ZEN reduces whole buckets",
+                            key, value, zero[key])
+            zero[key] = value
+
+
+def _refuse_pipeline_model(model, force: bool = False) -> None:
+    try:
+        from deepspeed.pipe import PipelineModule
+    except ImportError:  # pragma: no cover
+        PipelineModule = ()
+    if force or isinstance(model, PipelineModule):
+        raise NotImplementedError("zen supports data parallelism and AutoTP tensor + data parallelism, not pipeline "
+                                  "parallelism (PipelineModule); remove \"zen\" or run without pipeline stages")
