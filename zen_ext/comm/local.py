@@ -43,6 +43,9 @@ def _worker(rank, world_size, port, fn, args, queue):
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
+    # os._exit skips the queue's feeder thread: flush it first, or a large result never arrives.
+    queue.close()
+    queue.join_thread()
     os._exit(code)
 
 
