@@ -209,3 +209,13 @@ def test_dense_gradient_costs_no_more_than_dense_all_reduce(n):
     overhead = (n - 1) * (8 + 8 + 16 + 4 * 8)  # counts, sizes, header, ring rounding slack
     for sz, sd in zip(wz.stats, wd.stats):
         assert sz.bytes_sent <= sd.bytes_sent + overhead
+
+
+def test_agreement_check_catches_different_seeds():
+    schemes = [build_scheme("zen", seed=1), build_scheme("zen", seed=2)]
+    with pytest.raises(RuntimeError, match="differs across ranks.*seed"):
+        SimWorld(2).run(lambda c: schemes[c.rank].check_agreement(c))
+    same = build_scheme("zen", seed=7)
+    world = SimWorld(3)
+    world.run(lambda c: same.check_agreement(c))
+    assert all(s.bytes_sent == 0 for s in world.stats)  # agreement traffic is not counted

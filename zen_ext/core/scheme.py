@@ -46,6 +46,19 @@ class SyncScheme(abc.ABC):
         """The constructor options this instance was built with (for agreement checks and logs)."""
         return {}
 
+    def check_agreement(self, comm: Communicator) -> None:
+        """Raise RuntimeError unless every rank of ``comm`` built this scheme with the same options.
+
+        A scheme's options (seed, formats) shape its collectives: ranks that disagree would exchange
+        garbage or hang, so they are compared explicitly once, before the first sync.
+        """
+        mine = (self.name, sorted(self.options().items()))
+        for rank, theirs in enumerate(comm.all_gather_object(mine)):
+            if theirs != mine:
+                raise RuntimeError(
+                    f"scheme configuration differs across ranks: rank {comm.rank} has {mine}, rank {rank} has {theirs}"
+                )
+
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{type(self).__name__}({opts})"
