@@ -219,3 +219,17 @@ def test_agreement_check_catches_different_seeds():
     world = SimWorld(3)
     world.run(lambda c: same.check_agreement(c))
     assert all(s.bytes_sent == 0 for s in world.stats)  # agreement traffic is not counted
+
+
+def test_reference_path_without_the_cpp_op(monkeypatch):
+    # The package must work (slower) when the compiled op is absent: same results, same bytes.
+    from zen_ext import ops
+
+    inputs = int_inputs(3, numel=3001, nnz=150, seed=5)
+    w_op, w_ref = SimWorld(3), SimWorld(3)
+    with_op = w_op.run(lambda c, x: build_scheme("zen").sync(c, x), inputs)
+    monkeypatch.setattr(ops, "HAVE_CPP_OP", False)
+    without = w_ref.run(lambda c, x: build_scheme("zen").sync(c, x), inputs)
+    for a, b in zip(with_op, without):
+        assert torch.equal(a, b)
+    assert [s.as_dict() for s in w_op.stats] == [s.as_dict() for s in w_ref.stats]
