@@ -1,0 +1,162 @@
+"""The ZEN DDP comm hook on real gloo processes: gradients equal DDP's own all-reduce (lossless path),
+DGC trains and keeps the replicas equal, state is keyed by name across DDP's bucket rebuild.
+
+Pattern of PyTorch's test_ddp_hooks.py: the same model and inputs with and without the hook.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multiproc.launch import run_workers
+
+VOCAB, WIDTH = 50, 8
+
+
+class TinyLM(torch.nn.Module):
+    """An untied embedding (naturally sparse gradient), a norm (1-D, dense) and a head (DGC-able)."""
+
+    def __init__(self, dtype=torch.float32) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(VOCAB, WIDTH)
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.head = torch.nn.Linear(WIDTH, VOCAB * 4)
+        self.to(dtype)
+
+    def forward(self, ids):
+        return self.head(self.norm(self.embed(ids))).float().logsumexp(-1).mean()
+
+
+def _tokens(step: int, rank: int, world: int) -> torch.Tensor:
+    """Adversarial batches: disjoint rows across ranks, identical rows, index 0 / last with duplicates."""
+    if step % 3 == 0:  # no overlap between ranks
+        return torch.arange(rank, VOCAB, world)[:6].view(2, 3)
+    if step % 3 == 1:  # full overlap
+        return torch.tensor([[3, 7, 11], [13, 17, 19]])
+    return torch.tensor([[0, VOCAB - 1, 0], [VOCAB - 1, rank, rank]])  # first / last row, duplicates
+
+
+def _train(ddp, steps: int, rank: int, world: int, lr: float = 0.5):
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr)
+    grads, losses = [], []
+    for step in range(steps):
+        loss = ddp(_tokens(step, rank, world))
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in ddp.module.named_parameters()})
+        losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return grads, losses
+
+
+def _hook_vs_plain(rank, world, dtype, zen):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zen_ext.engines.ddp import register_zen_hook
+
+    # A tiny bucket cap gives several buckets, and DDP rebuilds them after the first iteration.
+    cap = 0.002
+    plain = DDP(TinyLM(dtype), bucket_cap_mb=cap)
+    ref_grads, ref_losses = _train(plain, 4, rank, world)
+    hooked = DDP(TinyLM(dtype), bucket_cap_mb=cap)
+    state = register_zen_hook(hooked, zen)
+    grads, losses = _train(hooked, 4, rank, world)
+    layouts = len(state._layouts)
+    kinds = dict(state.sync.param_kinds)
+    return ref_grads, ref_losses, grads, losses, state.hook_calls, state.step, layouts, kinds
+
+
+@pytest.mark.parametrize("world, dtype", [(2, torch.float32), (3, torch.bfloat16)])
+def test_hook_gradients_equal_ddp_allreduce(world, dtype):
+    zen = {"scheme": "zen", "natural": {"enabled": True}}
+    out = run_workers(_hook_vs_plain, world, dtype, zen)
+    for rank, (ref_grads, ref_losses, grads, losses, calls, steps, layouts, kinds) in enumerate(out):
+        assert kinds == {"embed.weight": "natural", "norm.weight": "dense", "norm.bias": "dense",
+                         "head.weight": "dense", "head.bias": "dense"}
+        assert steps == 4 and calls > steps  # several buckets per step once DDP rebuilt them
+        assert layouts >= 2  # the first-iteration buckets and the rebuilt ones
+        for step, (ref, got) in enumerate(zip(ref_grads, grads)):
+            for name in ref:
+                if world == 2 and dtype == torch.float32:
+                    # (a + b) / 2 == a/2 + b/2 exactly: the lossless path must be bitwise equal.
+                    assert torch.equal(got[name], ref[name]), (rank, step, name)
+                else:  # summation order differs with 3 ranks; bf16 sums in fp32 on the ZEN servers
+                    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else {}
+                    torch.testing.assert_close(got[name], ref[name], **tol, msg=f"{rank} {step} {name}")
+        if world == 2:
+            assert losses == ref_losses
+
+
+def _dgc_trains(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zen_ext.engines.ddp import ZenHookState, register_zen_hook
+
+    ddp = DDP(TinyLM(), bucket_cap_mb=0.002)
+    state = register_zen_hook(ddp, {"dgc": {"enabled": True, "density": 0.1, "min_numel": 64}})
+    _, losses = _train(ddp, 12, rank, world, lr=0.5)
+    params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    sd = state.state_dict()
+    # A fresh state restored from the checkpoint holds the same residuals, keyed by parameter name.
+    other = ZenHookState.build(TinyLM(), {"dgc": {"enabled": True, "density": 0.1, "min_numel": 64}})
+    other.load_state_dict(sd)
+    restored = other.state_dict()
+    return losses, params, sd, restored, dict(state.sync.param_kinds), state.stats.totals
+
+
+def test_dgc_hook_trains_and_keeps_replicas_equal():
+    out = run_workers(_dgc_trains, 2)
+    (losses0, params0, sd0, restored0, kinds, totals), (losses1, params1, *_rest) = out
+    assert kinds["head.weight"] == "dgc" and kinds["embed.weight"] == "natural"
+    # DGC's result is the same on every rank, so the replicas stay bitwise equal.
+    for name in params0:
+        assert torch.equal(params0[name], params1[name]), name
+    assert sum(losses0[-3:]) < sum(losses0[:3])  # it trains
+    residuals = sd0["sync"]["sparsifiers"]
+    assert "head.weight" in str(residuals)  # keyed by name, not by bucket index
+    assert sd0["step"] == restored0["step"] == 12
+    assert str(sd0["sync"]) == str(restored0["sync"])
+    assert totals["bytes_sent"] > 0 and totals["bytes_sent"] < totals["dense_bytes"]
+
+
+def _world_of_one(rank, world):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zen_ext.engines.ddp import register_zen_hook
+
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    ddp = DDP(TinyLM(), process_group=groups[rank])
+    state = register_zen_hook(ddp, {"dgc": {"enabled": False}})
+    local = TinyLM()
+    local(_tokens(2, rank, world)).backward()
+    ddp(_tokens(2, rank, world)).backward()
+    equal = all(torch.equal(p.grad, q.grad) for p, q in zip(ddp.module.parameters(), local.parameters()))
+    try:
+        register_zen_hook(DDP(TinyLM(), process_group=groups[rank]), {"enabled": False})
+        disabled_error = None
+    except ValueError as exc:
+        disabled_error = str(exc)
+    return equal, state.dp_size, disabled_error
+
+
+def test_hook_on_a_data_parallel_group_of_one():
+    for equal, dp_size, disabled_error in run_workers(_world_of_one, 2):
+        assert equal and dp_size == 1
+        assert disabled_error == ("zen.enabled (False) must be true to register the ZEN hook; skip the call to "
+                                  "keep DDP's all-reduce")
+
+
+def test_register_errors_without_processes():
+    from zen_ext.engines.ddp import ZenHookState, register_zen_hook
+
+    with pytest.raises(TypeError, match=r"^register_zen_hook needs a torch.nn.parallel.DistributedDataParallel, "
+                                        r"got TinyLM$"):
+        register_zen_hook(TinyLM())
+    with pytest.raises(NotImplementedError, match=r"^zen.hierarchical \(True\) must be false or \"auto\" with the "
+                                                  r"DDP hook"):
+        ZenHookState.build(TinyLM(), {"hierarchical": True})
+    with pytest.raises(ValueError, match=r"^zen.dgc got unknown key"):
+        ZenHookState.build(TinyLM(), {"dgc": {"dencity": 0.1}})

@@ -1,0 +1,282 @@
+"""ZEN as a torch DDP communication hook (ZEN paper §4: "We register a custom_comm_hook in PyTorch's DDP
+to enable DGC and our synchronization scheme", with 128 MB buckets).
+
+DDP fuses gradients into flat buckets (``bucket_cap_mb``) and hands each bucket to the hook as soon as
+its gradients are ready, so synchronization overlaps the rest of the backward pass. The hook maps the
+bucket's parameters to their names, lets the Synchronizer route each one (untied embedding rows →
+natural sparsity, large matrices → DGC top-k, the rest dense) through the configured scheme, and
+writes the data-parallel *mean* back (a custom hook replaces DDP's own averaging).
+
+Bytes each rank sends per bucket are the Synchronizer's (core/synchronizer.py): the dense part's ring
+all-reduce ``2·(n−1)/n·D·itemsize`` plus, per sparse part, the scheme's traffic (``zen``, paper Eq. 1:
+``≈ 2·(n−1)/n·nnz`` COO entries for balanced partitions); ``pop_step_stats`` reports them next to what
+DDP's all-reduce would have sent.
+
+State is keyed by parameter name, never by bucket index: DDP builds a small first bucket and rebuilds
+its buckets after the first iteration (in gradient-ready order), which would scramble per-bucket
+memory (the warm-up that PowerSGD needs for the same reason is unnecessary here). A new bucket layout
+is agreed across ranks once by the Synchronizer.
+
+ColossalAI's ``TorchDDPPlugin`` and ``HybridParallelPlugin`` (zero_stage 0) wrap the model in torch
+DDP, so ``zen_ext.engines.colossalai`` registers this hook after ``boost``; plain DDP users call
+``register_zen_hook(ddp_model, {"dgc": {"enabled": True}})`` before the first backward.
+"""
+
+import logging
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..comm.torch_dist import TorchCommunicator
+from ..compress import classify_parameters
+from ..config import ZenConfig
+from ..core.synchronizer import GradSlice, Synchronizer
+from ._buckets import BucketReducer, locate_slices
+from .stats import StepStats, summarize
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ZenHookState", "register_zen_hook", "zen_comm_hook"]
+
+
+class ZenHookState:
+    """Everything the ZEN DDP hook keeps between buckets and steps.
+
+    Build it with ``ZenHookState.build`` (or ``register_zen_hook``, which also registers the hook).
+    Tuning: start with the defaults (natural sparsity on, DGC off — lossless); turn on
+    ``zen.dgc`` for dense models, where density 0.05 (the paper's top-5 %) is the usual start.
+
+    Args:
+        sync: the Synchronizer over the data-parallel group.
+        reducer: the BucketReducer wrapping ``sync`` (non-finite guard, re-bucketing, statistics).
+        names: ``id(parameter)`` → parameter name, from the DDP-wrapped module.
+        cfg: the validated ``"zen"`` section.
+        stats: per-step statistics (JSONL on rank 0).
+        rank: this process's global rank.
+    """
+
+    __slots__ = (
+        # Configuration, fixed after build.
+        "cfg", "names", "rank", "dp_size", "op",
+        # The reduction machinery.
+        "sync", "reducer",
+        # Internal state: bucket layouts seen (parameter ids → slices), steps, calls.
+        "_layouts", "step", "hook_calls", "_t_step",
+        # Statistics.
+        "stats",
+    )
+
+    def __init__(self, *, sync: Synchronizer, reducer: BucketReducer, names: dict[int, str], cfg: ZenConfig,
+                 stats: StepStats, rank: int) -> None:
+        self.cfg = cfg
+        self.names = names
+        self.rank = rank
+        self.dp_size = sync.dp_comm.size
+        # DDP's own reduction is the mean over the data-parallel group; the hook keeps that contract.
+        self.op = "mean"
+        self.sync = sync
+        self.reducer = reducer
+        self._layouts: dict[tuple[int, ...], list[GradSlice]] = {}
+        self.step = 0
+        self.hook_calls = 0
+        self._t_step = 0.0
+        self.stats = stats
+
+    @classmethod
+    def build(cls, module: torch.nn.Module, cfg: "ZenConfig | dict | None" = None, *, dp_group=None,
+              tp_group=None, guard_group=None, guard_nonfinite: bool = False) -> "ZenHookState":
+        """Build the state for the parameters of ``module`` (the module DDP wraps).
+
+        1. Validate the ``"zen"`` section and refuse what the DDP path does not serve.
+        2. Classify each parameter (natural / dgc / dense) and build the scheme and the Synchronizer
+           over ``dp_group``, with DGC thresholds agreed over ``tp_group``.
+        3. Wrap it in a BucketReducer (optional non-finite guard over ``guard_group``).
+
+        Args:
+            module: the model as DDP sees it (``ddp.module``); its parameter names key all state.
+            cfg: the ``"zen"`` section (ZenConfig, dict, or None for the defaults).
+            dp_group: the data-parallel group DDP reduces over (None: the default group).
+            tp_group: the tensor-parallel group (DGC agrees one threshold per layer across it), or None.
+            guard_group: the group spanning every rank that reduces (None: the default group); used
+                when ``guard_nonfinite``.
+            guard_nonfinite: make a NaN/Inf gradient on any rank NaN-fill every rank's bucket instead
+                of synchronizing it, so a loss scaler (fp16, AMP ``GradScaler``) still sees the overflow
+                that DGC could otherwise drop, and no residual memory is polluted.
+
+        Raises:
+            ValueError, TypeError: an invalid ``"zen"`` section.
+            NotImplementedError: ``zen.hierarchical`` true (node-sharded reduction is DeepSpeed-only).
+        """
+        # Step 1: configuration.
+        cfg = cfg if isinstance(cfg, ZenConfig) else ZenConfig.from_dict(cfg)
+        if cfg.hierarchical is True:
+            raise NotImplementedError(
+                "zen.hierarchical (True) must be false or \"auto\" with the DDP hook: node-sharded (hierarchical) "
+                "reduction is implemented for zen_ext.deepspeed only; \"auto\" runs ZEN over the whole "
+                "data-parallel group")
+        rank = dist.get_rank()
+        # Step 2: routing and the Synchronizer.
+        names = {id(p): n for n, p in module.named_parameters()}
+        kinds = classify_parameters(module, natural=cfg.natural_options(), dgc=cfg.dgc_options(), log=rank == 0)
+        dp_comm = TorchCommunicator(dp_group, cfg.exchange_impl)
+        tp_comm = None
+        if tp_group is not None and dist.get_world_size(tp_group) > 1:
+            tp_comm = TorchCommunicator(tp_group, cfg.exchange_impl)
+        sync = Synchronizer(dp_comm=dp_comm, scheme=cfg.build_scheme(), param_kinds=kinds,
+                            dgc=cfg.dgc_options(), natural=cfg.natural_options(), tp_comm=tp_comm)
+        # Step 3: the reducer.
+        guard = TorchCommunicator(guard_group) if guard_nonfinite else None
+        reducer = BucketReducer(sync, cap_bytes=cfg.bucket_cap_bytes, dp_size=dp_comm.size, tp_comm=tp_comm,
+                                guard_comm=guard)
+        if rank == 0:
+            log.info("zen: DDP comm hook (dp=%d, tp=%d, guard_nonfinite=%s): %s", dp_comm.size,
+                     tp_comm.size if tp_comm else 1, guard_nonfinite, cfg.to_dict())
+        return cls(sync=sync, reducer=reducer, names=names, cfg=cfg,
+                   stats=StepStats(rank, cfg.stats.jsonl_path), rank=rank)
+
+    # --- per bucket -----------------------------------------------------------------------------------
+    def slices_for(self, bucket: "dist.GradBucket") -> list[GradSlice]:
+        """The named slices of a DDP bucket, cached per layout (DDP rebuilds buckets once).
+
+        Raises:
+            RuntimeError: a bucket parameter that is not a parameter of the wrapped module, or a
+                gradient that is not a view into the bucket buffer (a DDP change).
+        """
+        params = bucket.parameters()
+        key = tuple(id(p) for p in params)
+        slices = self._layouts.get(key)
+        if slices is None:
+            missing = [tuple(p.shape) for p in params if id(p) not in self.names]
+            if missing:
+                raise RuntimeError(f"zen: DDP bucket {bucket.index()} holds parameters of shapes {missing[:3]} that "
+                                   f"are not parameters of the module the ZEN hook was built for; build the "
+                                   f"state from ddp_model.module")
+            # The gradients are views into the bucket buffer: their addresses give the offsets,
+            # whatever padding or order DDP chose.
+            named = [(self.names[id(p)], g) for p, g in zip(params, bucket.gradients())]
+            slices = locate_slices([bucket.buffer()], named)
+            if len(slices) != len(params):
+                raise RuntimeError(f"zen: found {len(slices)} of the {len(params)} gradients of DDP bucket "
+                                   f"{bucket.index()} inside its buffer (torch {torch.__version__}); the ZEN hook "
+                                   f"needs DDP's gradients to be views into the bucket")
+            self._layouts[key] = slices
+        return slices
+
+    def reduce_bucket(self, bucket: "dist.GradBucket") -> torch.Tensor:
+        """Replace the bucket buffer by its data-parallel mean; returns the buffer."""
+        t0 = time.perf_counter()
+        self.hook_calls += 1
+        buf = bucket.buffer()
+        self.reducer.reduce_(buf, self.slices_for(bucket), self.op)
+        self._t_step += time.perf_counter() - t0
+        if bucket.is_last():
+            # DDP reduces buckets in index order and the last one closes the iteration; with
+            # no_sync() accumulation the hook only runs on the synchronizing micro-batch, so this
+            # is once per optimizer step.
+            self.end_step()
+        return buf
+
+    # --- per step -------------------------------------------------------------------------------------
+    def end_step(self) -> dict:
+        """Close a synchronized step: advance the Synchronizer (DGC warm-up), write the stats record."""
+        self.step += 1
+        self.sync.end_step()
+        rec = self.reducer.pop_stats()
+        rec["reduce_s"] = self._t_step
+        self._t_step = 0.0
+        return self.stats.end_step(self.step, rec)
+
+    def annotate(self, **values) -> None:
+        """Add fields (e.g. ``loss``) to the record of the step being synchronized."""
+        self.stats.annotate(**values)
+
+    def summary(self, print_it: bool | None = None) -> str:
+        """Gather every rank's totals (a collective over the default group: call it on all ranks) and
+        return the summary text; rank 0 prints it when ``zen.stats.summary`` is on."""
+        totals = [None] * dist.get_world_size()
+        dist.all_gather_object(totals, self.stats.totals)
+        text = summarize(totals, self.stats.steps, self.stats.schemes, self.stats.losses,
+                         f"scheme={self.cfg.scheme} dgc={'on' if self.cfg.dgc.enabled else 'off'} "
+                         f"natural={'on' if self.cfg.natural.enabled else 'off'} DDP hook dp={self.dp_size}")
+        if (self.cfg.stats.summary if print_it is None else print_it) and self.rank == 0:
+            print(text, flush=True)
+        return text
+
+    def close(self) -> None:
+        self.stats.close()
+
+    # --- checkpoints ----------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """This rank's ZEN state (DGC residuals and momenta differ per rank: save one file per rank)."""
+        return {"sync": self.sync.state_dict(), "step": self.step, "dp_size": self.dp_size, "rank": self.rank,
+                "config": self.cfg.to_dict()}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore ``state_dict()``; a different data-parallel size starts the residuals fresh (logged)."""
+        if sd.get("dp_size") != self.dp_size:
+            log.warning("zen: state was saved with dp_size %s, now %d: DGC residuals start fresh",
+                        sd.get("dp_size"), self.dp_size)
+            return
+        self.sync.load_state_dict(sd["sync"])
+        self.step = int(sd.get("step", 0))
+
+
+# NOTE: no ``from __future__ import annotations`` in this module: DDP's register_comm_hook checks that
+# the hook's annotations are the objects dist.GradBucket and Future[Tensor], not strings.
+def zen_comm_hook(state: ZenHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: synchronize the bucket with ZEN and return its data-parallel mean.
+
+    The reduction runs synchronously inside the hook (its exchanges are variable-size, so they
+    cannot be one async collective); the returned future is already complete, as in PyTorch's
+    PowerSGD hook on gloo.
+
+    Args:
+        state: the ``ZenHookState`` built for the DDP-wrapped module.
+        bucket: the flat gradient bucket DDP hands over.
+
+    Returns:
+        A completed future holding the bucket buffer, now the mean over the data-parallel group.
+
+    Example::
+
+        >>> state = ZenHookState.build(ddp.module, {"dgc": {"enabled": True}})  # doctest: +SKIP
+        >>> ddp.register_comm_hook(state, zen_comm_hook)  # doctest: +SKIP
+    """
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(state.reduce_bucket(bucket))
+    return fut
+
+
+def register_zen_hook(ddp_model, cfg: "ZenConfig | dict | None" = None, *, tp_group=None, guard_group=None,
+                      guard_nonfinite: bool = False) -> ZenHookState:
+    """Build a ``ZenHookState`` for a DDP model and register ``zen_comm_hook`` on it.
+
+    Call it after wrapping and before the first backward. The data-parallel group is the one DDP
+    was built with.
+
+    Args:
+        ddp_model: a ``torch.nn.parallel.DistributedDataParallel``.
+        cfg: the ``"zen"`` section (ZenConfig, dict, or None for the defaults).
+        tp_group, guard_group, guard_nonfinite: see ``ZenHookState.build``.
+
+    Returns:
+        The state (statistics, ``state_dict`` for checkpoints, ``summary``).
+
+    Raises:
+        TypeError: ``ddp_model`` is not a DistributedDataParallel.
+        ValueError: ``zen.enabled`` is false (keep DDP's own all-reduce: do not register).
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(ddp_model, DistributedDataParallel):
+        raise TypeError(f"register_zen_hook needs a torch.nn.parallel.DistributedDataParallel, got "
+                        f"{type(ddp_model).__name__}")
+    cfg = cfg if isinstance(cfg, ZenConfig) else ZenConfig.from_dict(cfg)
+    if not cfg.enabled:
+        raise ValueError("zen.enabled (False) must be true to register the ZEN hook; skip the call to keep "
+                         "DDP's all-reduce")
+    state = ZenHookState.build(ddp_model.module, cfg, dp_group=ddp_model.process_group, tp_group=tp_group,
+                               guard_group=guard_group, guard_nonfinite=guard_nonfinite)
+    ddp_model.register_comm_hook(state, zen_comm_hook)
+    return state
