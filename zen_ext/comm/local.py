@@ -10,6 +10,7 @@ and ``os._exit`` because DDP + gloo on torch 2.13 aborts at interpreter exit in 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import traceback
 
@@ -33,7 +34,9 @@ def _worker(rank, world_size, port, fn, args, queue):
     code = 0
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, "ok", fn(rank, world_size, *args)))
+        # Plain pickle: torch's queue pickler would pass tensors as shared-memory handles that the
+        # parent fetches from this process, which may already have exited (ConnectionResetError).
+        queue.put((rank, "ok", pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 — reported to the parent
         queue.put((rank, "error", traceback.format_exc()))
         code = 1
@@ -64,7 +67,7 @@ def run_workers(fn, world_size: int, *args, timeout_s: float = 300.0) -> list:
         for _ in range(world_size):
             rank, status, payload = queue.get(timeout=timeout_s)
             if status == "ok":
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 errors.append(f"rank {rank}:\n{payload}")
                 break
