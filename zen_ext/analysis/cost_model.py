@@ -155,11 +155,20 @@ class SparsityProfile:
         if len(ranks) == 1:
             p = self.locals[ranks[0]]
             return float(sum(p.block_counts)) if blocks else float(p.unique_nnz)
+        parts = self.block_sample_parts if blocks else self.sample_parts
+        return self._union_set(ranks, blocks).numel() * float(parts)
+
+    def _union_set(self, ranks: tuple[int, ...], blocks: bool) -> torch.Tensor:
+        """Sorted union of the members' samples; halves are cached, so nested groups (recursive
+        doubling, aligned γ groups) cost one merge each."""
+        if len(ranks) == 1:
+            q = self.locals[ranks[0]]
+            return q.block_sample if blocks else q.sample
         key = (ranks, blocks)
         if key not in self._union_cache:
-            samples = [self.locals[r].block_sample if blocks else self.locals[r].sample for r in ranks]
-            parts = self.block_sample_parts if blocks else self.sample_parts
-            self._union_cache[key] = torch.unique(torch.cat(samples)).numel() * float(parts)
+            half = len(ranks) // 2
+            self._union_cache[key] = torch.unique(torch.cat(
+                [self._union_set(ranks[:half], blocks), self._union_set(ranks[half:], blocks)]))
         return self._union_cache[key]
 
     def gamma(self, k: int) -> float:
@@ -178,10 +187,9 @@ class SparsityProfile:
 
     def union_per_range(self, blocks: bool = False) -> list[float]:
         """Estimated distinct indices (blocks) of the union falling into each contiguous range."""
-        samples = [p.block_sample if blocks else p.sample for p in self.locals]
         space = self.num_blocks if blocks else self.numel
         parts = self.block_sample_parts if blocks else self.sample_parts
-        union = torch.unique(torch.cat(samples))
+        union = self._union_set(tuple(range(self.n)), blocks)
         counts = torch.bincount(contiguous_partition_of(union, space, self.n), minlength=self.n)
         return [float(c) * parts for c in counts.tolist()]
 
@@ -212,7 +220,7 @@ def sample_parts_for(max_count: int, budget: int) -> int:
     return max(1, -(-max_count // max(1, budget)))
 
 
-def profile_from_grads(grads: Sequence[SparseGrad], seed: int = 0, sample_budget: int = 4096,
+def profile_from_grads(grads: Sequence[SparseGrad], seed: int = 0, sample_budget: int = 2048,
                        block_size: int = BLOCK_SIZE) -> SparsityProfile:
     """A ``SparsityProfile`` computed in one process from every rank's gradient (simulations, tests)."""
     n = len(grads)
@@ -253,33 +261,28 @@ class _Traffic:
         self.n = n
         self.stats = [CommStats() for _ in range(n)]
 
-    def exchange_v(self, nbytes: Callable[[int, int], float]) -> None:
-        """``nbytes(src, dst)``: payload bytes from ``src`` to ``dst``; counts go to every peer."""
+    def exchange_v(self, bytes_PP: torch.Tensor) -> None:
+        """``bytes_PP[src, dst]``: payload bytes from ``src`` to ``dst``; counts go to every peer."""
         n = self.n
-        for r in range(n):
-            s = self.stats[r]
-            s.bytes_sent += (n - 1) * _COUNT_BYTES
-            s.bytes_recv += (n - 1) * _COUNT_BYTES
-            s.msgs_sent += n - 1
-            s.msgs_recv += n - 1
-            for j in range(n):
-                if j == r:
-                    continue
-                out, inn = nbytes(r, j), nbytes(j, r)
-                s.bytes_sent += out
-                s.msgs_sent += out > 0
-                s.bytes_recv += inn
-                s.msgs_recv += inn > 0
+        bytes_PP = bytes_PP.to(torch.float64).clone()
+        bytes_PP.fill_diagonal_(0)
+        nonempty = bytes_PP > 0
+        sent, recv = bytes_PP.sum(1).tolist(), bytes_PP.sum(0).tolist()
+        msent, mrecv = nonempty.sum(1).tolist(), nonempty.sum(0).tolist()
+        for r, s in enumerate(self.stats):
+            s.bytes_sent += (n - 1) * _COUNT_BYTES + sent[r]
+            s.bytes_recv += (n - 1) * _COUNT_BYTES + recv[r]
+            s.msgs_sent += n - 1 + msent[r]
+            s.msgs_recv += n - 1 + mrecv[r]
 
-    def all_gather_v(self, nbytes: Callable[[int], float]) -> None:
+    def all_gather_v(self, sizes: Sequence[float]) -> None:
         n = self.n
-        sizes = [nbytes(r) for r in range(n)]
-        for r in range(n):
-            s = self.stats[r]
+        total, nonempty = sum(sizes), sum(1 for x in sizes if x > 0)
+        for r, s in enumerate(self.stats):
             s.bytes_sent += (n - 1) * (_COUNT_BYTES + sizes[r])
             s.msgs_sent += (n - 1) * (1 + (sizes[r] > 0))
-            s.bytes_recv += (n - 1) * _COUNT_BYTES + sum(sizes) - sizes[r]
-            s.msgs_recv += (n - 1) + sum(1 for j in range(n) if j != r and sizes[j] > 0)
+            s.bytes_recv += (n - 1) * _COUNT_BYTES + total - sizes[r]
+            s.msgs_recv += (n - 1) + nonempty - (sizes[r] > 0)
 
     def all_reduce(self, nbytes: int) -> None:
         n = self.n
@@ -292,6 +295,10 @@ class _Traffic:
                 s.msgs_recv += 2 * (n - 1)
 
 
+def _counts_PP(p: SparsityProfile, attr: str) -> torch.Tensor:
+    return torch.tensor([getattr(q, attr) for q in p.locals], dtype=torch.float64)
+
+
 def _predict_dense(p: SparsityProfile, opts: dict) -> _Traffic:
     tr = _Traffic(p.n)
     tr.all_reduce(p.numel * p.row_width * p.value_bytes)
@@ -300,21 +307,25 @@ def _predict_dense(p: SparsityProfile, opts: dict) -> _Traffic:
 
 def _predict_agsparse(p: SparsityProfile, opts: dict) -> _Traffic:
     tr = _Traffic(p.n)
-    tr.all_gather_v(lambda r: p.locals[r].raw_nnz * p.entry_bytes)
+    tr.all_gather_v([q.raw_nnz * p.entry_bytes for q in p.locals])
     return tr
 
 
 def _predict_zen(p: SparsityProfile, opts: dict) -> _Traffic:
     n, tr = p.n, _Traffic(p.n)
-    tr.exchange_v(lambda i, j: p.locals[i].hash_counts[j] * p.entry_bytes)
+    vsz = p.row_width * p.value_bytes
+    # Push: COO per server, or the server's whole partition dense once that is not larger (zen.py).
+    part_P = torch.tensor([max(0, (p.numel - j + n - 1) // n) for j in range(n)], dtype=torch.float64)
+    coo_PP = _counts_PP(p, "hash_counts") * p.entry_bytes
+    dense_PP = (part_P * vsz).expand(n, n)
+    tr.exchange_v(torch.where((coo_PP > 0) & (coo_PP >= dense_PP), dense_PP, coo_PP))
     # Pull: h0 balances the union, so each server holds ~|U|/n (exact per server when unsampled).
     if p.sample_parts == 1:
-        union = torch.unique(torch.cat([q.sample for q in p.locals]))
+        union = p._union_set(tuple(range(n)), False)
         per_server = torch.bincount(HashPartitioner(p.numel, n, p.seed).partition_of(union), minlength=n).tolist()
     else:
         per_server = [p.union(range(n)) / n] * n
     fmt = opts.get("pull_format", "auto")
-    vsz = p.row_width * p.value_bytes
 
     def body(i: int) -> float:
         part = max(0, (p.numel - i + n - 1) // n)
@@ -323,7 +334,7 @@ def _predict_zen(p: SparsityProfile, opts: dict) -> _Traffic:
             return min(costs.values())
         return costs[{"coo": _FMT_COO, "bitmap": _FMT_BITMAP, "dense": _FMT_DENSE}[fmt]]
 
-    tr.all_gather_v(lambda i: _HEADER_BYTES + body(i))
+    tr.all_gather_v([_HEADER_BYTES + body(i) for i in range(n)])
     return tr
 
 
@@ -331,16 +342,16 @@ def _predict_zen_coo(p: SparsityProfile, opts: dict) -> _Traffic:
     return _predict_zen(p, {**opts, "pull_format": "coo"})
 
 
-def _predict_range_ps(p: SparsityProfile, counts: Callable[[int, int], int], union_per_range: list[float],
+def _predict_range_ps(p: SparsityProfile, counts_PP: torch.Tensor, union_per_range: list[float],
                       entry_bytes: float) -> _Traffic:
     tr = _Traffic(p.n)
-    tr.exchange_v(lambda i, j: counts(i, j) * entry_bytes)
-    tr.all_gather_v(lambda j: union_per_range[j] * entry_bytes)
+    tr.exchange_v(counts_PP * entry_bytes)
+    tr.all_gather_v([u * entry_bytes for u in union_per_range])
     return tr
 
 
 def _predict_sparse_ps(p: SparsityProfile, opts: dict) -> _Traffic:
-    return _predict_range_ps(p, lambda i, j: p.locals[i].range_counts[j], p.union_per_range(), p.entry_bytes)
+    return _predict_range_ps(p, _counts_PP(p, "range_counts"), p.union_per_range(), p.entry_bytes)
 
 
 def _predict_omnireduce(p: SparsityProfile, opts: dict) -> _Traffic:
@@ -348,7 +359,7 @@ def _predict_omnireduce(p: SparsityProfile, opts: dict) -> _Traffic:
     if block_size != p.block_size:
         raise ValueError(f"omnireduce block_size ({block_size}) must equal the profile's ({p.block_size})")
     idx_bytes = torch.empty(0, dtype=index_dtype(p.num_blocks)).element_size()
-    return _predict_range_ps(p, lambda i, j: p.locals[i].block_counts[j], p.union_per_range(blocks=True),
+    return _predict_range_ps(p, _counts_PP(p, "block_counts"), p.union_per_range(blocks=True),
                              idx_bytes + block_size * p.value_bytes)
 
 
@@ -362,8 +373,10 @@ def _predict_sparcml(p: SparsityProfile, opts: dict) -> _Traffic:
 
     def step(pairs: dict[int, tuple[int, Sequence[int]]]) -> None:
         # pairs[src] = (dst, group whose aggregate src sends)
-        sizes = {src: stream_bytes(g) for src, (_, g) in pairs.items()}
-        tr.exchange_v(lambda i, j: sizes[i] if i in pairs and pairs[i][0] == j else 0.0)
+        bytes_PP = torch.zeros(n, n, dtype=torch.float64)
+        for src, (dst, group) in pairs.items():
+            bytes_PP[src, dst] = stream_bytes(group)
+        tr.exchange_v(bytes_PP)
 
     p2 = 1 << (n.bit_length() - 1)
     rem = n - p2

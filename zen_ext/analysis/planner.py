@@ -82,7 +82,7 @@ class AutoScheme(SyncScheme):
         reprofile_every: int = 1000,
         candidates: list[str] | tuple[str, ...] | None = None,
         seed: int = 0,
-        sample_budget: int = 4096,
+        sample_budget: int = 2048,
     ) -> None:
         self.network = cm.Network(float(bandwidth_gbps), float(latency_us))
         if not isinstance(profile_steps, int) or profile_steps < 1:

@@ -44,16 +44,20 @@ def encode_coo(idx_K: torch.Tensor, val_K: torch.Tensor, numel: int) -> torch.Te
 
 
 def decode_coo(
-    buf_B: torch.Tensor, numel: int, row_shape: tuple[int, ...], dtype: torch.dtype
+    buf_B: torch.Tensor, numel: int, row_shape: tuple[int, ...], dtype: torch.dtype, wire_indices: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of ``encode_coo``: ``(idx_K int64, val_K)``; the count follows from the message size."""
+    """Inverse of ``encode_coo``: ``(idx_K, val_K)``; the count follows from the message size.
+
+    Indices come back as int64, or in their wire dtype with ``wire_indices`` (half the memory).
+    """
     width = 1
     for s in row_shape:
         width *= s
     idt = index_dtype(numel)
     isz = torch.empty(0, dtype=idt).element_size()
     k = buf_B.numel() // entry_bytes(numel, width, dtype)
-    idx = view_as(buf_B, 0, k, idt).to(torch.int64)
+    idx = view_as(buf_B, 0, k, idt)
+    idx = idx if wire_indices else idx.to(torch.int64)
     vals = view_as(buf_B, k * isz, k * width, dtype).view((k,) + row_shape)
     return idx, vals
 
@@ -101,9 +105,10 @@ class AGSparseScheme(SyncScheme):
         # Step 3: aggregate.
         t0 = time.perf_counter()
         acc = torch.zeros((sg.numel,) + row_shape, dtype=_acc_dtype(dtype), device=device)
-        decoded = [decode_coo(p, sg.numel, row_shape, dtype) for p in parts if p.numel()]
-        if decoded:
-            acc.index_add_(0, torch.cat([i for i, _ in decoded]), torch.cat([v for _, v in decoded]).to(acc.dtype))
+        for p in parts:  # one message at a time: peak memory stays at one message, not n of them
+            if p.numel():
+                idx, vals = decode_coo(p, sg.numel, row_shape, dtype)
+                acc.index_add_(0, idx, vals.to(acc.dtype))
         out = finish(acc, dtype, op, comm.size)
         t["aggregate_s"] = time.perf_counter() - t0
         if timings is not None:
