@@ -330,14 +330,17 @@ def make_batches(steps, n, batch=16, seq=12, vocab=300, classes=8, seed=0):
 _INIT_LOCK = threading.Lock()
 
 
-def train(comm, batches, start, stop, *, dgc, scheme="zen", lr=0.1, ckpt=None, buckets=2, load_zen=True):
+def train(comm, batches, start, stop, *, dgc, scheme="zen", lr=0.1, ckpt=None, buckets=2, load_zen=True,
+          momentum=None):
     """Hand-written data-parallel SGD with the Synchronizer; returns (losses, checkpoint bytes)."""
     with _INIT_LOCK:  # SimWorld ranks are threads sharing torch's global generator
         torch.manual_seed(0)
         model = TinyNet()
     use_dgc = dgc is not None and dgc.get("enabled", False)
     # DGC's momentum correction moves momentum into the sparsifier: plain SGD then (DGCSGD).
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.0 if use_dgc else 0.9)
+    if momentum is None:
+        momentum = 0.0 if use_dgc else 0.9
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     kinds = classify_parameters(model, natural={}, dgc=dgc, log=False)
     sync = Synchronizer(dp_comm=comm, scheme=build_scheme(scheme), param_kinds=kinds, dgc=dgc, natural={})
     if ckpt is not None:
@@ -386,3 +389,16 @@ def test_stop_and_resume_gives_the_same_loss_trajectory(dgc):
     # Without the zen state the trajectory differs (residuals, step counter), so the test can fail.
     lost = SimWorld(n).run(lambda c: train(c, batches, cut, steps, dgc=dgc, ckpt=ckpt, load_zen=False))
     assert lost[0][0] != second[0][0]
+
+
+def test_dgc_at_density_one_is_plain_sgd():
+    """Everything sent each step: v = u = g, and masking clears the momentum, so DGC = dense plain SGD."""
+    n, steps = 3, 6
+    batches = make_batches(steps, n, seed=3)
+    dgc = SimWorld(n).run(lambda c: train(c, batches, 0, steps, dgc=dict(DGC, density=1.0, threshold="exact",
+                                                                          momentum_correction=True, min_numel=256)))
+    plain = SimWorld(n).run(lambda c: train(c, batches, 0, steps, dgc=None, momentum=0.0))
+    momentum = SimWorld(n).run(lambda c: train(c, batches, 0, steps, dgc=None))
+    for r in range(n):
+        assert dgc[r][0] == plain[r][0]
+        assert dgc[r][0] != momentum[r][0]
