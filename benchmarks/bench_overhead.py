@@ -1,0 +1,194 @@
+"""ZEN's compute overhead (hashing, encoding, aggregation, decoding) vs the communication time it saves.
+
+Usage (``benchmarks/run_cluster_report.sh`` runs it after ``bench_comm.py``)::
+
+    .venv/bin/python benchmarks/bench_overhead.py --workload synth_dgc1=/tmp/zen_cluster/workloads/synth_dgc1 \\
+        --comm benchmarks/results/cluster_comm.jsonl --out benchmarks/results/cluster_overhead.jsonl
+
+Compute is measured without any network and without the other ranks competing for the CPU, as each
+rank would see it on a machine of its own:
+
+1. Record: the scheme runs once on ``n`` SimWorld ranks, each rank's Communicator wrapped so that
+   everything it receives (exchange, all-gather, all-reduce results) is kept.
+2. Replay: each rank's sync runs again, alone, on a Communicator that hands back the recorded
+   data at once; the scheme's own phase timers (``timings``) then hold pure compute — ``hash_s``
+   (h0 partition: the C++ op when built), ``push_s``/``pull_s`` (packing the payloads and the hash
+   bitmap: the encoding), ``aggregate_s`` and ``decode_s``. Repeated ``--reps`` times, interleaved
+   over ranks; per repeat the slowest rank counts.
+
+The time saved comes from the emulated-cluster runs (``--comm``: bench_comm's JSON lines, same
+workload label and lab rate): ``dense`` median − scheme median. That saving is already net of the
+overhead (the lab run includes it), so ``overhead / saved`` is the fraction the paper's target
+(hashing ≤ 5 % of the time saved) refers to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_comm import load_workload  # noqa: E402
+from cluster_common import append_jsonl, mmm, read_jsonl  # noqa: E402
+
+from zen_ext import SimWorld, build_scheme  # noqa: E402
+from zen_ext.comm.base import Communicator  # noqa: E402
+
+ENCODE_PHASES = ("push_s", "pull_s")
+
+
+class RecordingComm(Communicator):
+    """Delegates to a SimWorld rank and keeps a copy of everything this rank receives, in order."""
+
+    def __init__(self, inner: Communicator) -> None:
+        super().__init__()
+        self.inner, self.rank, self.size = inner, inner.rank, inner.size
+        self.log: list[tuple[str, object]] = []
+
+    def _exchange_v(self, send):
+        out = self.inner._exchange_v(send)
+        self.log.append(("exchange_v", [t.clone() for t in out]))
+        return out
+
+    def _all_gather_v(self, t):
+        out = self.inner._all_gather_v(t)
+        self.log.append(("all_gather_v", [x.clone() for x in out]))
+        return out
+
+    def _all_reduce(self, t, op):
+        self.inner._all_reduce(t, op)
+        self.log.append(("all_reduce", t.clone()))
+
+    def _broadcast(self, t, src):
+        self.inner._broadcast(t, src)
+        self.log.append(("broadcast", t.clone()))
+
+
+class ReplayComm(Communicator):
+    """Hands back what ``RecordingComm`` recorded for one rank, instantly (no peers, no network)."""
+
+    def __init__(self, rank: int, size: int, log: list[tuple[str, object]]) -> None:
+        super().__init__()
+        self.rank, self.size, self._log, self._at = rank, size, log, 0
+
+    def _next(self, kind: str):
+        got, data = self._log[self._at]
+        if got != kind:
+            raise RuntimeError(f"replay of rank {self.rank}: call {self._at} is {kind}, recorded {got}")
+        self._at += 1
+        return data
+
+    def _exchange_v(self, send):
+        return list(self._next("exchange_v"))
+
+    def _all_gather_v(self, t):
+        return list(self._next("all_gather_v"))
+
+    def _all_reduce(self, t, op):
+        t.copy_(self._next("all_reduce"))
+
+    def _broadcast(self, t, src):
+        t.copy_(self._next("broadcast"))
+
+
+def measure(scheme_name: str, step, n: int, reps: int) -> dict:
+    """Per-phase compute seconds of ``scheme_name`` on every slice of ``step`` (see the module docstring)."""
+    scheme = build_scheme(scheme_name)
+    keys = list(step.slices)
+    inputs = [{k: step.slices[k][r] for k in keys} for r in range(n)]
+
+    # Step 1: record what every rank receives.
+    def record(comm, mine):
+        rec = RecordingComm(comm)
+        for k in keys:
+            scheme.sync(rec, mine[k], key=k)
+        return rec.log
+
+    logs = SimWorld(n, max_active=1).run(record, inputs)
+
+    # Step 2: replay each rank alone; the slowest rank of a repeat counts.
+    per_rep: list[dict[str, float]] = []
+    for _ in range(reps):
+        worst: dict[str, float] = {}
+        for r in range(n):
+            replay = ReplayComm(r, n, logs[r])
+            phases: dict[str, float] = {}
+            t0 = time.perf_counter()
+            for k in keys:
+                t: dict = {}
+                scheme.sync(replay, inputs[r][k], key=k, timings=t)
+                for name, v in t.items():
+                    if isinstance(v, float):
+                        phases[name] = phases.get(name, 0.0) + v
+            phases["total_s"] = time.perf_counter() - t0
+            for name, v in phases.items():
+                worst[name] = max(worst.get(name, 0.0), v)
+        per_rep.append(worst)
+    names = sorted({k for p in per_rep for k in p})
+    return {name: mmm([p.get(name, 0.0) for p in per_rep]) for name in names}
+
+
+def saved_s(comm_rows: list[dict], label: str, scheme: str, rate: str) -> tuple[float, float] | None:
+    """(dense median, scheme median) of the newest bench_comm rows for ``label`` at ``rate``."""
+    med = {}
+    for r in comm_rows:
+        if r.get("workload") == label and r.get("rate") == rate:
+            med[r["scheme"]] = r["t_med"]
+    if "dense" in med and scheme in med:
+        return med["dense"], med[scheme]
+    return None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", action="append", required=True, help="label=path[@step]; repeatable")
+    p.add_argument("--schemes", type=lambda s: s.split(","), default=["zen", "zen_coo"])
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--comm", default=None, help="bench_comm JSON lines (time saved per rate)")
+    p.add_argument("--rates", default="1gbit,2500mbit", help="lab rates to relate the overhead to")
+    p.add_argument("--out", default=None, help="append JSON lines here")
+    a = p.parse_args(argv)
+    torch.set_num_threads(1)
+    comm_rows = read_jsonl(a.comm) if a.comm else []
+    print(f"{'workload':>16} {'scheme':>8} {'hash ms':>8} {'encode ms':>9} {'aggr ms':>8} {'decode ms':>9} "
+          f"{'total ms':>8}  saved / overhead per rate", flush=True)
+    for spec in a.workload:
+        label, path, step = load_workload(spec)
+        n = min(a.ranks, step.world_size)
+        for scheme in a.schemes:
+            ph = measure(scheme, step, n, a.reps)
+            med = {k: v[1] for k, v in ph.items()}
+            compute = sum(med.get(k, 0.0) for k in ("hash_s", *ENCODE_PHASES, "aggregate_s", "decode_s"))
+            vs = {}
+            for rate in a.rates.split(","):
+                got = saved_s(comm_rows, label, scheme, rate)
+                if got:
+                    dense_s, scheme_s = got
+                    saved = dense_s - scheme_s
+                    vs[rate] = dict(dense_s=dense_s, scheme_s=scheme_s, saved_s=saved,
+                                    hash_over_saved=med.get("hash_s", 0.0) / saved if saved > 0 else None,
+                                    overhead_over_saved=compute / saved if saved > 0 else None)
+            rec = dict(bench="overhead", workload=label, path=path, step=step.step, n=n, scheme=scheme, reps=a.reps,
+                       phases={k: dict(min=v[0], med=v[1], max=v[2]) for k, v in ph.items()},
+                       hash_s=med.get("hash_s", 0.0), encode_s=sum(med.get(k, 0.0) for k in ENCODE_PHASES),
+                       aggregate_s=med.get("aggregate_s", 0.0), decode_s=med.get("decode_s", 0.0),
+                       compute_s=compute, vs_lab=vs, torch=torch.__version__,
+                       loadavg=open("/proc/loadavg").read().split()[:3])
+            rel = "  ".join(f"{rate}: saved {v['saved_s'] * 1e3:.0f} ms, overhead {100 * v['overhead_over_saved']:.1f} %"
+                            for rate, v in vs.items() if v["overhead_over_saved"] is not None)
+            print(f"{label:>16} {scheme:>8} {1e3 * rec['hash_s']:8.2f} {1e3 * rec['encode_s']:9.2f} "
+                  f"{1e3 * rec['aggregate_s']:8.2f} {1e3 * rec['decode_s']:9.2f} {1e3 * compute:8.2f}  {rel}", flush=True)
+            if a.out:
+                append_jsonl(a.out, rec)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
