@@ -179,8 +179,16 @@ def test_world_size_one_still_compresses():
 
 
 # --- errors and agreement ---------------------------------------------------------------------------
-def one_rank_sync(**kw):
+def solo_comm():
+    """A world of one rank usable outside ``SimWorld.run`` (which would hold its compute token)."""
     comm = SimWorld(1).communicators()[0]
+    if hasattr(comm._sh, "active"):
+        comm._sh.active.acquire()
+    return comm
+
+
+def one_rank_sync(**kw):
+    comm = solo_comm()
     args = dict(dp_comm=comm, scheme="zen", param_kinds=KINDS, dgc=DGC, natural={})
     args.update(kw)
     return Synchronizer(**args)
@@ -193,7 +201,7 @@ def one_rank_sync(**kw):
     ([GradSlice("nope", 0, 4, (4,))], "GradSlice name ('nope') must be in param_kinds (5 names, e.g. ['bias', 'emb',"),
     ([GradSlice("w1", 0, 1200, (30, 41))], "GradSlice 'w1' shape ((30, 41)) must have numel 1200"),
     ([GradSlice("w1", 0, 1200, (30, 40)), GradSlice("w1", 1200, 1200, (30, 40))],
-     "GradSlice name ('w1') must appear once per bucket"),
+     "GradSlice name ('w1') must appear once per bucket (per start)"),
 ])
 def test_bad_slices_are_rejected(slices, text):
     with pytest.raises(ValueError) as info:
@@ -293,10 +301,35 @@ def test_state_dict_round_trip_and_errors():
         fresh.load_state_dict({"step": 1})
     with pytest.raises(ValueError, match=r"Synchronizer state_dict version \(7\) must be 1"):
         fresh.load_state_dict(dict(sd, version=7))
-    bad = one_rank_sync(dgc=dict(DGC, momentum_correction=True))
-    bad.load_state_dict(sd)
-    with pytest.raises(ValueError, match=r"sparsifier state 'w1'.residual has 1200 elements but the gradient has 600"):
-        bad.sync_flat(torch.zeros(600), [GradSlice("w1", 0, 600, (600,))])
+
+
+
+def test_memory_of_a_resized_slice_restarts_with_a_warning(caplog):
+    """Node shards re-cut after a bucket rebuild (or another model's checkpoint): old memory is dropped."""
+    sync = one_rank_sync(dgc=dict(DGC, momentum_correction=True))
+    x = torch.randn(1200, generator=torch.Generator().manual_seed(0))
+    sync.sync_flat(x, [GradSlice("w1", 0, 1200, (30, 40))])
+    assert sync.state.get("w1", "residual").abs().sum() > 0
+    with caplog.at_level("WARNING", logger="zen_ext.compress.state"):
+        out = sync.sync_flat(x[:600], [GradSlice("w1", 0, 600, (600,))])
+    assert "zen: sparsifier memory 'w1'.residual restarts from zeros: it has 1200 elements but the gradient has 600" \
+        in caplog.text
+    fresh = one_rank_sync(dgc=dict(DGC, momentum_correction=True))
+    assert torch.equal(out, fresh.sync_flat(x[:600], [GradSlice("w1", 0, 600, (600,))]))
+
+
+def test_parts_of_one_parameter_keep_separate_memory():
+    """Two parts of a parameter (``start`` differs) in one bucket: memory keyed by (name, start)."""
+    x = torch.randn(1200, generator=torch.Generator().manual_seed(1))
+    parts = [GradSlice("w1", 0, 600, (15, 40)), GradSlice("w1", 600, 600, (15, 40), start=600)]
+    sync = one_rank_sync()
+    out = sync.sync_flat(x, parts)
+    assert set(sync.state.params) == {"w1", "w1@600"}
+    whole = one_rank_sync().sync_flat(x, [GradSlice("w1", 0, 1200, (30, 40))])
+    assert not torch.equal(out, whole)  # per-part thresholds: a different selection
+    a, b = one_rank_sync(), one_rank_sync()
+    assert torch.equal(out[:600], a.sync_flat(x[:600], parts[:1]))
+    assert torch.equal(out[600:], b.sync_flat(x[600:], [GradSlice("w1", 0, 600, (15, 40), start=600)]))
 
 
 class TinyNet(nn.Module):

@@ -13,7 +13,11 @@ each tensor moves to its gradient's device on first use.
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 STATE_FORMAT = "zen_ext.sparsifier_state"
 STATE_VERSION = 1
@@ -39,19 +43,19 @@ class SparsifierState:
 
         A tensor restored by ``load_state_dict`` moves to ``device`` and ``dtype`` here.
 
-        Raises:
-            ValueError: the stored tensor has a different numel (e.g. a checkpoint from another
-                tensor-parallel layout).
+        A stored tensor of another numel restarts from zeros, with a warning: the slice this memory
+        belongs to changed size (node shards re-cut after a bucket rebuild, or a checkpoint from
+        another model or parallel layout), so its old elements no longer line up.
         """
         entry = self.params.setdefault(name, {})
         t = entry.get(key)
+        if t is not None and t.numel() != numel:
+            log.warning("zen: sparsifier memory %r.%s restarts from zeros: it has %d elements but the gradient "
+                        "has %d (a changed bucket/shard layout, or a checkpoint of another model or layout)",
+                        name, key, t.numel(), numel)
+            t = None
         if t is None:
             t = entry[key] = torch.zeros(numel, dtype=dtype, device=device)
-        elif t.numel() != numel:
-            raise ValueError(
-                f"sparsifier state {name!r}.{key} has {t.numel()} elements but the gradient has {numel}; "
-                f"was the checkpoint written with another model or parallel layout?"
-            )
         elif t.device != torch.device(device) or t.dtype != dtype:
             t = entry[key] = t.to(device=device, dtype=dtype)
         return t

@@ -67,7 +67,15 @@ class GradSlice:
     """Element offset inside the flat bucket."""
     numel: int
     shape: tuple[int, ...]
-    """The parameter's shape (rows along dim 0 for embeddings)."""
+    """The parameter's shape (rows along dim 0 for embeddings), or the part's shape."""
+    start: int = 0
+    """Element offset of this slice inside its parameter, when the slice is a part of it (node
+    shards, paper §4); 0 for a whole parameter. DGC memory is keyed by ``(name, start)``."""
+
+    @property
+    def state_key(self) -> str:
+        """The key of this slice's sparsifier memory: the name, plus ``@start`` for a later part."""
+        return self.name if self.start == 0 else f"{self.name}@{self.start}"
 
 
 @dataclass
@@ -204,7 +212,7 @@ class Synchronizer:
         # Step 4: all DGC slices of the bucket fused into one SparseGrad over the bucket's indices.
         if plan.dgc:
             t0 = time.perf_counter()
-            grads = [NamedGrad(s.name, flat_N[s.offset : s.offset + s.numel]) for s in plan.dgc]
+            grads = [NamedGrad(s.state_key, flat_N[s.offset : s.offset + s.numel]) for s in plan.dgc]
             sg = self._dgc.compress(grads, tp_comm=self.tp_comm)
             idx_K = self._to_bucket(plan, sg.indices)
             st["compress_s"] += time.perf_counter() - t0
@@ -301,7 +309,7 @@ class Synchronizer:
     # --- planning -----------------------------------------------------------------------------------
     def _plan_for(self, flat_N: torch.Tensor, slices: list[GradSlice], op: str) -> _Plan:
         key = (flat_N.numel(), str(flat_N.dtype), op,
-               tuple((s.name, s.offset, s.numel, tuple(s.shape)) for s in slices))
+               tuple((s.name, s.offset, s.numel, tuple(s.shape), s.start) for s in slices))
         plan = self._plans.get(key)
         if plan is None:
             plan = self._build_plan(flat_N.numel(), slices)
@@ -337,9 +345,9 @@ class Synchronizer:
                 known = sorted(self.param_kinds)
                 raise ValueError(f"GradSlice name ({s.name!r}) must be in param_kinds "
                                  f"({len(known)} names, e.g. {known[:5]})")
-            if s.name in names:
-                raise ValueError(f"GradSlice name ({s.name!r}) must appear once per bucket")
-            names.add(s.name)
+            if s.state_key in names:
+                raise ValueError(f"GradSlice name ({s.name!r}) must appear once per bucket (per start)")
+            names.add(s.state_key)
             if math.prod(s.shape) != s.numel:
                 raise ValueError(f"GradSlice {s.name!r} shape ({tuple(s.shape)}) must have numel {s.numel}")
             if s.offset < at:
@@ -364,12 +372,13 @@ class Synchronizer:
         mine = {
             "numel": numel, "dtype": dtype, "op": op, "scheme": repr(self.scheme),
             "dgc": dataclasses.asdict(self.dgc_config), "natural": dataclasses.asdict(self.natural_config),
-            "slices": [(*e[:3], self.param_kinds[e[0]]) for e in entries],
+            "slices": [(*e[:3], self.param_kinds[e[0]]) if not e[4] else (*e[:3], e[4], self.param_kinds[e[0]])
+                       for e in entries],
         }
         _check_same(self.dp_comm, "data-parallel", mine)
         if self.tp_comm is not None and self.tp_comm.size > 1 and plan.dgc:
             _check_same(self.tp_comm, "tensor-parallel",
-                        {"dgc_names": [s.name for s in plan.dgc], "dgc": dataclasses.asdict(self.dgc_config)})
+                        {"dgc_names": [s.state_key for s in plan.dgc], "dgc": dataclasses.asdict(self.dgc_config)})
 
     @staticmethod
     def _to_bucket(plan: _Plan, idx_K: torch.Tensor) -> torch.Tensor:
