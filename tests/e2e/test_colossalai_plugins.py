@@ -1,5 +1,6 @@
 """ColossalAI plugins with ZEN on real gloo processes (CPU): the lossless path equals the stock plugin,
-DGC trains, and the tensor-parallel ranks agree on DGC thresholds.
+DGC trains, the tensor-parallel ranks agree on DGC thresholds, and zen_ext's Gemma2 ShardFormer policy
+trains like the unsharded model.
 
 One launch per world shape runs every variant (launches dominate the time on 2 cores); the tests
 below assert on its results. The tiny Llama is the one of configs/models/llama-tiny-untied.json.
@@ -88,6 +89,7 @@ def _hybrid_worker(rank, world):
     out["dgc_kinds"] = dict(dgc.zen.sync.param_kinds)
     out["tp_rank"], out["dp_rank"] = dist.get_rank(dgc.tp_group), dist.get_rank(dgc.dp_group)
     out["stats"] = dgc.zen.stats.totals
+    out["gemma2"] = _gemma2_run()
     return out
 
 
@@ -174,3 +176,60 @@ def test_torch_ddp_dgc_trains_tied_model_and_writes_stats(ddp):
         records = [json.loads(line) for line in f]
     assert [r["step"] for r in records] == list(range(1, 11))
     assert all(0 < r["bytes_sent"] < r["dense_bytes"] for r in records)
+
+
+# --- Gemma2 (no ShardFormer policy in ColossalAI 0.5.0: zen_ext's) -------------------------------------
+def _gemma2():
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, vocab_size=VOCAB,
+                       sliding_window=8, attn_implementation="eager")
+    return Gemma2ForCausalLM(cfg)
+
+
+def _gemma2_run() -> tuple:
+    import torch.distributed as dist
+    from colossalai.booster import Booster
+
+    from zen_ext.colossalai import ZenHybridParallelPlugin
+
+    steps, lr = 3, 0.5
+    plugin = ZenHybridParallelPlugin(tp_size=2, pp_size=1, precision="fp32", zen={})
+    dp_rank = dist.get_rank(plugin.dp_group)
+    # Reference: the unsharded model, stepped with the mean gradient of both replicas' batches.
+    ref, ref_losses = _gemma2(), []
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    for step in range(steps):
+        losses = [ref(input_ids=_batch(step, d), labels=_batch(step, d)).loss for d in (0, 1)]
+        ref_losses.append(losses[dp_rank].item())
+        (sum(losses) / 2).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    booster = Booster(plugin=plugin)
+    model = _gemma2()
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    model, opt, *_ = booster.boost(model, opt)
+    losses = []
+    for step in range(steps):
+        ids = _batch(step, dp_rank)
+        loss = model(input_ids=ids, labels=ids).loss
+        booster.backward(loss, opt)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    shapes = {n: tuple(p.shape) for n, p in model.unwrap().named_parameters()}
+    return ref_losses, losses, shapes, dict(plugin.zen.sync.param_kinds), plugin.zen.hook_calls
+
+
+def test_gemma2_tensor_parallel_policy_matches_unsharded_model(hybrid):
+    for res in hybrid:
+        ref_losses, losses, shapes, kinds, calls = res["gemma2"]
+        torch.testing.assert_close(losses, ref_losses, rtol=1e-4, atol=1e-5)
+        assert shapes["model.layers.0.self_attn.q_proj.weight"] == (32, 64)  # 4 heads x 16 / tp 2
+        assert shapes["model.layers.0.self_attn.k_proj.weight"] == (16, 64)  # 2 kv heads / tp 2
+        assert shapes["model.embed_tokens.weight"] == (512, 64)  # vocab 1000 padded to 1024, / tp 2
+        assert "lm_head.weight" not in shapes  # tied: one shard shared with the embedding
+        assert kinds["model.embed_tokens.weight"] == "dense"  # tied -> dense gradient, not natural
+        assert calls >= 3

@@ -46,6 +46,7 @@ from colossalai.booster import Booster
 from colossalai.booster.plugin import HybridParallelPlugin, TorchDDPPlugin
 
 from ..config import ZenConfig, load_json_config
+from .colossalai_policies import policy_for
 from .ddp import ZenHookState, register_zen_hook
 
 log = logging.getLogger(__name__)
@@ -263,6 +264,9 @@ class ZenHybridParallelPlugin(HybridParallelPlugin):
         zen: the ``"zen"`` section (see ``ZenTorchDDPPlugin``); ``zen.bucket_cap_mb`` is DDP's bucket.
         **kwargs: ``HybridParallelPlugin`` arguments except ``ddp_bucket_cap_mb``.
 
+    A ``Gemma2ForCausalLM`` without ``custom_policy`` is sharded with zen_ext's
+    ``Gemma2ForCausalLMPolicy`` (ColossalAI 0.5.0 has none).
+
     Raises:
         NotImplementedError: pp_size > 1, zero_stage > 0, sequence parallelism (and ZeRO on CPU).
         ValueError, TypeError: see ``check_plugin_kwargs``.
@@ -278,7 +282,15 @@ class ZenHybridParallelPlugin(HybridParallelPlugin):
         self.zen: ZenHookState | None = None
 
     def configure(self, model, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
-        out = super().configure(model, optimizer, criterion, dataloader, lr_scheduler)
+        # Models ColossalAI has no ShardFormer policy for (Gemma2) get zen_ext's, for this call only.
+        own = self.custom_policy is None and policy_for(model) is not None
+        if own:
+            self.custom_policy = policy_for(model)
+        try:
+            out = super().configure(model, optimizer, criterion, dataloader, lr_scheduler)
+        finally:
+            if own:
+                self.custom_policy = None
         if self.zen_config.enabled:
             from torch.nn.parallel import DistributedDataParallel
 
