@@ -204,7 +204,11 @@ class AutoScheme(SyncScheme):
         best = ranked[0]
         n, d = profile.n, profile.density()
         gammas = profile.gammas() if n > 1 else {1: 1.0}
-        rule = "Balanced Parallelism" if cm.prefers_balanced_parallelism(n, gammas) else "Hierarchical Centralization"
+        if n == 1:
+            rule = "nothing (n=1)"
+        else:
+            rule = "Balanced Parallelism" if cm.prefers_balanced_parallelism(n, gammas) else \
+                "Hierarchical Centralization"
         parts = [f"predicted {mean[best] * 1e3:.3f} ms"]
         if "dense" in mean and best != "dense":
             parts.append(f"dense {mean['dense'] * 1e3:.3f} ms")
