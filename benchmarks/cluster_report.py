@@ -177,8 +177,8 @@ def e2e_section(rows: list[dict], out_dir: str) -> tuple[list[str], dict]:
     if not rows:
         return ["No end-to-end results (cluster_e2e.jsonl missing)."], {}
     lines = ["| config | scheme / sparsity | steps timed | step s (min / med / max) | tokens/s (median) | "
-             "vs dense | sync s per step | final loss | bytes sent per step (MB) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+             "vs dense | fwd / bwd incl. grad sync / opt s | ZEN sync s | final loss | MB sent per step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     summary = {}
     for rate in sorted({r["rate"] for r in rows}):
         rs = [r for r in rows if r["rate"] == rate]
@@ -192,7 +192,8 @@ def e2e_section(rows: list[dict], out_dir: str) -> tuple[list[str], dict]:
             lines.append(
                 f"| {r['config']} | {r.get('describe', '')} | {r['steps_timed']} | {r['step_s_min']:.3f} / "
                 f"{r['step_s_med']:.3f} / {r['step_s_max']:.3f} | {r['tokens_per_s_med']:.0f} | "
-                f"{'–' if vs is None else f'{vs:.2f}×'} | {'–' if sync is None else f'{sync:.3f}'} | "
+                f"{'–' if vs is None else f'{vs:.2f}×'} | {r['forward_s_med']:.3f} / {r['backward_s_med']:.3f} / "
+                f"{r['optimizer_s_med']:.3f} | {'–' if sync is None else f'{sync:.3f}'} | "
                 f"{r['losses'][-1]:.4f} | {'–' if mb is None else f'{mb / 1e6:.2f}'} |")
     try:
         import matplotlib
