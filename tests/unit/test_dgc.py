@@ -10,6 +10,7 @@ import torch
 
 from zen_ext import SimWorld
 from zen_ext.compress import DGCConfig, DGCSparsifier, NamedGrad, SparsifierState
+from zen_ext.compress import dgc as dgc_module
 from zen_ext.compress.dgc import REFINE_BAND
 
 
@@ -271,14 +272,19 @@ def test_host_synchronizations_do_not_grow_with_the_number_of_tensors(monkeypatc
 
         monkeypatch.setattr(torch.Tensor, meth, counted)
     gen = torch.Generator().manual_seed(7)
-    counts = []
-    for num in (1, 12):
+    grads = [torch.randn(3000, generator=gen) for _ in range(12)]
+
+    def reads(num):
         sp = DGCSparsifier(DGCConfig(enabled=True, momentum_correction=True, clip_norm=1.0))
-        grads = [torch.randn(3000, generator=gen) for _ in range(num)]
         calls["n"] = 0
-        compress(sp, *grads)
-        counts.append(calls["n"])
-    assert counts[0] == counts[1] <= 3, counts
+        compress(sp, *grads[:num])
+        return calls["n"]
+
+    # The CPU path may stop the threshold search early: one flag read per pass, not per tensor.
+    assert max(reads(1), reads(12)) <= 2 + dgc_module.REFINE_PASSES
+    # The GPU path: finiteness check and the nonzero, whatever the number of tensors.
+    monkeypatch.setattr(dgc_module, "FREE_HOST_READ_DEVICES", ())
+    assert reads(1) == reads(12) == 2
 
 
 # --- tensor parallelism ------------------------------------------------------------------------------

@@ -72,6 +72,8 @@ REFINE_PASSES = 3
 """Threshold refinement passes after the sampled estimate (each one count over the tensor)."""
 REFINE_BAND = (0.8, 1.25)
 """A count within ``[0.8·k, 1.25·k]`` is accepted; outside it the threshold moves (``_ThresholdSearch``)."""
+FREE_HOST_READ_DEVICES = ("cpu",)
+"""Device types where the search may read its done flags on the host to stop early (free on CPU)."""
 MIN_KEPT_SAMPLES = 8
 """At least this many samples above the threshold (``8 / density`` samples), or small tensors get
 a threshold from one or two values."""
@@ -195,11 +197,13 @@ class DGCSparsifier(Sparsifier):
         total = sum(f.numel() for f in flats)
 
         # Step 1: an overflowed (fp16) gradient must reach the engine as such and never the memory.
-        finite = torch.stack([torch.isfinite(f).all() for f in flats]).all()
-        if not bool(finite):
+        # A sum is non-finite if any element is (one cheap pass); only then look element-wise, since
+        # a sum of huge finite values may overflow too.
+        if not bool(torch.isfinite(torch.stack([f.sum(dtype=adt) for f in flats])).all()):
             cat = torch.cat(flats)
             bad = (~torch.isfinite(cat)).nonzero().flatten()
-            return SparseGrad(bad, cat[bad], total)
+            if bad.numel():
+                return SparseGrad(bad, cat[bad], total)
 
         # Step 2: local clipping, then accumulate the velocity (momentum correction) or the gradient.
         vs = []
@@ -270,11 +274,16 @@ class DGCSparsifier(Sparsifier):
         # Sampled: start at the sample's density quantile, then search (counts are global under TP).
         searches = [_ThresholdSearch(s.sort(descending=True).values, k, n) for s, k, n in zip(samples_U, k_U, numel_U)]
         for _ in range(REFINE_PASSES):
-            counts_U = torch.stack([sum((abs_vs[i] >= s.thr).sum() for i in u) for u, s in zip(units, searches)])
+            counts_U = torch.stack([sum(torch.count_nonzero(abs_vs[i] >= s.thr) for i in u)
+                                    for u, s in zip(units, searches)])
             if tp:
                 tp_comm.all_reduce(counts_U)
             for j, s in enumerate(searches):
                 s.update(counts_U[j])
+            # On the CPU reading a flag costs nothing: stop once every unit is in the band. On a GPU
+            # the passes run blind (a read would synchronize). TP ranks decide alike (global counts).
+            if counts_U.device.type in FREE_HOST_READ_DEVICES and bool(torch.stack([s.done for s in searches]).all()):
+                break
         return [s.thr for s in searches]
 
     def _sample(self, parts: list[torch.Tensor], numel: int, density: float, key: str) -> torch.Tensor:
@@ -318,7 +327,8 @@ class _ThresholdSearch:
         dev = sorted_S.device
         self.sorted_S, self.k = sorted_S, k
         ns = sorted_S.numel()
-        self.rank = torch.tensor(min(max(1.0, k * ns / numel), ns), dtype=torch.float64, device=dev)
+        # torch.full launches a fill; torch.tensor(x, device=cuda) would copy and synchronize.
+        self.rank = torch.full((), min(max(1.0, k * ns / numel), ns), dtype=torch.float64, device=dev)
         self.thr = _at_rank(sorted_S, self.rank)
         f64 = dict(dtype=torch.float64, device=dev)
         self.done = torch.zeros((), dtype=torch.bool, device=dev)
