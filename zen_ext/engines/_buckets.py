@@ -19,6 +19,7 @@ Elements covered by no slice (alignment padding) are reduced dense by the Synchr
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -117,7 +118,7 @@ def split_to_cap(numel: int, slices: Sequence[GradSlice], cap: int,
 
 
 def _rebase(s: GradSlice, base: int) -> GradSlice:
-    return GradSlice(s.name, s.offset - base, s.numel, s.shape)
+    return dataclasses.replace(s, offset=s.offset - base)
 
 
 def _row_width(s: GradSlice) -> int:
@@ -148,7 +149,8 @@ def clip_slices(slices: Sequence[GradSlice], start: int, end: int) -> list[GradS
     """The parts of ``slices`` inside ``[start, end)``, rebased to ``start``.
 
     A clipped 2-D slice keeps its row shape when the part is whole rows; any other part is 1-D.
-    Names are kept, so per-parameter state (DGC residuals) stays keyed by parameter.
+    Names are kept and ``start`` records where the part begins in its parameter, so sparsifier
+    memory (DGC residuals) is keyed by ``(name, start)``.
     """
     out = []
     for s in slices:
@@ -156,12 +158,12 @@ def clip_slices(slices: Sequence[GradSlice], start: int, end: int) -> list[GradS
         if a >= b:
             continue
         if (a, b) == (s.offset, s.offset + s.numel):
-            out.append(GradSlice(s.name, a - start, s.numel, s.shape))
+            out.append(_rebase(s, start))
             continue
         w = _row_width(s)
         whole_rows = w > 1 and (a - s.offset) % w == 0 and (b - a) % w == 0
         shape = ((b - a) // w, *s.shape[1:]) if whole_rows else (b - a,)
-        out.append(GradSlice(s.name, a - start, b - a, tuple(shape)))
+        out.append(GradSlice(s.name, a - start, b - a, tuple(shape), start=s.start + a - s.offset))
     return out
 
 
