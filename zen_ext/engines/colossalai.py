@@ -28,7 +28,8 @@ Not served (clear errors): ``pp_size > 1`` (ColossalAI then reduces per paramete
 ``sync_dp_grads``, not through DDP), ``zero_stage > 0`` (LowLevelZeroOptimizer buckets; on CPU
 ColossalAI's ZeRO refuses to run at all), sequence parallelism, ``fp8_communication`` (a second comm
 hook). On CPU, ``apply_cpu_patches`` fixes ColossalAI 0.5.0's ``CpuAccelerator`` RNG methods
-(upstream hpcaitech/ColossalAI#5211), which ShardFormer needs to build vocab-parallel layers.
+(upstream hpcaitech/ColossalAI#5211), which ShardFormer needs to build vocab-parallel layers, and its
+``synchronize`` (optimizer checkpoint loading calls it).
 """
 
 from __future__ import annotations
@@ -86,10 +87,15 @@ def _initial_seed(self):
     return torch.initial_seed()
 
 
+def _no_op(self, *args, **kwargs):
+    return None  # CPU kernels are synchronous and there is no device cache to empty
+
+
 # The CpuAccelerator methods that raise "not supported for cpu accelerator" (or, get_rng_state, a
-# TypeError) although the CPU generator serves them. ShardFormer's Randomizer calls get_rng_state and
-# manual_seed while it builds VocabParallelEmbedding1D (hpcaitech/ColossalAI#5211, PR #5265 unmerged).
-_CPU_RNG_PATCHES = {
+# TypeError) although the CPU serves them. ShardFormer's Randomizer calls get_rng_state and
+# manual_seed while it builds VocabParallelEmbedding1D (hpcaitech/ColossalAI#5211, PR #5265 unmerged);
+# loading an optimizer checkpoint calls synchronize (checkpoint_io/utils.py load_states_into_optimizer).
+_CPU_PATCHES = {
     "get_rng_state": _get_rng_state,
     "get_rng_state_all": _get_rng_state_all,
     "set_rng_state_all": _set_rng_state_all,
@@ -98,12 +104,15 @@ _CPU_RNG_PATCHES = {
     "seed": _seed,
     "seed_all": _seed,
     "initial_seed": _initial_seed,
+    "synchronize": _no_op,
+    "empty_cache": _no_op,
 }
 _PATCH_MARK = "_zen_ext_cpu_patched"
 
 
 def apply_cpu_patches() -> bool:
-    """Make ColossalAI 0.5.0's CPU accelerator serve its RNG methods with the CPU generator.
+    """Make ColossalAI 0.5.0's CPU accelerator serve its RNG methods with the CPU generator, and
+    ``synchronize`` / ``empty_cache`` as no-ops.
 
     Applied only when the selected accelerator is the CPU (no CUDA or NPU device); idempotent.
 
@@ -115,10 +124,10 @@ def apply_cpu_patches() -> bool:
         return False
     cls = type(accel)
     if not getattr(cls, _PATCH_MARK, False):
-        for name, fn in _CPU_RNG_PATCHES.items():
+        for name, fn in _CPU_PATCHES.items():
             setattr(cls, name, fn)
         setattr(cls, _PATCH_MARK, True)
-        log.info("zen: patched ColossalAI CpuAccelerator RNG methods (%s)", ", ".join(_CPU_RNG_PATCHES))
+        log.info("zen: patched ColossalAI CpuAccelerator methods (%s)", ", ".join(_CPU_PATCHES))
     return True
 
 
