@@ -195,7 +195,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--work", default="/tmp/zen_cluster/e2e", help="tokenizer cache and logs")
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per configuration")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration")
     p.add_argument("--block", type=int, default=2, help="consecutive timed steps of one configuration")
     p.add_argument("--reps", type=int, default=5, help="interleaved repeats (blocks per configuration)")
     p.add_argument("--lr", type=float, default=3e-4)

@@ -134,6 +134,35 @@ def measure(scheme_name: str, step, n: int, reps: int) -> dict:
     return {name: mmm([p.get(name, 0.0) for p in per_rep]) for name in names}
 
 
+def decode_profile(step, n: int, reps: int, seed: int = 0) -> dict:
+    """What ``zen``'s decode spends on ``P⁻¹`` of the union, vs a precomputed ``P⁻¹`` table.
+
+    Every rank maps all ``|∪I|`` pulled positions back to indices with the keyed permutation (the
+    table-free hash bitmap). The paper instead keeps each server's ordered index set in memory; a
+    ``numel``-entry inverse table turns the same work into one gather. Timed on the first slice.
+    """
+    from zen_ext import ops
+    from zen_ext.core.hashing import HashPartitioner
+
+    grads = next(iter(step.slices.values()))[:n]
+    numel = grads[0].numel
+    part = HashPartitioner(numel, n, seed)
+    y = ops.permute(torch.unique(torch.cat([g.indices for g in grads])), numel, part.keys)
+    t0 = time.perf_counter()
+    table = part.unpermute(torch.arange(numel, dtype=torch.int64)).to(torch.int32)
+    build_s = time.perf_counter() - t0
+    t_unperm, t_gather = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        part.unpermute(y)
+        t_unperm.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        table[y]
+        t_gather.append(time.perf_counter() - t0)
+    return dict(union=y.numel(), numel=numel, unpermute_s=statistics.median(t_unperm),
+                table_gather_s=statistics.median(t_gather), table_build_s=build_s, table_bytes=table.numel() * 4)
+
+
 def saved_s(comm_rows: list[dict], label: str, scheme: str, rate: str) -> tuple[float, float] | None:
     """(dense median, scheme median) of the newest bench_comm rows for ``label`` at ``rate``."""
     med = {}
@@ -162,6 +191,7 @@ def main(argv=None) -> int:
     for spec in a.workload:
         label, path, step = load_workload(spec)
         n = min(a.ranks, step.world_size)
+        dp = decode_profile(step, n, a.reps)
         for scheme in a.schemes:
             ph = measure(scheme, step, n, a.reps)
             med = {k: v[1] for k, v in ph.items()}
@@ -179,7 +209,7 @@ def main(argv=None) -> int:
                        phases={k: dict(min=v[0], med=v[1], max=v[2]) for k, v in ph.items()},
                        hash_s=med.get("hash_s", 0.0), encode_s=sum(med.get(k, 0.0) for k in ENCODE_PHASES),
                        aggregate_s=med.get("aggregate_s", 0.0), decode_s=med.get("decode_s", 0.0),
-                       compute_s=compute, vs_lab=vs, torch=torch.__version__,
+                       compute_s=compute, vs_lab=vs, decode_profile=dp, torch=torch.__version__,
                        loadavg=open("/proc/loadavg").read().split()[:3])
             rel = "  ".join(f"{rate}: saved {v['saved_s'] * 1e3:.0f} ms, overhead {100 * v['overhead_over_saved']:.1f} %"
                             for rate, v in vs.items() if v["overhead_over_saved"] is not None)
@@ -187,6 +217,9 @@ def main(argv=None) -> int:
                   f"{1e3 * rec['aggregate_s']:8.2f} {1e3 * rec['decode_s']:9.2f} {1e3 * compute:8.2f}  {rel}", flush=True)
             if a.out:
                 append_jsonl(a.out, rec)
+        print(f"{label:>16} decode: P^-1 of the union ({dp['union']:,} of {dp['numel']:,}) "
+              f"{1e3 * dp['unpermute_s']:.2f} ms; with a {dp['table_bytes'] / 2**20:.0f} MiB inverse table "
+              f"{1e3 * dp['table_gather_s']:.2f} ms (built once in {dp['table_build_s']:.2f} s)", flush=True)
     return 0
 
 
