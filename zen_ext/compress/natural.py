@@ -20,13 +20,12 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
 from torch import nn
 
 from ..core.types import SparseGrad
 from .base import NamedGrad, Sparsifier, check_bool, config_from_dict
 
-log = logging.getLogger(__name__)
+logger = logging.getLogger(__name__)
 _logged: set[str] = set()
 
 
@@ -80,7 +79,7 @@ def _log_once(msg: str, *args) -> None:
     text = msg % args
     if text not in _logged:
         _logged.add(text)
-        log.info(text)
+        logger.info(text)
 
 
 def _is_embedding(module: nn.Module, hf_input: nn.Module | None) -> bool:

@@ -183,7 +183,6 @@ class Synchronizer:
         # Step 1: plan.
         plan = self._plan_for(flat_N, slices, op)
         out_N = torch.empty_like(flat_N)
-        timings: dict = {}
 
         # Step 2: one dense all-reduce for everything routed dense.
         if plan.dense_ranges:
@@ -204,6 +203,7 @@ class Synchronizer:
             t0 = time.perf_counter()
             sg = self._natural.compress([NamedGrad(s.name, flat_N[s.offset : s.offset + s.numel].view(s.shape))])
             st["compress_s"] += time.perf_counter() - t0
+            timings: dict = {}
             res = self.scheme.sync(dp, sg, op, timings=timings, key=f"{s.name}:natural")
             self._note_scheme(timings)
             out_N[s.offset : s.offset + s.numel] = res
@@ -216,6 +216,7 @@ class Synchronizer:
             sg = self._dgc.compress(grads, tp_comm=self.tp_comm)
             idx_K = self._to_bucket(plan, sg.indices)
             st["compress_s"] += time.perf_counter() - t0
+            timings = {}
             res = self.scheme.sync(dp, SparseGrad(idx_K, sg.values, plan.numel), op, timings=timings, key=plan.dgc_key)
             self._note_scheme(timings)
             for s in plan.dgc:
@@ -304,7 +305,7 @@ class Synchronizer:
     def _note_scheme(self, timings: dict) -> None:
         # A planner scheme reports what it chose under "scheme"; the others are their own name.
         self._stats["schemes"].add(str(timings.get("scheme", self.scheme.name)))
-        self._stats["hash_s"] += timings.pop("hash_s", 0.0)
+        self._stats["hash_s"] += timings.get("hash_s", 0.0)
 
     # --- planning -----------------------------------------------------------------------------------
     def _plan_for(self, flat_N: torch.Tensor, slices: list[GradSlice], op: str) -> _Plan:
