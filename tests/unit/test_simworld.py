@@ -71,3 +71,20 @@ def test_bad_arguments():
         SimWorld(2).run(lambda c, x: x, [1])
     with pytest.raises(RuntimeError, match="one tensor per rank"):
         SimWorld(2).run(lambda c: c.exchange_v([torch.ones(1)]))
+
+
+def test_communicators_driven_by_own_threads():
+    import threading
+
+    comms = SimWorld(2).communicators()
+    out = [None, None]
+
+    def body(c):
+        out[c.rank] = c.all_gather_v(torch.tensor([float(c.rank)]))
+
+    threads = [threading.Thread(target=body, args=(c,)) for c in comms]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [torch.cat(o).tolist() for o in out] == [[0.0, 1.0], [0.0, 1.0]]

@@ -39,8 +39,12 @@ class SimCommunicator(Communicator):
     def __init__(self, rank: int, size: int, shared: _Shared) -> None:
         super().__init__()
         self.rank, self.size, self._sh = rank, size, shared
+        self._holding = False  # holds a compute token (set by SimWorld.run)
 
     def _wait(self) -> None:
+        if not self._holding:  # driven by the caller's own threads, outside SimWorld.run
+            self._sh.barrier.wait()
+            return
         self._sh.active.release()
         try:
             self._sh.barrier.wait()
@@ -129,6 +133,7 @@ class SimWorld:
         def body(r: int) -> None:
             sh = comms[r]._sh
             sh.active.acquire()
+            comms[r]._holding = True
             try:
                 args = (comms[r],) if inputs is None else (comms[r], inputs[r])
                 results[r] = fn(*args)
