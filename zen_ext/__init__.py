@@ -4,4 +4,14 @@ from .comm import CommStats, Communicator, SimWorld
 from .core import SparseGrad, available_schemes, build_scheme
 
 __version__ = "0.1.0"
-__all__ = ["CommStats", "Communicator", "SimWorld", "SparseGrad", "available_schemes", "build_scheme", "__version__"]
+__all__ = ["CommStats", "Communicator", "GradSlice", "SimWorld", "SparseGrad", "Synchronizer", "available_schemes",
+           "build_scheme", "__version__"]
+
+
+def __getattr__(name):
+    # The synchronizer pulls in the sparsifiers: imported on first use to keep `import zen_ext` light.
+    if name in ("Synchronizer", "GradSlice"):
+        from .core import synchronizer
+
+        return getattr(synchronizer, name)
+    raise AttributeError(f"module 'zen_ext' has no attribute {name!r}")
