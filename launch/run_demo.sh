@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# The README's demo command: set-up (idempotent), then the offline fine-tuning demo
+# (tiny Llama, 2 CPU processes, deepspeed launcher, DGC + natural sparsity + scheme "auto").
+# Extra arguments go to the demo, e.g. `bash launch/run_demo.sh --steps 100 --dense`.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+bash launch/setup.sh
+export OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1
+exec .venv/bin/python -m zen_ext demo "$@"
