@@ -9,10 +9,12 @@ train). Launch with torchrun or the ``deepspeed`` launcher (its ``--local_rank``
         --data pydoc --tokenizer train --steps 50 --output_dir runs/cai_tp2_dgc
     deepspeed --num_gpus 4 recipes/finetune_llm_colossalai.py --config ... (same arguments)
 
-Outputs in ``--output_dir``: ``tokenizer.json`` (a trained tokenizer), ``train_log.jsonl`` (loss,
-tokens/s, bytes per step; eval loss), ``zen_stats.jsonl`` (ZEN's per-step record, rank 0),
+Outputs in ``--output_dir``, as the DeepSpeed recipe's (whose data, evaluation, progress bar and
+output writers this recipe reuses): ``tokenizer.json`` (a trained tokenizer), ``train_log.jsonl``
+(loss, tokens/s, bytes per step; eval loss), ``zen_stats.jsonl`` (ZEN's per-step record, rank 0),
 ``checkpoints/step_<n>/`` (model and optimizer through the booster, each rank's ZEN state, the step),
-and a summary printed at the end (bytes vs dense all-reduce, loss curve).
+``summary.json`` and ``loss.png``, and a summary printed at the end (bytes vs dense all-reduce, loss
+curve).
 """
 
 from __future__ import annotations
@@ -20,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
@@ -32,32 +33,28 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from recipes import common  # noqa: E402
+from recipes.finetune_llm import _progress, evaluate, prepare_data, write_outputs  # noqa: E402
 
 
 @dataclass(kw_only=True)
 class TrainSettings:
-    """The ``"train"`` section of a ColossalAI config (the recipe's knobs)."""
+    """The ``"train"`` section of a ColossalAI config: what a DeepSpeed config says about batches and
+    the optimizer (ColossalAI takes them as Python objects)."""
 
     micro_batch_size: int = 4
     """Sequences per data-parallel rank per micro-batch (TP ranks of a replica share it). Default 4."""
     gradient_accumulation_steps: int = 1
     """Micro-batches per optimizer step; DDP (and ZEN) synchronize only the last one. Default 1."""
-    seq_len: int = 128
-    """Tokens per packed sequence. Default 128."""
     lr: float = 1e-3
-    """AdamW learning rate, > 0. Default 1e-3."""
+    """AdamW peak learning rate, > 0. Default 1e-3."""
+    beta1: float = 0.9
+    """AdamW beta1, in [0, 1). Default 0.9."""
+    beta2: float = 0.95
+    """AdamW beta2, in [0, 1). Default 0.95."""
     weight_decay: float = 0.0
     """AdamW weight decay, >= 0. Default 0."""
     warmup_steps: int = 0
-    """Linear learning-rate warm-up steps, >= 0. Default 0."""
-    eval_every: int = 0
-    """Evaluate every this many steps (0: only at the end). Default 0."""
-    eval_fraction: float = 0.05
-    """Share of the packed blocks held out for evaluation, in [0, 0.5]. Default 0.05."""
-    save_every: int = 0
-    """Checkpoint every this many steps (0: only at the end). Default 0."""
-    seed: int = 0
-    """Seed of the model initialization and the data order. Default 0."""
+    """Linear learning-rate warm-up from 0 over this many steps (DeepSpeed's WarmupLR), >= 0. Default 0."""
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainSettings":
@@ -73,10 +70,9 @@ class TrainSettings:
                 raise TypeError(f"train.{f.name} ({v!r}) must be {'an integer' if f.type == 'int' else 'a number'}")
         rules = [("micro_batch_size", s.micro_batch_size >= 1, "be >= 1"),
                  ("gradient_accumulation_steps", s.gradient_accumulation_steps >= 1, "be >= 1"),
-                 ("seq_len", s.seq_len >= 2, "be >= 2"), ("lr", s.lr > 0, "be > 0"),
-                 ("weight_decay", s.weight_decay >= 0, "be >= 0"), ("warmup_steps", s.warmup_steps >= 0, "be >= 0"),
-                 ("eval_every", s.eval_every >= 0, "be >= 0"), ("save_every", s.save_every >= 0, "be >= 0"),
-                 ("eval_fraction", 0 <= s.eval_fraction <= 0.5, "be in [0, 0.5]")]
+                 ("lr", s.lr > 0, "be > 0"), ("beta1", 0 <= s.beta1 < 1, "be in [0, 1)"),
+                 ("beta2", 0 <= s.beta2 < 1, "be in [0, 1)"), ("weight_decay", s.weight_decay >= 0, "be >= 0"),
+                 ("warmup_steps", s.warmup_steps >= 0, "be >= 0")]
         for name, ok, rule in rules:
             if not ok:
                 raise ValueError(f"train.{name} ({getattr(s, name)!r}) must {rule}")
@@ -91,8 +87,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", default=common.BUILTIN_TEXT, help="pydoc, a .txt/.md/.jsonl file or directory, hf:<name>")
     p.add_argument("--tokenizer", default="train", help="HF name or path, or 'train' (BPE on the data)")
     p.add_argument("--vocab_size", type=int, default=1024, help="vocabulary of a trained tokenizer")
-    p.add_argument("--steps", type=int, default=50, help="optimizer steps")
+    p.add_argument("--seq_len", type=int, default=128, help="tokens per packed sequence")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps (in total, including resumed ones)")
+    p.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
+    p.add_argument("--eval_fraction", type=float, default=0.05, help="share of packed blocks held out for eval")
+    p.add_argument("--save_every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--max_docs", type=int, default=0, help="use only the first N documents (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="model initialization and data order")
     p.add_argument("--output_dir", default="runs/colossalai")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher; unused")
@@ -100,22 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # --- pieces of the run ----------------------------------------------------------------------------------
-def prepare_data(args, train: TrainSettings, rank: int):
-    """Texts → tokenizer (trained once, on rank 0) → packed train/eval blocks."""
-    texts = common.load_texts(args.data)
-    if args.max_docs:
-        texts = texts[: args.max_docs]
-    if rank == 0:
-        tokenizer = common.build_tokenizer(args.tokenizer, texts, args.output_dir, args.vocab_size)
-    dist.barrier()
-    if rank != 0:
-        tokenizer = common.build_tokenizer(args.tokenizer, texts, args.output_dir, args.vocab_size)
-    blocks = common.pack_tokens(texts, tokenizer, train.seq_len)
-    return tokenizer, *common.split_blocks(blocks, train.eval_fraction, seed=train.seed)
-
-
-def build_model(args, tokenizer, seed: int):
-    model = common.build_model(args.model, seed=seed, vocab_size=len(tokenizer))
+def build_model(args, tokenizer):
+    vocab = len(tokenizer) if args.model.endswith(".json") else None
+    model = common.build_model(args.model, seed=args.seed, vocab_size=vocab)
     if model.config.model_type == "opt" and model.config._attn_implementation != "eager":
         # ColossalAI 0.5.0's OPT policy maps only eager and flash_attention_2 (sdpa: KeyError).
         model.config._attn_implementation = "eager"
@@ -128,24 +116,13 @@ def data_parallel(plugin) -> tuple[int, int, object]:
     return dist.get_rank(group), dist.get_world_size(group), group
 
 
-def evaluate(model, blocks, micro_batch: int, dp_rank: int, dp_size: int, dp_group) -> float:
-    """Mean loss over this replica's share of the eval blocks, averaged over the replicas."""
-    model.eval()
-    total = torch.zeros(2, dtype=torch.float64)
-    with torch.no_grad():
-        for batch in common.eval_batches(blocks, micro_batch, dp_rank, dp_size):
-            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-            total += torch.tensor([loss.item() * batch.shape[0], batch.shape[0]], dtype=torch.float64)
-    model.train()
-    dist.all_reduce(total, group=dp_group)
-    return (total[0] / total[1]).item() if total[1] else float("nan")
-
-
-def save_checkpoint(booster, plugin, model, optimizer, out_dir: str, step: int, rank: int) -> None:
+def save_checkpoint(booster, plugin, model, optimizer, scheduler, out_dir: str, step: int, rank: int) -> None:
+    """Model and optimizer (sharded, through the booster), the scheduler, each rank's ZEN state, the step."""
     path = os.path.join(out_dir, "checkpoints", f"step_{step}")
     os.makedirs(path, exist_ok=True)
     booster.save_model(model, os.path.join(path, "model"), shard=True)
     booster.save_optimizer(optimizer, os.path.join(path, "optimizer"), shard=True)
+    booster.save_lr_scheduler(scheduler, os.path.join(path, "scheduler.pt"))
     if plugin.zen is not None:  # DGC residuals and momenta differ per rank
         torch.save(plugin.zen.state_dict(), os.path.join(path, f"zen_rank{rank:05d}.pt"))
     dist.barrier()
@@ -157,7 +134,7 @@ def save_checkpoint(booster, plugin, model, optimizer, out_dir: str, step: int, 
     dist.barrier()
 
 
-def load_checkpoint(booster, plugin, model, optimizer, out_dir: str, rank: int) -> int:
+def load_checkpoint(booster, plugin, model, optimizer, scheduler, out_dir: str, rank: int) -> int:
     """Restore the latest checkpoint; returns its step (0 when there is none)."""
     latest = os.path.join(out_dir, "checkpoints", "latest")
     if not os.path.isfile(latest):
@@ -166,6 +143,7 @@ def load_checkpoint(booster, plugin, model, optimizer, out_dir: str, rank: int) 
         path = os.path.join(out_dir, "checkpoints", f.read().strip())
     booster.load_model(model, os.path.join(path, "model"))
     booster.load_optimizer(optimizer, os.path.join(path, "optimizer"))
+    booster.load_lr_scheduler(scheduler, os.path.join(path, "scheduler.pt"))
     zen_path = os.path.join(path, f"zen_rank{rank:05d}.pt")
     if plugin.zen is not None and os.path.isfile(zen_path):
         plugin.zen.load_state_dict(torch.load(zen_path, map_location="cpu", weights_only=False))
@@ -174,58 +152,59 @@ def load_checkpoint(booster, plugin, model, optimizer, out_dir: str, rank: int) 
 
 
 # --- the run --------------------------------------------------------------------------------------------
-def main(argv=None) -> dict:
-    """Run the fine-tuning; returns the final record (rank 0's view) for tests and scripts."""
+def main(argv=None) -> list[dict]:
+    """Run the fine-tuning; returns the per-step records (rank 0's view) for tests and scripts."""
     import colossalai
 
     from zen_ext.colossalai import ColossalAIConfig, build_booster
     from zen_ext.engines.colossalai import config_summary
 
     args = parse_args(argv)
-    # Step 1: processes, config (validated before anything heavy runs).
+    # Step 1: processes and config (validated before anything heavy runs).
     cfg = ColossalAIConfig.from_json(args.config)
     train = TrainSettings.from_dict(cfg.train)
     if cfg.zen.enabled and cfg.zen.stats.jsonl_path is None:
         cfg.zen.stats.jsonl_path = os.path.join(args.output_dir, "zen_stats.jsonl")
     if not dist.is_initialized():
-        colossalai.launch_from_torch(seed=train.seed, verbose=False)
+        colossalai.launch_from_torch(seed=args.seed, verbose=False)
     rank = dist.get_rank()
     os.makedirs(args.output_dir, exist_ok=True)
 
     # Step 2: data, model, booster.
-    tokenizer, train_blocks, eval_blocks = prepare_data(args, train, rank)
+    tokenizer, train_blocks, eval_blocks = prepare_data(args, rank)
     booster = build_booster(cfg)
     plugin = booster.plugin
-    model = build_model(args, tokenizer, train.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, weight_decay=train.weight_decay)
-    warmup = max(train.warmup_steps, 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+    model = build_model(args, tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=(train.beta1, train.beta2),
+                                  weight_decay=train.weight_decay)
+    warmup = train.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, s / warmup) if warmup else 1.0)
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
+    zen = plugin.zen
     dp_rank, dp_size, dp_group = data_parallel(plugin)
-    start = load_checkpoint(booster, plugin, model, optimizer, args.output_dir, rank) if args.resume else 0
+    start = load_checkpoint(booster, plugin, model, optimizer, scheduler, args.output_dir, rank) if args.resume else 0
+    micro, accum = train.micro_batch_size, train.gradient_accumulation_steps
     if rank == 0:
         print(f"colossalai recipe: {config_summary(cfg)} world={dist.get_world_size()} dp={dp_size} "
-              f"train_blocks={len(train_blocks)} eval_blocks={len(eval_blocks)} start_step={start}", flush=True)
+              f"micro_batch={micro} accum={accum} train_blocks={len(train_blocks)} eval_blocks={len(eval_blocks)} "
+              f"start_step={start}", flush=True)
 
     # Step 3: train.
-    accum = train.gradient_accumulation_steps
-    batches = common.train_batches(train_blocks, train.micro_batch_size, dp_rank, dp_size, seed=train.seed,
-                                   start_step=start * accum)
-    log_path = os.path.join(args.output_dir, "train_log.jsonl")
-    log_file = open(log_path, "a") if rank == 0 else None
+    batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)
+    log_file = open(os.path.join(args.output_dir, "train_log.jsonl"), "a") if rank == 0 else None
     progress = _progress(rank, start, args.steps)
-    rec: dict = {}
+    records: list[dict] = []
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         loss_sum = 0.0
-        for micro in range(accum):
+        for i in range(accum):
             batch = next(batches)
-            last = micro == accum - 1
+            last = i == accum - 1
             with _no_sync(booster, model, optimizer, not last):
-                loss = model(input_ids=batch, labels=batch).loss
-                loss_sum += loss.item()
-                if last and plugin.zen is not None:
-                    plugin.zen.annotate(loss=loss_sum / accum)  # the hook closes this step's record
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+                loss_sum += loss.float().item()
+                if last and zen is not None:
+                    zen.annotate(loss=loss_sum / accum)  # the hook closes this step's record in backward
                 booster.backward(loss / accum, optimizer)
         optimizer.step()
         optimizer.zero_grad()
@@ -233,24 +212,28 @@ def main(argv=None) -> dict:
         mean = torch.tensor([loss_sum / accum])
         dist.all_reduce(mean, group=dp_group)
         rec = {"step": step, "loss": mean.item() / dp_size,
-               "tokens_per_s": accum * train.micro_batch_size * train.seq_len * dp_size / (time.perf_counter() - t0),
-               "bytes_sent": plugin.zen.stats.totals["bytes_sent"] if plugin.zen is not None else None}
-        if (train.eval_every and step % train.eval_every == 0) or step == args.steps:
-            rec["eval_loss"] = evaluate(model, eval_blocks, train.micro_batch_size, dp_rank, dp_size, dp_group)
+               "tokens_per_s": accum * micro * args.seq_len * dp_size / (time.perf_counter() - t0)}
+        if zen is not None:
+            rec["bytes_sent"] = zen.stats.totals["bytes_sent"]
+            rec["dense_bytes"] = zen.stats.totals["dense_bytes"]
+        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
+            rec["eval_loss"] = evaluate(model, eval_blocks, micro, dp_rank, dp_size, dp_group)
         if log_file is not None:
             log_file.write(json.dumps(rec) + "\n")
             log_file.flush()
+        records.append(rec)
         progress(rec)
-        if (train.save_every and step % train.save_every == 0) or step == args.steps:
-            save_checkpoint(booster, plugin, model, optimizer, args.output_dir, step, rank)
+        if (args.save_every and step % args.save_every == 0) or step == args.steps:
+            save_checkpoint(booster, plugin, model, optimizer, scheduler, args.output_dir, step, rank)
 
     # Step 4: summary.
-    if log_file is not None:
+    text = zen.summary() if zen is not None else None
+    if rank == 0:
         log_file.close()
-    if plugin.zen is not None:
-        plugin.zen.summary()
-        plugin.zen.close()
-    return rec
+        write_outputs(args.output_dir, records, text)
+    if zen is not None:
+        zen.close()
+    return records
 
 
 def _no_sync(booster, model, optimizer, skip: bool):
@@ -258,30 +241,6 @@ def _no_sync(booster, model, optimizer, skip: bool):
     from contextlib import nullcontext
 
     return booster.no_sync(model, optimizer) if skip else nullcontext()
-
-
-def _progress(rank: int, start: int, steps: int):
-    """A tqdm bar on rank 0 showing loss, tokens/s and bytes communicated; a no-op elsewhere."""
-    if rank != 0:
-        return lambda rec: None
-    from tqdm import tqdm
-
-    from zen_ext.engines.stats import format_bytes
-
-    bar = tqdm(total=steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout)
-
-    def update(rec: dict) -> None:
-        post = {"loss": f"{rec['loss']:.4f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
-        if rec.get("bytes_sent") is not None:
-            post["sent"] = format_bytes(rec["bytes_sent"])
-        if "eval_loss" in rec and math.isfinite(rec["eval_loss"]):
-            post["eval"] = f"{rec['eval_loss']:.4f}"
-        bar.set_postfix(post)
-        bar.update(1)
-        if rec["step"] == steps:
-            bar.close()
-
-    return update
 
 
 if __name__ == "__main__":
