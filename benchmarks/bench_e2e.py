@@ -1,229 +1,179 @@
-"""End-to-end benchmark on the emulated cluster: tokens/s of DeepSpeed fine-tuning, dense vs ZEN.
+"""End-to-end benchmark on the emulated cluster: tokens/s of the DeepSpeed fine-tuning recipe, dense vs ZEN.
 
 Usage (``benchmarks/run_cluster_report.sh`` runs it)::
 
     .venv/bin/python benchmarks/bench_e2e.py --rate 1gbit --out benchmarks/results/cluster_e2e.jsonl
 
-This driver starts the lab (``launch/netlab/launch.sh``, 4 hosts) and, on every host, the worker
-(``bench_e2e.py worker``), which trains the recipes' model/data pipeline (``recipes/common.py``: a
-Llama from ``--model``, BPE tokenizer trained on the built-in ``pydoc`` text, packed blocks, a
-disjoint batch per rank) with DeepSpeed ZeRO-0 and AdamW, one engine per configuration, all in the
-same processes:
+Runs ``recipes/finetune_llm.py`` itself, one process per emulated host (``launch/netlab/launch.sh``),
+once per configuration and repeat. The configurations differ only in the DeepSpeed config's
+``"zen"`` section (ZeRO-0, AdamW, micro-batch ``--micro-batch`` × ``--seq-len`` tokens per rank):
 
-* ``dense``: DeepSpeed's own gradient all-reduce (no ``"zen"`` section);
-* ``zen_dgc1`` / ``zen_dgc5``: ``zen_ext.deepspeed.initialize`` with ``{"scheme": "zen", "dgc":
-  {"enabled": true, "density": 0.01 / 0.05}}`` (DGC on every parameter, embedding included);
-* ``zen_natural``: ``{"scheme": "zen"}`` with natural sparsity only: the untied embedding's rows go
-  through ZEN, the rest through the dense all-reduce.
+* ``dense``: no section, DeepSpeed's own gradient all-reduce;
+* ``zen_dgc1`` / ``zen_dgc5``: ``{"scheme": "zen", "dgc": {"enabled": true, "density": 0.01 / 0.05}}``
+  (DGC on every parameter of ≥ ``dgc.min_numel`` elements, the embedding included);
+* ``zen_natural``: ``{"scheme": "zen"}`` with natural sparsity only: the untied embedding's non-zero
+  rows go through ZEN, everything else through the dense all-reduce (lossless: same losses as dense).
 
-Every engine starts from the same weights and sees the same batches in the same order, so the loss
-curves are comparable step by step. After ``--warmup`` untimed steps each, the configurations take
-turns in blocks of ``--block`` steps, rotated every repeat (``--reps`` repeats, interleaved), so load
-on the shared machine hits all of them alike. A step's time is the span from the first rank's start
-to the last rank's end; it is split into forward, backward (DeepSpeed reduces gradients at the end
-of backward in ZeRO-0) and optimizer step. tokens/s = ranks × micro-batch × sequence length / step time.
+Every run starts from the same weights and sees the same batches (same seed), so the loss curves are
+comparable step by step. Repeats are interleaved (each repeat runs every configuration, in a rotated
+order), with an optional wait for an idle machine before each run. Per run, the recipe's
+``train_log.jsonl`` gives tokens/s of every step (rank 0's step time, which ends with an all-reduce of
+the loss, so it includes the slowest rank); the first ``--warmup`` steps are dropped and the run's
+median is one sample. Reported per configuration: min/median/max over the repeats, the loss curve of
+the first repeat, and from ``zen_stats.jsonl`` ZEN's time inside the gradient reduction (``sync_s``,
+DGC compression included) and bytes sent per step. Checkpoints the recipe writes at the end are deleted.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_common import Lab, SpanProbe, append_jsonl, finish_process, init_from_env, mmm, wait_quiet  # noqa: E402
+from cluster_common import append_jsonl, goodput_bytes_per_s, mmm, read_jsonl, wait_quiet  # noqa: E402
 
 DEFAULT_MODEL = os.path.join(ROOT, "benchmarks", "configs", "llama-bench.json")
+RECIPE = os.path.join(ROOT, "recipes", "finetune_llm.py")
 CONFIGS = {
     "dense": dict(describe="DeepSpeed all-reduce", zen=None),
-    "zen_dgc1": dict(describe="zen, DGC 1 %", zen={"scheme": "zen", "dgc": {"enabled": True, "density": 0.01}}),
-    "zen_dgc5": dict(describe="zen, DGC 5 %", zen={"scheme": "zen", "dgc": {"enabled": True, "density": 0.05}}),
+    "zen_dgc1": dict(describe="zen, DGC 1 %", zen={"scheme": "zen", "dgc": {"enabled": True, "density": 0.01},
+                                                  "natural": {"enabled": False}}),
+    "zen_dgc5": dict(describe="zen, DGC 5 %", zen={"scheme": "zen", "dgc": {"enabled": True, "density": 0.05},
+                                                  "natural": {"enabled": False}}),
     "zen_natural": dict(describe="zen, embedding rows (rest dense)",
                         zen={"scheme": "zen", "natural": {"enabled": True}, "dgc": {"enabled": False}}),
 }
 
 
-# --- worker (one per emulated host) ---------------------------------------------------------------------
-def _engine(name: str, a, world: int):
-    import deepspeed
-
-    import zen_ext.deepspeed as zds
-    from recipes.common import build_model
-
-    model = build_model(a.model, seed=a.seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
-    ds_config = {"train_micro_batch_size_per_gpu": a.micro_batch, "gradient_accumulation_steps": 1,
-                 "train_batch_size": a.micro_batch * world, "zero_optimization": {"stage": 0},
-                 "steps_per_print": 10**9, "wall_clock_breakdown": False}
+def ds_config(name: str, a) -> dict:
+    """The DeepSpeed config of one configuration (the recipe's format, ``configs/demo_ds.json``)."""
+    cfg = {"train_micro_batch_size_per_gpu": a.micro_batch, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "torch_adam": True}},
+           "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
     zen = CONFIGS[name]["zen"]
-    if zen is None:
-        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
-    else:
-        engine, *_ = zds.initialize(model=model, optimizer=opt,
-                                    config={**ds_config, "zen": {**zen, "stats": {"summary": False}}})
-    return engine
+    if zen is not None:
+        cfg["zen"] = {**zen, "stats": {"summary": False}}
+    return cfg
 
 
-def _train_step(engine, ids: torch.Tensor, lab: Lab) -> tuple[dict, float]:
-    """One optimizer step, timed per phase; returns (span record, this rank's loss)."""
-    import torch.distributed as dist
-
-    dist.barrier()
-    zen = getattr(engine, "zen", None)
-    before = zen.totals if zen is not None else {}
-    probe = SpanProbe(lab)
-    t0 = time.perf_counter()
-    loss = engine(input_ids=ids, labels=ids).loss
-    t1 = time.perf_counter()
-    engine.backward(loss)
-    t2 = time.perf_counter()
-    engine.step()
-    t3 = time.perf_counter()
-    after = zen.totals if zen is not None else {}
-    d = {k: after.get(k, 0) - before.get(k, 0) for k in ("sync_s", "hash_s", "bytes_sent")}
-    rec = probe.finish(extra=[t1 - t0, t2 - t1, t3 - t2, d.get("sync_s", 0.0), d.get("hash_s", 0.0),
-                              d.get("bytes_sent", 0)])
-    return rec, float(loss.detach())
-
-
-def cmd_worker(a) -> int:
-    import torch.distributed as dist
-
-    from recipes.common import build_tokenizer, load_texts, pack_tokens, split_blocks, train_batches
-
-    rank, n = init_from_env()
-    lab = Lab.from_env()
-    names = a.configs.split(",")
-    texts = load_texts("pydoc")
-    # Rank 0 trains the tokenizer once; the others read the cached file.
-    if rank == 0:
-        tok = build_tokenizer("train", texts, cache_dir=a.work, vocab_size=a.tokenizer_vocab)
-    dist.barrier()
-    if rank != 0:
-        tok = build_tokenizer("train", texts, cache_dir=a.work, vocab_size=a.tokenizer_vocab)
-    blocks, _ = split_blocks(pack_tokens(texts, tok, a.seq_len), eval_fraction=0.0, seed=a.seed)
-    engines = {name: _engine(name, a, n) for name in names}
-    data = {name: train_batches(blocks, a.micro_batch, rank, n, seed=a.seed) for name in names}
-    losses: dict[str, list[float]] = {name: [] for name in names}
-    recs: dict[str, list[dict]] = {name: [] for name in names}
-    if rank == 0:
-        print(f"# bench_e2e: n={n} rate={lab.rate} configs={names} model={a.model} micro_batch={a.micro_batch} "
-              f"seq_len={a.seq_len} params={sum(p.numel() for p in engines[names[0]].module.parameters()):,}",
-              flush=True)
-
-    def step(name: str, timed: bool) -> None:
-        rec, loss = _train_step(engines[name], next(data[name]), lab)
-        got = [0.0] * n
-        dist.all_gather_object(got, loss)
-        losses[name].append(sum(got) / n)
-        if timed:
-            recs[name].append(rec)
-        if rank == 0:
-            print(f"{name:>12} step {len(losses[name]):3d} loss {losses[name][-1]:.4f} {rec['span']:.3f} s"
-                  f"{'' if timed else ' (warm-up)'}", flush=True)
-
-    for name in names:
-        for _ in range(a.warmup):
-            step(name, timed=False)
-    pre_busy = []
-    for rep in range(a.reps):
-        if a.quiet_wait > 0:
-            pre_busy.append(wait_quiet(a.quiet_wait, a.quiet_level) if rank == 0 else -1.0)
-            dist.barrier()
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
-            for _ in range(a.block):
-                step(name, timed=True)
-
-    if rank == 0:
-        tokens = n * a.micro_batch * a.seq_len
-        for name in names:
-            rs = recs[name]
-            spans = [r["span"] for r in rs]
-            col = lambda i: statistics.median(max(row[i] for row in r["extra"]) for r in rs)  # noqa: E731
-            s_min, s_med, s_max = mmm(spans)
-            rec = dict(bench="e2e", **lab.meta(), n=n, config=name, describe=CONFIGS[name]["describe"],
-                       zen=CONFIGS[name]["zen"], model=a.model, micro_batch=a.micro_batch, seq_len=a.seq_len,
-                       tokens_per_step=tokens, warmup=a.warmup, block=a.block, reps=a.reps, steps_timed=len(rs),
-                       step_times=spans, step_s_min=s_min, step_s_med=s_med, step_s_max=s_max,
-                       tokens_per_s_med=tokens / s_med, tokens_per_s_max=tokens / s_min,
-                       forward_s_med=col(0), backward_s_med=col(1), optimizer_s_med=col(2),
-                       sync_s_med=col(3) if CONFIGS[name]["zen"] else None,
-                       hash_s_med=col(4) if CONFIGS[name]["zen"] else None,
-                       bytes_sent_per_step=statistics.median(max(row[5] for row in r["extra"]) for r in rs)
-                       if CONFIGS[name]["zen"] else
-                       2 * (n - 1) / n * sum(p.numel() * p.element_size() for p in engines[name].module.parameters()),
-                       wire_tx_per_step=statistics.median(max(r["wire_tx"]) for r in rs),
-                       losses=losses[name], cpu_all=statistics.median(r["cpu_all"] for r in rs),
-                       foreign=statistics.median(r["foreign"] for r in rs), pre_busy=pre_busy,
-                       records=[dict(step_s=r["span"], cpu_all=r["cpu_all"], cpu_ours=r["cpu_ours"],
-                                     foreign=r["foreign"]) for r in rs])
-            print(f"{name:>12}: step {s_min:.3f} / {s_med:.3f} / {s_max:.3f} s, {tokens / s_med:.0f} tokens/s, "
-                  f"fwd {rec['forward_s_med']:.3f} bwd+sync {rec['backward_s_med']:.3f} opt {rec['optimizer_s_med']:.3f}"
-                  f", cpu {rec['cpu_all']:.2f} foreign {rec['foreign']:.2f}", flush=True)
-            if a.out:
-                append_jsonl(a.out, rec)
-    finish_process(0)
-    return 0
-
-
-# --- driver (on the host) -----------------------------------------------------------------------------
-def cmd_drive(a) -> int:
-    os.makedirs(a.work, exist_ok=True)
+def run_once(name: str, rep: int, a) -> dict:
+    """One launch of the recipe on the lab; returns its per-step records."""
+    run_dir = os.path.join(a.work, "runs", f"{name}-r{rep}")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    os.makedirs(run_dir)
+    # Every run trains the same tokenizer; train it once and hand each run a copy (the recipe reuses it).
+    tok = os.path.join(a.work, "tokenizer.json")
+    if os.path.isfile(tok):
+        shutil.copy(tok, os.path.join(run_dir, "tokenizer.json"))
+    cfg_path = os.path.join(run_dir, "ds_config.json")
+    with open(cfg_path, "w") as f:
+        json.dump(ds_config(name, a), f, indent=1)
     cmd = [os.path.join(ROOT, "launch", "netlab", "launch.sh"), "-n", str(a.hosts), "-r", a.rate,
-           "--timeout", str(a.timeout_s), "--logdir", os.path.join(a.work, "logs"), "--",
-           os.path.abspath(__file__), "worker", "--configs", a.configs, "--model", a.model, "--work", a.work,
-           "--micro-batch", str(a.micro_batch), "--seq-len", str(a.seq_len), "--warmup", str(a.warmup),
-           "--block", str(a.block), "--reps", str(a.reps), "--lr", str(a.lr), "--seed", str(a.seed),
-           "--tokenizer-vocab", str(a.tokenizer_vocab), "--quiet-wait", str(a.quiet_wait),
-           "--quiet-level", str(a.quiet_level)]
-    if a.out:
-        cmd += ["--out", os.path.abspath(a.out)]
-    return subprocess.run(cmd, cwd=ROOT, timeout=a.timeout_s + 60).returncode
+           "--timeout", str(a.run_timeout_s), "--logdir", os.path.join(run_dir, "logs"), "--", RECIPE,
+           "--deepspeed_config", cfg_path, "--model", a.model, "--vocab_size", str(a.tokenizer_vocab),
+           "--seq_len", str(a.seq_len), "--steps", str(a.steps), "--seed", str(a.seed), "--output_dir", run_dir]
+    t0 = time.time()
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=a.run_timeout_s + 60)
+    if r.returncode:
+        sys.stderr.write(r.stdout[-3000:] + r.stderr[-3000:])
+        raise SystemExit(f"bench_e2e: run {name} repeat {rep} failed ({r.returncode}); logs in {run_dir}/logs")
+    if not os.path.isfile(tok) and os.path.isfile(os.path.join(run_dir, "tokenizer.json")):
+        shutil.copy(os.path.join(run_dir, "tokenizer.json"), tok)
+    shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)  # ~1 GB per run, not needed
+    steps = read_jsonl(os.path.join(run_dir, "train_log.jsonl"))
+    zen = read_jsonl(os.path.join(run_dir, "zen_stats.jsonl"))
+    if len(steps) != a.steps:
+        raise SystemExit(f"bench_e2e: run {name} repeat {rep} logged {len(steps)} of {a.steps} steps ({run_dir})")
+    return dict(steps=steps, zen=zen, wall_s=time.time() - t0)
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--configs", default="dense,zen_dgc1,zen_dgc5,zen_natural",
-                   help=f"comma list from {sorted(CONFIGS)}")
-    p.add_argument("--model", default=DEFAULT_MODEL, help="model-config JSON (or HF name / checkpoint)")
-    p.add_argument("--work", default="/tmp/zen_cluster/e2e", help="tokenizer cache and logs")
-    p.add_argument("--micro-batch", type=int, default=2)
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--warmup", type=int, default=1, help="untimed steps per configuration")
-    p.add_argument("--block", type=int, default=2, help="consecutive timed steps of one configuration")
-    p.add_argument("--reps", type=int, default=5, help="interleaved repeats (blocks per configuration)")
-    p.add_argument("--lr", type=float, default=3e-4)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer-vocab", type=int, default=8192)
-    p.add_argument("--quiet-wait", type=float, default=0.0, metavar="S",
-                   help="before each repeat wait up to S s for the machine to be idle")
-    p.add_argument("--quiet-level", type=float, default=0.3)
-    p.add_argument("--out", default=None, help="append JSON lines here")
+def summarize(name: str, runs: list[dict], a, pre_busy: list[float]) -> dict:
+    tokens = a.hosts * a.micro_batch * a.seq_len
+    timed = slice(a.warmup, None)
+    per_run_tps = [statistics.median(s["tokens_per_s"] for s in r["steps"][timed]) for r in runs]
+    all_tps = [s["tokens_per_s"] for r in runs for s in r["steps"][timed]]
+    lo, med, hi = mmm(per_run_tps)
+    rec = dict(bench="e2e", rate=a.rate, n=a.hosts, config=name, describe=CONFIGS[name]["describe"],
+               zen=CONFIGS[name]["zen"], ds_config=ds_config(name, a), model=a.model, micro_batch=a.micro_batch,
+               seq_len=a.seq_len, tokens_per_step=tokens, steps=a.steps, warmup=a.warmup, reps=len(runs),
+               steps_timed=len(all_tps), tokens_per_s_runs=per_run_tps, tokens_per_s_min=lo, tokens_per_s_med=med,
+               tokens_per_s_max=hi, step_s_min=tokens / hi, step_s_med=tokens / med, step_s_max=tokens / lo,
+               step_times=[tokens / x for x in all_tps], losses=[s["loss"] for s in runs[0]["steps"]],
+               eval_loss=runs[0]["steps"][-1].get("eval_loss"), run_wall_s=[r["wall_s"] for r in runs],
+               pre_busy=pre_busy, loadavg=open("/proc/loadavg").read().split()[:3])
+    if CONFIGS[name]["zen"] is not None:
+        zs = [z for r in runs for z in r["zen"][timed]]
+        rec["sync_s_med"] = statistics.median(z["sync_s"] for z in zs)
+        rec["compress_s_med"] = statistics.median(z.get("compress_s", 0.0) for z in zs)
+        rec["hash_s_med"] = statistics.median(z.get("hash_s", 0.0) for z in zs)
+        rec["bytes_sent_per_step"] = statistics.median(z["bytes_sent"] for z in zs)
+        rec["dense_bytes_per_step"] = statistics.median(z["dense_bytes"] for z in zs)
+    return rec
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["worker"]:
-        p = argparse.ArgumentParser(description="one host's worker (under launch/netlab/launch.sh)")
-        _common(p)
-        a = p.parse_args(argv[1:])
-        return cmd_worker(a)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    _common(p)
+    p.add_argument("--configs", default="dense,zen_dgc1,zen_dgc5,zen_natural", help=f"comma list from {sorted(CONFIGS)}")
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--hosts", type=int, default=4)
-    p.add_argument("--timeout-s", type=int, default=590, help="limit of the lab run (s)")
+    p.add_argument("--model", default=DEFAULT_MODEL, help="model-config JSON (or HF name / checkpoint)")
+    p.add_argument("--work", default="/tmp/zen_cluster/e2e", help="run directories (tokenizer, logs, step logs)")
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
+    p.add_argument("--warmup", type=int, default=2, help="first steps of a run not timed")
+    p.add_argument("--reps", type=int, default=5, help="interleaved repeats (runs per configuration)")
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer-vocab", type=int, default=8192)
+    p.add_argument("--run-timeout-s", type=int, default=540, help="limit of one recipe run on the lab (s)")
+    p.add_argument("--quiet-wait", type=float, default=0.0, metavar="S",
+                   help="before each run wait up to S s for the machine to be idle")
+    p.add_argument("--quiet-level", type=float, default=0.3)
+    p.add_argument("--out", default=None, help="append JSON lines here")
     a = p.parse_args(argv)
-    unknown = sorted(set(a.configs.split(",")) - set(CONFIGS))
+    names = a.configs.split(",")
+    unknown = sorted(set(names) - set(CONFIGS))
     if unknown:
         raise SystemExit(f"--configs {unknown} must be from {sorted(CONFIGS)}")
-    return cmd_drive(a)
+    if a.warmup >= a.steps:
+        raise SystemExit(f"--warmup ({a.warmup}) must be < --steps ({a.steps})")
+    os.makedirs(a.work, exist_ok=True)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    busy: dict[str, list[float]] = {n: [] for n in names}
+    for rep in range(a.reps):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            busy[name].append(wait_quiet(a.quiet_wait, a.quiet_level) if a.quiet_wait > 0 else -1.0)
+            r = run_once(name, rep, a)
+            runs[name].append(r)
+            tps = statistics.median(s["tokens_per_s"] for s in r["steps"][a.warmup:])
+            print(f"repeat {rep} {name:>12}: {tps:7.0f} tokens/s (median of steps {a.warmup + 1}..{a.steps}), "
+                  f"final loss {r['steps'][-1]['loss']:.4f}, run {r['wall_s']:.0f} s, load {busy[name][-1]:.2f}",
+                  flush=True)
+    recs = {name: summarize(name, runs[name], a, busy[name]) for name in names}
+    # What DeepSpeed's ring all-reduce sends per step, as ZEN's statistics count it for the same buckets.
+    dense_bytes = next((r["dense_bytes_per_step"] for r in recs.values() if r.get("dense_bytes_per_step")), None)
+    goodput = goodput_bytes_per_s(a.rate)
+    for r in recs.values():
+        if dense_bytes:
+            r["dense_allreduce_bound_s"] = dense_bytes / goodput if goodput else None
+            if r["config"] == "dense":
+                r["bytes_sent_per_step"] = dense_bytes
+    dense_med = recs["dense"]["tokens_per_s_med"] if "dense" in recs else None
+    for name, rec in recs.items():
+        vs = f", {rec['tokens_per_s_med'] / dense_med:.2f}x dense" if dense_med and name != "dense" else ""
+        print(f"{name:>12}: tokens/s {rec['tokens_per_s_min']:.0f} / {rec['tokens_per_s_med']:.0f} / "
+              f"{rec['tokens_per_s_max']:.0f} (min/median/max of {rec['reps']} runs){vs}", flush=True)
+        if a.out:
+            append_jsonl(a.out, rec)
+    return 0
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ KINDS = {
     "natural": dict(dgc=None, natural={"enabled": True}),
 }
 DEFAULT_MODEL = os.path.join(ROOT, "benchmarks", "configs", "llama-bench.json")
+# The defaults match bench_e2e.py's runs of the recipe (same model, tokenizer, batch and seed).
 
 
 def record(kind: str, a) -> list[float]:
@@ -52,12 +53,13 @@ def record(kind: str, a) -> list[float]:
     os.makedirs(out_dir, exist_ok=True)
     texts = load_texts("pydoc")
     tok = build_tokenizer("train", texts, cache_dir=a.out, vocab_size=a.tokenizer_vocab)
-    blocks, _ = split_blocks(pack_tokens(texts, tok, a.seq_len), eval_fraction=0.0, seed=a.seed)
+    blocks, _ = split_blocks(pack_tokens(texts, tok, a.seq_len), eval_fraction=0.05, seed=a.seed)  # as the recipe
     losses: list[float] = []
 
     def rank_main(comm):
         torch.manual_seed(a.seed)
-        model = build_model(a.model, seed=a.seed)
+        # As recipes/finetune_llm.py: a model-config JSON gets the trained tokenizer's vocabulary.
+        model = build_model(a.model, seed=a.seed, vocab_size=len(tok) if a.model.endswith(".json") else None)
         opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
         params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
         slices, at = [], 0
