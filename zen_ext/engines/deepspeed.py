@@ -182,6 +182,10 @@ class ZenDeepSpeed:
         self.engine, self.cfg = engine, cfg
         # Step 1: refuse what the overrides cannot serve.
         self.stage = engine.zero_optimization_stage()
+        # The ZeRO optimizer reduces its own buckets; everything else (ZeRO-0, fp16/bf16 wrappers, and
+        # BF16_Optimizer, which bf16 + ZeRO-1 + fp32 grad accumulation builds) goes through the engine.
+        self.zero_reduces = hasattr(engine.optimizer, "gradient_reduction_w_predivide") and hasattr(
+            engine.optimizer, "ipg_buckets")
         check_deepspeed_settings({"zero_optimization": {"stage": self.stage},
                                   "sequence_parallel_size": getattr(engine, "sequence_parallel_size", 1)})
         if getattr(engine, "pipeline_parallelism", False):
@@ -189,7 +193,7 @@ class ZenDeepSpeed:
         if getattr(engine, "has_moe_layers", False):
             raise NotImplementedError("zen supports dense models (data and AutoTP tensor parallelism), not MoE "
                                       "expert parallelism")
-        if self.stage in (1, 2) and getattr(engine.optimizer, "reduce_scatter", False):
+        if self.zero_reduces and getattr(engine.optimizer, "reduce_scatter", False):
             raise NotImplementedError(
                 "zen with ZeRO-1/2 needs zero_optimization.reduce_scatter = false (ZEN reduces the whole bucket "
                 "itself); build the engine with zen_ext.deepspeed.initialize, or zen_ext.deepspeed.enable(), "
@@ -203,7 +207,7 @@ class ZenDeepSpeed:
         self.op = "mean" if engine.gradient_average else "sum"
 
         # Step 2: groups. ZEN runs over the data-parallel group; DGC agrees thresholds over the TP group.
-        self.dp_group = engine.seq_data_parallel_group if self.stage == 0 else engine.optimizer.dp_process_group
+        self.dp_group = engine.optimizer.dp_process_group if self.zero_reduces else engine.seq_data_parallel_group
         self.dp_ranks = dist.get_process_group_ranks(self.dp_group)
         tp_size = engine.autotp_size() if hasattr(engine, "autotp_size") else 1
         self.tp_comm = (TorchCommunicator(groups.get_tensor_model_parallel_group(), cfg.exchange_impl)
@@ -268,12 +272,12 @@ class ZenDeepSpeed:
         eng = self.engine
         self.override_calls = 0
         self._calls_at_last_step = 0
-        if self.stage == 0:
-            self._orig_allreduce_bucket = eng.allreduce_bucket
-            eng.allreduce_bucket = self._allreduce_bucket
-        else:
+        if self.zero_reduces:
             self._orig_reduction = eng.optimizer.gradient_reduction_w_predivide
             eng.optimizer.gradient_reduction_w_predivide = self._gradient_reduction_w_predivide
+        else:
+            self._orig_allreduce_bucket = eng.allreduce_bucket
+            eng.allreduce_bucket = self._allreduce_bucket
         self._orig_step = eng.step
         eng.step = self._step
         self._orig_save, self._orig_load = eng.save_checkpoint, eng.load_checkpoint

@@ -52,8 +52,8 @@ class StepStats:
         monitor: DeepSpeed's ``MonitorMaster`` (``engine.monitor``) or None.
     """
 
-    _TOTALS = ("bytes_sent", "bytes_recv", "dense_bytes", "tp_bytes_sent", "intra_bytes_sent", "sync_s",
-               "hash_s", "syncs")
+    _TOTALS = ("bytes_sent", "dp_bytes_recv", "dense_bytes", "tp_bytes_sent", "intra_bytes_sent", "sync_s",
+               "reduce_s", "hash_s", "reduce_calls", "nonfinite_steps")
 
     def __init__(self, rank: int, jsonl_path: str | None = None, monitor=None) -> None:
         self.rank = rank
