@@ -65,12 +65,10 @@ class Gemma2ForCausalLMPolicy(Policy):
         self.is_causal = True
         if not self.shard_config.enable_tensor_parallelism:
             return {}
-        fp8 = self.shard_config.fp8_communication
-        layers = [SubModuleReplacementDescription(suffix=s, target_module=Linear1D_Col, kwargs={"fp8_communication": fp8})
-                  for s in _COLUMN]
-        layers += [SubModuleReplacementDescription(suffix=s, target_module=Linear1D_Row, kwargs={"fp8_communication": fp8})
-                   for s in _ROW]
-        vocab = {"make_vocab_size_divisible_by": self.shard_config.make_vocab_size_divisible_by, "fp8_communication": fp8}
+        fp8 = {"fp8_communication": self.shard_config.fp8_communication}
+        layers = [SubModuleReplacementDescription(suffix=s, target_module=Linear1D_Col, kwargs=fp8) for s in _COLUMN]
+        layers += [SubModuleReplacementDescription(suffix=s, target_module=Linear1D_Row, kwargs=fp8) for s in _ROW]
+        vocab = {"make_vocab_size_divisible_by": self.shard_config.make_vocab_size_divisible_by, **fp8}
         # Order matters for the tied weight: the embedding is replaced (and its weight sharded) first.
         return {
             Gemma2Model: ModulePolicyDescription(sub_module_replacement=[
