@@ -98,7 +98,8 @@ def _lossless_worker(rank, world):
         zen = _engine(_ds_config(stage, dtype, ga=ga, zen={"scheme": "zen", "bucket_cap_mb": 0.05}))
         out[name] = {"dense": _train(dense, batches), "zen": _train(zen, batches),
                      "dense_w": _weights(dense), "zen_w": _weights(zen), "calls": zen.zen.override_calls,
-                     "totals": zen.zen.totals, "optimizer": type(zen.optimizer).__name__}
+                     "totals": zen.zen.totals, "optimizer": type(zen.optimizer).__name__,
+                     "last": zen.zen.stats.last}
     # The override must be what reduces: put DeepSpeed's own method back, as a DeepSpeed release that
     # moved the reduction would, and the step must fail loudly.
     engine = _engine(_ds_config(0, zen={}))
@@ -123,6 +124,12 @@ def test_natural_sparsity_equals_dense_deepspeed(lossless, name):
         assert r["zen"] == r["dense"], (name, rank)
         assert torch.equal(r["zen_w"], r["dense_w"]), (name, rank)
         assert r["totals"]["bytes_sent"] > 0
+        # The embedding really took the sparse path: its rows, found inside DeepSpeed's buckets.
+        last = r["last"]
+        per_step = 2 if name == "zero2_ga2" else 1  # ZeRO-2 reduces every micro-batch
+        assert last["numel"]["natural"] == per_step * 1000 * 64, last
+        assert 0 < last["nnz"]["natural"] < last["numel"]["natural"] // 4, last
+        assert "zen" in last["schemes"]
     assert torch.equal(lossless[0][name]["zen_w"], lossless[1][name]["zen_w"])  # replicas agree
     if name == "zero1_bf16_optimizer":
         assert lossless[0][name]["optimizer"] == "BF16_Optimizer"

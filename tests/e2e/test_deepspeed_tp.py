@@ -49,7 +49,7 @@ def _worker(rank, world):
         z = _engine(_ds_config(stage, tensor_parallel=tp, zen={"scheme": "zen"}))
         out[f"tp_zero{stage}"] = {"dense": _train(d, batches), "zen": _train(z, batches), "dense_w": _weights(d),
                                   "zen_w": _weights(z), "totals": z.zen.totals, "dp_rank": dp_rank,
-                                  "shared": sorted(z.zen.reducer.tp_shared)}
+                                  "shared": sorted(z.zen.reducer.tp_shared), "last": z.zen.stats.last}
     z = _engine(_ds_config(1, tensor_parallel={"autotp_size": 2}, zen={"scheme": "zen", "dgc": DGC}))
     fixed = _batches(groups.get_data_parallel_rank(), 2, seed=4)
     out["tp_dgc"] = {"losses": _train(z, fixed * 8), "totals": z.zen.totals}
@@ -70,6 +70,8 @@ def test_autotp_natural_equals_dense(runs, stage):
         assert torch.equal(r["zen_w"], r["dense_w"]), rank
         assert r["shared"] == ["model.embed_tokens.weight"]  # replicated embedding, shared over TP
         assert r["totals"]["tp_bytes_sent"] > 0
+        # Each TP rank synchronized half of the embedding's rows over its DP group.
+        assert r["last"]["numel"]["natural"] == 500 * 64 and r["last"]["nnz"]["natural"] < 500 * 64 // 4
     # TP ranks hold different shards; DP replicas of one TP rank hold the same ones.
     assert torch.equal(runs[0]["tp_zero0"]["zen_w"], runs[2]["tp_zero0"]["zen_w"])
 

@@ -60,6 +60,7 @@ class StepStats:
         self.jsonl_path = jsonl_path
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self.current: dict = {}
+        self.last: dict = {}
         self.totals: dict = {k: 0 for k in self._TOTALS}
         self.steps = 0
         self.losses: list[float] = []
@@ -104,6 +105,7 @@ class StepStats:
             self.monitor.write_events([(f"Zen/{k}", float(v), x) for k, v in rec.items()
                                        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"])
         self.current = {}
+        self.last = rec
         return rec
 
     def close(self) -> None:
