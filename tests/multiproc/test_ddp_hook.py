@@ -103,12 +103,28 @@ def _dgc_trains(rank, world):
     other = ZenHookState.build(TinyLM(), {"dgc": {"enabled": True, "density": 0.1, "min_numel": 64}})
     other.load_state_dict(sd)
     restored = other.state_dict()
-    return losses, params, sd, restored, dict(state.sync.param_kinds), state.stats.totals
+    # A NaN gradient on one rank, with the guard a loss scaler needs: every rank sees NaN, and the
+    # residual memory stays finite (DGC alone could drop NaNs that fall under its threshold).
+    guarded = DDP(TinyLM(), bucket_cap_mb=0.002)
+    gstate = register_zen_hook(guarded, {"dgc": {"enabled": True, "density": 0.1, "min_numel": 64}},
+                               guard_nonfinite=True)
+    guarded(_tokens(0, rank, world)).backward()  # a clean step first: residuals exist
+    guarded.zero_grad()
+    loss = guarded(_tokens(1, rank, world))
+    (loss * float("nan") if rank == 1 else loss).backward()
+    all_nan = all(bool(p.grad.isnan().all()) for p in guarded.parameters())
+    residuals_finite = all(bool(t.isfinite().all()) for e in gstate.sync.state.params.values() for t in e.values())
+    return (losses, params, sd, restored, dict(state.sync.param_kinds), state.stats.totals, all_nan,
+            residuals_finite, gstate.stats.totals)
 
 
-def test_dgc_hook_trains_and_keeps_replicas_equal():
-    out = run_workers(_dgc_trains, 2)
-    (losses0, params0, sd0, restored0, kinds, totals), (losses1, params1, *_rest) = out
+@pytest.fixture(scope="module")
+def dgc_run():
+    return run_workers(_dgc_trains, 2)
+
+
+def test_dgc_hook_trains_and_keeps_replicas_equal(dgc_run):
+    (losses0, params0, sd0, restored0, kinds, totals, *_), (losses1, params1, *_rest) = dgc_run
     assert kinds["head.weight"] == "dgc" and kinds["embed.weight"] == "natural"
     # DGC's result is the same on every rank, so the replicas stay bitwise equal.
     for name in params0:
@@ -160,3 +176,9 @@ def test_register_errors_without_processes():
         ZenHookState.build(TinyLM(), {"hierarchical": True})
     with pytest.raises(ValueError, match=r"^zen.dgc got unknown key"):
         ZenHookState.build(TinyLM(), {"dgc": {"dencity": 0.1}})
+
+
+def test_nonfinite_guard_poisons_every_rank_and_spares_residuals(dgc_run):
+    for *_, all_nan, residuals_finite, totals in dgc_run:
+        assert all_nan and residuals_finite
+        assert totals["bytes_sent"] > 0  # the clean step before it was synchronized
