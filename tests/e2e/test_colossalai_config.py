@@ -65,6 +65,8 @@ def test_plugin_kwargs_errors():
     _raises(ValueError, "plugin_kwargs.zero_stage (3) must be 0, 1 or 2", _hybrid(zero_stage=3))
     _raises(ValueError, "plugin_kwargs.fp8_communication (True) must be false with zen enabled: both register a DDP "
                         "communication hook", {"plugin_kwargs": {"fp8_communication": True}, "zen": {}})
+    assert ColossalAIConfig.from_json({"plugin_kwargs": {"guard_nonfinite": True}}).plugin_kwargs == {
+        "guard_nonfinite": True}
     with pytest.raises(ValueError, match=r"^plugin_kwargs.tp_size \(3\) must divide the world size \(4\)$"):
         check_plugin_kwargs("hybrid_parallel", {"tp_size": 3}, zen=ZenConfig(), world_size=4)
 

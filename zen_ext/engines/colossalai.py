@@ -140,6 +140,8 @@ _BASES = {"torch_ddp": TorchDDPPlugin, "hybrid_parallel": HybridParallelPlugin}
 # Keys the ZEN plugins set themselves: the DDP bucket size comes from zen.bucket_cap_mb.
 _OWNED = {"torch_ddp": {"bucket_cap_mb": "zen.bucket_cap_mb"},
           "hybrid_parallel": {"ddp_bucket_cap_mb": "zen.bucket_cap_mb"}}
+# Keys the ZEN plugins add to the stock ones (hybrid_parallel guards by itself when precision is fp16).
+_ADDED = {"torch_ddp": ("guard_nonfinite",), "hybrid_parallel": ()}
 
 
 def check_plugin_kwargs(plugin: str, kwargs: dict, *, zen: ZenConfig, world_size: int | None = None,
@@ -162,7 +164,7 @@ def check_plugin_kwargs(plugin: str, kwargs: dict, *, zen: ZenConfig, world_size
         raise ValueError(f"plugin ({plugin!r}) must be one of {sorted(_BASES)}")
     if not isinstance(kwargs, dict):
         raise TypeError(f"plugin_kwargs ({kwargs!r}) must be a JSON object (dict)")
-    valid = [p for p in inspect.signature(_BASES[plugin].__init__).parameters if p != "self"]
+    valid = [p for p in inspect.signature(_BASES[plugin].__init__).parameters if p != "self"] + list(_ADDED[plugin])
     unknown = sorted(set(kwargs) - set(valid))
     if unknown:
         raise ValueError(f"plugin_kwargs got unknown key(s) {unknown} for plugin {plugin!r}; valid keys are "
@@ -234,6 +236,10 @@ class ZenTorchDDPPlugin(TorchDDPPlugin):
         zen: the ``"zen"`` section (ZenConfig or dict; None: defaults, i.e. natural sparsity, no DGC).
             ``zen.bucket_cap_mb`` (128) is DDP's bucket size; ``zen.enabled`` false keeps DDP's
             all-reduce (the dense baseline with the same buckets).
+        guard_nonfinite: with ``Booster(mixed_precision="fp16")`` (a loss scaler), set it: a NaN/Inf on
+            any rank then NaN-fills every rank's bucket, so the scaler still sees an overflow that DGC
+            could otherwise drop. The booster applies mixed precision after the plugin, so the
+            plugin cannot tell by itself. Default False.
         **kwargs: ``TorchDDPPlugin`` arguments except ``bucket_cap_mb``.
 
     Attributes:
@@ -246,17 +252,20 @@ class ZenTorchDDPPlugin(TorchDDPPlugin):
         >>> model, optimizer, *_ = Booster(plugin=plugin).boost(model, optimizer)  # doctest: +SKIP
     """
 
-    def __init__(self, zen: "ZenConfig | dict | None" = None, **kwargs) -> None:
+    def __init__(self, zen: "ZenConfig | dict | None" = None, guard_nonfinite: bool = False, **kwargs) -> None:
         self.zen_config = _zen_config(zen)
         check_plugin_kwargs("torch_ddp", kwargs, zen=self.zen_config)
+        if not isinstance(guard_nonfinite, bool):
+            raise TypeError(f"plugin_kwargs.guard_nonfinite ({guard_nonfinite!r}) must be a bool (true or false)")
         apply_cpu_patches()
         super().__init__(bucket_cap_mb=self.zen_config.bucket_cap_mb, **kwargs)
+        self.guard_nonfinite = guard_nonfinite
         self.zen: ZenHookState | None = None
 
     def configure(self, model, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
         out = super().configure(model, optimizer, criterion, dataloader, lr_scheduler)
         if self.zen_config.enabled:
-            self.zen = register_zen_hook(out[0].module, self.zen_config)
+            self.zen = register_zen_hook(out[0].module, self.zen_config, guard_nonfinite=self.guard_nonfinite)
         return out
 
 
