@@ -146,9 +146,12 @@ def to_markdown(rows: list[dict], args: argparse.Namespace, load_before: tuple, 
         " (checked at K <= 1e6).",
         f"- Throughput in million indices per second over {args.repeats} timed calls after a warm-up;"
         " 'C++ / reference' is the ratio of the medians.",
+        "- 'walks' = 4^h / numel, the expected Feistel evaluations per index: cycle walking re-applies the"
+        " 2h-bit network until the value falls into [0, numel), so throughput depends on where numel sits"
+        " between powers of 4 (1 at numel = 4^h, up to 4 just above it).",
         "",
-        "| non-zeros | implementation | median (M idx/s) | min | max | median time (ms) | C++ / reference |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "| non-zeros | numel | walks | implementation | median (M idx/s) | min | max | median time (ms) | C++ / reference |",
+        "|---:|---:|---:|---|---:|---:|---:|---:|---:|",
     ]
     medians = {}
     for r in rows:
@@ -156,8 +159,10 @@ def to_markdown(rows: list[dict], args: argparse.Namespace, load_before: tuple, 
             medians[(r["K"], r["impl"])] = statistics.median(r["times"])
     for r in rows:
         K = r["K"]
+        numel = int(K / DENSITY)
+        where = f"| {K:,} | {numel:,} | {4 ** ops.half_bits(numel) / numel:.2f} | {r['impl']} "
         if "skipped" in r:
-            lines.append(f"| {K:,} | {r['impl']} | — | — | — | — | {r['skipped']} |")
+            lines.append(where + f"| — | — | — | — | {r['skipped']} |")
             continue
         t = r["times"]
         med = medians[(K, r["impl"])]
@@ -166,7 +171,7 @@ def to_markdown(rows: list[dict], args: argparse.Namespace, load_before: tuple, 
         if r["impl"] != "reference (CPU)" and ref is not None:
             ratio = f"{ref / med:.1f}×"
         lines.append(
-            f"| {K:,} | {r['impl']} | {K / med / 1e6:.2f} | {K / max(t) / 1e6:.2f} | {K / min(t) / 1e6:.2f} "
+            where + f"| {K / med / 1e6:.2f} | {K / max(t) / 1e6:.2f} | {K / min(t) / 1e6:.2f} "
             f"| {med * 1e3:.1f} | {ratio} |"
         )
     return "\n".join(lines) + "\n"
