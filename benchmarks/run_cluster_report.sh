@@ -14,7 +14,8 @@
 #   report   cluster_report.py renders the markdown and the plots
 #
 # Env: WORK (scratch, default /tmp/zen_cluster), RATES (default "1gbit 2500mbit"), E2E_RATE (1gbit),
-# REPS (5), QUIET_WAIT (s to wait for an idle machine before each point, default 45), QUIET_LEVEL (0.3).
+# REPS (5), QUIET_WAIT (s to wait for an idle machine before each point, default 45), QUIET_LEVEL (0.3),
+# RESULTS (where the report goes, default benchmarks/results).
 # Needs root and `ip netns` (launch/netlab/README.md). Results are written to $WORK/results first and
 # copied into benchmarks/results/ stage by stage, so a failed stage keeps the previous files of the others.
 set -euo pipefail
@@ -29,7 +30,7 @@ QUIET_WAIT=${QUIET_WAIT:-45}
 QUIET_LEVEL=${QUIET_LEVEL:-0.3}
 STAGES=${STAGES:-"traces comm e2e overhead report"}
 LAUNCH="$ROOT/launch/netlab/launch.sh"
-RES="$ROOT/benchmarks/results"
+RES=${RESULTS:-$ROOT/benchmarks/results}
 OUT="$WORK/results"
 export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 
