@@ -114,7 +114,7 @@ def test_shipped_configs_validate(path):
 def test_cpu_patches_serve_rng_and_sync_methods_and_only_on_cpu(monkeypatch):
     from colossalai.accelerator import get_accelerator
 
-    import zen_ext.engines.colossalai as cai
+    import zen_ext.engines.colossalai_compat as compat
 
     assert apply_cpu_patches() and apply_cpu_patches()  # idempotent
     accel = get_accelerator()
@@ -129,6 +129,6 @@ def test_cpu_patches_serve_rng_and_sync_methods_and_only_on_cpu(monkeypatch):
     class FakeCuda:
         name = "cuda"
 
-    monkeypatch.setattr(cai, "get_accelerator", lambda: FakeCuda())
+    monkeypatch.setattr(compat, "get_accelerator", lambda: FakeCuda())
     assert apply_cpu_patches() is False
     assert not hasattr(FakeCuda, "_zen_ext_cpu_patched")

@@ -27,9 +27,9 @@ Eq. 1) instead of DDP's ring all-reduce of ``2·(n−1)/n`` of the bucket.
 Not served (clear errors): ``pp_size > 1`` (ColossalAI then reduces per parameter in
 ``sync_dp_grads``, not through DDP), ``zero_stage > 0`` (LowLevelZeroOptimizer buckets; on CPU
 ColossalAI's ZeRO refuses to run at all), sequence parallelism, ``fp8_communication`` (a second comm
-hook). On CPU, ``apply_cpu_patches`` fixes ColossalAI 0.5.0's ``CpuAccelerator`` RNG methods
-(upstream hpcaitech/ColossalAI#5211), which ShardFormer needs to build vocab-parallel layers, and its
-``synchronize`` (optimizer checkpoint loading calls it).
+hook). On CPU the plugins apply ``colossalai_compat.apply_cpu_patches`` (ColossalAI 0.5.0's
+``CpuAccelerator`` RNG methods, upstream #5211). A ``Gemma2ForCausalLM`` is sharded with
+``colossalai_policies.Gemma2ForCausalLMPolicy``: ColossalAI 0.5.0 has no Gemma2 policy.
 """
 
 from __future__ import annotations
@@ -40,13 +40,13 @@ import logging
 import os
 from dataclasses import dataclass, field
 
-import torch
 import torch.distributed as dist
 from colossalai.accelerator import get_accelerator
 from colossalai.booster import Booster
 from colossalai.booster.plugin import HybridParallelPlugin, TorchDDPPlugin
 
 from ..config import ZenConfig, load_json_config
+from .colossalai_compat import apply_cpu_patches
 from .colossalai_policies import policy_for
 from .ddp import ZenHookState, register_zen_hook
 
@@ -60,75 +60,6 @@ __all__ = [
     "ColossalAIConfig", "ZenHybridParallelPlugin", "ZenTorchDDPPlugin", "apply_cpu_patches", "build_booster",
     "build_plugin", "check_plugin_kwargs",
 ]
-
-
-# --- CPU compatibility (ColossalAI 0.5.0) ------------------------------------------------------------------
-def _get_rng_state(self, device=None):
-    return torch.get_rng_state()  # upstream passes ``device`` to torch.get_rng_state, which takes none
-
-
-def _get_rng_state_all(self):
-    return [torch.get_rng_state()]
-
-
-def _set_rng_state_all(self, new_states):
-    torch.set_rng_state(new_states[0])
-
-
-def _manual_seed(self, seed):
-    torch.manual_seed(seed)
-
-
-def _seed(self):
-    torch.seed()
-
-
-def _initial_seed(self):
-    return torch.initial_seed()
-
-
-def _no_op(self, *args, **kwargs):
-    return None  # CPU kernels are synchronous and there is no device cache to empty
-
-
-# The CpuAccelerator methods that raise "not supported for cpu accelerator" (or, get_rng_state, a
-# TypeError) although the CPU serves them. ShardFormer's Randomizer calls get_rng_state and
-# manual_seed while it builds VocabParallelEmbedding1D (hpcaitech/ColossalAI#5211, PR #5265 unmerged);
-# loading an optimizer checkpoint calls synchronize (checkpoint_io/utils.py load_states_into_optimizer).
-_CPU_PATCHES = {
-    "get_rng_state": _get_rng_state,
-    "get_rng_state_all": _get_rng_state_all,
-    "set_rng_state_all": _set_rng_state_all,
-    "manual_seed": _manual_seed,
-    "manual_seed_all": _manual_seed,
-    "seed": _seed,
-    "seed_all": _seed,
-    "initial_seed": _initial_seed,
-    "synchronize": _no_op,
-    "empty_cache": _no_op,
-}
-_PATCH_MARK = "_zen_ext_cpu_patched"
-
-
-def apply_cpu_patches() -> bool:
-    """Make ColossalAI 0.5.0's CPU accelerator serve its RNG methods with the CPU generator, and
-    ``synchronize`` / ``empty_cache`` as no-ops.
-
-    Applied only when the selected accelerator is the CPU (no CUDA or NPU device); idempotent.
-
-    Returns:
-        True when the patches are in place, False when the accelerator is not the CPU.
-    """
-    accel = get_accelerator()
-    if accel.name != "cpu":
-        return False
-    cls = type(accel)
-    if not getattr(cls, _PATCH_MARK, False):
-        for name, fn in _CPU_PATCHES.items():
-            setattr(cls, name, fn)
-        setattr(cls, _PATCH_MARK, True)
-        log.info("zen: patched ColossalAI CpuAccelerator methods (%s)", ", ".join(_CPU_PATCHES))
-    return True
 
 
 def _on_cpu() -> bool:
