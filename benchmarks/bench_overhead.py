@@ -135,32 +135,49 @@ def measure(scheme_name: str, step, n: int, reps: int) -> dict:
 
 
 def decode_profile(step, n: int, reps: int, seed: int = 0) -> dict:
-    """What ``zen``'s decode spends on ``P⁻¹`` of the union, vs a precomputed ``P⁻¹`` table.
+    """Where ``zen``'s decode goes on one rank, piece by piece, and what a ``P⁻¹`` table would change.
 
-    Every rank maps all ``|∪I|`` pulled positions back to indices with the keyed permutation (the
-    table-free hash bitmap). The paper instead keeps each server's ordered index set in memory; a
-    ``numel``-entry inverse table turns the same work into one gather. Timed on the first slice.
+    ``zen`` decodes the pulled union with the building blocks timed here: a dense result of
+    ``numel`` rows (every scheme builds one), the hash bitmap of each server's ``|𝕀_i|`` positions,
+    ``P⁻¹`` of all ``|∪I|`` positions (the table-free bitmap: a keyed Feistel permutation of
+    ``[0, 2^bits)`` with cycle walking back into ``[0, numel)``), and the scatter of the values. The paper instead keeps each
+    server's ordered index set in memory; a ``numel``-entry inverse table turns ``P⁻¹`` into a gather.
+    Timed on the first slice (medians over ``reps``).
     """
     from zen_ext import ops
+    from zen_ext.core.bitmap import decode_bitmap, encode_bitmap
     from zen_ext.core.hashing import HashPartitioner
 
     grads = next(iter(step.slices.values()))[:n]
-    numel = grads[0].numel
+    numel, width = grads[0].numel, grads[0].row_width
     part = HashPartitioner(numel, n, seed)
     y = ops.permute(torch.unique(torch.cat([g.indices for g in grads])), numel, part.keys)
+    bitmaps = []
+    for i in range(n):
+        mask = torch.zeros(part.part_size(i), dtype=torch.bool)
+        mask[y[y % n == i] // n] = True
+        bitmaps.append((encode_bitmap(mask), mask.numel()))
+    vals = torch.ones(y.numel(), width) if width > 1 else torch.ones(y.numel())
     t0 = time.perf_counter()
     table = part.unpermute(torch.arange(numel, dtype=torch.int64)).to(torch.int32)
     build_s = time.perf_counter() - t0
-    t_unperm, t_gather = [], []
+    times: dict[str, list[float]] = {}
+
+    def timed(name, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        times.setdefault(name, []).append(time.perf_counter() - t0)
+        return out
+
     for _ in range(reps):
-        t0 = time.perf_counter()
-        part.unpermute(y)
-        t_unperm.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        table[y]
-        t_gather.append(time.perf_counter() - t0)
-    return dict(union=y.numel(), numel=numel, unpermute_s=statistics.median(t_unperm),
-                table_gather_s=statistics.median(t_gather), table_build_s=build_s, table_bytes=table.numel() * 4)
+        out = timed("dense_result_s", lambda: torch.zeros((numel, width) if width > 1 else numel))
+        timed("bitmap_decode_s", lambda: [decode_bitmap(b, m) for b, m in bitmaps])
+        idx = timed("unpermute_s", lambda: part.unpermute(y))
+        timed("table_gather_s", lambda: table[y])
+        timed("scatter_s", lambda: out.__setitem__(idx, vals))
+    bits = max(2, (numel - 1).bit_length())  # the Feistel domain 2^bits (csrc/hashing.h domain_bits)
+    return dict(union=y.numel(), numel=numel, row_width=width, **{k: statistics.median(v) for k, v in times.items()},
+                table_build_s=build_s, table_bytes=table.numel() * 4, cycle_walk_domain=(1 << bits) / numel)
 
 
 def saved_s(comm_rows: list[dict], label: str, scheme: str, rate: str) -> tuple[float, float] | None:
@@ -217,9 +234,12 @@ def main(argv=None) -> int:
                   f"{1e3 * rec['aggregate_s']:8.2f} {1e3 * rec['decode_s']:9.2f} {1e3 * compute:8.2f}  {rel}", flush=True)
             if a.out:
                 append_jsonl(a.out, rec)
-        print(f"{label:>16} decode: P^-1 of the union ({dp['union']:,} of {dp['numel']:,}) "
-              f"{1e3 * dp['unpermute_s']:.2f} ms; with a {dp['table_bytes'] / 2**20:.0f} MiB inverse table "
-              f"{1e3 * dp['table_gather_s']:.2f} ms (built once in {dp['table_build_s']:.2f} s)", flush=True)
+        print(f"{label:>16} decode pieces: dense result {1e3 * dp['dense_result_s']:.2f} ms, bitmaps "
+              f"{1e3 * dp['bitmap_decode_s']:.2f} ms, P^-1 of the union ({dp['union']:,} of {dp['numel']:,}; Feistel "
+              f"domain {dp['cycle_walk_domain']:.2f}x numel) {1e3 * dp['unpermute_s']:.2f} ms, scatter "
+              f"{1e3 * dp['scatter_s']:.2f} ms; a {dp['table_bytes'] / 2**20:.0f} MiB inverse table would replace "
+              f"P^-1 by a {1e3 * dp['table_gather_s']:.2f} ms gather (built once in {dp['table_build_s']:.2f} s)",
+              flush=True)
     return 0
 
 
