@@ -261,6 +261,16 @@ def overhead_section(rows: list[dict]) -> tuple[list[str], dict]:
                      f"{1e3 * r['compute_s']:.2f} | {saved or '–'} | {hs} | {ts} |")
         for rate, v in r["vs_lab"].items():
             summary[(rate, r["workload"], r["scheme"])] = v
+    dps = {r["workload"]: r["decode_profile"] for r in rows if "dense_result_s" in (r.get("decode_profile") or {})}
+    if dps:
+        lines += ["", "zen's decode, piece by piece (one rank, one core; the same building blocks zen uses):", "",
+                  "| workload | union / index space | dense result ms | hash bitmaps ms | P⁻¹ of the union ms "
+                  "(Feistel domain / numel) | scatter ms | P⁻¹ as a gather from an inverse table ms (table MiB) |",
+                  "|---|---|---:|---:|---:|---:|---:|"]
+        for w, d in dps.items():
+            lines.append(f"| {WORKLOAD_NAMES.get(w, w)} | {d['union']:,} / {d['numel']:,} | {1e3 * d['dense_result_s']:.1f} | "
+                         f"{1e3 * d['bitmap_decode_s']:.1f} | {1e3 * d['unpermute_s']:.1f} ({d['cycle_walk_domain']:.2f}) | "
+                         f"{1e3 * d['scatter_s']:.1f} | {1e3 * d['table_gather_s']:.1f} ({d['table_bytes'] / 2**20:.0f}) |")
     return lines, summary
 
 
