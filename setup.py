@@ -18,11 +18,12 @@ except ImportError:  # metadata-only builds (no torch yet): the package falls ba
 ext_modules, cmdclass = [], {}
 if torch is not None and os.environ.get("ZEN_NO_CPP_OP", "0") != "1":
     sources = ["csrc/zen_ext.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-    cflags = {"cxx": ["-O3", "-std=c++17"]}
+    # No -std flag: torch's extension builder picks the standard its headers need (C++20 for 2.13).
+    cflags = {"cxx": ["-O3"]}
     use_cuda = torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("USE_CUDA", "1") != "0"
     if use_cuda:
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
-        cflags["nvcc"] = ["-O3", "-std=c++17"]
+        cflags["nvcc"] = ["-O3"]
         ext_modules.append(CUDAExtension("zen_ext._C", sources, extra_compile_args=cflags))
     else:
         ext_modules.append(CppExtension("zen_ext._C", sources, extra_compile_args=cflags))

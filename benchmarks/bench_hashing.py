@@ -160,7 +160,7 @@ def to_markdown(rows: list[dict], args: argparse.Namespace, load_before: tuple, 
     for r in rows:
         K = r["K"]
         numel = int(K / DENSITY)
-        where = f"| {K:,} | {numel:,} | {4 ** ops.half_bits(numel) / numel:.2f} | {r['impl']} "
+        where = f"| {K:,} | {numel:,} | {2 ** ops.domain_bits(numel) / numel:.2f} | {r['impl']} "
         if "skipped" in r:
             lines.append(where + f"| — | — | — | — | {r['skipped']} |")
             continue

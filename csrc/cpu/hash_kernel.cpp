@@ -25,7 +25,7 @@ void check_idx(const at::Tensor& idx, int64_t numel) {
   TORCH_CHECK(idx.device().is_cpu(), "idx must be a CPU tensor, got ", idx.device());
   TORCH_CHECK(idx.dtype() == at::kLong, "idx must be int64, got ", idx.dtype());
   TORCH_CHECK(idx.dim() == 1, "idx must be 1-D, got ", idx.dim(), "-D");
-  TORCH_CHECK(numel >= 0, "numel must be >= 0, got ", numel);
+  TORCH_CHECK(numel >= 0 && uint64_t(numel) <= kMaxNumel, "numel must be in [0, 2^62], got ", numel);
 }
 
 at::Tensor permute_cpu(const at::Tensor& idx, int64_t numel, const at::Tensor& keys, bool inverse) {
@@ -35,7 +35,7 @@ at::Tensor permute_cpu(const at::Tensor& idx, int64_t numel, const at::Tensor& k
   auto out = at::empty_like(in);
   const int64_t* src = in.data_ptr<int64_t>();
   int64_t* dst = out.data_ptr<int64_t>();
-  const int h = half_bits(uint64_t(numel));
+  const int bits = domain_bits(uint64_t(numel));
   // Cycle walking only returns into [0, numel) for inputs that start there: check, never loop forever.
   std::atomic<bool> bad{false};
   at::parallel_for(0, in.numel(), 1 << 14, [&](int64_t b, int64_t e) {
@@ -45,7 +45,7 @@ at::Tensor permute_cpu(const at::Tensor& idx, int64_t numel, const at::Tensor& k
         dst[j] = src[j];
         continue;
       }
-      dst[j] = int64_t(permute_one(uint64_t(src[j]), uint64_t(numel), k, h, inverse));
+      dst[j] = int64_t(permute_one(uint64_t(src[j]), uint64_t(numel), k, bits, inverse));
     }
   });
   TORCH_CHECK(!bad, "permute indices must lie in [0, ", numel, ")");

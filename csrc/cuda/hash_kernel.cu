@@ -56,7 +56,7 @@ at::Tensor permute_cuda(const at::Tensor& idx, int64_t numel, const at::Tensor& 
   auto keys_R = keys_on_device(keys, in);
   auto out_of_range = at::zeros({1}, in.options());
   alg1::permute_kernel<<<num_blocks(K), kThreadsPerBlock, 0, c10::cuda::getCurrentCUDAStream()>>>(
-      in.data_ptr<int64_t>(), K, uint64_t(numel), keys_R.data_ptr<int64_t>(), half_bits(uint64_t(numel)), inverse,
+      in.data_ptr<int64_t>(), K, uint64_t(numel), keys_R.data_ptr<int64_t>(), domain_bits(uint64_t(numel)), inverse,
       out.data_ptr<int64_t>(), out_of_range.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // One synchronisation, so that a bad index raises here as it does on the CPU.
@@ -80,7 +80,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_partition_impl(c
                                                                                 const alg1::Geometry& g,
                                                                                 at::ScalarType slot_type) {
   const int64_t K = idx.numel(), n = g.num_parts, num_slots = n * g.width();
-  const int h = half_bits(uint64_t(numel));
+  const int bits = domain_bits(uint64_t(numel));
   const auto opts = idx.options();
   const auto slot_opts = opts.dtype(slot_type);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -96,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_partition_impl(c
 
   // Step 2: insertion.
   alg1::insert_kernel<slot_t><<<num_blocks(K), kThreadsPerBlock, 0, stream>>>(
-      idx_p, K, uint64_t(numel), keys_p, h, g, table.data_ptr<slot_t>(), serial_count.data_ptr<int64_t>(),
+      idx_p, K, uint64_t(numel), keys_p, bits, g, table.data_ptr<slot_t>(), serial_count.data_ptr<int64_t>(),
       ovf_entry.data_ptr<slot_t>(), ovf_rank.data_ptr<slot_t>(), counters.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
@@ -118,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_partition_impl(c
   auto order = at::empty({K}, opts);
   auto pos = at::empty({K}, opts);
   alg1::extract_kernel<slot_t><<<num_blocks(num_slots), kThreadsPerBlock, 0, stream>>>(
-      table.data_ptr<slot_t>(), cum.data_ptr<slot_t>(), g, ovf_before, idx_p, uint64_t(numel), keys_p, h,
+      table.data_ptr<slot_t>(), cum.data_ptr<slot_t>(), g, ovf_before, idx_p, uint64_t(numel), keys_p, bits,
       order.data_ptr<int64_t>(), pos.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 
@@ -126,7 +126,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> hash_partition_impl(c
   if (num_overflows > 0) {
     alg1::merge_overflow_kernel<slot_t><<<num_blocks(num_overflows), kThreadsPerBlock, 0, stream>>>(
         ovf_entry.data_ptr<slot_t>(), ovf_rank.data_ptr<slot_t>(), num_overflows, ovf_start, idx_p,
-        uint64_t(numel), keys_p, h, n, order.data_ptr<int64_t>(), pos.data_ptr<int64_t>());
+        uint64_t(numel), keys_p, bits, n, order.data_ptr<int64_t>(), pos.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   return {counts, order, pos, counters.narrow(0, 0, 3).clone()};

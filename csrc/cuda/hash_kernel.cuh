@@ -194,33 +194,33 @@ ZEN_HD void partition_totals(const Geometry& g, const cum_t* cum, const int64_t*
 }
 
 // Writes one output entry: its input position and its local position P(idx) // n in the partition.
-ZEN_HD void emit(int64_t out, int64_t j, const int64_t* idx, uint64_t numel, const FeistelKeys& keys, int h,
+ZEN_HD void emit(int64_t out, int64_t j, const int64_t* idx, uint64_t numel, const FeistelKeys& keys, int bits,
                  int64_t num_parts, int64_t* order, int64_t* pos) {
   order[out] = j;
   // Recomputing P is as cheap in memory traffic as reading a stored copy (8 bytes either way) and
   // saves a K-sized buffer.
-  pos[out] = int64_t(permute_one(uint64_t(idx[j]), numel, keys, h, false) / uint64_t(num_parts));
+  pos[out] = int64_t(permute_one(uint64_t(idx[j]), numel, keys, bits, false) / uint64_t(num_parts));
 }
 
 // Extraction of table slot `s` (line 20: nonzero(x[p]) in slot order, all partitions concatenated).
 template <typename slot_t, typename cum_t>
 ZEN_HD void place_table_slot(int64_t s, const slot_t* table, const cum_t* cum, const Geometry& g,
                              const int64_t* ovf_before, const int64_t* idx, uint64_t numel, const FeistelKeys& keys,
-                             int h, int64_t* order, int64_t* pos) {
+                             int bits, int64_t* order, int64_t* pos) {
   const slot_t v = table[s];
   if (v == slot_t(0)) return;
   const int64_t part = s / g.width();
-  emit(int64_t(cum[s]) - 1 + ovf_before[part], int64_t(v) - 1, idx, numel, keys, h, g.num_parts, order, pos);
+  emit(int64_t(cum[s]) - 1 + ovf_before[part], int64_t(v) - 1, idx, numel, keys, bits, g.num_parts, order, pos);
 }
 
 // Merge of overflow entry `o` behind its partition's table entries, in overflow-rank order.
 template <typename slot_t>
 ZEN_HD void place_overflow(int64_t o, const slot_t* ovf_entry, const slot_t* ovf_rank, const int64_t* ovf_start,
-                           const int64_t* idx, uint64_t numel, const FeistelKeys& keys, int h, int64_t num_parts,
+                           const int64_t* idx, uint64_t numel, const FeistelKeys& keys, int bits, int64_t num_parts,
                            int64_t* order, int64_t* pos) {
   const int64_t j = int64_t(ovf_entry[o]) - 1;
-  const int64_t part = int64_t(permute_one(uint64_t(idx[j]), numel, keys, h, false) % uint64_t(num_parts));
-  emit(ovf_start[part] + int64_t(ovf_rank[o]), j, idx, numel, keys, h, num_parts, order, pos);
+  const int64_t part = int64_t(permute_one(uint64_t(idx[j]), numel, keys, bits, false) % uint64_t(num_parts));
+  emit(ovf_start[part] + int64_t(ovf_rank[o]), j, idx, numel, keys, bits, num_parts, order, pos);
 }
 
 ZEN_HD bool in_range(int64_t x, uint64_t numel) { return x >= 0 && uint64_t(x) < numel; }
@@ -246,7 +246,7 @@ __device__ __forceinline__ void warp_sum_to(int64_t v, int64_t* dst) {
 }
 
 __global__ void permute_kernel(const int64_t* __restrict__ idx, int64_t K, uint64_t numel, const int64_t* keys_R,
-                               int h, bool inverse, int64_t* __restrict__ out, int64_t* out_of_range) {
+                               int bits, bool inverse, int64_t* __restrict__ out, int64_t* out_of_range) {
   const FeistelKeys keys = load_keys(keys_R);
   for (int64_t j = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; j < K; j += int64_t(gridDim.x) * blockDim.x) {
     const int64_t x = idx[j];
@@ -256,14 +256,14 @@ __global__ void permute_kernel(const int64_t* __restrict__ idx, int64_t K, uint6
       atomic_add(out_of_range, 1);
       continue;
     }
-    out[j] = int64_t(permute_one(uint64_t(x), numel, keys, h, inverse));
+    out[j] = int64_t(permute_one(uint64_t(x), numel, keys, bits, inverse));
   }
 }
 
 // Algorithm 1, lines 4-17, for every index in parallel. counters: see enum Counter.
 template <typename slot_t>
 __global__ void insert_kernel(const int64_t* __restrict__ idx, int64_t K, uint64_t numel, const int64_t* keys_R,
-                              int h, Geometry g, slot_t* table, int64_t* serial_count, slot_t* ovf_entry,
+                              int bits, Geometry g, slot_t* table, int64_t* serial_count, slot_t* ovf_entry,
                               slot_t* ovf_rank, int64_t* counters) {
   const FeistelKeys keys = load_keys(keys_R);
   Tally tally;
@@ -274,7 +274,7 @@ __global__ void insert_kernel(const int64_t* __restrict__ idx, int64_t K, uint64
       continue;
     }
     // Line 5: p = h0(idx), the same keyed permutation as on the CPU.
-    const int64_t part = int64_t(permute_one(uint64_t(x), numel, keys, h, false) % uint64_t(g.num_parts));
+    const int64_t part = int64_t(permute_one(uint64_t(x), numel, keys, bits, false) % uint64_t(g.num_parts));
     insert_one<slot_t>(slot_t(j + 1), uint64_t(x), part, g, keys, table, serial_count, ovf_entry, ovf_rank,
                        counters + kOverflows, tally);
   }
@@ -291,24 +291,24 @@ __global__ void totals_kernel(Geometry g, const cum_t* cum, const int64_t* seria
 template <typename slot_t>
 __global__ void extract_kernel(const slot_t* __restrict__ table, const slot_t* __restrict__ cum, Geometry g,
                                const int64_t* ovf_before, const int64_t* __restrict__ idx, uint64_t numel,
-                               const int64_t* keys_R, int h, int64_t* order, int64_t* pos) {
+                               const int64_t* keys_R, int bits, int64_t* order, int64_t* pos) {
   const FeistelKeys keys = load_keys(keys_R);
   const int64_t num_slots = g.num_parts * g.width();
   for (int64_t s = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; s < num_slots;
        s += int64_t(gridDim.x) * blockDim.x) {
-    place_table_slot(s, table, cum, g, ovf_before, idx, numel, keys, h, order, pos);
+    place_table_slot(s, table, cum, g, ovf_before, idx, numel, keys, bits, order, pos);
   }
 }
 
 template <typename slot_t>
 __global__ void merge_overflow_kernel(const slot_t* __restrict__ ovf_entry, const slot_t* __restrict__ ovf_rank,
                                       int64_t num_overflows, const int64_t* ovf_start, const int64_t* __restrict__ idx,
-                                      uint64_t numel, const int64_t* keys_R, int h, int64_t num_parts, int64_t* order,
+                                      uint64_t numel, const int64_t* keys_R, int bits, int64_t num_parts, int64_t* order,
                                       int64_t* pos) {
   const FeistelKeys keys = load_keys(keys_R);
   for (int64_t o = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; o < num_overflows;
        o += int64_t(gridDim.x) * blockDim.x) {
-    place_overflow(o, ovf_entry, ovf_rank, ovf_start, idx, numel, keys, h, num_parts, order, pos);
+    place_overflow(o, ovf_entry, ovf_rank, ovf_start, idx, numel, keys, bits, num_parts, order, pos);
   }
 }
 

@@ -49,7 +49,7 @@ template <typename slot_t>
 Result run_host(const Input& in, const Geometry& g) {
   const int64_t K = int64_t(in.idx.size());
   const FeistelKeys keys = load_keys(in.keys_R.data());
-  const int h = half_bits(in.numel);
+  const int bits = domain_bits(in.numel);
   std::vector<slot_t> table(size_t(g.num_parts * g.width()), 0), ovf_entry(size_t(K), 0), ovf_rank(size_t(K), 0);
   std::vector<int64_t> serial_count(size_t(g.num_parts), 0), counters(kNumCounters, 0);
   // Threads interleave (j = t, t + T, ...) so that neighbours race for the same slots.
@@ -59,7 +59,7 @@ Result run_host(const Input& in, const Geometry& g) {
       Tally tally;
       for (int64_t j = t; j < K; j += in.num_threads) {
         const uint64_t x = uint64_t(in.idx[size_t(j)]);
-        const int64_t part = int64_t(permute_one(x, in.numel, keys, h, false) % uint64_t(g.num_parts));
+        const int64_t part = int64_t(permute_one(x, in.numel, keys, bits, false) % uint64_t(g.num_parts));
         insert_one<slot_t>(slot_t(j + 1), x, part, g, keys, table.data(), serial_count.data(), ovf_entry.data(),
                            ovf_rank.data(), &counters[kOverflows], tally);
       }
@@ -78,10 +78,10 @@ Result run_host(const Input& in, const Geometry& g) {
   r.order.assign(size_t(K), -1);
   r.pos.assign(size_t(K), -1);
   for (int64_t s = 0; s < int64_t(table.size()); ++s)
-    place_table_slot(s, table.data(), cum.data(), g, ovf_before.data(), in.idx.data(), in.numel, keys, h,
+    place_table_slot(s, table.data(), cum.data(), g, ovf_before.data(), in.idx.data(), in.numel, keys, bits,
                      r.order.data(), r.pos.data());
   for (int64_t o = 0; o < counters[kOverflows]; ++o)
-    place_overflow(o, ovf_entry.data(), ovf_rank.data(), ovf_start.data(), in.idx.data(), in.numel, keys, h,
+    place_overflow(o, ovf_entry.data(), ovf_rank.data(), ovf_start.data(), in.idx.data(), in.numel, keys, bits,
                    g.num_parts, r.order.data(), r.pos.data());
   r.stats.assign(counters.begin(), counters.begin() + 3);
   return r;
@@ -112,7 +112,7 @@ std::vector<T> host_copy(const T* p, size_t n) {
 template <typename slot_t>
 std::string run_device(const Input& in, const Geometry& g, Result& out) {
   const int64_t K = int64_t(in.idx.size()), S = g.num_parts * g.width();
-  const int h = half_bits(in.numel);
+  const int bits = domain_bits(in.numel);
   const int blocks = int(std::max<int64_t>(1, std::min<int64_t>((std::max(K, S) + 255) / 256, 1 << 16)));
   int64_t* idx = device_copy(in.idx);
   int64_t* keys = device_copy(in.keys_R);
@@ -122,7 +122,7 @@ std::string run_device(const Input& in, const Geometry& g, Result& out) {
   int64_t* serial_count = device_copy(std::vector<int64_t>(size_t(g.num_parts), 0));
   int64_t* counters = device_copy(std::vector<int64_t>(kNumCounters, 0));
   if (!idx || !keys || !table || !ovf_entry || !ovf_rank || !serial_count || !counters) return "cudaMalloc failed";
-  insert_kernel<slot_t><<<blocks, kThreadsPerBlock>>>(idx, K, in.numel, keys, h, g, table, serial_count, ovf_entry,
+  insert_kernel<slot_t><<<blocks, kThreadsPerBlock>>>(idx, K, in.numel, keys, bits, g, table, serial_count, ovf_entry,
                                                       ovf_rank, counters);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());
@@ -136,11 +136,11 @@ std::string run_device(const Input& in, const Geometry& g, Result& out) {
   int64_t* order = device_copy(std::vector<int64_t>(size_t(K), -1));
   int64_t* pos = device_copy(std::vector<int64_t>(size_t(K), -1));
   totals_kernel<slot_t><<<1, 1>>>(g, cum, serial_count, counts, offsets, offsets + g.num_parts);
-  extract_kernel<slot_t><<<blocks, kThreadsPerBlock>>>(table, cum, g, offsets, idx, in.numel, keys, h, order, pos);
+  extract_kernel<slot_t><<<blocks, kThreadsPerBlock>>>(table, cum, g, offsets, idx, in.numel, keys, bits, order, pos);
   const std::vector<int64_t> counters_h = host_copy(counters, kNumCounters);
   if (counters_h[kOverflows] > 0)
     merge_overflow_kernel<slot_t><<<blocks, kThreadsPerBlock>>>(ovf_entry, ovf_rank, counters_h[kOverflows],
-                                                                offsets + g.num_parts, idx, in.numel, keys, h,
+                                                                offsets + g.num_parts, idx, in.numel, keys, bits,
                                                                 g.num_parts, order, pos);
   CHECK_CUDA(cudaGetLastError());
   CHECK_CUDA(cudaDeviceSynchronize());

@@ -12,7 +12,7 @@ import os
 import torch
 
 from . import _reference
-from ._reference import NUM_ROUNDS, derive_keys, half_bits
+from ._reference import MAX_NUMEL, NUM_ROUNDS, derive_keys, domain_bits
 
 log = logging.getLogger(__name__)
 
@@ -25,11 +25,28 @@ if os.environ.get("ZEN_DISABLE_CPP_OP", "0") != "1":
     except ImportError as exc:  # the package stays usable, on the reference path
         log.info("zen_ext C++ op not available (%s); using the pure-torch reference", exc)
 
-__all__ = ["HAVE_CPP_OP", "NUM_ROUNDS", "derive_keys", "half_bits", "permute", "hash_partition"]
+__all__ = ["HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition"]
+
+# Fake (meta) kernels: shapes only, so torch.compile / FakeTensor tracing can see through the ops.
+if HAVE_CPP_OP:
+
+    @torch.library.register_fake("zen_ext::permute")
+    def _permute_fake(idx, numel, keys, inverse):
+        return torch.empty_like(idx)
+
+    @torch.library.register_fake("zen_ext::hash_partition")
+    def _hash_partition_fake(idx, numel, num_parts, keys, num_rehash=3, parallel_factor=2.0, serial_factor=0.1):
+        k = idx.shape[0]
+        return idx.new_empty(num_parts), idx.new_empty(k), idx.new_empty(k), idx.new_empty(3)
 
 
 def _use_op(t: torch.Tensor) -> bool:
-    return HAVE_CPP_OP and (t.device.type == "cpu" or hasattr(torch.ops.zen_ext.hash_partition, "default"))
+    if not HAVE_CPP_OP:
+        return False
+    if t.device.type == "cpu":
+        return True
+    # A _C built without CUDA has no CUDA kernel: fall back to the reference instead of failing.
+    return torch._C._dispatch_has_kernel_for_dispatch_key("zen_ext::hash_partition", t.device.type.upper())
 
 
 def permute(idx_K: torch.Tensor, numel: int, keys_R: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """Pure-torch reference of the zen_ext hashing ops; the C++ and CUDA ops must match it exactly.
 
-h0 is a keyed pseudo-random *permutation* ``P`` of ``[0, numel)``: a 4-round Feistel network over the
-smallest even-width bit domain that holds ``numel``, made exact on ``[0, numel)`` by cycle walking.
+h0 is a keyed pseudo-random *permutation* ``P`` of ``[0, numel)``: a 4-round unbalanced Feistel network over the
+smallest bit domain ``[0, 2**bits)`` that holds ``numel``, made exact on ``[0, numel)`` by cycle walking.
 Its round function is MurmurHash3's ``fmix32`` finalizer. An index ``idx`` belongs to partition
 ``P(idx) % n`` at local position ``P(idx) // n``. Because ``P`` is a bijection, the ordered index set
 of partition ``i`` is ``𝕀_i[p] = P⁻¹(i + p·n)``: the hash-bitmap decoder computes it on the fly and
@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 NUM_ROUNDS = 4
+MAX_NUMEL = 2**62  # int64 arithmetic of the reference (and 31-bit Feistel halves) stop here
 _MASK32 = 0xFFFFFFFF
 _MASK64 = (1 << 64) - 1
 
@@ -37,11 +38,9 @@ def derive_keys(seed: int) -> torch.Tensor:
     return torch.tensor(keys, dtype=torch.int64)
 
 
-def half_bits(numel: int) -> int:
-    """Width in bits of one Feistel half for a domain of ``numel`` elements (at least 1)."""
-    bits = max(2, int(numel - 1).bit_length())
-    bits += bits & 1
-    return bits // 2
+def domain_bits(numel: int) -> int:
+    """Width in bits of the Feistel domain for ``numel`` elements: ``[0, 2**bits)`` holds them (at least 2)."""
+    return max(2, int(numel - 1).bit_length())
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -60,36 +59,46 @@ def fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def _feistel(x: torch.Tensor, keys: list[int], h: int, inverse: bool) -> torch.Tensor:
-    mask = (1 << h) - 1
-    left, right = x >> h, x & mask
+def _feistel(x: torch.Tensor, keys: list[int], bits: int, inverse: bool) -> torch.Tensor:
+    # Unbalanced Feistel network on [0, 2**bits): the left part has ceil(bits/2) bits, the right
+    # floor(bits/2); each round swaps the roles (and widths), and an even number of rounds restores
+    # them. Over 2**bits < 2·numel values, cycle walking needs < 2 rounds on average (a balanced
+    # network over 4**ceil(bits/2) values needed up to 4).
+    wl, wr = bits - bits // 2, bits // 2
+    left, right = x >> wr, x & ((1 << wr) - 1)
     if not inverse:
         for k in keys:
-            left, right = right, left ^ (fmix32(right ^ k) & mask)
+            left, right = right, left ^ (fmix32(right ^ k) & ((1 << wl) - 1))
+            wl, wr = wr, wl
     else:
         for k in reversed(keys):
-            left, right = right ^ (fmix32(left ^ k) & mask), left
-    return (left << h) | right
+            left, right = right ^ (fmix32(left ^ k) & ((1 << wr) - 1)), left
+            wl, wr = wr, wl
+    return (left << wr) | right
 
 
 def permute(idx_K: torch.Tensor, numel: int, keys_R: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """``P(idx)`` (or ``P⁻¹`` with ``inverse``), a bijection of ``[0, numel)``; int64 in, int64 out."""
     if idx_K.dtype != torch.int64:
         raise TypeError(f"idx must be int64, got {idx_K.dtype}")
-    if numel <= 1 or idx_K.numel() == 0:
+    if numel > MAX_NUMEL:
+        raise ValueError(f"permute numel ({numel}) must be <= 2**62")
+    if idx_K.numel() == 0:
         return idx_K.clone()
-    keys = [int(k) for k in keys_R.tolist()]
-    h = half_bits(numel)
     if int(idx_K.min()) < 0 or int(idx_K.max()) >= numel:
         # Cycle walking only returns into [0, numel) for inputs that start there.
         raise ValueError(f"permute indices must lie in [0, {numel}), got [{int(idx_K.min())}, {int(idx_K.max())}]")
-    y = _feistel(idx_K, keys, h, inverse)
-    # Cycle walking: the Feistel network permutes [0, 4**h); re-applying it until the value falls
-    # back into [0, numel) gives a permutation of [0, numel) (expected < 4 rounds since 4**h < 4*numel).
+    if numel <= 1:
+        return idx_K.clone()
+    keys = [int(k) for k in keys_R.tolist()]
+    bits = domain_bits(numel)
+    y = _feistel(idx_K, keys, bits, inverse)
+    # Cycle walking: the Feistel network permutes [0, 2**bits); re-applying it until the value falls
+    # back into [0, numel) gives a permutation of [0, numel) (expected < 2 rounds since 2**bits < 2*numel).
     out = y.clone()
     todo = (out >= numel).nonzero().flatten()
     while todo.numel():
-        nxt = _feistel(out[todo], keys, h, inverse)
+        nxt = _feistel(out[todo], keys, bits, inverse)
         out[todo] = nxt
         todo = todo[nxt >= numel]
     return out
