@@ -4,7 +4,6 @@ TP-shared embedding rows and the non-finite guard, checked against a dense all-r
 Gradients are integer-valued, so every lossless path must equal the dense sum exactly.
 """
 
-import os
 
 import pytest
 import torch
@@ -72,6 +71,17 @@ def test_shard_bounds_snap_to_rows_and_clip_keeps_parts():
     assert w.start == max(0, cuts[1] - 48) and w.offset == max(0, 48 - cuts[1])
     assert node_layout([0, 2, 4, 6], 4) == [[0, 2], [4, 6]] and hierarchy_applies([[0, 2], [4, 6]])
     assert not hierarchy_applies([[0, 1, 2, 3]]) and not hierarchy_applies([[0], [4]])
+    assert not hierarchy_applies([[0, 1], [2, 3, 4]])  # unequal nodes
+
+
+def test_hierarchical_true_on_one_node_is_an_error():
+    from zen_ext.engines._buckets import build_node_sharding
+
+    with pytest.raises(ValueError) as info:
+        build_node_sharding([0, 1], [[0, 1]], 2, 0, required=True)
+    assert str(info.value) == ('zen.hierarchical (True) must be false or "auto" here: the data-parallel group '
+                               '[0, 1] does not span several nodes with several ranks each (local size 2)')
+    assert build_node_sharding([0, 1], [[0, 1]], 2, 0) == (None, None)
 
 
 # --- gloo workers --------------------------------------------------------------------------------------
@@ -99,26 +109,15 @@ def _build(dp_comm, tp_comm, dgc):
 
 
 def _hierarchical_worker(rank, world, cases):
-    import torch.distributed as dist
-
     from zen_ext.comm.torch_dist import TorchCommunicator
-    from zen_ext.engines._buckets import NodeShardedReduce
+    from zen_ext.engines._buckets import build_node_sharding
 
-    local = 2
-    nodes = node_layout(range(world), local)  # [[0, 1], [2, 3]]
-    intra = inter = None
-    for members in nodes:
-        g = dist.new_group(members)
-        if rank in members:
-            intra = g
-    for i in range(local):
-        g = dist.new_group([n[i] for n in nodes])
-        if rank in [n[i] for n in nodes]:
-            inter = g
+    # 2 emulated nodes of 2 local ranks: intra {0,1},{2,3}; inter {0,2},{1,3}.
+    node, inter = build_node_sharding(range(world), [range(world)], 2, rank, required=True)
     out = []
     for op, cap in cases:
         sync = _build(TorchCommunicator(inter), None, dgc=False)
-        red = BucketReducer(sync, cap_bytes=cap, dp_size=world, node=NodeShardedReduce(intra, rank % local, local))
+        red = BucketReducer(sync, cap_bytes=cap, dp_size=world, node=node)
         for step in range(2):
             flat = _grad(rank, step)
             red.reduce_(flat, _slices(), op)

@@ -186,6 +186,52 @@ def hierarchy_applies(nodes: list[list[int]]) -> bool:
     return len(nodes) > 1 and len(sizes) == 1 and sizes.pop() > 1
 
 
+def build_node_sharding(dp_ranks: Sequence[int], all_dp_groups: Iterable[Sequence[int]], local_size: int,
+                        rank: int, required: bool = False):
+    """Create the intra-node and inter-node groups of every data-parallel group (a collective).
+
+    ``torch.distributed.new_group`` must be called by every rank for every group in the same order,
+    so each rank passes all DP groups (e.g. all-gathered), which are walked in sorted order.
+
+    Args:
+        dp_ranks: this rank's data-parallel group (global ranks).
+        all_dp_groups: every data-parallel group, as seen by any rank.
+        local_size: ranks per node (the launcher's LOCAL_WORLD_SIZE / LOCAL_SIZE).
+        rank: this rank's global rank.
+        required: raise instead of returning None when node sharding cannot apply.
+
+    Returns:
+        ``(NodeShardedReduce, inter_node_group)``, or ``(None, None)`` when some DP group does not
+        span several nodes with the same number (> 1) of ranks on each.
+
+    Raises:
+        ValueError: ``required`` and node sharding does not apply.
+    """
+    import torch.distributed as dist
+
+    groups = sorted({tuple(g) for g in all_dp_groups})
+    layouts = {g: node_layout(g, local_size) for g in groups}
+    if not all(hierarchy_applies(nodes) for nodes in layouts.values()):
+        if required:
+            raise ValueError(f"zen.hierarchical (True) must be false or \"auto\" here: the data-parallel group "
+                             f"{list(dp_ranks)} does not span several nodes with several ranks each (local size "
+                             f"{local_size})")
+        return None, None
+    node = inter_group = None
+    for g in groups:
+        nodes = layouts[g]
+        for members in nodes:
+            grp = dist.new_group(members)
+            if rank in members:
+                node = NodeShardedReduce(grp, members.index(rank), len(members))
+        for i in range(len(nodes[0])):
+            across = [n[i] for n in nodes]
+            grp = dist.new_group(across)
+            if rank in across:
+                inter_group = grp
+    return node, inter_group
+
+
 class NodeShardedReduce:
     """Dense reduce-scatter inside the node, a sparse sync across nodes per shard, all-gather back.
 

@@ -4,11 +4,13 @@ DeepSpeed has no gradient-reduction hook, so ``attach`` replaces, on the engine 
 method that all-reduces one flat gradient bucket (shared/research/engines.md A1.4):
 
 =============================  ===================================================  =================
-ZeRO stage                     overridden instance method                           checked on
+who reduces                    overridden instance method                           checked on
 =============================  ===================================================  =================
-0 (fp32, fp16, bf16, AutoTP,   ``engine.allreduce_bucket(bucket, dp_group,          deepspeed 0.19.8
-BF16_Optimizer)                dp_world_size)``
-1, 2                           ``engine.optimizer.gradient_reduction_w_predivide(   deepspeed 0.19.8
+the engine: ZeRO-0 (fp32,      ``engine.allreduce_bucket(bucket, dp_group,          deepspeed 0.19.8
+fp16, bf16, AutoTP) and        dp_world_size)``
+BF16_Optimizer (bf16 + ZeRO-1
++ fp32 grad accumulation)
+the ZeRO optimizer: ZeRO 1, 2  ``engine.optimizer.gradient_reduction_w_predivide(   deepspeed 0.19.8
                                tensor, communication_data_type)``, with
                                ``zero_optimization.reduce_scatter`` forced false
                                and ``contiguous_gradients`` true
@@ -38,7 +40,7 @@ from ..comm.torch_dist import TorchCommunicator
 from ..compress import classify_parameters
 from ..config import ZenConfig, check_deepspeed_settings, load_json_config
 from ..core.synchronizer import Synchronizer
-from ._buckets import BucketReducer, NodeShardedReduce, hierarchy_applies, locate_slices, node_layout
+from ._buckets import BucketReducer, NodeShardedReduce, build_node_sharding, locate_slices
 from .stats import StepStats, summarize
 
 log = logging.getLogger(__name__)
@@ -170,6 +172,13 @@ def attach(engine, cfg: "ZenConfig | dict") -> "ZenDeepSpeed":
 class ZenDeepSpeed:
     """ZEN attached to one DeepSpeed engine: the Synchronizer, the overrides, statistics, checkpoints.
 
+    1. Refuse what the overrides cannot serve (ZeRO-3, pipeline/sequence parallelism, MoE, ZeRO-1/2
+       with reduce-scatter, DGC with ZeRO-2 gradient accumulation).
+    2. Groups: the data-parallel group (split by node when hierarchical) and the TP group.
+    3. The Synchronizer and the BucketReducer around it (re-bucketing, TP-shared embedding rows, the
+       fp16 non-finite guard).
+    4. Install the instance overrides (reduction, step, checkpoints).
+
     Args:
         engine: the ``DeepSpeedEngine``.
         cfg: the validated ``"zen"`` section.
@@ -240,32 +249,13 @@ class ZenDeepSpeed:
     # --- groups -------------------------------------------------------------------------------------------
     def _maybe_node_sharding(self, dist) -> NodeShardedReduce | None:
         """Node-sharded (hierarchical) reduction when the DP group spans several multi-rank nodes."""
-        want = self.cfg.hierarchical
-        if want is False:
+        if self.cfg.hierarchical is False:
             return None
         local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or dist.get_world_size())
-        # Every rank must create every subgroup in the same order, so all DP groups are gathered first.
-        all_dp = sorted({tuple(g) for g in _all_gather_object(dist, tuple(self.dp_ranks))})
-        layouts = {g: node_layout(g, local_size) for g in all_dp}
-        if not all(hierarchy_applies(nodes) for nodes in layouts.values()):
-            if want is True:
-                raise ValueError(
-                    f"zen.hierarchical (True) must be false or \"auto\" here: the data-parallel group "
-                    f"{self.dp_ranks} does not span several nodes with several ranks each (local size {local_size})")
-            return None
-        mine = None
-        for g in all_dp:  # identical order on every rank
-            nodes = layouts[g]
-            for members in nodes:
-                grp = dist.new_group(members)
-                if self.rank in members:
-                    mine = (grp, members.index(self.rank), len(members))
-            for i in range(len(nodes[0])):
-                inter = [n[i] for n in nodes]
-                grp = dist.new_group(inter)
-                if self.rank in inter:
-                    self._inter_group = grp
-        return NodeShardedReduce(*mine)
+        all_dp = _all_gather_object(dist, tuple(self.dp_ranks))
+        node, self._inter_group = build_node_sharding(self.dp_ranks, all_dp, local_size, self.rank,
+                                                      required=self.cfg.hierarchical is True)
+        return node
 
     # --- the overrides ------------------------------------------------------------------------------------
     def _install(self) -> None:
