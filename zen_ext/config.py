@@ -27,7 +27,6 @@ from typing import Any, Union
 
 from .compress import DGCConfig, NaturalConfig
 
-HIERARCHICAL_CHOICES = ("auto", True, False)
 SUPPORTED_ZERO_STAGES = (0, 1, 2)
 
 
@@ -182,11 +181,11 @@ def load_json_config(config: "str | os.PathLike | dict") -> dict:
         text = f.read()
     try:
         return json.loads(text)
-    except json.JSONDecodeError:
+    except json.JSONDecodeError as exc:
         try:
             import hjson
         except ImportError:
-            raise
+            raise exc from None
         return hjson.loads(text)
 
 
