@@ -153,7 +153,7 @@ def test_every_shipped_config_validates():
 
 
 def test_docs_hold_the_generated_reference():
-    """docs/deepspeed.md embeds ``python -m zen_ext.config``'s tables: regenerate them on change."""
-    with open(os.path.join(ROOT, "docs", "deepspeed.md")) as f:
-        doc = f.read()
-    assert config_reference_markdown() in doc
+    """README.md and docs/deepspeed.md embed ``python -m zen_ext.config``'s tables: regenerate on change."""
+    for path in (("docs", "deepspeed.md"), ("README.md",)):
+        with open(os.path.join(ROOT, *path)) as f:
+            assert config_reference_markdown() in f.read(), f"{os.path.join(*path)} lacks the current reference"
