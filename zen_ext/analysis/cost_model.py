@@ -243,7 +243,7 @@ def _block_ids(uniq: torch.Tensor, row_width: int, block_size: int) -> torch.Ten
     if bool((first == last).all()):
         return torch.unique(first)
     span = int((last - first).max()) + 1
-    ids = first.unsqueeze(1) + torch.arange(span)
+    ids = first.unsqueeze(1) + torch.arange(span, device=first.device)
     return torch.unique(ids[ids <= last.unsqueeze(1)])
 
 

@@ -21,7 +21,7 @@ PartitionFn = Callable[[torch.Tensor], torch.Tensor]
 """Maps indices to partition ids in ``[0, n)`` (h0 for ``zen``, contiguous ranges for Sparse PS)."""
 
 __all__ = [
-    "densification_curve", "densification_ratio", "density", "imbalance", "index_set", "overlap_ratio",
+    "block_ids", "densification_curve", "densification_ratio", "density", "imbalance", "index_set", "overlap_ratio",
     "partition_fn", "pull_imbalance", "push_imbalance", "skewness", "union_density",
 ]
 
@@ -135,7 +135,7 @@ def block_ids(x: SparseGrad, block_size: int = 256) -> SparseGrad:
     w = x.row_width
     idx = index_set(x)
     if w > 1:
-        idx = (idx.unsqueeze(1) * w + torch.arange(w)).reshape(-1)
+        idx = (idx.unsqueeze(1) * w + torch.arange(w, device=idx.device)).reshape(-1)
     blocks = torch.unique(idx // block_size)
     return SparseGrad(blocks, torch.ones(blocks.numel()), -(-x.dense_numel // block_size))
 

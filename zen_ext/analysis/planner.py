@@ -182,7 +182,8 @@ class AutoScheme(SyncScheme):
     def _gather_profile(self, comm: Communicator, sg: SparseGrad) -> cm.SparsityProfile:
         """Two small all-gathers: sizes (to agree on the sample rate), then every rank's local profile."""
         n = comm.size
-        uniq = torch.unique(sg.indices)
+        indices = sg.indices.cpu()  # the profile is small bookkeeping: CPU, whatever the gradient's device
+        uniq = torch.unique(indices)
         num_blocks = cm._block_ids(uniq, sg.row_width, cm.BLOCK_SIZE).numel()
         shape = (sg.numel, sg.row_width, str(sg.dtype))
         sizes = comm.all_gather_object((shape, uniq.numel(), num_blocks))
@@ -192,7 +193,7 @@ class AutoScheme(SyncScheme):
                                    f"but rank {comm.rank} one of {shape}")
         s = cm.sample_parts_for(max(x[1] for x in sizes), self.sample_budget)
         sb = cm.sample_parts_for(max(x[2] for x in sizes), self.sample_budget)
-        mine = cm.local_profile(sg.indices, sg.numel, sg.row_width, n, self.seed, s, sb)
+        mine = cm.local_profile(indices, sg.numel, sg.row_width, n, self.seed, s, sb)
         return cm.SparsityProfile(
             numel=sg.numel, row_width=sg.row_width, value_bytes=sg.values.element_size(), seed=self.seed,
             locals=comm.all_gather_object(mine), sample_parts=s, block_sample_parts=sb,

@@ -40,7 +40,6 @@ from ..core.scheme import SyncScheme
 from ..core.types import SparseGrad, as_sparse
 
 TRACE_FORMAT = "zen_ext.trace/1"
-_DTYPES = {str(d): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64)}
 
 
 @dataclass
