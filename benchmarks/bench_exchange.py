@@ -49,7 +49,7 @@ def _bench(rank: int, world_size: int, sizes_mb: list[float], reps: int) -> list
 
 
 def _report(rows, world_size: int, out: str | None) -> None:
-    lines = [f"| MiB per rank | transport | min s | median s | max s | median vs a2a |", "|---:|---|---:|---:|---:|---:|"]
+    lines = ["| MiB per rank | transport | min s | median s | max s | median vs a2a |", "|---:|---|---:|---:|---:|---:|"]
     med = {(mb, impl): m for mb, impl, _, m, _ in rows}
     for mb, impl, lo, m, hi in rows:
         lines.append(f"| {mb:g} | {impl} | {lo:.4f} | {m:.4f} | {hi:.4f} | {med[(mb, 'a2a')] / m:.2f}× |")

@@ -20,10 +20,13 @@ from __future__ import annotations
 
 import glob
 import json
+import math
 import os
+import sys
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 
 BUILTIN_TEXT = "pydoc"
 
@@ -173,3 +176,102 @@ def eval_batches(blocks: torch.Tensor, micro_batch: int, dp_rank: int, dp_size: 
     mine = blocks[dp_rank::dp_size]
     for at in range(0, mine.shape[0], micro_batch):
         yield mine[at: at + micro_batch]
+
+
+# --- the run's shared pieces (both recipes) --------------------------------------------------------
+def add_run_args(p, default_output_dir: str) -> None:
+    """The command-line arguments both recipes share (model, data, tokenizer, schedule, outputs)."""
+    p.add_argument("--model", default="configs/models/llama-tiny-untied.json",
+                   help="HF name, checkpoint directory, or model-config JSON (random init)")
+    p.add_argument("--data", default=BUILTIN_TEXT, help="pydoc, a .txt/.md/.jsonl file or directory, hf:<name>")
+    p.add_argument("--tokenizer", default="train", help="HF name or path, or 'train' (BPE on the data)")
+    p.add_argument("--vocab_size", type=int, default=1024, help="vocabulary of a trained tokenizer")
+    p.add_argument("--seq_len", type=int, default=128, help="tokens per packed sequence")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps (in total, including resumed ones)")
+    p.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
+    p.add_argument("--eval_fraction", type=float, default=0.05, help="share of packed blocks held out for eval")
+    p.add_argument("--save_every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
+    p.add_argument("--max_docs", type=int, default=0, help="use only the first N documents (0: all)")
+    p.add_argument("--seed", type=int, default=0, help="model initialization and data order")
+    p.add_argument("--output_dir", default=default_output_dir)
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+
+
+def prepare_data(args, rank: int):
+    """Texts → tokenizer (trained once, on rank 0, cached in output_dir) → packed train/eval blocks."""
+    texts = load_texts(args.data)
+    if args.max_docs:
+        texts = texts[: args.max_docs]
+    if rank == 0:
+        tokenizer = build_tokenizer(args.tokenizer, texts, args.output_dir, args.vocab_size)
+    dist.barrier()
+    if rank != 0:
+        tokenizer = build_tokenizer(args.tokenizer, texts, args.output_dir, args.vocab_size)
+    blocks = pack_tokens(texts, tokenizer, args.seq_len)
+    return tokenizer, *split_blocks(blocks, args.eval_fraction, seed=args.seed)
+
+
+def evaluate(engine, blocks, micro_batch: int, dp_rank: int, dp_size: int, dp_group) -> float:
+    """Mean loss over the eval blocks (each replica a share, averaged over replicas)."""
+    engine.eval()
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for batch in eval_batches(blocks, micro_batch, dp_rank, dp_size):
+            loss = engine(input_ids=batch, labels=batch, use_cache=False).loss
+            total += torch.tensor([loss.float().item() * batch.shape[0], batch.shape[0]], dtype=torch.float64)
+    engine.train()
+    dist.all_reduce(total, group=dp_group)
+    return (total[0] / total[1]).item() if total[1] else float("nan")
+
+
+def write_outputs(out_dir: str, records: list[dict], summary_text: str | None) -> None:
+    """summary.json and loss.png (rank 0)."""
+    losses = [r["loss"] for r in records]
+    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    last = records[-1] if records else {}
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump({"steps": len(records), "losses": losses, "eval": evals, "final": last,
+                   "zen_summary": summary_text}, f, indent=1)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in records], losses, label="train loss")
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="eval loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=100)
+    plt.close(fig)
+
+
+def progress_bar(rank: int, start: int, steps: int):
+    """A tqdm bar on rank 0 showing loss, tokens/s and bytes communicated; a no-op elsewhere."""
+    if rank != 0:
+        return lambda rec: None
+    from tqdm import tqdm
+
+    from zen_ext.engines.stats import format_bytes
+
+    bar = tqdm(total=steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout, mininterval=1.0)
+
+    def update(rec: dict) -> None:
+        post = {"loss": f"{rec['loss']:.4f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
+        if rec.get("bytes_sent") is not None:
+            post["sent"] = format_bytes(rec["bytes_sent"])
+            if rec.get("dense_bytes"):
+                post["vs_dense"] = f"{rec['bytes_sent'] / rec['dense_bytes']:.0%}"
+        if "eval_loss" in rec and math.isfinite(rec["eval_loss"]):
+            post["eval"] = f"{rec['eval_loss']:.4f}"
+        bar.set_postfix(post, refresh=False)
+        bar.update(1)
+        if rec["step"] == steps:
+            bar.close()
+
+    return update

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import os
 import sys
 import time
@@ -37,20 +36,7 @@ from recipes import common  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON config, optionally with a \"zen\" section")
-    p.add_argument("--model", default="configs/models/llama-tiny-untied.json",
-                   help="HF name, checkpoint directory, or model-config JSON (random init)")
-    p.add_argument("--data", default=common.BUILTIN_TEXT, help="pydoc, a .txt/.md/.jsonl file or directory, hf:<name>")
-    p.add_argument("--tokenizer", default="train", help="HF name or path, or 'train' (BPE on the data)")
-    p.add_argument("--vocab_size", type=int, default=1024, help="vocabulary of a trained tokenizer")
-    p.add_argument("--seq_len", type=int, default=128, help="tokens per packed sequence")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps (in total, including resumed ones)")
-    p.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
-    p.add_argument("--eval_fraction", type=float, default=0.05, help="share of packed blocks held out for eval")
-    p.add_argument("--save_every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--max_docs", type=int, default=0, help="use only the first N documents (0: all)")
-    p.add_argument("--seed", type=int, default=0, help="model initialization and data order")
-    p.add_argument("--output_dir", default="runs/deepspeed")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    common.add_run_args(p, default_output_dir="runs/deepspeed")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     return p.parse_args(argv)
 
@@ -69,60 +55,6 @@ def load_ds_config(args) -> dict:
     return ds
 
 
-def prepare_data(args, rank: int):
-    """Texts → tokenizer (trained once, on rank 0, cached in output_dir) → packed train/eval blocks."""
-    texts = common.load_texts(args.data)
-    if args.max_docs:
-        texts = texts[: args.max_docs]
-    if rank == 0:
-        tokenizer = common.build_tokenizer(args.tokenizer, texts, args.output_dir, args.vocab_size)
-    dist.barrier()
-    if rank != 0:
-        tokenizer = common.build_tokenizer(args.tokenizer, texts, args.output_dir, args.vocab_size)
-    blocks = common.pack_tokens(texts, tokenizer, args.seq_len)
-    return tokenizer, *common.split_blocks(blocks, args.eval_fraction, seed=args.seed)
-
-
-def evaluate(engine, blocks, micro_batch: int, dp_rank: int, dp_size: int, dp_group) -> float:
-    """Mean loss over the eval blocks (each replica a share, averaged over replicas)."""
-    engine.eval()
-    total = torch.zeros(2, dtype=torch.float64)
-    with torch.no_grad():
-        for batch in common.eval_batches(blocks, micro_batch, dp_rank, dp_size):
-            loss = engine(input_ids=batch, labels=batch, use_cache=False).loss
-            total += torch.tensor([loss.float().item() * batch.shape[0], batch.shape[0]], dtype=torch.float64)
-    engine.train()
-    dist.all_reduce(total, group=dp_group)
-    return (total[0] / total[1]).item() if total[1] else float("nan")
-
-
-def write_outputs(out_dir: str, records: list[dict], summary_text: str | None) -> None:
-    """summary.json and loss.png (rank 0)."""
-    losses = [r["loss"] for r in records]
-    evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
-    last = records[-1] if records else {}
-    with open(os.path.join(out_dir, "summary.json"), "w") as f:
-        json.dump({"steps": len(records), "losses": losses, "eval": evals, "final": last,
-                   "zen_summary": summary_text}, f, indent=1)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot([r["step"] for r in records], losses, label="train loss")
-    if evals:
-        ax.plot(*zip(*evals), "o-", label="eval loss")
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "loss.png"), dpi=100)
-    plt.close(fig)
-
-
 # --- the run --------------------------------------------------------------------------------------------
 def main(argv=None) -> list[dict]:
     """Run the fine-tuning; returns the per-step records (rank 0's view) for tests and scripts."""
@@ -138,7 +70,7 @@ def main(argv=None) -> list[dict]:
     os.makedirs(args.output_dir, exist_ok=True)
 
     # Step 2: data, model, engine.
-    tokenizer, train_blocks, eval_blocks = prepare_data(args, rank)
+    tokenizer, train_blocks, eval_blocks = common.prepare_data(args, rank)
     vocab = len(tokenizer) if args.model.endswith(".json") else None
     model = common.build_model(args.model, seed=args.seed, vocab_size=vocab)
     engine, _, _, _ = zen_ext.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
@@ -160,7 +92,7 @@ def main(argv=None) -> list[dict]:
     # Step 3: train.
     batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)
     log_file = open(os.path.join(args.output_dir, "train_log.jsonl"), "a") if rank == 0 else None
-    progress = _progress(rank, start, args.steps)
+    progress = common.progress_bar(rank, start, args.steps)
     records: list[dict] = []
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
@@ -181,7 +113,7 @@ def main(argv=None) -> list[dict]:
             rec["bytes_sent"] = zen.totals["bytes_sent"]
             rec["dense_bytes"] = zen.totals["dense_bytes"]
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-            rec["eval_loss"] = evaluate(engine, eval_blocks, micro, dp_rank, dp_size, dp_group)
+            rec["eval_loss"] = common.evaluate(engine, eval_blocks, micro, dp_rank, dp_size, dp_group)
         if log_file is not None:
             log_file.write(json.dumps(rec) + "\n")
             log_file.flush()
@@ -194,36 +126,10 @@ def main(argv=None) -> list[dict]:
     text = zen.summary() if zen is not None else None
     if rank == 0:
         log_file.close()
-        write_outputs(args.output_dir, records, text)
+        common.write_outputs(args.output_dir, records, text)
     if zen is not None:
         zen.close()
     return records
-
-
-def _progress(rank: int, start: int, steps: int):
-    """A tqdm bar on rank 0 showing loss, tokens/s and bytes communicated; a no-op elsewhere."""
-    if rank != 0:
-        return lambda rec: None
-    from tqdm import tqdm
-
-    from zen_ext.engines.stats import format_bytes
-
-    bar = tqdm(total=steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout, mininterval=1.0)
-
-    def update(rec: dict) -> None:
-        post = {"loss": f"{rec['loss']:.4f}", "tok/s": f"{rec['tokens_per_s']:.0f}"}
-        if rec.get("bytes_sent") is not None:
-            post["sent"] = format_bytes(rec["bytes_sent"])
-            if rec.get("dense_bytes"):
-                post["vs_dense"] = f"{rec['bytes_sent'] / rec['dense_bytes']:.0%}"
-        if "eval_loss" in rec and math.isfinite(rec["eval_loss"]):
-            post["eval"] = f"{rec['eval_loss']:.4f}"
-        bar.set_postfix(post, refresh=False)
-        bar.update(1)
-        if rec["step"] == steps:
-            bar.close()
-
-    return update
 
 
 if __name__ == "__main__":

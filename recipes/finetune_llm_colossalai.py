@@ -33,7 +33,6 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from recipes import common  # noqa: E402
-from recipes.finetune_llm import _progress, evaluate, prepare_data, write_outputs  # noqa: E402
 
 
 @dataclass(kw_only=True)
@@ -82,20 +81,7 @@ class TrainSettings:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="ColossalAI JSON config (configs/colossalai_*.json)")
-    p.add_argument("--model", default="configs/models/llama-tiny-untied.json",
-                   help="HF name, checkpoint directory, or model-config JSON (random init)")
-    p.add_argument("--data", default=common.BUILTIN_TEXT, help="pydoc, a .txt/.md/.jsonl file or directory, hf:<name>")
-    p.add_argument("--tokenizer", default="train", help="HF name or path, or 'train' (BPE on the data)")
-    p.add_argument("--vocab_size", type=int, default=1024, help="vocabulary of a trained tokenizer")
-    p.add_argument("--seq_len", type=int, default=128, help="tokens per packed sequence")
-    p.add_argument("--steps", type=int, default=100, help="optimizer steps (in total, including resumed ones)")
-    p.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0: only at the end)")
-    p.add_argument("--eval_fraction", type=float, default=0.05, help="share of packed blocks held out for eval")
-    p.add_argument("--save_every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
-    p.add_argument("--max_docs", type=int, default=0, help="use only the first N documents (0: all)")
-    p.add_argument("--seed", type=int, default=0, help="model initialization and data order")
-    p.add_argument("--output_dir", default="runs/colossalai")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+    common.add_run_args(p, default_output_dir="runs/colossalai")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher; unused")
     return p.parse_args(argv)
 
@@ -171,7 +157,7 @@ def main(argv=None) -> list[dict]:
     os.makedirs(args.output_dir, exist_ok=True)
 
     # Step 2: data, model, booster.
-    tokenizer, train_blocks, eval_blocks = prepare_data(args, rank)
+    tokenizer, train_blocks, eval_blocks = common.prepare_data(args, rank)
     booster = build_booster(cfg)
     plugin = booster.plugin
     model = build_model(args, tokenizer)
@@ -192,7 +178,7 @@ def main(argv=None) -> list[dict]:
     # Step 3: train.
     batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)
     log_file = open(os.path.join(args.output_dir, "train_log.jsonl"), "a") if rank == 0 else None
-    progress = _progress(rank, start, args.steps)
+    progress = common.progress_bar(rank, start, args.steps)
     records: list[dict] = []
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
@@ -217,7 +203,7 @@ def main(argv=None) -> list[dict]:
             rec["bytes_sent"] = zen.stats.totals["bytes_sent"]
             rec["dense_bytes"] = zen.stats.totals["dense_bytes"]
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-            rec["eval_loss"] = evaluate(model, eval_blocks, micro, dp_rank, dp_size, dp_group)
+            rec["eval_loss"] = common.evaluate(model, eval_blocks, micro, dp_rank, dp_size, dp_group)
         if log_file is not None:
             log_file.write(json.dumps(rec) + "\n")
             log_file.flush()
@@ -230,7 +216,7 @@ def main(argv=None) -> list[dict]:
     text = zen.summary() if zen is not None else None
     if rank == 0:
         log_file.close()
-        write_outputs(args.output_dir, records, text)
+        common.write_outputs(args.output_dir, records, text)
     if zen is not None:
         zen.close()
     return records

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     print(f"\nDemo finished in {time.time() - t0:.0f} s. Outputs in {args.output_dir}: summary.json, "
           f"loss.png, train_log.jsonl (per step), zen_stats.jsonl (ZEN per step), checkpoints/")
     if zen["eval"]:
-        print(f"eval loss: " + "  ".join(f"step {s}: {v:.4f}" for s, v in zen["eval"]))
+        print("eval loss: " + "  ".join(f"step {s}: {v:.4f}" for s, v in zen["eval"]))
     if args.dense:
         dense_dir = args.output_dir.rstrip("/") + "_dense"
         shutil.rmtree(dense_dir, ignore_errors=True)

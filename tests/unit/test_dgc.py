@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zen_ext import SimWorld
-from zen_ext.compress import DGCConfig, DGCSparsifier, NamedGrad, SparsifierState
+from zen_ext.compress import DGCConfig, DGCSparsifier, NamedGrad
 from zen_ext.compress import dgc as dgc_module
 from zen_ext.compress.dgc import REFINE_BAND
 
