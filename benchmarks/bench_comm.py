@@ -11,7 +11,8 @@ Usage (``benchmarks/run_cluster_report.sh`` runs all of it)::
 A workload is a gradient trace (``zen_ext.analysis.traces``: one file per step, every rank's sparse
 gradients) — recorded from the fine-tuning recipe, or synthetic (``zen_ext.analysis.workloads``,
 calibrated to the paper). Rank ``r`` of the lab replays rank ``r``'s gradients of one step; one
-*sync* is every slice of that step through one scheme, as a training step would do.
+*sync* is every slice of that step through one scheme, as a training step would do; ``dense`` gets
+each slice already densified (what a training step without sparsification all-reduces).
 
 Each repeat runs every scheme once, in a rotated order (interleaved, so slow drifts of the shared
 machine hit all schemes alike), after a barrier; a sync's time is the span from the first rank's
@@ -113,13 +114,16 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
     if step.world_size < n:
         raise SystemExit(f"workload {label}: trace has {step.world_size} ranks, the lab {n}")
     mine = {key: grads[rank] for key, grads in step.slices.items()}
+    # The dense baseline all-reduces the gradient a training step already holds in dense form, so it
+    # gets it densified before any timing (its all-reduce still copies it, as DeepSpeed's flatten does).
+    mine_dense = {key: g.to_dense() for key, g in mine.items()} if "dense" in a.schemes else {}
     schemes = {name: build_scheme(name) for name in a.schemes}
     net = cm.Network(bandwidth_gbps=lab.goodput * 8 / 1e9, latency_us=a.latency_us) if lab.goodput else None
     preds = _predictions(step, n, list(schemes), net) if rank == 0 else {}
 
     def sync_all(scheme, timings: dict | None = None) -> list[torch.Tensor]:
         outs = []
-        for key, g in mine.items():
+        for key, g in (mine_dense if scheme.name == "dense" else mine).items():
             t: dict = {}
             outs.append(scheme.sync(comm, g, key=key, timings=t))
             if timings is not None:
