@@ -369,12 +369,13 @@ def main(argv=None) -> int:
            "do not edit by hand. Method, caveats and the analysis of every missed target: "
            "[docs/benchmarks.md](../../docs/benchmarks.md).", ""]
     if run:
-        out += [f"- Run: {run.get('started', '?')} → {run.get('finished', '?')} ({run.get('duration_s', 0) / 60:.0f} min), "
-                f"commit `{run.get('commit', '?')}`, {run.get('machine', '')}.",
-                f"- CPU load seen (1-min load average of the 2-core machine, sampled during the run): "
-                f"{run.get('loadavg_summary', '?')}. Columns `cpu / foreign`: machine busy fraction during "
-                f"the sync, and the part not used by the benchmark's ranks.",
-                f"- Lab: {run.get('lab', '')}", ""]
+        out += [f"- Machine: {run.get('machine', '?')}. Lab: {run.get('lab', '?')}.",
+                "- Stages (1-min load average of the 2-core machine sampled every 15 s in each; other jobs share "
+                "the cores): " + "; ".join(
+                    f"`{name}` {st['started']}, {st['duration_s'] / 60:.0f} min, commit `{st['commit']}`, load "
+                    f"{st['loadavg_summary']}" for name, st in run.get("stages", {}).items()) + ".",
+                "- Columns `cpu / foreign`: the machine's busy fraction during a measurement, and the part of it "
+                "not used by the benchmark's ranks (other programs, kernel work charged elsewhere).", ""]
     out += ["## Targets", ""] + targets_section(comm_sum, e2e_sum, over_sum) + [""]
     out += ["## 1. Communication: time per sync and bytes per rank", "",
             "Each row: one sync of every slice of the workload's step through the scheme, 4 ranks = 4 hosts; "

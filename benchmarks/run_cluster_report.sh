@@ -38,6 +38,11 @@ export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
 [[ -x "$PY" ]] || { echo "run_cluster_report.sh: no python at $PY (bash launch/setup.sh)" >&2; exit 1; }
 mkdir -p "$WORK" "$OUT" "$RES"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
+# Each stage's time window goes into the report with the load seen in it (a stage re-run alone
+# replaces only its own entry).
+: >"$WORK/stages.txt"
+stage_begin() { STAGE_T0=$(date +%s); }
+stage_end() { echo "$1 $STAGE_T0 $(date +%s)" >>"$WORK/stages.txt"; }
 log() { echo "[cluster +$((SECONDS / 60))m$((SECONDS % 60))s] $*" >&2; }
 
 # The machine's load during the run goes into the report (the cores are shared).
@@ -45,7 +50,6 @@ log() { echo "[cluster +$((SECONDS / 60))m$((SECONDS % 60))s] $*" >&2; }
 ( while :; do echo "$(date +%s) $(cut -d' ' -f1-3 /proc/loadavg)" >>"$WORK/loadavg.txt"; sleep 15; done ) &
 SAMPLER=$!
 trap 'kill $SAMPLER 2>/dev/null || true' EXIT
-STARTED=$(date -u +%Y-%m-%dT%H:%M:%SZ)
 
 TRACES="$WORK/traces"
 WORKLOADS=(trace_dgc1="$TRACES/dgc1" trace_dgc5="$TRACES/dgc5" trace_natural="$TRACES/natural")
@@ -53,15 +57,18 @@ SYNTH=(synth_dgc1="$WORK/workloads/synth_dgc1" synth_dgc5="$WORK/workloads/synth
        synth_embedding="$WORK/workloads/synth_embedding")
 
 if has traces; then
+  stage_begin
   if [[ -n "${FORCE_TRACES:-}" || ! -f "$TRACES/natural/losses.json" ]]; then
     log "recording gradient traces -> $TRACES"
     timeout 1800 "$PY" benchmarks/record_traces.py --out "$TRACES"
   else
     log "gradient traces cached in $TRACES (FORCE_TRACES=1 re-records)"
   fi
+  stage_end traces
 fi
 
 if has comm; then
+  stage_begin
   [[ -f "$WORK/workloads/synth_embedding/step_00000000.pt" ]] || \
     timeout 600 "$PY" benchmarks/bench_comm.py prepare --work "$WORK/workloads"
   rm -f "$OUT/cluster_comm.jsonl"
@@ -76,39 +83,49 @@ if has comm; then
     done
   done
   cp "$OUT/cluster_comm.jsonl" "$RES/"
+  stage_end comm
 fi
 
 if has e2e; then
+  stage_begin
   rm -f "$OUT/cluster_e2e.jsonl"
   log "e2e: 4 hosts at $E2E_RATE"
   "$PY" benchmarks/bench_e2e.py --rate "$E2E_RATE" --work "$WORK/e2e" --reps "$REPS" \
     --quiet-wait "$QUIET_WAIT" --quiet-level "$QUIET_LEVEL" --out "$OUT/cluster_e2e.jsonl"
   cp "$OUT/cluster_e2e.jsonl" "$RES/"
+  stage_end e2e
 fi
 
 if has overhead; then
+  stage_begin
   rm -f "$OUT/cluster_overhead.jsonl"
   args=(); for s in "${WORKLOADS[@]}" "${SYNTH[@]}"; do args+=(--workload "$s"); done
   log "overhead: compute replayed alone vs the time saved"
   timeout 900 "$PY" benchmarks/bench_overhead.py "${args[@]}" --reps "$REPS" --rates "${RATES// /,}" \
     --comm "$RES/cluster_comm.jsonl" --out "$OUT/cluster_overhead.jsonl"
   cp "$OUT/cluster_overhead.jsonl" "$RES/"
+  stage_end overhead
 fi
 
 if has report; then
-  "$PY" - "$WORK/loadavg.txt" "$RES/cluster_run.json" "$STARTED" "$SECONDS" "$RATES" <<'EOF'
-import json, os, platform, statistics, subprocess, sys, datetime
-load_path, out, started, secs, rates = sys.argv[1:6]
-loads = [float(line.split()[1]) for line in open(load_path) if line.strip()]
+  "$PY" - "$WORK/loadavg.txt" "$WORK/stages.txt" "$RES/cluster_run.json" "$RATES" <<'EOF'
+import datetime, json, os, platform, statistics, subprocess, sys
+load_path, stages_path, out, rates = sys.argv[1:5]
+samples = [tuple(float(x) for x in line.split()[:2]) for line in open(load_path) if line.strip()]
 commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-summary = (f"min {min(loads):.1f}, median {statistics.median(loads):.1f}, max {max(loads):.1f} "
-           f"over {len(loads)} samples") if loads else "not sampled"
-prev = json.load(open(out)) if os.path.isfile(out) else {}
-run = dict(prev, started=started, finished=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-           duration_s=int(secs), commit=commit, loadavg_summary=summary, loadavg=loads,
-           machine=f"{platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}",
-           lab=f"4 network namespaces behind a bridge, tbf per host and direction at {rates}, MTU 1500, gloo over TCP "
-               f"(launch/netlab)")
+utc = lambda t: datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+run = json.load(open(out)) if os.path.isfile(out) else {}
+stages = run.get("stages", {})
+for line in open(stages_path):
+    name, t0, t1 = line.split()
+    t0, t1 = float(t0), float(t1)
+    loads = [v for t, v in samples if t0 <= t <= t1]
+    stages[name] = dict(started=utc(t0), duration_s=int(t1 - t0), commit=commit, loadavg=loads,
+                        loadavg_summary=(f"min {min(loads):.1f}, median {statistics.median(loads):.1f}, "
+                                         f"max {max(loads):.1f}") if loads else "not sampled")
+run = dict(stages=stages, machine=f"{platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}",
+           lab=f"4 network namespaces behind a bridge, tbf per host and direction ({rates}), MTU 1500, gloo over "
+               f"TCP (launch/netlab)")
 json.dump(run, open(out, "w"), indent=1)
 EOF
   log "report"
