@@ -84,5 +84,5 @@ def test_auto_on_gloo_agrees_and_is_exact():
 def test_auto_on_gloo_with_mismatched_options_raises_instead_of_hanging():
     from zen_ext.analysis.workloads import zipf_embedding
 
-    with pytest.raises(AssertionError, match=r"auto: rank 1 decided .* but rank \d decided"):
+    with pytest.raises(AssertionError, match=r"auto: rank \d decided .* but rank \d decided .*must use the same options"):
         run_workers(_auto_worker, 2, zipf_embedding(2, row_width=2), [10.0, 1.0], timeout_s=120)

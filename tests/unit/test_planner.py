@@ -188,7 +188,7 @@ def test_auto_shared_instance_across_simworld_ranks_and_timings():
 def test_auto_ranks_that_disagree_fail_loudly():
     inputs = W.zipf_embedding(3, row_width=4)
     autos = [build_scheme("auto", bandwidth_gbps=10.0 if r != 2 else 1.0) for r in range(3)]
-    with pytest.raises(RuntimeError, match=r"auto: rank 2 decided .* but rank \d decided"):
+    with pytest.raises(RuntimeError, match=r"auto: rank \d decided .* but rank \d decided .*must use the same options"):
         run_auto(inputs, steps=1, schemes=autos)
     mixed = [SparseGrad(torch.tensor([1]), torch.ones(1), 10 if r else 11) for r in range(2)]
     with pytest.raises(RuntimeError, match=r"synchronizes a slice of \(numel, row_width, dtype\)"):
