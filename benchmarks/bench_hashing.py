@@ -146,9 +146,9 @@ def to_markdown(rows: list[dict], args: argparse.Namespace, load_before: tuple, 
         " (checked at K <= 1e6).",
         f"- Throughput in million indices per second over {args.repeats} timed calls after a warm-up;"
         " 'C++ / reference' is the ratio of the medians.",
-        "- 'walks' = 4^h / numel, the expected Feistel evaluations per index: cycle walking re-applies the"
-        " 2h-bit network until the value falls into [0, numel), so throughput depends on where numel sits"
-        " between powers of 4 (1 at numel = 4^h, up to 4 just above it).",
+        "- 'walks' = 2^bits / numel, the expected Feistel evaluations per index: cycle walking re-applies the"
+        " network on [0, 2^bits) until the value falls into [0, numel), so throughput depends on where numel"
+        " sits between powers of 2 (1 at numel = 2^bits, up to 2 just above it).",
         "",
         "| non-zeros | numel | walks | implementation | median (M idx/s) | min | max | median time (ms) | C++ / reference |",
         "|---:|---:|---:|---|---:|---:|---:|---:|---:|",
