@@ -216,8 +216,7 @@ def test_opcheck(name, args):
     op = getattr(torch.ops.zen_ext, name).default
     result = torch.library.opcheck(op, args, test_utils=("test_schema", "test_autograd_registration"))
     assert set(result.values()) == {"SUCCESS"}
-    if not _registered_fake(f"zen_ext::{name}"):
-        pytest.xfail("no fake (meta) kernel registered for torch.compile; see docs/kernels.md")
+    assert _registered_fake(f"zen_ext::{name}")  # zen_ext/ops registers shape-only fake kernels
     result = torch.library.opcheck(op, args)
     assert set(result.values()) == {"SUCCESS"}
 
