@@ -4,7 +4,7 @@ Usage (``benchmarks/run_cluster_report.sh`` runs all of it)::
 
     # 1. synthetic workloads, written once as trace step files (one process)
     .venv/bin/python benchmarks/bench_comm.py prepare --work /tmp/zen_cluster/workloads
-    # 2. measure: one process per emulated host
+    # 2. measure: one process per emulated host (``scale`` instead predicts bytes at more hosts)
     launch/netlab/launch.sh -n 4 -r 1gbit -- benchmarks/bench_comm.py run \\
         --workload synth_dgc1=/tmp/zen_cluster/workloads/synth_dgc1 --out benchmarks/results/cluster_comm.jsonl
 
@@ -64,6 +64,27 @@ def cmd_prepare(a) -> int:
         save_step(path, TraceStep(0, slices))
         nnz = [g.indices.numel() for g in next(iter(slices.values()))]
         print(f"{label}: {path} (nnz per rank {nnz})")
+    return 0
+
+
+def cmd_scale(a) -> int:
+    """Bytes per rank at more hosts than the lab holds: the cost model's prediction (exact per rank for
+    SimWorld, tests/unit/test_planner.py) on the synthetic workloads, nested over ``n`` (rank r's
+    gradient does not depend on n)."""
+    from zen_ext.analysis import cost_model as cm
+
+    ranks = [int(x) for x in a.ranks.split(",")]
+    for label, slices in synthetic_workloads(max(ranks), a.dgc_numel, a.emb_row_width, a.seed).items():
+        grads = next(iter(slices.values()))
+        for n in ranks:
+            prof = cm.profile_from_grads(grads[:n])
+            sent = {s: max(x.bytes_sent for x in cm.predict_stats(s, prof)) for s in SCHEMES if s in cm.PREDICTORS}
+            rec = dict(bench="scale", workload=label, n=n, gamma_n=prof.gamma(n), density=prof.density(),
+                       max_bytes_sent=sent)
+            print(f"{label:>16} n={n:3d} gamma_n={rec['gamma_n']:.2f} " +
+                  " ".join(f"{k} {v / 1e6:.2f}" for k, v in sent.items()) + " (MB)", flush=True)
+            if a.out:
+                append_jsonl(a.out, rec)
     return 0
 
 
@@ -238,6 +259,12 @@ def main(argv=None) -> int:
     pp.add_argument("--dgc-numel", type=int, default=1 << 24, help="DGC bucket elements (default 2^24: 64 MiB fp32)")
     pp.add_argument("--emb-row-width", type=int, default=768, help="embedding row width (BERT: 768)")
     pp.add_argument("--seed", type=int, default=0)
+    ps = sub.add_parser("scale", help="predicted bytes per rank of every scheme at more hosts (cost model)")
+    ps.add_argument("--ranks", default="4,8,16,32")
+    ps.add_argument("--dgc-numel", type=int, default=1 << 24)
+    ps.add_argument("--emb-row-width", type=int, default=768)
+    ps.add_argument("--seed", type=int, default=0)
+    ps.add_argument("--out", default=None, help="append JSON lines here")
     pr = sub.add_parser("run", help="measure (one process per host, under launch/netlab/launch.sh)")
     pr.add_argument("--workload", action="append", required=True, help="label=path[@step]; repeatable")
     pr.add_argument("--schemes", type=lambda s: s.split(","), default=list(SCHEMES))
@@ -251,6 +278,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.cmd == "prepare":
         return cmd_prepare(a)
+    if a.cmd == "scale":
+        return cmd_scale(a)
     if a.reps < 1:
         raise SystemExit(f"--reps ({a.reps}) must be >= 1")
     return cmd_run(a)

@@ -8,7 +8,8 @@
 #   traces   record real gradient traces of the recipe pipeline (DGC 1 %, DGC 5 %, natural rows); cached
 #            in $WORK/traces, re-recorded only with FORCE_TRACES=1
 #   comm     bench_comm on 4 emulated hosts at each rate of $RATES: recorded traces + the calibrated
-#            synthetic workloads, every scheme, $REPS interleaved repeats
+#            synthetic workloads, every scheme, $REPS interleaved repeats; then the cost model's bytes
+#            per rank of the synthetic workloads at 4-32 hosts (more than the lab can hold)
 #   e2e      bench_e2e: tokens/s of the fine-tuning recipe, dense vs ZEN, 4 hosts at $E2E_RATE
 #   overhead bench_overhead: hashing/encoding/aggregation compute vs the time saved in `comm`
 #   report   cluster_report.py renders the markdown and the plots
@@ -82,7 +83,10 @@ if has comm; then
         --quiet-level "$QUIET_LEVEL" --out "$OUT/cluster_comm.jsonl"
     done
   done
-  cp "$OUT/cluster_comm.jsonl" "$RES/"
+  log "comm: bytes per rank at 4-32 hosts (cost model, synthetic workloads)"
+  rm -f "$OUT/cluster_scale.jsonl"
+  timeout 900 "$PY" benchmarks/bench_comm.py scale --ranks 4,8,16,32 --out "$OUT/cluster_scale.jsonl"
+  cp "$OUT/cluster_comm.jsonl" "$OUT/cluster_scale.jsonl" "$RES/"
   stage_end comm
 fi
 
