@@ -267,7 +267,7 @@ def overhead_section(rows: list[dict]) -> tuple[list[str], dict]:
              "|---|---|---:|---:|---:|---:|---:|---|---:|---:|"]
     summary = {}
     for r in rows:
-        saved = "; ".join(f"{_rate_gbps(k)}: {1e3 * v['saved_s']:.0f}" for k, v in r["vs_lab"].items())
+        saved = "; ".join(f"{_rate_gbps(k)}: {round(1e3 * v['saved_s']):d}" for k, v in r["vs_lab"].items())
         hs = " / ".join(f"{100 * v['hash_over_saved']:.2f} %" for v in r["vs_lab"].values()
                         if v["hash_over_saved"] is not None) or "–"
         ts = " / ".join(f"{100 * v['overhead_over_saved']:.1f} %" for v in r["vs_lab"].values()
