@@ -32,6 +32,7 @@ import os
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -40,6 +41,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster_common import (  # noqa: E402
     Lab, SpanProbe, append_jsonl, finish_process, init_from_env, mmm, wait_quiet,
 )
+
+if TYPE_CHECKING:
+    from zen_ext.analysis.traces import TraceStep
 
 SCHEMES = ("dense", "agsparse", "sparcml", "omnireduce", "sparse_ps", "zen", "zen_coo")
 
@@ -88,7 +92,7 @@ def cmd_scale(a) -> int:
     return 0
 
 
-def load_workload(spec: str) -> tuple[str, str, "object"]:
+def load_workload(spec: str) -> tuple[str, str, "TraceStep"]:
     """``label=path[@step]`` → (label, file, TraceStep); a directory without ``@step`` gives its last step."""
     from zen_ext.analysis.traces import load_step, trace_files
 
@@ -127,11 +131,21 @@ def _predictions(step, n: int, schemes: list[str], net) -> dict[str, dict]:
 
 
 def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: int) -> list[dict]:
+    """Measure every scheme of ``a.schemes`` on one workload; returns the JSON records (rank 0 only).
+
+    1. Inputs: this rank's gradients of the step (densified for ``dense``), the schemes, and on rank 0
+       the cost model's predictions from a sparsity profile of every rank's gradients.
+    2. Warm-up round: every scheme once (connections, caches), its result compared with ``dense``.
+    3. Repeats: every scheme once per repeat, in an order rotated by one each repeat; each sync timed
+       over all ranks with its logical bytes, wire bytes, CPU and phase timers.
+    4. Summary per scheme: min/median/max, bound and efficiency, modeled and predicted time.
+    """
     import torch.distributed as dist
 
     from zen_ext import build_scheme
     from zen_ext.analysis import cost_model as cm
 
+    # Step 1: inputs, schemes, predictions.
     if step.world_size < n:
         raise SystemExit(f"workload {label}: trace has {step.world_size} ranks, the lab {n}")
     mine = {key: grads[rank] for key, grads in step.slices.items()}
@@ -153,7 +167,7 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
                         timings[k] = timings.get(k, 0.0) + v
         return outs
 
-    # Warm-up round: connections, partitioner caches; every result checked against dense.
+    # Step 2: warm-up round: connections, partitioner caches; every result checked against dense.
     ref = sync_all(schemes["dense"]) if "dense" in schemes else None
     check = {}
     for name, s in schemes.items():
@@ -165,6 +179,7 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
         check[name] = max(errs)
     del ref
 
+    # Step 3: interleaved repeats, after waiting (bounded) for an idle machine.
     pre_busy = -1.0
     if a.quiet_wait > 0:
         pre_busy = wait_quiet(a.quiet_wait, a.quiet_level) if rank == 0 else -1.0
@@ -186,6 +201,7 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
             rec["phases"] = phases
             recs[name].append(rec)
 
+    # Step 4: summary per scheme (rank 0 holds every rank's numbers).
     if rank != 0:
         return []
     out = []
