@@ -33,7 +33,7 @@ from ..compress import classify_parameters
 from ..config import ZenConfig
 from ..core.synchronizer import GradSlice, Synchronizer
 from ._buckets import BucketReducer, locate_slices
-from .stats import StepStats, summarize
+from .stats import StepStats, report_summary
 
 log = logging.getLogger(__name__)
 
@@ -196,12 +196,7 @@ class ZenHookState:
         return the summary text; rank 0 prints it when ``zen.stats.summary`` is on."""
         totals = [None] * dist.get_world_size()
         dist.all_gather_object(totals, self.stats.totals)
-        text = summarize(totals, self.stats.steps, self.stats.schemes, self.stats.losses,
-                         f"scheme={self.cfg.scheme} dgc={'on' if self.cfg.dgc.enabled else 'off'} "
-                         f"natural={'on' if self.cfg.natural.enabled else 'off'} DDP hook dp={self.dp_size}")
-        if (self.cfg.stats.summary if print_it is None else print_it) and self.rank == 0:
-            print(text, flush=True)
-        return text
+        return report_summary(self.stats, self.cfg, totals, self.rank, f"DDP hook dp={self.dp_size}", print_it)
 
     def close(self) -> None:
         self.stats.close()

@@ -41,7 +41,7 @@ from ..compress import classify_parameters
 from ..config import ZenConfig, check_deepspeed_settings, load_json_config
 from ..core.synchronizer import Synchronizer
 from ._buckets import BucketReducer, NodeShardedReduce, build_node_sharding, locate_slices
-from .stats import StepStats, summarize
+from .stats import StepStats, report_summary
 
 log = logging.getLogger(__name__)
 
@@ -354,13 +354,7 @@ class ZenDeepSpeed:
         import torch.distributed as dist
 
         totals = _all_gather_object(dist, self.stats.totals)
-        text = summarize(totals, self.stats.steps, self.stats.schemes, self.stats.losses,
-                         f"scheme={self.cfg.scheme} dgc={'on' if self.cfg.dgc.enabled else 'off'} "
-                         f"natural={'on' if self.cfg.natural.enabled else 'off'} ZeRO-{self.stage} "
-                         f"hierarchical={self.hierarchical}")
-        if (self.cfg.stats.summary if print_it is None else print_it) and self.rank == 0:
-            print(text, flush=True)
-        return text
+        return report_summary(self.stats, self.cfg, totals, self.rank, f"ZeRO-{self.stage} hierarchical={self.hierarchical}", print_it)
 
     def close(self) -> None:
         self.stats.close()

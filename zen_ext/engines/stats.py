@@ -149,3 +149,21 @@ def summarize(totals_by_rank: list[dict], steps: int, schemes: Counter, losses: 
         lines.append(f"  loss:            {losses[0]:.4f} -> {losses[-1]:.4f}   {sparkline(losses)}")
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+def report_summary(stats, cfg, totals_by_rank: list[dict], rank: int, engine_line: str,
+                   print_it: bool | None = None) -> str:
+    """The summary text both adapters end a run with; rank 0 prints it when ``zen.stats.summary`` is on.
+
+    Args:
+        stats: the adapter's ``StepStats`` (steps, schemes, losses).
+        cfg: the validated ``ZenConfig``.
+        totals_by_rank: every rank's totals, already gathered.
+        engine_line: what the engine side looks like (e.g. ``"ZeRO-1 hierarchical=False"``).
+    """
+    config_line = (f"scheme={cfg.scheme} dgc={'on' if cfg.dgc.enabled else 'off'} "
+                   f"natural={'on' if cfg.natural.enabled else 'off'} {engine_line}")
+    text = summarize(totals_by_rank, stats.steps, stats.schemes, stats.losses, config_line)
+    if (cfg.stats.summary if print_it is None else print_it) and rank == 0:
+        print(text, flush=True)
+    return text
