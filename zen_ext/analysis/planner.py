@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..comm.base import Communicator
-from ..core.scheme import SyncScheme, available_schemes, build_scheme, check_op, register_scheme
+from ..core.scheme import SyncScheme, available_schemes, build_scheme, register_scheme
 from ..core.types import SparseGrad, as_sparse
 from . import cost_model as cm
 
@@ -130,9 +130,9 @@ class AutoScheme(SyncScheme):
         """``{key: scheme name}`` for every slice seen so far."""
         return {k: st.choice for (k, _), st in sorted(self._states.items()) if st.choice is not None}
 
-    def sync(
+    def _sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
-        key: str | None = None,
+        key: str | None = None, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Synchronize ``grad`` with this slice's chosen scheme.
 
@@ -140,7 +140,6 @@ class AutoScheme(SyncScheme):
         2. Decide: the lowest mean prediction; check that every rank decided the same; log a change.
         3. Run the chosen scheme (lossless, so also exact while profiling).
         """
-        check_op(op)
         if key is None:
             numel = grad.numel if isinstance(grad, SparseGrad) else grad.numel()
             key = f"numel={numel}"
@@ -166,7 +165,7 @@ class AutoScheme(SyncScheme):
             if self.reprofile_every and st.since_decision >= self.reprofile_every:
                 st.profiled, st.predictions = 0, []  # the next sync of this slice profiles again
         # Step 3: run the choice.
-        out = self._schemes[st.choice].sync(comm, grad, op=op, timings=timings, key=key)
+        out = self._schemes[st.choice]._sync(comm, grad, op, timings, key, out)
         if timings is not None:
             timings["scheme"] = st.choice
             timings["profile_s"] = profiling_s

@@ -180,8 +180,8 @@ class TracingScheme(SyncScheme):
     def options(self) -> dict:
         return {"inner": self.inner.name, **self.inner.options()}
 
-    def sync(self, comm, grad, op="sum", timings=None, key=None):
+    def _sync(self, comm, grad, op, timings, key, out):
         if key is None:
             key = f"slice{len(self.recorder._pending.slices)}"
         self.recorder.add(key, grad)
-        return self.inner.sync(comm, grad, op=op, timings=timings, key=key)
+        return self.inner._sync(comm, grad, op, timings, key, out)

@@ -26,7 +26,7 @@ import time
 import torch
 
 from ..comm.base import Communicator
-from .scheme import SyncScheme, check_op, register_scheme
+from .scheme import SyncScheme, register_scheme
 from .types import SparseGrad, as_sparse, index_dtype
 from .wire import pack, view_as
 from .zen import _acc_dtype
@@ -76,9 +76,9 @@ class AGSparseScheme(SyncScheme):
 
     name = "agsparse"
 
-    def sync(
+    def _sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
-        key: str | None = None,
+        key: str | None = None, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Synchronize ``grad`` losslessly.
 
@@ -87,7 +87,6 @@ class AGSparseScheme(SyncScheme):
         3. Aggregate: sum all entries in rank order with ``index_add_`` (same order on every rank, so
            every rank computes the same bits).
         """
-        check_op(op)
         t = {}
         sg = as_sparse(grad)
         dtype, device, row_shape = sg.values.dtype, sg.values.device, tuple(sg.values.shape[1:])

@@ -10,7 +10,7 @@ import time
 import torch
 
 from ..comm.base import Communicator
-from .scheme import SyncScheme, check_op, register_scheme
+from .scheme import SyncScheme, register_scheme
 from .types import SparseGrad, as_dense
 
 
@@ -20,11 +20,10 @@ class DenseScheme(SyncScheme):
 
     name = "dense"
 
-    def sync(
+    def _sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
-        key: str | None = None,
+        key: str | None = None, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        check_op(op)
         t0 = time.perf_counter()
         out = as_dense(grad)
         comm.all_reduce(out)

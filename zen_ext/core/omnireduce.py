@@ -28,7 +28,7 @@ import torch
 
 from ..comm.base import Communicator
 from .agsparse import finish
-from .scheme import SyncScheme, check_op, register_scheme
+from .scheme import SyncScheme, register_scheme
 from .sparse_ps import range_push_pull
 from .types import SparseGrad, as_sparse
 from .zen import _acc_dtype
@@ -78,9 +78,9 @@ class OmniReduceScheme(SyncScheme):
     def options(self) -> dict:
         return {"block_size": self.block_size}
 
-    def sync(
+    def _sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
-        key: str | None = None,
+        key: str | None = None, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Synchronize ``grad`` losslessly.
 
@@ -89,7 +89,6 @@ class OmniReduceScheme(SyncScheme):
            which sums the blocks and sends its aggregated non-zero blocks to every rank.
         3. Decode: the blocks laid out flat are the dense result (the tail of the last block dropped).
         """
-        check_op(op)
         t: dict = {}
         sg = as_sparse(grad)
 

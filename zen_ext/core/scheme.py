@@ -26,12 +26,18 @@ class SyncScheme(abc.ABC):
     name: ClassVar[str]
     lossless: ClassVar[bool] = True
 
-    @abc.abstractmethod
     def sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
-        key: str | None = None,
+        key: str | None = None, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Aggregate ``grad`` over ``comm``; returns a dense flat tensor of ``grad``'s numel and dtype.
+
+        The public entry point of every scheme: the input is checked once here, then ``_sync`` runs.
+
+        1. Validate: ``op``, every index inside ``[0, numel)`` (one host synchronization), ``out``.
+        2. Empty gradient (numel 0): return an empty result without any collective (every rank has the
+           same numel, so every rank skips).
+        3. Run the scheme; a scheme that cannot write into ``out`` returns a new tensor, copied here.
 
         Args:
             comm: the ranks to synchronize.
@@ -40,6 +46,41 @@ class SyncScheme(abc.ABC):
             timings: if given, filled with seconds per phase.
             key: a stable name of the gradient slice (e.g. a parameter or bucket name); schemes that
                 keep per-slice decisions (``auto``) use it, the others ignore it.
+            out: if given, a contiguous 1-D tensor of the dense numel, dtype and device of ``grad``
+                that receives the result (and is returned); no result-sized temporary is kept.
+
+        Raises:
+            ValueError: a bad ``op``, an index outside ``[0, numel)`` (naming the scheme, the index and
+                the range), or an ``out`` of the wrong size, dtype or device.
+        """
+        # Step 1: validate.
+        check_op(op)
+        if isinstance(grad, SparseGrad):
+            grad.check_range(where=f"scheme {self.name!r}")
+            dense_numel, dtype, device = grad.dense_numel, grad.values.dtype, grad.values.device
+        else:
+            dense_numel, dtype, device = grad.numel(), grad.dtype, grad.device
+        if out is not None:
+            check_out(out, dense_numel, dtype, device, f"scheme {self.name!r}")
+        # Step 2: nothing to synchronize.
+        if dense_numel == 0:
+            return out if out is not None else torch.empty(0, dtype=dtype, device=device)
+        # Step 3: run.
+        res = self._sync(comm, grad, op, timings, key, out)
+        if out is not None and res is not out:
+            out.copy_(res.reshape(-1))
+            return out
+        return res
+
+    @abc.abstractmethod
+    def _sync(
+        self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str, timings: dict | None,
+        key: str | None, out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The scheme itself, on validated, non-empty input (see ``sync``).
+
+        It may write the result into ``out`` and return ``out``, or return a new dense flat tensor
+        (``sync`` then copies it into ``out``).
         """
 
     def options(self) -> dict:
@@ -67,6 +108,14 @@ class SyncScheme(abc.ABC):
 def check_op(op: str) -> None:
     if op not in REDUCE_OPS:
         raise ValueError(f"op ({op!r}) must be one of {list(REDUCE_OPS)}")
+
+
+def check_out(out: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device, where: str) -> None:
+    """Raise ValueError unless ``out`` can receive a dense flat result of ``numel`` ``dtype`` elements."""
+    if out.dim() != 1 or out.numel() != numel or out.dtype != dtype or out.device != device \
+            or not out.is_contiguous():
+        raise ValueError(f"{where}: out ({tuple(out.shape)} {out.dtype} on {out.device}) must be a contiguous 1-D "
+                         f"tensor of {numel} {dtype} elements on {device}")
 
 
 def register_scheme(cls: type[SyncScheme]) -> type[SyncScheme]:

@@ -38,7 +38,7 @@ import torch
 
 from ..comm.base import Communicator
 from .agsparse import decode_coo, encode_coo, entry_bytes, finish
-from .scheme import SyncScheme, check_op, register_scheme
+from .scheme import SyncScheme, register_scheme
 from .types import SparseGrad, as_sparse, index_dtype
 from .zen import _acc_dtype
 
@@ -146,9 +146,9 @@ class SparCMLScheme(SyncScheme):
 
     name = "sparcml"
 
-    def sync(
+    def _sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
-        key: str | None = None,
+        key: str | None = None, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Synchronize ``grad`` losslessly.
 
@@ -158,7 +158,6 @@ class SparCMLScheme(SyncScheme):
         4. Unfold: the folded ranks get the final stream back.
         5. Decode: the final stream as a dense tensor.
         """
-        check_op(op)
         t = {}
         sg = as_sparse(grad)
         n, rank = comm.size, comm.rank

@@ -26,7 +26,7 @@ import torch
 
 from ..comm.base import Communicator
 from .agsparse import decode_coo, encode_coo, finish
-from .scheme import SyncScheme, check_op, register_scheme
+from .scheme import SyncScheme, register_scheme
 from .types import SparseGrad, as_sparse
 from .zen import _acc_dtype
 
@@ -108,9 +108,9 @@ class SparsePSScheme(SyncScheme):
 
     name = "sparse_ps"
 
-    def sync(
+    def _sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
-        key: str | None = None,
+        key: str | None = None, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Synchronize ``grad`` losslessly.
 
@@ -120,7 +120,6 @@ class SparsePSScheme(SyncScheme):
         4. Pull: the owner's aggregate goes to every rank as COO.
         5. Decode: every rank writes all ranges into the dense result.
         """
-        check_op(op)
         t: dict = {}
         sg = as_sparse(grad)
         out = range_push_pull(comm, sg.indices, sg.values, sg.numel, t)

@@ -79,12 +79,19 @@ class SparseGrad:
             out.index_add_(0, self.indices, self.values)
         return out.reshape(-1)
 
-    def check_range(self) -> None:
-        """Raise ValueError when an index falls outside ``[0, numel)``."""
+    def check_range(self, where: str = "SparseGrad") -> None:
+        """Raise ValueError when an index falls outside ``[0, numel)`` (one host synchronization).
+
+        Args:
+            where: who checks (e.g. ``"scheme 'zen'"``), named first in the error.
+        """
         if self.nnz:
-            lo, hi = int(self.indices.min()), int(self.indices.max())
+            lo, hi = torch.aminmax(self.indices)
+            lo, hi = torch.stack([lo, hi]).tolist()
             if lo < 0 or hi >= self.numel:
-                raise ValueError(f"SparseGrad indices must lie in [0, {self.numel}), got [{lo}, {hi}]")
+                bad = lo if lo < 0 else hi
+                raise ValueError(f"{where}: grad.indices ({bad}) must lie in [0, {self.numel}) "
+                                 f"(indices span [{lo}, {hi}])")
 
 
 def as_sparse(grad: "SparseGrad | torch.Tensor") -> SparseGrad:

@@ -25,7 +25,7 @@ import torch
 from ..comm.base import Communicator
 from .bitmap import bitmap_bytes, decode_bitmap, encode_bitmap
 from .hashing import HashConfig, HashPartitioner
-from .scheme import SyncScheme, check_op, register_scheme
+from .scheme import SyncScheme, register_scheme
 from .types import SparseGrad, as_sparse, index_dtype
 from .wire import pack, view_as
 
@@ -97,9 +97,9 @@ class ZenScheme(SyncScheme):
             p = self._partitioners[key] = HashPartitioner(numel, n, self.seed, self.hash_config)
         return p
 
-    def sync(
+    def _sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
-        key: str | None = None,
+        key: str | None = None, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Synchronize ``grad`` losslessly.
 
@@ -110,7 +110,6 @@ class ZenScheme(SyncScheme):
         4. Pull: the server sends its aggregate to every rank in the cheapest encoding.
         5. Decode: every rank maps positions back to indices with ``P⁻¹`` and writes the dense result.
         """
-        check_op(op)
         t = {}
         sg = as_sparse(grad)
         n, rank, numel = comm.size, comm.rank, sg.numel
