@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
+import math
 import os
 import types
 import typing
@@ -28,6 +29,8 @@ from typing import Any, Union
 from .compress import DGCConfig, NaturalConfig
 
 SUPPORTED_ZERO_STAGES = (0, 1, 2)
+MAX_BUCKET_CAP_MB = 2.0**20
+"""Largest ``bucket_cap_mb`` (1 TiB): the cap in bytes must be a Python int (``bucket_cap_bytes``)."""
 
 
 class _Section:
@@ -117,6 +120,22 @@ class ZenConfig(_Section):
         return _from_dict(cls, section, "zen")
 
     @classmethod
+    def from_json_section(cls, section: Any) -> "ZenConfig":
+        """Build from the ``"zen"`` value of a JSON run config (DeepSpeed or ColossalAI).
+
+        Unlike ``from_dict``, ``null`` is refused: in a file, ``"zen": null`` reads as "no ZEN" to
+        some and "the defaults" to others, so the config must say which.
+
+        Raises:
+            TypeError: ``section`` is ``null`` or not a JSON object.
+            ValueError: see ``from_dict``.
+        """
+        if section is None:
+            raise TypeError('zen (None) must be a JSON object (dict): write "zen": {} for the defaults, or '
+                            '"zen": {"enabled": false} (or no "zen" key) to keep the engine\'s all-reduce')
+        return _from_dict(cls, section, "zen")
+
+    @classmethod
     def from_ds_config(cls, ds_config: "str | os.PathLike | dict") -> "ZenConfig":
         """Read the ``"zen"`` section of a DeepSpeed config (a path or a dict) and check the engine
         settings it must coexist with. A config without the section gives ``enabled=False``.
@@ -128,7 +147,7 @@ class ZenConfig(_Section):
         ds = load_json_config(ds_config)
         if "zen" not in ds:
             return cls(enabled=False)
-        cfg = cls.from_dict(ds["zen"])
+        cfg = cls.from_json_section(ds["zen"])
         if cfg.enabled:
             check_deepspeed_settings(ds)
         return cfg
@@ -200,7 +219,12 @@ def check_deepspeed_settings(ds: dict) -> None:
         NotImplementedError: ZeRO-3, pipeline or sequence parallelism.
     """
     zero = ds.get("zero_optimization") or {}
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if not isinstance(zero, dict):
+        raise TypeError(f"zero_optimization ({zero!r}) must be a JSON object (dict)")
+    stage = zero.get("stage", 0)
+    if isinstance(stage, bool) or not isinstance(stage, int):
+        raise TypeError(f"zero_optimization.stage ({stage!r}) must be an integer (one of "
+                        f"{list(SUPPORTED_ZERO_STAGES)} with zen)")
     if stage not in SUPPORTED_ZERO_STAGES:
         raise NotImplementedError(
             f"zen supports zero_optimization.stage in {list(SUPPORTED_ZERO_STAGES)} (with optional AutoTP "
@@ -208,12 +232,16 @@ def check_deepspeed_settings(ds: dict) -> None:
             f"there is no full gradient bucket to synchronize sparsely; use stage 1 or 2, or remove \"zen\"")
     pipe = ds.get("pipeline") or {}
     stages = pipe.get("stages", 1) if isinstance(pipe, dict) else 1
-    if isinstance(stages, int) and stages > 1:
+    if isinstance(stages, bool) or not isinstance(stages, int):
+        raise TypeError(f"pipeline.stages ({stages!r}) must be an integer")
+    if stages > 1:
         raise NotImplementedError(
             f"zen supports data parallelism and AutoTP tensor + data parallelism, not pipeline "
             f"parallelism (pipeline.stages = {stages}); remove \"zen\" or run without pipeline stages")
     sp = ds.get("sequence_parallel_size", 1)
-    if isinstance(sp, int) and sp > 1:
+    if isinstance(sp, bool) or not isinstance(sp, int):
+        raise TypeError(f"sequence_parallel_size ({sp!r}) must be an integer")
+    if sp > 1:
         raise NotImplementedError(
             f"zen supports data parallelism and AutoTP tensor + data parallelism, not sequence "
             f"parallelism (sequence_parallel_size = {sp})")
@@ -224,7 +252,15 @@ def _from_dict(cls, data, path: str):
     if not isinstance(data, dict):
         raise TypeError(f"{path} ({data!r}) must be a JSON object (dict)")
     if hasattr(cls, "from_dict") and cls not in _RULES:
-        return cls.from_dict(data)  # zen.dgc / zen.natural validate in zen_ext.compress
+        # zen.dgc / zen.natural validate in zen_ext.compress; what only the JSON text shows is checked here.
+        for name, value in data.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise _range_error(f"{path}.{name}", value, "be a finite number")
+        if cls is DGCConfig and data.get("momentum_correction") is False and data.get("momentum_masking") is True:
+            raise _range_error(f"{path}.momentum_masking", True,
+                               f"be false when {path}.momentum_correction is false, because masking zeroes "
+                               f"the momentum that only momentum correction keeps")
+        return cls.from_dict(data)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
     if unknown:
@@ -268,6 +304,8 @@ def _check_type(path: str, value: Any, hint) -> Any:
     if hint is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _type_error(path, value, "a number")
+        if not math.isfinite(value):  # JSON parsers accept NaN and Infinity
+            raise _range_error(path, value, "be a finite number")
         return value
     if hint is str:
         if not isinstance(value, str):
@@ -307,8 +345,8 @@ def _rules_zen(c: ZenConfig, p: str) -> None:
         raise _range_error(f"{p}.pull_format", c.pull_format, f"be one of {list(PULL_FORMATS)}")
     if c.exchange_impl not in EXCHANGE_IMPLS:
         raise _range_error(f"{p}.exchange_impl", c.exchange_impl, f"be one of {list(EXCHANGE_IMPLS)}")
-    if not c.bucket_cap_mb > 0:
-        raise _range_error(f"{p}.bucket_cap_mb", c.bucket_cap_mb, "be > 0")
+    if not 0 < c.bucket_cap_mb <= MAX_BUCKET_CAP_MB:
+        raise _range_error(f"{p}.bucket_cap_mb", c.bucket_cap_mb, f"be in (0, {int(MAX_BUCKET_CAP_MB)}]")
     if isinstance(c.hierarchical, str) and c.hierarchical != "auto":
         raise _range_error(f"{p}.hierarchical", c.hierarchical, 'be true, false or "auto"')
 

@@ -84,7 +84,7 @@ def test_from_ds_config_reads_path_and_dict(tmp_path):
     ({"seed": -1}, ValueError, "zen.seed (-1) must be >= 0"),
     ({"pull_format": "csr"}, ValueError, "zen.pull_format ('csr') must be one of ['auto', 'coo', 'bitmap', 'dense']"),
     ({"exchange_impl": "mpi"}, ValueError, "zen.exchange_impl ('mpi') must be one of ['p2p', 'a2a']"),
-    ({"bucket_cap_mb": 0}, ValueError, "zen.bucket_cap_mb (0) must be > 0"),
+    ({"bucket_cap_mb": 0}, ValueError, "zen.bucket_cap_mb (0) must be in (0, 1048576]"),
     ({"hierarchical": "yes"}, ValueError, 'zen.hierarchical (\'yes\') must be true, false or "auto"'),
     ({"dgc": {"density": 0}}, ValueError, "zen.dgc.density (0) must be in (0, 1]"),
     ({"dgc": {"density": 1.5}}, ValueError, "zen.dgc.density (1.5) must be in (0, 1]"),
@@ -157,3 +157,87 @@ def test_docs_hold_the_generated_reference():
     for path in (("docs", "deepspeed.md"), ("README.md",)):
         with open(os.path.join(ROOT, *path)) as f:
             assert config_reference_markdown() in f.read(), f"{os.path.join(*path)} lacks the current reference"
+
+
+# --- issue 11, item 10: values a JSON parser accepts that must not reach the engine ---------------------
+@pytest.mark.parametrize("section, exc, text", [
+    # Python's json module reads NaN, Infinity and -Infinity: every numeric field refuses them by name.
+    ({"bucket_cap_mb": float("inf")}, ValueError, "zen.bucket_cap_mb (inf) must be a finite number"),
+    ({"bucket_cap_mb": float("nan")}, ValueError, "zen.bucket_cap_mb (nan) must be a finite number"),
+    ({"bucket_cap_mb": 1e308}, ValueError, "zen.bucket_cap_mb (1e+308) must be in (0, 1048576]"),
+    ({"planner": {"bandwidth_gbps": float("inf")}}, ValueError,
+     "zen.planner.bandwidth_gbps (inf) must be a finite number"),
+    ({"planner": {"latency_us": float("inf")}}, ValueError, "zen.planner.latency_us (inf) must be a finite number"),
+    ({"planner": {"latency_us": float("nan")}}, ValueError, "zen.planner.latency_us (nan) must be a finite number"),
+    ({"dgc": {"density": float("nan")}}, ValueError, "zen.dgc.density (nan) must be a finite number"),
+    ({"dgc": {"clip_norm": float("inf")}}, ValueError, "zen.dgc.clip_norm (inf) must be a finite number"),
+    ({"dgc": {"momentum": float("-inf")}}, ValueError, "zen.dgc.momentum (-inf) must be a finite number"),
+    ({"dgc": {"sample_fraction": float("nan")}}, ValueError,
+     "zen.dgc.sample_fraction (nan) must be a finite number"),
+    ({"dgc": {"warmup_start_density": float("inf")}}, ValueError,
+     "zen.dgc.warmup_start_density (inf) must be a finite number"),
+    ({"seed": float("inf")}, TypeError, "zen.seed (inf) must be an integer"),
+    ({"planner": {"profile_steps": float("nan")}}, TypeError, "zen.planner.profile_steps (nan) must be an integer"),
+    # Masking zeroes momentum that only momentum correction keeps: asking for both is a contradiction.
+    ({"dgc": {"momentum_correction": False, "momentum_masking": True}}, ValueError,
+     "zen.dgc.momentum_masking (True) must be false when zen.dgc.momentum_correction is false, because "
+     "masking zeroes the momentum that only momentum correction keeps"),
+])
+def test_nonfinite_and_contradictory_values_name_the_field(section, exc, text):
+    with pytest.raises(exc) as info:
+        ZenConfig.from_dict(section)
+    assert str(info.value) == text
+    # The same text from a JSON file, whose parser produced the value.
+    with pytest.raises(exc) as info:
+        ZenConfig.from_ds_config(json.loads(json.dumps({"zen": section})))
+    assert str(info.value) == text
+
+
+def test_infinite_bucket_cap_from_json_text_is_refused_before_use():
+    ds = json.loads('{"zen": {"bucket_cap_mb": Infinity}}')
+    with pytest.raises(ValueError, match=r"^zen.bucket_cap_mb \(inf\) must be a finite number$"):
+        ZenConfig.from_ds_config(ds)
+    # The largest accepted cap still gives an integer byte count.
+    assert ZenConfig.from_dict({"bucket_cap_mb": 2**20}).bucket_cap_bytes == 2**40
+
+
+def test_momentum_masking_left_at_its_default_is_not_an_error():
+    c = ZenConfig.from_dict({"dgc": {"enabled": True, "momentum_correction": False}})
+    assert c.dgc.momentum_correction is False
+    assert ZenConfig.from_dict({"dgc": {"momentum_correction": False, "momentum_masking": False}}).dgc.momentum_masking \
+        is False
+
+
+def test_direct_dgc_config_refuses_infinite_clip_norm():
+    from zen_ext.compress import DGCConfig
+
+    with pytest.raises(ValueError) as info:
+        DGCConfig(clip_norm=float("inf"))
+    assert str(info.value) == "zen.dgc.clip_norm (inf) must be a finite number > 0 or null (off)"
+
+
+def test_null_zen_section_is_refused_with_both_meanings_spelled_out():
+    text = ('zen (None) must be a JSON object (dict): write "zen": {} for the defaults, or '
+            '"zen": {"enabled": false} (or no "zen" key) to keep the engine\'s all-reduce')
+    with pytest.raises(TypeError) as info:
+        ZenConfig.from_ds_config(json.loads('{"zen": null}'))
+    assert str(info.value) == text
+    with pytest.raises(TypeError) as info:  # what ColossalAIConfig.from_json calls for its "zen" key
+        ZenConfig.from_json_section(None)
+    assert str(info.value) == text
+    # The Python API keeps None = defaults (register_zen_hook(model, None)).
+    assert ZenConfig.from_dict(None) == ZenConfig()
+
+
+@pytest.mark.parametrize("ds, text", [
+    ({"zero_optimization": {"stage": "1"}}, "zero_optimization.stage ('1') must be an integer (one of [0, 1, 2] with zen)"),
+    ({"zero_optimization": {"stage": 1.0}}, "zero_optimization.stage (1.0) must be an integer (one of [0, 1, 2] with zen)"),
+    ({"zero_optimization": {"stage": True}}, "zero_optimization.stage (True) must be an integer (one of [0, 1, 2] with zen)"),
+    ({"zero_optimization": 1}, "zero_optimization (1) must be a JSON object (dict)"),
+    ({"pipeline": {"stages": "2"}}, "pipeline.stages ('2') must be an integer"),
+    ({"sequence_parallel_size": "2"}, "sequence_parallel_size ('2') must be an integer"),
+])
+def test_engine_settings_of_the_wrong_type_name_the_field(ds, text):
+    with pytest.raises(TypeError) as info:
+        ZenConfig.from_ds_config({**ds, "zen": {}})
+    assert str(info.value) == text

@@ -290,7 +290,7 @@ class ColossalAIConfig:
         unknown = sorted(set(d) - set(CONFIG_KEYS))
         if unknown:
             raise ValueError(f"ColossalAI config got unknown key(s) {unknown}; valid keys are {sorted(CONFIG_KEYS)}")
-        zen = ZenConfig.from_dict(d["zen"]) if "zen" in d else ZenConfig(enabled=False)
+        zen = ZenConfig.from_json_section(d["zen"]) if "zen" in d else ZenConfig(enabled=False)
         plugin = d.get("plugin", "torch_ddp")
         kwargs = d.get("plugin_kwargs", {})
         if not isinstance(plugin, str):
