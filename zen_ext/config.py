@@ -94,9 +94,10 @@ class ZenConfig(_Section):
     buckets); DeepSpeed hands up to 5e8 elements at once, so buckets are re-cut. > 0. Default 128."""
     hierarchical: Union[bool, str] = "auto"
     """Multi-GPU nodes (paper §4): dense reduce-scatter inside a node, ZEN across nodes on each
-    shard, all-gather inside the node. ``"auto"``: on when the data-parallel group spans several
-    nodes with several ranks each (from the launcher's LOCAL_WORLD_SIZE / LOCAL_SIZE); true forces
-    it (an error if it cannot apply); false never. Default auto."""
+    shard, all-gather inside the node. ``"auto"``: on when every data-parallel group spans several
+    nodes with the same number (> 1) of ranks on each, decided from every rank's host name (gathered
+    once at start; ``ZEN_EXT_HOST`` overrides it), else flat ZEN with one log line saying why; true
+    forces it (an error naming what is supported if it cannot apply); false never. Default auto."""
     dgc: DGCConfig = field(default_factory=DGCConfig)
     """DGC top-k sparsification of dense gradients (see the ``zen.dgc`` table)."""
     natural: NaturalConfig = field(default_factory=NaturalConfig)

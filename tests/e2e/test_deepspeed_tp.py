@@ -1,5 +1,5 @@
 """4 processes: AutoTP tensor × data parallel (tp 2 × dp 2), and hierarchical data parallel on 2
-emulated nodes × 2 local ranks (LOCAL_WORLD_SIZE=2). One launch serves both (it is the slowest test).
+emulated nodes × 2 local ranks (ZEN_EXT_HOST names the node). One launch serves both (it is the slowest test).
 
 * AutoTP: ZEN runs over each data-parallel group, DGC agrees thresholds over the TP group, and the
   replicated embedding is synchronized once per DP group (each TP rank half of its rows). With
@@ -28,6 +28,7 @@ def _worker(rank, world):
     out = {}
     # Hierarchical first: AutoTP engines set global TP groups that later plain engines would inherit.
     os.environ["LOCAL_WORLD_SIZE"] = "2"
+    os.environ["ZEN_EXT_HOST"] = f"node{rank // 2}"  # the hierarchy is decided from the hosts ranks report
     batches = _batches(rank, 3)
     dense = _engine(_ds_config(0))
     hier = _engine(_ds_config(0, zen={"scheme": "zen", "hierarchical": True}))
@@ -41,6 +42,7 @@ def _worker(rank, world):
 
     # AutoTP tp 2 x dp 2: TP ranks of a replica read the same batches.
     os.environ["LOCAL_WORLD_SIZE"] = "4"
+    os.environ["ZEN_EXT_HOST"] = "node0"
     for stage in (0, 1):
         tp = {"autotp_size": 2}
         d = _engine(_ds_config(stage, tensor_parallel=tp))

@@ -80,7 +80,7 @@ def test_hierarchical_true_on_one_node_is_an_error():
     with pytest.raises(ValueError) as info:
         build_node_sharding([0, 1], [[0, 1]], 2, 0, required=True)
     assert str(info.value) == ('zen.hierarchical (True) must be false or "auto" here: the data-parallel group '
-                               '[0, 1] does not span several nodes with several ranks each (local size 2)')
+                               '[0, 1] does not span several nodes with several ranks each (0: [0, 1])')
     assert build_node_sharding([0, 1], [[0, 1]], 2, 0) == (None, None)
 
 

@@ -104,7 +104,8 @@ def _hf_embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None
 
 
 def classify_parameters(
-    model: nn.Module, *, natural: "dict | NaturalConfig | None", dgc: "dict | None", log: bool = True
+    model: nn.Module, *, natural: "dict | NaturalConfig | None", dgc: "dict | None", log: bool = True,
+    tp_comm=None,
 ) -> dict[str, str]:
     """Each trainable parameter's path, keyed by its ``named_parameters()`` name.
 
@@ -112,16 +113,27 @@ def classify_parameters(
        weight of a non-embedding module (e.g. the LM head) or HF's ``get_output_embeddings()``.
     2. Untied embeddings → ``"natural"`` if ``natural`` is enabled.
     3. Every other parameter (tied embeddings included): 1-D or fewer than ``dgc.min_numel``
-       elements → ``"dense"``; otherwise ``"dgc"`` if DGC is enabled, else ``"dense"``.
+       elements → ``"dense"``; otherwise ``"dgc"`` if DGC is enabled, else ``"dense"``. Under tensor
+       parallelism the size is that of the parameter's *largest shard over the TP group* (one
+       gathered fact, the same on every TP rank), never the local shard's: with uneven AutoTP shards
+       a local size would route a parameter to DGC on one TP rank and dense on another, and DGC's
+       per-layer threshold exchange over the TP group would then wait for a rank that never joins.
 
     Args:
         model: the model (unwrapped or wrapped: names are those of ``model.named_parameters()``).
         natural: the ``zen.natural`` section (dict or NaturalConfig); ``None`` = disabled.
         dgc: the ``zen.dgc`` section (dict or DGCConfig); ``None`` = disabled.
         log: log a summary and each tied embedding once.
+        tp_comm: the tensor-parallel group (a Communicator), or None. With more than one rank, the
+            TP ranks gather their parameter names and shard sizes once (a collective: every TP rank
+            must call this).
 
     Returns:
-        ``{name: "natural" | "dgc" | "dense"}`` for parameters with ``requires_grad``.
+        ``{name: "natural" | "dgc" | "dense"}`` for parameters with ``requires_grad``, identical on
+        every rank of ``tp_comm``.
+
+    Raises:
+        RuntimeError: TP ranks hold different trainable parameter names or shapes of different rank.
     """
     from .dgc import DGCConfig  # natural ← dgc only for the config, avoid an import cycle at load
 
@@ -147,6 +159,7 @@ def classify_parameters(
         if id(w) in tied_ids or any(not _is_embedding(o, hf_in) for o in owners[id(w)]):
             tied.add(id(w))
 
+    numel_of = _tp_agreed_numels(model, tp_comm)
     kinds: dict[str, str] = {}
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -155,8 +168,8 @@ def classify_parameters(
         if id(p) in emb_ids and id(p) not in tied and nat.enabled:
             kinds[name] = "natural"
             continue
-        # Step 3: the rest by shape and size.
-        if p.dim() <= 1 or p.numel() < dgc_cfg.min_numel or not dgc_cfg.enabled:
+        # Step 3: the rest by shape and size (the largest TP shard's size).
+        if p.dim() <= 1 or numel_of[name] < dgc_cfg.min_numel or not dgc_cfg.enabled:
             kinds[name] = "dense"
         else:
             kinds[name] = "dgc"
@@ -168,3 +181,27 @@ def classify_parameters(
         _log_once("zen: parameter routing %s (natural=%d, dgc=%d, dense=%d)", type(model).__name__,
                   counts["natural"], counts["dgc"], counts["dense"])
     return kinds
+
+
+def _tp_agreed_numels(model: nn.Module, tp_comm) -> dict[str, int]:
+    """Trainable parameter name → the largest numel any TP rank holds for it (the local numel without TP).
+
+    Raises:
+        RuntimeError: TP ranks disagree on the trainable names or on a parameter's number of dims.
+    """
+    mine = {name: (p.numel(), p.dim()) for name, p in model.named_parameters() if p.requires_grad}
+    if tp_comm is None or tp_comm.size == 1:
+        return {name: numel for name, (numel, _) in mine.items()}
+    out = {name: numel for name, (numel, _) in mine.items()}
+    for r, theirs in enumerate(tp_comm.all_gather_object(mine)):
+        if theirs.keys() != mine.keys():
+            diff = sorted(set(theirs) ^ set(mine))
+            raise RuntimeError(f"zen: tensor-parallel ranks hold different trainable parameters: rank {r} has "
+                               f"{len(theirs)}, rank {tp_comm.rank} has {len(mine)} (differing names, e.g. "
+                               f"{diff[:3]}); every TP rank must wrap the same model")
+        for name, (numel, dim) in theirs.items():
+            if dim != mine[name][1]:
+                raise RuntimeError(f"zen: tensor-parallel ranks disagree on parameter {name!r}: rank {r} holds a "
+                                   f"{dim}-D shard, rank {tp_comm.rank} a {mine[name][1]}-D one")
+            out[name] = max(out[name], numel)
+    return out

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 SYNC_STATE_FORMAT = "zen_ext.synchronizer"
 SYNC_STATE_VERSION = 1
 
-__all__ = ["GradSlice", "Synchronizer", "classify_parameters"]
+__all__ = ["GradSlice", "Synchronizer", "classify_parameters", "resize_warning"]
 
 
 @dataclass(frozen=True)
@@ -256,8 +256,16 @@ class Synchronizer:
             sd["scheme"] = self.scheme.state_dict()
         return sd
 
-    def load_state_dict(self, sd: dict) -> None:
+    def load_state_dict(self, sd: dict, per_rank: bool = True) -> None:
         """Restore from ``state_dict()``; tensors move to their gradient's device on first use.
+
+        Args:
+            sd: a ``state_dict()``.
+            per_rank: restore this rank's own memory too (DGC residuals, momenta, thresholds). False
+                when ``sd`` is another rank's or another data-parallel size's (a resize): then only
+                what every rank shares is restored (the step counter, which drives DGC's warm-up and
+                sampling, and the scheme's state, e.g. the ``auto`` planner's choices), and the
+                per-rank memory restarts from zero.
 
         Raises:
             ValueError: ``sd`` is not a Synchronizer state of a supported version.
@@ -270,7 +278,8 @@ class Synchronizer:
         if sd.get("dgc") != dataclasses.asdict(self.dgc_config):
             log.warning("zen: resuming with a different dgc config: saved %s, now %s", sd.get("dgc"),
                         dataclasses.asdict(self.dgc_config))
-        self.state.load_state_dict(sd["sparsifiers"])
+        sparsifiers = sd["sparsifiers"] if per_rank else {**sd["sparsifiers"], "params": {}}
+        self.state.load_state_dict(sparsifiers)
         if "scheme" in sd and hasattr(self.scheme, "load_state_dict"):
             self.scheme.load_state_dict(sd["scheme"])
 
@@ -313,8 +322,13 @@ class Synchronizer:
                tuple((s.name, s.offset, s.numel, tuple(s.shape), s.start) for s in slices))
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._build_plan(flat_N.numel(), slices)
-            self._agree(plan, key)
+            # A layout this rank cannot plan is agreed on too (not raised at once): its peers would
+            # otherwise wait in the agreement for the process-group timeout.
+            try:
+                plan, error = self._build_plan(flat_N.numel(), slices), None
+            except ValueError as exc:
+                plan, error = None, exc
+            self._agree(plan, key, error)
             self._plans[key] = plan
         if plan.dgc and (plan.shift_S is None or plan.shift_S.device != flat_N.device):
             cat_end, shifts, ends = 0, [], []
@@ -367,19 +381,56 @@ class Synchronizer:
         add_dense(at, numel)
         return _Plan(numel, dense_ranges, natural, dgc, f"{dgc[0].name}:dgc" if dgc else None)
 
-    def _agree(self, plan: _Plan, key: tuple) -> None:
-        """Compare this layout with every rank's; raise RuntimeError naming the first difference."""
+    def _agree(self, plan: _Plan | None, key: tuple, error: ValueError | None = None) -> None:
+        """Compare this layout with every rank's; raise on every rank when any rank differs or failed.
+
+        1. Data-parallel ranks gather their layout, kinds, op, scheme and DGC/natural config (or the
+           error that stopped this rank from planning) and find the first difference.
+        2. Whenever a tensor-parallel group exists (whether or not this bucket has a DGC slice here),
+           the TP ranks gather the DGC names of their buckets, the DGC config, and what step 1 found:
+           DGC's per-layer threshold exchange runs over the TP group, so a TP rank whose bucket
+           routes a parameter differently would otherwise return while its peer waits. Because every
+           rank learns step 1's outcome of its TP peers, a failure anywhere in the DP × TP grid reaches
+           every rank in these two gathers.
+        3. Raise: this rank's own planning error as it is, or RuntimeError naming both ranks' values.
+
+        Raises:
+            ValueError: this rank could not plan the layout (``error``).
+            RuntimeError: another rank could not plan it, or the ranks disagree.
+        """
         numel, dtype, op, entries = key
-        mine = {
-            "numel": numel, "dtype": dtype, "op": op, "scheme": repr(self.scheme),
-            "dgc": dataclasses.asdict(self.dgc_config), "natural": dataclasses.asdict(self.natural_config),
-            "slices": [(*e[:3], self.param_kinds[e[0]]) if not e[4] else (*e[:3], e[4], self.param_kinds[e[0]])
-                       for e in entries],
-        }
-        _check_same(self.dp_comm, "data-parallel", mine)
-        if self.tp_comm is not None and self.tp_comm.size > 1 and plan.dgc:
-            _check_same(self.tp_comm, "tensor-parallel",
-                        {"dgc_names": [s.state_key for s in plan.dgc], "dgc": dataclasses.asdict(self.dgc_config)})
+        # Step 1: the data-parallel group.
+        if error is not None:
+            mine = {"error": f"{type(error).__name__}: {error}"}
+        else:
+            mine = {
+                "numel": numel, "dtype": dtype, "op": op, "scheme": repr(self.scheme),
+                "dgc": dataclasses.asdict(self.dgc_config), "natural": dataclasses.asdict(self.natural_config),
+                "slices": [(*e[:3], self.param_kinds[e[0]]) if not e[4] else (*e[:3], e[4], self.param_kinds[e[0]])
+                           for e in entries],
+            }
+        problem = _disagreement(self.dp_comm, "data-parallel", mine)
+        # Step 2: the tensor-parallel group, always when there is one.
+        if self.tp_comm is not None and self.tp_comm.size > 1:
+            tp_mine = {"problem": problem,
+                       "dgc_names": None if plan is None else [s.state_key for s in plan.dgc],
+                       "dgc": dataclasses.asdict(self.dgc_config)}
+            gathered = self.tp_comm.all_gather_object(tp_mine)
+            if problem is None:
+                told = next(((r, t["problem"]) for r, t in enumerate(gathered) if t["problem"] is not None), None)
+                if told is not None:
+                    problem = (f"zen: tensor-parallel rank {told[0]} stopped on this bucket ({told[1]}); every "
+                               f"rank stops with it instead of waiting")
+                elif error is None:
+                    problem = _first_difference(gathered, {k: v for k, v in tp_mine.items() if k != "problem"},
+                                                "tensor-parallel", self.tp_comm.rank,
+                                                "every TP rank must route each parameter the same way "
+                                                "(classify_parameters(..., tp_comm=...)) in the same buckets")
+        # Step 3: raise on every rank.
+        if error is not None:
+            raise error
+        if problem is not None:
+            raise RuntimeError(problem)
 
     @staticmethod
     def _to_bucket(plan: _Plan, idx_K: torch.Tensor) -> torch.Tensor:
@@ -390,10 +441,25 @@ class Synchronizer:
         return idx_K + plan.shift_S[seg]
 
 
-def _check_same(comm: Communicator, group: str, mine: dict) -> None:
+def _disagreement(comm: Communicator, group: str, mine: dict) -> str | None:
+    """Gather ``mine`` over ``comm`` (one object collective); the first problem found, or None.
+
+    A rank whose entry is ``{"error": text}`` could not plan the bucket: every rank reports it.
+    """
     if comm.size == 1:
-        return
-    for r, theirs in enumerate(comm.all_gather_object(mine)):
+        return None
+    gathered = comm.all_gather_object(mine)
+    failed = next((r for r, t in enumerate(gathered) if "error" in t), None)
+    if failed is not None:
+        return (f"zen: {group} rank {failed} could not plan this bucket ({gathered[failed]['error']}); every rank "
+                f"stops with it instead of waiting")
+    return _first_difference(gathered, mine, group, comm.rank, "every rank must reduce the same buckets with the "
+                             "same configuration")
+
+
+def _first_difference(gathered: list, mine: dict, group: str, my_rank: int, rule: str) -> str | None:
+    for r, theirs in enumerate(gathered):
+        theirs = {k: v for k, v in theirs.items() if k in mine}
         if theirs == mine:
             continue
         field = next(k for k in mine if theirs.get(k) != mine.get(k))
@@ -403,6 +469,23 @@ def _check_same(comm: Communicator, group: str, mine: dict) -> None:
             a = a[i] if i < len(a) else f"<{len(a)} entries>"
             b = b[i] if i < len(b) else f"<{len(b)} entries>"
             field = f"{field}[{i}]"
-        raise RuntimeError(f"zen: {group} ranks disagree on the bucket's {field}: rank {r} has {a!r}, "
-                           f"rank {comm.rank} has {b!r}; every rank must reduce the same buckets with the "
-                           f"same configuration")
+        return (f"zen: {group} ranks disagree on the bucket's {field}: rank {r} has {a!r}, rank {my_rank} has "
+                f"{b!r}; {rule}")
+    return None
+
+
+def resize_warning(saved_dp_size, dp_size: int, sd: dict, why: str = "") -> str:
+    """The one warning a resumed run logs when it restores only the shared part of a Synchronizer state.
+
+    Args:
+        saved_dp_size: the data-parallel size the state was saved with (None if unknown).
+        dp_size: the data-parallel size now.
+        sd: the Synchronizer ``state_dict()`` being restored.
+        why: what made it a partial restore, when not the size (e.g. a missing per-rank file).
+    """
+    kept = [f"the step counter ({sd['sparsifiers']['step']}; DGC warm-up and sampling continue from it)"]
+    if "scheme" in sd:
+        kept.append("the scheme's state (the auto planner's choices)")
+    cause = why or f"the checkpoint was saved with dp_size {saved_dp_size}, now {dp_size}"
+    return (f"zen: {cause}: restored {' and '.join(kept)}; DGC residuals, momenta and thresholds are per rank "
+            f"and restart from zero")

@@ -21,8 +21,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Hashable, Iterable, Sequence
 
 import torch
 
@@ -168,16 +169,31 @@ def clip_slices(slices: Sequence[GradSlice], start: int, end: int) -> list[GradS
 
 
 # --- hierarchical synchronization (paper §4) --------------------------------------------------------
-def node_layout(dp_ranks: Sequence[int], local_size: int) -> list[list[int]]:
-    """The data-parallel ranks grouped by node (global rank // ``local_size``), nodes in order.
+HOST_ENV = "ZEN_EXT_HOST"
+"""Overrides the host name a rank reports for the hierarchy decision: set it per machine when host
+names do not tell machines apart (identical container names), or per emulated node in tests."""
 
-    Both the ``deepspeed`` launcher and torchrun number ranks node by node, so a node holds the
-    global ranks ``[node·local_size, (node+1)·local_size)``.
+
+def local_host_facts() -> tuple[str, int]:
+    """This process's ``(host, local rank)``: ``$ZEN_EXT_HOST`` or the host name, and ``$LOCAL_RANK``
+    (-1 when the launcher sets none)."""
+    import socket
+
+    return os.environ.get(HOST_ENV) or socket.gethostname(), int(os.environ.get("LOCAL_RANK", "-1"))
+
+
+def node_layout(dp_ranks: Sequence[int], node_of: "int | Sequence[Hashable]") -> list[list[int]]:
+    """The data-parallel ranks grouped by node, nodes ordered by their lowest rank.
+
+    Args:
+        dp_ranks: the group's global ranks.
+        node_of: each global rank's host (a sequence indexed by global rank), or, for a launcher
+            that numbers ranks node by node with equal nodes, the ranks per node (``rank // node_of``).
     """
-    nodes: dict[int, list[int]] = {}
+    nodes: dict[Hashable, list[int]] = {}
     for r in sorted(dp_ranks):
-        nodes.setdefault(r // local_size, []).append(r)
-    return [nodes[k] for k in sorted(nodes)]
+        nodes.setdefault(r // node_of if isinstance(node_of, int) else node_of[r], []).append(r)
+    return sorted(nodes.values(), key=lambda members: members[0])
 
 
 def hierarchy_applies(nodes: list[list[int]]) -> bool:
@@ -186,39 +202,83 @@ def hierarchy_applies(nodes: list[list[int]]) -> bool:
     return len(nodes) > 1 and len(sizes) == 1 and sizes.pop() > 1
 
 
-def build_node_sharding(dp_ranks: Sequence[int], all_dp_groups: Iterable[Sequence[int]], local_size: int,
-                        rank: int, required: bool = False):
-    """Create the intra-node and inter-node groups of every data-parallel group (a collective).
+def decide_hierarchy(setting: "bool | str", hosts: Sequence[Hashable], dp_groups: Iterable[Sequence[int]],
+                     local_ranks: Sequence[int] | None = None) -> tuple[dict | None, str]:
+    """Whether to reduce node by node, from facts every rank holds alike (a pure function).
 
-    ``torch.distributed.new_group`` must be called by every rank for every group in the same order,
-    so each rank passes all DP groups (e.g. all-gathered), which are walked in sorted order.
+    Every rank must reach the same answer, because creating the node groups is a collective over
+    the whole world: so the decision reads gathered facts (each rank's host and local rank, every
+    data-parallel group), never a rank's own environment (``LOCAL_WORLD_SIZE`` differs between the
+    nodes of an uneven hostfile), and node membership is the actual host membership.
+
+    1. Host names must identify machines: two ranks reporting the same host and local rank mean
+       they do not (set ``ZEN_EXT_HOST`` per machine).
+    2. Every data-parallel group must span several nodes with the same number (> 1) of its ranks on
+       each; uneven nodes are not supported (shards would differ in length across nodes).
 
     Args:
-        dp_ranks: this rank's data-parallel group (global ranks).
-        all_dp_groups: every data-parallel group, as seen by any rank.
-        local_size: ranks per node (the launcher's LOCAL_WORLD_SIZE / LOCAL_SIZE).
-        rank: this rank's global rank.
-        required: raise instead of returning None when node sharding cannot apply.
+        setting: ``zen.hierarchical``: True, False or ``"auto"``.
+        hosts: each global rank's host (index = global rank).
+        dp_groups: every data-parallel group (global ranks; repeats are fine).
+        local_ranks: each global rank's launcher local rank (-1 unknown), for step 1.
 
     Returns:
-        ``(NodeShardedReduce, inter_node_group)``, or ``(None, None)`` when some DP group does not
-        span several nodes with the same number (> 1) of ranks on each.
+        ``(layouts, reason)``: ``layouts`` maps each DP group (a sorted tuple) to its nodes, or is
+        None when flat ZEN runs; ``reason`` says why, in words.
 
     Raises:
-        ValueError: ``required`` and node sharding does not apply.
+        ValueError: ``setting`` is True and there are not several multi-rank nodes, or the hosts are
+            ambiguous.
+        NotImplementedError: ``setting`` is True and a group's nodes hold different numbers of ranks.
+    """
+    if setting is False:
+        return None, "zen.hierarchical is false"
+    required = setting is True
+    # Step 1: host names must tell machines apart.
+    seen: dict[tuple, int] = {}
+    for r, (host, lr) in enumerate(zip(hosts, local_ranks or [-1] * len(hosts))):
+        if lr >= 0 and (host, lr) in seen:
+            reason = (f"ranks {seen[(host, lr)]} and {r} both report host {host!r} with local rank {lr}, so host "
+                      f"names do not identify machines (set {HOST_ENV} to a per-machine name)")
+            if required:
+                raise ValueError(f'zen.hierarchical (True) must be false or "auto" here: {reason}')
+            return None, reason
+        seen[(host, lr)] = r
+    # Step 2: every group over several equal multi-rank nodes.
+    layouts = {g: node_layout(g, hosts) for g in sorted({tuple(sorted(g)) for g in dp_groups})}
+    for g, nodes in layouts.items():
+        if hierarchy_applies(nodes):
+            continue
+        where = ", ".join(f"{hosts[n[0]]}: {n}" for n in nodes)
+        sizes = {len(n) for n in nodes}
+        if len(nodes) > 1 and len(sizes) > 1 and max(sizes) > 1:
+            reason = f"the data-parallel group {list(g)} spans nodes of different sizes ({where})"
+            if required:
+                raise NotImplementedError(
+                    f"zen.hierarchical (True) supports data-parallel groups spread evenly over several nodes (the "
+                    f"same number, > 1, of ranks on each); {reason}; use \"auto\" (flat ZEN here) or false")
+        else:
+            reason = f"the data-parallel group {list(g)} does not span several nodes with several ranks each ({where})"
+            if required:
+                raise ValueError(f'zen.hierarchical (True) must be false or "auto" here: {reason}')
+        return None, reason
+    nodes = next(iter(layouts.values()))
+    return layouts, f"{len(nodes)} nodes of {len(nodes[0])} ranks per data-parallel group"
+
+
+def create_node_groups(layouts: dict, rank: int):
+    """Create the intra-node and inter-node groups of every data-parallel group (a collective).
+
+    ``torch.distributed.new_group`` must be called by every rank for every group in the same order:
+    ``layouts`` (from ``decide_hierarchy``, the same on every rank) is walked in sorted order.
+
+    Returns:
+        ``(NodeShardedReduce, inter_node_group)`` of this rank.
     """
     import torch.distributed as dist
 
-    groups = sorted({tuple(g) for g in all_dp_groups})
-    layouts = {g: node_layout(g, local_size) for g in groups}
-    if not all(hierarchy_applies(nodes) for nodes in layouts.values()):
-        if required:
-            raise ValueError(f"zen.hierarchical (True) must be false or \"auto\" here: the data-parallel group "
-                             f"{list(dp_ranks)} does not span several nodes with several ranks each (local size "
-                             f"{local_size})")
-        return None, None
     node = inter_group = None
-    for g in groups:
+    for g in sorted(layouts):
         nodes = layouts[g]
         for members in nodes:
             grp = dist.new_group(members)
@@ -230,6 +290,61 @@ def build_node_sharding(dp_ranks: Sequence[int], all_dp_groups: Iterable[Sequenc
             if rank in across:
                 inter_group = grp
     return node, inter_group
+
+
+def build_node_sharding(dp_ranks: Sequence[int], all_dp_groups: Iterable[Sequence[int]],
+                        node_of: "int | Sequence[Hashable]", rank: int, required: bool = False):
+    """Decide (``decide_hierarchy``) and create the node groups (a collective over the world).
+
+    Args:
+        dp_ranks: this rank's data-parallel group (global ranks).
+        all_dp_groups: every data-parallel group, as seen by any rank.
+        node_of: each global rank's host, or the ranks per node (see ``node_layout``).
+        rank: this rank's global rank.
+        required: ``zen.hierarchical`` true (raise when it cannot apply) instead of ``"auto"``.
+
+    Returns:
+        ``(NodeShardedReduce, inter_node_group)``, or ``(None, None)`` when node sharding does not apply.
+
+    Raises:
+        ValueError, NotImplementedError: ``required`` and node sharding cannot apply (``decide_hierarchy``).
+    """
+    groups = [tuple(g) for g in all_dp_groups]
+    if isinstance(node_of, int):
+        node_of = [r // node_of for r in range(max(max(g) for g in groups) + 1)]
+    layouts, _ = decide_hierarchy(True if required else "auto", node_of, groups)
+    return create_node_groups(layouts, rank) if layouts is not None else (None, None)
+
+
+def maybe_node_sharding(setting: "bool | str", dp_ranks: Sequence[int], rank: int, log=None):
+    """The engine's hierarchy step: gather the facts once, decide, create the groups.
+
+    One object all-gather over the world (each rank's host, local rank and data-parallel group), at
+    attach time only. Identical on every rank by construction, so either every rank creates the node
+    groups or none does.
+
+    Args:
+        setting: ``zen.hierarchical``.
+        dp_ranks: this rank's data-parallel group.
+        rank: this rank's global rank.
+        log: a logger for the one line that says why ``"auto"`` runs flat (rank 0 only), or None.
+
+    Returns:
+        ``(NodeShardedReduce | None, inter_node_group | None, reason)``.
+    """
+    import torch.distributed as dist
+
+    if setting is False:
+        return None, None, "zen.hierarchical is false"
+    facts = [None] * dist.get_world_size()
+    dist.all_gather_object(facts, (*local_host_facts(), tuple(dp_ranks)))
+    hosts, local_ranks, groups = [f[0] for f in facts], [f[1] for f in facts], [f[2] for f in facts]
+    layouts, reason = decide_hierarchy(setting, hosts, groups, local_ranks)
+    if layouts is None:
+        if log is not None and rank == 0:
+            log.info('zen: hierarchical "auto" runs flat ZEN over each data-parallel group: %s', reason)
+        return None, None, reason
+    return (*create_node_groups(layouts, rank), reason)
 
 
 class NodeShardedReduce:
@@ -282,8 +397,9 @@ class NodeShardedReduce:
         shard = mine[: b - a]
         if op == "mean":
             shard.div_(L)
-        reduced = sync_shard(shard, clip_slices(slices, a, b), op) if b > a else shard
-        mine[: b - a] = reduced
+        # An empty shard is synchronized too: the Synchronizer agrees each new layout over the TP group,
+        # and a TP peer with a longer bucket may hold a non-empty shard here.
+        mine[: b - a] = sync_shard(shard, clip_slices(slices, a, b), op)
         # Step 4: all-gather inside the node.
         gathered = torch.empty(L * width, dtype=flat_N.dtype, device=flat_N.device)
         all_gather(gathered, mine, group=self.intra_group)
@@ -374,7 +490,7 @@ class BucketReducer:
         nat = [s for s in members if self.sync.param_kinds.get(s.name) == "natural" and len(s.shape) >= 2]
         if nat:
             self._stats["natural_local_rows"] += sum(_nonzero_rows(chunk, s) for s in nat)
-        if self.node is not None:
+        if self.node is not None and chunk.numel():
             before = self.node.bytes_sent
             out = self.node.reduce(chunk, members, op, self.sync.sync_flat)
             self._stats["intra_bytes_sent"] += self.node.bytes_sent - before
@@ -389,7 +505,9 @@ class BucketReducer:
         tp = self.tp_comm
         cuts = shard_bounds(chunk.numel(), [s], tp.size)
         a, b = cuts[tp.rank], cuts[tp.rank + 1]
-        mine = self._reduce_dp(chunk[a:b], clip_slices([s], a, b), op) if b > a else chunk[a:b]
+        # An empty share (fewer rows than TP ranks) still goes through the Synchronizer, which agrees
+        # every new layout with the TP peers; skipping it would leave them waiting.
+        mine = self._reduce_dp(chunk[a:b], clip_slices([s], a, b), op)
         width = _row_width(s)
         rows = mine.reshape(-1, width)
         before = tp.stats.snapshot()

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from ..comm.torch_dist import TorchCommunicator
 from ..compress import classify_parameters
 from ..config import ZenConfig
-from ..core.synchronizer import GradSlice, Synchronizer
+from ..core.synchronizer import GradSlice, Synchronizer, resize_warning
 from ._buckets import BucketReducer, locate_slices
 from .stats import StepStats, report_summary
 
@@ -118,11 +118,13 @@ class ZenHookState:
         rank = dist.get_rank()
         # Step 2: routing and the Synchronizer.
         names = {id(p): n for n, p in module.named_parameters()}
-        kinds = classify_parameters(module, natural=cfg.natural_options(), dgc=cfg.dgc_options(), log=rank == 0)
         dp_comm = TorchCommunicator(dp_group, cfg.exchange_impl)
         tp_comm = None
         if tp_group is not None and dist.get_world_size(tp_group) > 1:
             tp_comm = TorchCommunicator(tp_group, cfg.exchange_impl)
+        # Routing from facts the TP ranks share (largest shard size), so it is the same on all of them.
+        kinds = classify_parameters(module, natural=cfg.natural_options(), dgc=cfg.dgc_options(), log=rank == 0,
+                                    tp_comm=tp_comm)
         sync = Synchronizer(dp_comm=dp_comm, scheme=cfg.build_scheme(), param_kinds=kinds,
                             dgc=cfg.dgc_options(), natural=cfg.natural_options(), tp_comm=tp_comm)
         # Step 3: the reducer.
@@ -208,12 +210,16 @@ class ZenHookState:
                 "config": self.cfg.to_dict()}
 
     def load_state_dict(self, sd: dict) -> None:
-        """Restore ``state_dict()``; a different data-parallel size starts the residuals fresh (logged)."""
-        if sd.get("dp_size") != self.dp_size:
-            log.warning("zen: state was saved with dp_size %s, now %d: DGC residuals start fresh",
-                        sd.get("dp_size"), self.dp_size)
-            return
-        self.sync.load_state_dict(sd["sync"])
+        """Restore ``state_dict()``.
+
+        A different data-parallel size (a resize) restores what the ranks share (step counters, so
+        DGC's warm-up continues; the planner's state) and restarts only the per-rank DGC residuals,
+        momenta and thresholds, with one warning saying so.
+        """
+        resized = sd.get("dp_size") != self.dp_size
+        if resized:
+            log.warning(resize_warning(sd.get("dp_size"), self.dp_size, sd["sync"]))
+        self.sync.load_state_dict(sd["sync"], per_rank=not resized)
         self.step = int(sd.get("step", 0))
 
 

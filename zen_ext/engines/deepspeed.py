@@ -39,8 +39,8 @@ import torch
 from ..comm.torch_dist import TorchCommunicator
 from ..compress import classify_parameters
 from ..config import ZenConfig, check_deepspeed_settings, load_json_config
-from ..core.synchronizer import Synchronizer
-from ._buckets import BucketReducer, NodeShardedReduce, build_node_sharding, locate_slices
+from ..core.synchronizer import Synchronizer, resize_warning
+from ._buckets import BucketReducer, NodeShardedReduce, locate_slices, maybe_node_sharding
 from .stats import StepStats, report_summary
 
 log = logging.getLogger(__name__)
@@ -226,8 +226,10 @@ class ZenDeepSpeed:
 
         # Step 3: the Synchronizer, routing each parameter by kind.
         self.names = {id(p): n for n, p in engine.module.named_parameters()}
+        # Routing from facts the TP ranks share (largest shard size): uneven AutoTP shards must not
+        # send a parameter to DGC on one TP rank and dense on another.
         kinds = classify_parameters(engine.module, natural=cfg.natural_options(), dgc=cfg.dgc_options(),
-                                    log=self.rank == 0)
+                                    log=self.rank == 0, tp_comm=self.tp_comm)
         self.sync = Synchronizer(dp_comm=sync_comm, scheme=cfg.build_scheme(), param_kinds=kinds,
                                  dgc=cfg.dgc_options(), natural=cfg.natural_options(), tp_comm=self.tp_comm)
         from deepspeed.runtime.utils import is_model_parallel_parameter
@@ -248,13 +250,14 @@ class ZenDeepSpeed:
 
     # --- groups -------------------------------------------------------------------------------------------
     def _maybe_node_sharding(self, dist) -> NodeShardedReduce | None:
-        """Node-sharded (hierarchical) reduction when the DP group spans several multi-rank nodes."""
-        if self.cfg.hierarchical is False:
-            return None
-        local_size = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("LOCAL_SIZE") or dist.get_world_size())
-        all_dp = _all_gather_object(dist, tuple(self.dp_ranks))
-        node, self._inter_group = build_node_sharding(self.dp_ranks, all_dp, local_size, self.rank,
-                                                      required=self.cfg.hierarchical is True)
+        """Node-sharded (hierarchical) reduction when every DP group spans several equal multi-rank nodes.
+
+        Decided from facts gathered once here (each rank's host and local rank, every DP group), the
+        same on every rank: a rank's own ``LOCAL_WORLD_SIZE`` differs between the nodes of an uneven
+        hostfile, and node groups are created by a collective that every rank must join or skip.
+        """
+        node, self._inter_group, self.hierarchy_reason = maybe_node_sharding(
+            self.cfg.hierarchical, self.dp_ranks, self.rank, log)
         return node
 
     # --- the overrides ------------------------------------------------------------------------------------
@@ -364,12 +367,14 @@ class ZenDeepSpeed:
         return {"sync": self.sync.state_dict(), "dp_size": len(self.dp_ranks), "rank": self.rank,
                 "config": self.cfg.to_dict()}
 
-    def load_state_dict(self, sd: dict) -> None:
-        if sd.get("dp_size") != len(self.dp_ranks):
-            log.warning("zen: checkpoint was saved with dp_size %s, now %d: ZEN state (DGC residuals) starts fresh",
-                        sd.get("dp_size"), len(self.dp_ranks))
-            return
-        self.sync.load_state_dict(sd["sync"])
+    def load_state_dict(self, sd: dict, why: str = "") -> None:
+        """Restore ``state_dict()``: all of it at the same data-parallel size; on a resize (or from
+        another rank's file, ``why``) only what the ranks share: the step counter (DGC warm-up) and the
+        planner's state, while DGC residuals, momenta and thresholds restart (one warning)."""
+        partial = bool(why) or sd.get("dp_size") != len(self.dp_ranks)
+        if partial:
+            log.warning(resize_warning(sd.get("dp_size"), len(self.dp_ranks), sd["sync"], why))
+        self.sync.load_state_dict(sd["sync"], per_rank=not partial)
 
     def _state_path(self, root: str, tag) -> str:
         return os.path.join(root, str(tag), STATE_DIRNAME, f"rank{self.rank:05d}.pt")
@@ -391,8 +396,17 @@ class ZenDeepSpeed:
             with open(os.path.join(load_dir, "latest")) as f:
                 tag = f.read().strip()
         path = self._state_path(load_dir, tag)
-        if os.path.isfile(path):
-            self.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+        first = os.path.join(load_dir, str(tag), STATE_DIRNAME, "rank00000.pt")
+        mine = torch.load(path, map_location="cpu", weights_only=False) if os.path.isfile(path) else None
+        if mine is not None and mine.get("dp_size") == len(self.dp_ranks):
+            self.load_state_dict(mine)
+        elif os.path.isfile(first):
+            # A resize: every rank takes the shared part (step counter, planner) from rank 0's file, so
+            # all ranks resume alike (a rank without a file of its own would otherwise restart at step 0).
+            sd = torch.load(first, map_location="cpu", weights_only=False)
+            why = (("" if mine is not None else f"no ZEN state was saved for rank {self.rank}, and ")
+                   + f"the checkpoint was saved with dp_size {sd.get('dp_size')}, now {len(self.dp_ranks)}")
+            self.load_state_dict(sd, why=why)
         else:
             log.warning("zen: no ZEN state at %s (a checkpoint without ZEN?): DGC residuals start fresh", path)
         return load_path, client_state
