@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster_common import (  # noqa: E402
-    Lab, SpanProbe, append_jsonl, finish_process, init_from_env, mmm, wait_quiet,
+    Lab, SpanProbe, append_jsonl, finish_process, init_from_env, mmm, portable_path, wait_quiet,
 )
 
 if TYPE_CHECKING:
@@ -220,7 +220,7 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
         phase_keys = sorted({k for r in rs for p in r["phases"] for k in p})
         phases = {k: statistics.median(max(p.get(k, 0.0) for p in r["phases"]) for r in rs) for k in phase_keys}
         out.append(dict(
-            bench="comm", **lab.meta(), n=n, workload=label, path=path, step=step.step, slices=slices,
+            bench="comm", **lab.meta(), n=n, workload=label, path=portable_path(path), step=step.step, slices=slices,
             density=density, scheme=name, reps=len(ts), times=ts, t_min=t_min, t_med=t_med, t_max=t_max,
             bytes_sent=sent, bytes_recv=recv, msgs_sent=msgs_sent, msgs_recv=msgs_recv,
             wire_tx=[statistics.median(r["wire_tx"][k] for r in rs) for k in range(n)],

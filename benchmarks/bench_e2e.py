@@ -37,7 +37,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_common import append_jsonl, goodput_bytes_per_s, mmm, read_jsonl, wait_quiet  # noqa: E402
+from cluster_common import append_jsonl, goodput_bytes_per_s, mmm, portable_path, read_jsonl, wait_quiet  # noqa: E402
 
 DEFAULT_MODEL = os.path.join(ROOT, "benchmarks", "configs", "llama-bench.json")
 RECIPE = os.path.join(ROOT, "recipes", "finetune_llm.py")
@@ -101,7 +101,8 @@ def summarize(name: str, runs: list[dict], a, pre_busy: list[float]) -> dict:
     all_tps = [s["tokens_per_s"] for r in runs for s in r["steps"][timed]]
     lo, med, hi = mmm(per_run_tps)
     rec = dict(bench="e2e", rate=a.rate, n=a.hosts, config=name, describe=CONFIGS[name]["describe"],
-               zen=CONFIGS[name]["zen"], ds_config=ds_config(name, a), model=a.model, micro_batch=a.micro_batch,
+               zen=CONFIGS[name]["zen"], ds_config=ds_config(name, a), model=portable_path(a.model),
+               micro_batch=a.micro_batch,
                seq_len=a.seq_len, tokens_per_step=tokens, steps=a.steps, warmup=a.warmup, reps=len(runs),
                steps_timed=len(all_tps), tokens_per_s_runs=per_run_tps, tokens_per_s_min=lo, tokens_per_s_med=med,
                tokens_per_s_max=hi, step_s_min=tokens / hi, step_s_med=tokens / med, step_s_max=tokens / lo,

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_comm import load_workload  # noqa: E402
-from cluster_common import append_jsonl, mmm, read_jsonl  # noqa: E402
+from cluster_common import append_jsonl, mmm, portable_path, read_jsonl  # noqa: E402
 
 from zen_ext import SimWorld, build_scheme  # noqa: E402
 from zen_ext.comm.base import Communicator  # noqa: E402
@@ -222,7 +222,8 @@ def main(argv=None) -> int:
                     vs[rate] = dict(dense_s=dense_s, scheme_s=scheme_s, saved_s=saved,
                                     hash_over_saved=med.get("hash_s", 0.0) / saved if saved > 0 else None,
                                     overhead_over_saved=compute / saved if saved > 0 else None)
-            rec = dict(bench="overhead", workload=label, path=path, step=step.step, n=n, scheme=scheme, reps=a.reps,
+            rec = dict(bench="overhead", workload=label, path=portable_path(path), step=step.step, n=n, scheme=scheme,
+                       reps=a.reps,
                        phases={k: dict(min=v[0], med=v[1], max=v[2]) for k, v in ph.items()},
                        hash_s=med.get("hash_s", 0.0), encode_s=sum(med.get(k, 0.0) for k in ENCODE_PHASES),
                        aggregate_s=med.get("aggregate_s", 0.0), decode_s=med.get("decode_s", 0.0),

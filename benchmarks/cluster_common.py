@@ -29,6 +29,26 @@ import torch
 _HEADER_BYTES = 52 + 14  # IPv4 + TCP with timestamps, plus the Ethernet header tbf also counts
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+"""The repository root: recorded paths inside it are written relative to it."""
+
+
+def portable_path(path: str, work: str | None = None) -> str:
+    """A path as results record it: never the machine's checkout or scratch location.
+
+    Inside the repository it is repo-relative (``benchmarks/configs/llama-bench.json``); under the
+    scratch directory ``work`` (default ``$WORK``, as ``run_cluster_report.sh`` exports it) it is
+    ``$WORK/<rest>``; anywhere else only its last two components are kept (``dgc1/step_00000005.pt``).
+    """
+    absolute = os.path.abspath(path)
+    if os.path.commonpath([absolute, ROOT]) == ROOT:
+        return os.path.relpath(absolute, ROOT)
+    work = work if work is not None else os.environ.get("WORK")
+    if work and os.path.commonpath([absolute, os.path.abspath(work)]) == os.path.abspath(work):
+        return os.path.join("$WORK", os.path.relpath(absolute, os.path.abspath(work)))
+    return os.path.join(*absolute.split(os.sep)[-2:])
+
+
 # --- the link -----------------------------------------------------------------------------------
 def rate_bps(rate: str) -> float:
     """A tc rate string (``1gbit``, ``2500mbit``) in bits/s; ``none``/empty → 0 (unshaped)."""

@@ -24,6 +24,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 PY=${NETLAB_PYTHON:-$ROOT/.venv/bin/python}
 WORK=${WORK:-/tmp/zen_cluster}
+export WORK  # results record scratch paths as $WORK/... (benchmarks/cluster_common.py portable_path)
 RATES=${RATES:-"1gbit 2500mbit"}
 E2E_RATE=${E2E_RATE:-1gbit}
 REPS=${REPS:-5}

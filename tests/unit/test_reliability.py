@@ -288,3 +288,46 @@ def test_deepspeed_resize_shrink_and_grow_keep_the_step(tmp_path, caplog):
         z._load_checkpoint(str(tmp_path))
     assert z.sync.state.step == 7 and z.sync.state.params["w"]["residual"].abs().sum() > 0
     assert not [r for r in caplog.records if r.name == "zen_ext.engines.deepspeed"]
+
+
+# --- docs and committed results name no machine paths ------------------------------------------------------
+CHECKOUT_PATH = re.compile(r"(?<![\w.$])/(?:work|root|home|Users)/[\w.\-/]*")
+ANY_ABSOLUTE_IN_RESULTS = re.compile(r"\"(?:/tmp|/work|/root|/home|/Users|/var|/mnt)/[^\"]*\"")
+
+
+def _text_files(*dirs):
+    for d in dirs:
+        for base, _, files in os.walk(os.path.join(ROOT, d)):
+            for f in sorted(files):
+                if f.endswith((".md", ".json", ".jsonl", ".txt", ".csv")):
+                    yield os.path.join(base, f)
+
+
+def test_docs_and_results_name_no_machine_paths():
+    """Docs say where things are relative to the repository; results record $WORK/... or repo-relative
+    paths (benchmarks/cluster_common.py ``portable_path``). Example scratch directories in commands
+    (``--work /tmp/w``) are the reader's choice, not this machine's, and stay allowed in docs."""
+    found = []
+    for path in [os.path.join(ROOT, "README.md"), *_text_files("docs", "benchmarks/results")]:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        rel = os.path.relpath(path, ROOT)
+        hits = CHECKOUT_PATH.findall(text) + (ANY_ABSOLUTE_IN_RESULTS.findall(text) if "results" in rel else [])
+        hits += [ROOT] if ROOT in text else []
+        found += [f"{rel}: {h}" for h in sorted(set(hits))]
+    assert not found, "absolute machine paths (use repo-relative paths or $WORK/...):\n" + "\n".join(found[:20])
+
+
+def test_benchmark_writers_record_portable_paths(monkeypatch):
+    import sys
+
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    sys.modules.pop("cluster_common", None)
+    from cluster_common import portable_path
+
+    assert portable_path(os.path.join(ROOT, "benchmarks", "configs", "llama-bench.json")) == \
+        os.path.join("benchmarks", "configs", "llama-bench.json")
+    assert portable_path("/scratch/zen/traces/dgc1/step_00000005.pt", "/scratch/zen") == \
+        "$WORK/traces/dgc1/step_00000005.pt"
+    monkeypatch.delenv("WORK", raising=False)
+    assert portable_path("/elsewhere/traces/dgc1/step_00000005.pt") == "dgc1/step_00000005.pt"
