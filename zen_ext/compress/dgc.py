@@ -129,8 +129,10 @@ class DGCConfig:
             raise ValueError(f"zen.dgc.momentum ({self.momentum!r}) must be in [0, 1)")
         if self.clip_norm is not None:
             check_number(s, "clip_norm", self.clip_norm)
-            if not 0 < self.clip_norm < math.inf:
-                raise ValueError(f"zen.dgc.clip_norm ({self.clip_norm!r}) must be a finite number > 0 or null (off)")
+            if not math.isfinite(self.clip_norm):
+                raise ValueError(f"zen.dgc.clip_norm ({self.clip_norm!r}) must be a finite number or null (off)")
+            if not self.clip_norm > 0:
+                raise ValueError(f"zen.dgc.clip_norm ({self.clip_norm!r}) must be > 0 or null (off)")
         if self.warmup_steps < 0:
             raise ValueError(f"zen.dgc.warmup_steps ({self.warmup_steps!r}) must be >= 0")
         if not 0 < self.warmup_start_density <= 1:
