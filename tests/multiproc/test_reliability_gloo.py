@@ -112,6 +112,18 @@ def _tp_routing_worker(rank, world):
     flat = torch.arange(1, rows * 10 + 1, dtype=torch.float32)
     red.reduce_(flat, [GradSlice("0.weight", 0, rows * 10, (rows, 10))], "sum")
     out["sent"] = int(flat.ne(0).sum())
+
+    # Two replicated one-row embeddings shared over TP: TP rank 1's share of each is empty, yet it must
+    # join each new layout's TP agreement as rank 0 does (two layouts, two agreements on both ranks).
+    kinds = {"e1": "natural", "e2": "natural"}
+    sync = Synchronizer(dp_comm=dp_comm, scheme="zen", param_kinds=kinds, natural={}, tp_comm=tp_comm)
+    red = BucketReducer(sync, cap_bytes=1 << 20, dp_size=1, tp_comm=tp_comm, tp_shared=frozenset(kinds))
+    flat = torch.tensor([1.0, 0.0, -3.0, 4.0, 0.0, 5.0, 0.0, 6.0])
+    slices = [GradSlice("e1", 0, 4, (1, 4)), GradSlice("e2", 4, 4, (1, 4))]
+    for _ in range(2):
+        got = flat.clone()
+        red.reduce_(got, slices, "sum")
+    out["shared"] = got
     return out
 
 
@@ -123,6 +135,7 @@ def test_tp_routing_is_a_function_of_gathered_shard_sizes():
     assert res[0]["kinds"] == res[1]["kinds"] == {"0.weight": "dgc"}
     for r in range(2):
         assert 0 < res[r]["sent"] < 1030 // 2, res[r]["sent"]
+        assert torch.equal(res[r]["shared"], torch.tensor([1.0, 0.0, -3.0, 4.0, 0.0, 5.0, 0.0, 6.0])), r
 
 
 def _plan_error_worker(rank, world):
@@ -180,6 +193,13 @@ def _hosts_worker(rank, world):
     flat = _host_grad(rank)
     red.reduce_(flat, [GradSlice("e", 0, 24, (6, 4)), GradSlice("w", 24, 17, (17,))], "sum")
     out["sum"] = flat
+    # Buckets smaller than a node: local rank 1's shard is empty and still joins each new layout.
+    tiny = []
+    for name, shape in (("w", (1,)), ("e", (1, 1)), ("w", (1,))):
+        one = torch.tensor([float(rank + 1)])
+        red.reduce_(one, [GradSlice(name, 0, 1, shape)], "sum")
+        tiny.append(float(one))
+    out["tiny"] = tiny
     return out
 
 
@@ -202,6 +222,7 @@ def test_hierarchy_from_reported_hosts_is_identical_everywhere():
         assert intra == sorted({r, (r + 3) % 6}) and inter == [x for x in range(6) if x // 3 == r // 3]
         assert why == "3 nodes of 2 ranks per data-parallel group"
         assert torch.equal(res[r]["sum"], sum(_host_grad(k) for k in range(6))), r
+        assert res[r]["tiny"] == [21.0, 21.0, 21.0], r
 
 
 @pytest.fixture(autouse=True)

@@ -406,8 +406,8 @@ class Synchronizer:
             mine = {
                 "numel": numel, "dtype": dtype, "op": op, "scheme": repr(self.scheme),
                 "dgc": dataclasses.asdict(self.dgc_config), "natural": dataclasses.asdict(self.natural_config),
-                "slices": [(*e[:3], self.param_kinds[e[0]]) if not e[4] else (*e[:3], e[4], self.param_kinds[e[0]])
-                           for e in entries],
+                "slices": [(*e[:3], self.param_kinds.get(e[0])) if not e[4]
+                           else (*e[:3], e[4], self.param_kinds.get(e[0])) for e in entries],
             }
         problem = _disagreement(self.dp_comm, "data-parallel", mine)
         # Step 2: the tensor-parallel group, always when there is one.

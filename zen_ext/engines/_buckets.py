@@ -398,8 +398,13 @@ class NodeShardedReduce:
         if op == "mean":
             shard.div_(L)
         # An empty shard is synchronized too: the Synchronizer agrees each new layout over the TP group,
-        # and a TP peer with a longer bucket may hold a non-empty shard here.
-        mine[: b - a] = sync_shard(shard, clip_slices(slices, a, b), op)
+        # and a TP peer with a longer bucket may hold a non-empty shard here. An empty part of the
+        # bucket's first slice names the layout, so it is new for each bucket, as on the peers.
+        part = clip_slices(slices, a, b)
+        if not part and slices:
+            first = min(slices, key=lambda s: s.offset)
+            part = [GradSlice(first.name, 0, 0, (0,), start=first.start)]
+        mine[: b - a] = sync_shard(shard, part, op)
         # Step 4: all-gather inside the node.
         gathered = torch.empty(L * width, dtype=flat_N.dtype, device=flat_N.device)
         all_gather(gathered, mine, group=self.intra_group)
@@ -506,8 +511,10 @@ class BucketReducer:
         cuts = shard_bounds(chunk.numel(), [s], tp.size)
         a, b = cuts[tp.rank], cuts[tp.rank + 1]
         # An empty share (fewer rows than TP ranks) still goes through the Synchronizer, which agrees
-        # every new layout with the TP peers; skipping it would leave them waiting.
-        mine = self._reduce_dp(chunk[a:b], clip_slices([s], a, b), op)
+        # every new layout with the TP peers; skipping it would leave them waiting. Its empty slice keeps
+        # the parameter's name, so the layout is new for each parameter, as on the peers.
+        part = clip_slices([s], a, b) or [GradSlice(s.name, 0, 0, (0, *s.shape[1:]), start=s.start + a - s.offset)]
+        mine = self._reduce_dp(chunk[a:b], part, op)
         width = _row_width(s)
         rows = mine.reshape(-1, width)
         before = tp.stats.snapshot()
@@ -540,5 +547,7 @@ class BucketReducer:
 
 
 def _nonzero_rows(flat_N: torch.Tensor, s: GradSlice) -> int:
+    if not s.numel:  # an empty share (fewer rows than TP ranks)
+        return 0
     rows = flat_N[s.offset: s.offset + s.numel].view(s.shape[0], -1)
     return int(rows.ne(0).any(1).sum())
