@@ -131,7 +131,8 @@ def test_hierarchy_uneven_hostfile_falls_back_or_refuses():
     hosts = ["gpu1"] * 4 + ["gpu2"] * 2  # 4 + 2 GPUs
     layouts, reason = decide_hierarchy("auto", hosts, [range(6)], [0, 1, 2, 3, 0, 1])
     assert layouts is None
-    assert reason == "the data-parallel group [0, 1, 2, 3, 4, 5] spans nodes of different sizes (gpu1: [0, 1, 2, 3], gpu2: [4, 5])"
+    assert reason == ("the data-parallel group [0, 1, 2, 3, 4, 5] spans nodes of different sizes "
+                      "(gpu1: [0, 1, 2, 3], gpu2: [4, 5])")
     with pytest.raises(NotImplementedError) as info:
         decide_hierarchy(True, hosts, [range(6)])
     assert str(info.value) == (
