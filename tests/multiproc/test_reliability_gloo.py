@@ -200,6 +200,12 @@ def _hosts_worker(rank, world):
         red.reduce_(one, [GradSlice(name, 0, 1, shape)], "sum")
         tiny.append(float(one))
     out["tiny"] = tiny
+    # (iii) One rank configured differently: every rank raises, none skips the gather.
+    try:
+        maybe_node_sharding(False if rank == 5 else "auto", list(range(world)), rank)
+        out["disagree"] = "no error"
+    except RuntimeError as exc:
+        out["disagree"] = str(exc)
     return out
 
 
@@ -223,6 +229,11 @@ def test_hierarchy_from_reported_hosts_is_identical_everywhere():
         assert why == "3 nodes of 2 ranks per data-parallel group"
         assert torch.equal(res[r]["sum"], sum(_host_grad(k) for k in range(6))), r
         assert res[r]["tiny"] == [21.0, 21.0, 21.0], r
+        if r != 5:
+            assert res[r]["disagree"] == (f"zen: ranks disagree on zen.hierarchical: rank 5 has False, rank {r} has "
+                                          f"'auto'; every rank must use the same value"), r
+    assert res[5]["disagree"] == ("zen: ranks disagree on zen.hierarchical: rank 0 has 'auto', rank 5 has False; "
+                                  "every rank must use the same value")
 
 
 @pytest.fixture(autouse=True)

@@ -319,9 +319,10 @@ def build_node_sharding(dp_ranks: Sequence[int], all_dp_groups: Iterable[Sequenc
 def maybe_node_sharding(setting: "bool | str", dp_ranks: Sequence[int], rank: int, log=None):
     """The engine's hierarchy step: gather the facts once, decide, create the groups.
 
-    One object all-gather over the world (each rank's host, local rank and data-parallel group), at
-    attach time only. Identical on every rank by construction, so either every rank creates the node
-    groups or none does.
+    One object all-gather over the world (each rank's setting, host, local rank and data-parallel
+    group), at attach time only, even when the setting is false: a rank configured differently must
+    not skip a collective its peers enter. The decision is then identical on every rank by
+    construction, so either every rank creates the node groups or none does.
 
     Args:
         setting: ``zen.hierarchical``.
@@ -331,17 +332,23 @@ def maybe_node_sharding(setting: "bool | str", dp_ranks: Sequence[int], rank: in
 
     Returns:
         ``(NodeShardedReduce | None, inter_node_group | None, reason)``.
+
+    Raises:
+        RuntimeError: ranks are configured with different ``zen.hierarchical`` (naming both).
+        ValueError, NotImplementedError: see ``decide_hierarchy`` (on every rank alike).
     """
     import torch.distributed as dist
 
-    if setting is False:
-        return None, None, "zen.hierarchical is false"
     facts = [None] * dist.get_world_size()
-    dist.all_gather_object(facts, (*local_host_facts(), tuple(dp_ranks)))
-    hosts, local_ranks, groups = [f[0] for f in facts], [f[1] for f in facts], [f[2] for f in facts]
+    dist.all_gather_object(facts, (setting, *local_host_facts(), tuple(dp_ranks)))
+    for r, f in enumerate(facts):
+        if f[0] != setting or type(f[0]) is not type(setting):  # True == 1 must not pass
+            raise RuntimeError(f"zen: ranks disagree on zen.hierarchical: rank {r} has {f[0]!r}, rank {rank} has "
+                               f"{setting!r}; every rank must use the same value")
+    hosts, local_ranks, groups = [f[1] for f in facts], [f[2] for f in facts], [f[3] for f in facts]
     layouts, reason = decide_hierarchy(setting, hosts, groups, local_ranks)
     if layouts is None:
-        if log is not None and rank == 0:
+        if log is not None and rank == 0 and setting == "auto":
             log.info('zen: hierarchical "auto" runs flat ZEN over each data-parallel group: %s', reason)
         return None, None, reason
     return (*create_node_groups(layouts, rank), reason)
