@@ -371,7 +371,7 @@ class Synchronizer:
         """Compare this layout with every rank's; raise RuntimeError naming the first difference."""
         numel, dtype, op, entries = key
         mine = {
-            "numel": numel, "dtype": dtype, "op": op, "scheme": repr(self.scheme),
+            "numel": numel, "dtype": dtype, "op": op, "scheme": repr(self.scheme), "comm": self.dp_comm.options(),
             "dgc": dataclasses.asdict(self.dgc_config), "natural": dataclasses.asdict(self.natural_config),
             "slices": [(*e[:3], self.param_kinds[e[0]]) if not e[4] else (*e[:3], e[4], self.param_kinds[e[0]])
                        for e in entries],
@@ -379,7 +379,8 @@ class Synchronizer:
         _check_same(self.dp_comm, "data-parallel", mine)
         if self.tp_comm is not None and self.tp_comm.size > 1 and plan.dgc:
             _check_same(self.tp_comm, "tensor-parallel",
-                        {"dgc_names": [s.state_key for s in plan.dgc], "dgc": dataclasses.asdict(self.dgc_config)})
+                        {"dgc_names": [s.state_key for s in plan.dgc], "dgc": dataclasses.asdict(self.dgc_config),
+                         "comm": self.tp_comm.options()})
 
     @staticmethod
     def _to_bucket(plan: _Plan, idx_K: torch.Tensor) -> torch.Tensor:
