@@ -108,3 +108,16 @@ def test_options_name_transport_and_device():
     comm = SimWorld(2).communicators()[0]
     assert comm.options() == {"transport": "sim", "device_type": "cpu"}
     assert SimWorld(2, device="meta").communicators()[1].device == torch.device("meta")
+
+
+@pytest.mark.parametrize("name, phases", [
+    ("dense", {"comm_s"}), ("agsparse", {"encode_s", "allgather_s", "aggregate_s"}),
+    ("sparcml", {"coalesce_s", "rounds_s", "decode_s"}),
+    ("omnireduce", {"blocks_s", "partition_s", "push_s", "aggregate_s", "pull_s", "decode_s"}),
+    ("sparse_ps", {"partition_s", "push_s", "aggregate_s", "pull_s", "decode_s"}),
+])
+def test_baseline_phase_timings_come_from_phase_timer(name, phases):
+    timings = [{}, {}]
+    SimWorld(2).run(lambda c, x: build_scheme(name).sync(c, x, timings=timings[c.rank]), [_grad(r, 300) for r in range(2)])
+    for t in timings:
+        assert set(t) == phases and all(v >= 0 for v in t.values()), t
