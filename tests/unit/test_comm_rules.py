@@ -121,3 +121,15 @@ def test_baseline_phase_timings_come_from_phase_timer(name, phases):
     SimWorld(2).run(lambda c, x: build_scheme(name).sync(c, x, timings=timings[c.rank]), [_grad(r, 300) for r in range(2)])
     for t in timings:
         assert set(t) == phases and all(v >= 0 for v in t.values()), t
+
+
+def test_nccl_device_is_resolved_at_each_use(monkeypatch):
+    from zen_ext.comm.torch_dist import backend_device
+
+    current = [0]
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    assert backend_device("nccl") == torch.device("cuda", 0)
+    current[0] = 3  # torch.cuda.set_device(3) after the communicator was built
+    assert backend_device("nccl") == torch.device("cuda", 3)
+    assert backend_device("cpu:gloo,cuda:nccl") == torch.device("cuda", 3)
+    assert backend_device("gloo") == torch.device("cpu")
