@@ -76,6 +76,14 @@ class CommStats:
         return asdict(self)
 
 
+def backend_device(backend: str) -> torch.device:
+    """The device a process group of ``backend`` takes tensors on (NCCL: the current CUDA device, read at
+    each call; gloo and the rest: the CPU)."""
+    if "nccl" in str(backend).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

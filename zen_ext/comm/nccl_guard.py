@@ -13,7 +13,7 @@ CI has no GPU, so the multi-process tests run on gloo, which forgives two things
 
 * a point-to-point op runs only inside ``batch_isend_irecv``;
 * every tensor handed to a collective or point-to-point op lives on the device the group's backend
-  takes (``zen_ext.comm.torch_dist.backend_device``; ``TorchCommunicator.device`` is the same rule).
+  takes (``zen_ext.comm.base.backend_device``; ``TorchCommunicator.device`` is the same rule).
 
 A violation raises ``NCCLGuardError`` naming the function and the tensor's device, before anything is
 sent, and is remembered in ``violations``. It is enabled by ``ZEN_NCCL_GUARD=1``: ``tests/conftest.py``
@@ -112,7 +112,7 @@ def _group_of(args, kwargs, pos: int):
 def _expected_device(group) -> torch.device:
     import torch.distributed as dist
 
-    from .torch_dist import backend_device
+    from .base import backend_device
 
     return backend_device(dist.get_backend(group))
 

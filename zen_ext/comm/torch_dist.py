@@ -32,18 +32,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .base import Communicator
+from .base import Communicator, backend_device
+
+__all__ = ["EXCHANGE_IMPLS", "TorchCommunicator", "backend_device"]
 
 EXCHANGE_IMPLS = ("p2p", "a2a")
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def backend_device(backend: str) -> torch.device:
-    """The device a process group of ``backend`` takes tensors on (NCCL: the current CUDA device)."""
-    if "nccl" in str(backend).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 class TorchCommunicator(Communicator):
