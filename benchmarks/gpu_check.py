@@ -375,6 +375,12 @@ def check_deepspeed(rep: Report, steps: int = 3) -> None:
         rep.add("deepspeed", "import", False, f"{exc}")
         return
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cuda":
+        rep.add("deepspeed", "DeepSpeed accelerator is CUDA", False,
+                f"got {get_accelerator().device_name()!r}: unset DS_ACCELERATOR (the CPU test setting)")
+        return
     torch.cuda.set_device(0)
     deepspeed.init_distributed(dist_backend="nccl")
     model_cfg = os.path.join(ROOT, "configs", "models", "llama-tiny-untied.json")
