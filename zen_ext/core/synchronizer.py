@@ -16,8 +16,9 @@ for balanced partitions), plus DGC's tensor-parallel threshold agreement (compre
 ``pop_step_stats`` reports them next to what a dense all-reduce of every bucket would have sent.
 
 Every decision that shapes a collective is agreed explicitly: the first time a rank sees a bucket
-layout, the data-parallel ranks compare layouts, kinds, op, scheme and DGC config (and the TP ranks
-their DGC parameter names) and raise RuntimeError naming both ranks' values instead of hanging.
+layout, the data-parallel ranks compare layouts, kinds, op, scheme, DGC config and communicator
+options (transport, backend, device type; and the TP ranks their DGC parameter names) and raise
+RuntimeError naming both ranks' values instead of hanging.
 All sparsifier memory lives in one ``SparsifierState`` keyed by parameter name; ``state_dict`` leaves
 process groups out.
 
