@@ -21,6 +21,11 @@ if torch is not None and os.environ.get("ZEN_NO_CPP_OP", "0") != "1":
     # No -std flag: torch's extension builder picks the standard its headers need (C++20 for 2.13).
     cflags = {"cxx": ["-O3"]}
     use_cuda = torch.version.cuda is not None and CUDA_HOME is not None and os.environ.get("USE_CUDA", "1") != "0"
+    if torch.version.cuda is not None and CUDA_HOME is None:
+        # CUDA torch wheels ship no nvcc: say so at build time (zen_ext.ops warns again at run time).
+        print(f"zen_ext: WARNING: torch {torch.__version__} has CUDA but no CUDA toolkit (nvcc) was found; "
+              "building the CPU kernels only, so CUDA gradients will use the pure-torch reference. Install the "
+              f"CUDA {torch.version.cuda} toolkit, set CUDA_HOME and rebuild to get the CUDA kernel.")
     if use_cuda:
         sources += sorted(glob.glob("csrc/cuda/*.cu"))
         cflags["nvcc"] = ["-O3"]

@@ -11,7 +11,11 @@ cd "$root"
 venv="$root/.venv"
 py="${ZEN_PYTHON:-python3}"
 stamp="$venv/.zen_setup_stamp"
-want="$(cat launch/setup.sh launch/constraints.txt pyproject.toml setup.py csrc/*.cpp csrc/*.h csrc/cpu/*.cpp 2>/dev/null | sha256sum | cut -c1-16)"
+# The stamp covers every source of the op, the CUDA kernels included, and whether nvcc is reachable
+# (installing a CUDA toolkit later must rebuild with the CUDA kernel).
+nvcc_at="$(command -v nvcc || ls "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" 2>/dev/null || true)"
+want="$( (cat launch/setup.sh launch/constraints.txt pyproject.toml setup.py csrc/*.cpp csrc/*.h csrc/cpu/*.cpp \
+  csrc/cuda/*.cu csrc/cuda/*.cuh 2>/dev/null; echo "nvcc=$nvcc_at") | sha256sum | cut -c1-16)"
 if [[ -z "${ZEN_SETUP_FORCE:-}" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi
@@ -60,5 +64,19 @@ fi
 log "building zen_ext (C++ op)"
 "${pip[@]}" install -c "$constraints" --no-build-isolation --no-deps -e .
 "$venv/bin/python" -c 'import zen_ext.ops as o; assert o.HAVE_CPP_OP, "zen_ext C++ op did not build"'
+# Step 5: with a CUDA torch, say whether the CUDA kernel is in. CUDA torch wheels ship no nvcc; without
+# one the op runs CUDA tensors through the pure-torch reference (correct, much slower, and it warns).
+if [[ -n "$cuda_torch" ]]; then
+  if "$venv/bin/python" -c 'import sys, torch, zen_ext.ops; sys.exit(not torch._C._dispatch_has_kernel_for_dispatch_key("zen_ext::hash_partition", "CUDA"))'; then
+    log "CUDA kernel built (torch $cuda_torch)"
+  else
+    msg="CUDA torch $cuda_torch but no nvcc (CUDA_HOME=${CUDA_HOME:-unset}): the CUDA kernel was NOT built; CUDA gradients will use the slow pure-torch reference. Install the CUDA toolkit matching torch.version.cuda (apt cuda-toolkit-12-x, or conda install -c nvidia cuda-nvcc), set CUDA_HOME, then run ZEN_SETUP_FORCE=1 bash launch/setup.sh"
+    if [[ "${ZEN_REQUIRE_CUDA_OP:-0}" == "1" ]]; then
+      log "ERROR: $msg"
+      exit 1
+    fi
+    log "WARNING: $msg"
+  fi
+fi
 echo "$want" >"$stamp"
 log "done"

@@ -211,15 +211,44 @@ def prepare_data(args, rank: int):
     return tokenizer, *split_blocks(blocks, args.eval_fraction, seed=args.seed)
 
 
+def model_device(model) -> torch.device:
+    """Where the model's inputs must go: DeepSpeed's ``engine(...)`` and ColossalAI's DDP (built without
+    ``device_ids``) do not move them, so a CPU batch would meet CUDA weights."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def metric_device(group) -> torch.device:
+    """Where a metric all-reduced over ``group`` must live: NCCL refuses CPU tensors, gloo takes them."""
+    from zen_ext.comm.torch_dist import backend_device
+
+    return backend_device(dist.get_backend(group))
+
+
+def all_reduce_mean(value: float, group) -> float:
+    """Mean of a per-rank Python number over ``group`` (a tensor on the group's device)."""
+    t = torch.tensor([value], dtype=torch.float64, device=metric_device(group))
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
+
+
 def evaluate(engine, blocks, micro_batch: int, dp_rank: int, dp_size: int, dp_group) -> float:
-    """Mean loss over the eval blocks (each replica a share, averaged over replicas)."""
+    """Mean loss over the eval blocks (each replica a share, averaged over replicas).
+
+    Batches go to the model's device; the totals are summed on the group's device.
+    """
     engine.eval()
-    total = torch.zeros(2, dtype=torch.float64)
+    device = model_device(engine)
+    loss_sum, count = 0.0, 0
     with torch.no_grad():
         for batch in eval_batches(blocks, micro_batch, dp_rank, dp_size):
+            batch = batch.to(device, non_blocking=True)
             loss = engine(input_ids=batch, labels=batch, use_cache=False).loss
-            total += torch.tensor([loss.float().item() * batch.shape[0], batch.shape[0]], dtype=torch.float64)
+            loss_sum += loss.float().item() * batch.shape[0]
+            count += batch.shape[0]
     engine.train()
+    total = torch.tensor([loss_sum, count], dtype=torch.float64, device=metric_device(dp_group))
     dist.all_reduce(total, group=dp_group)
     return (total[0] / total[1]).item() if total[1] else float("nan")
 

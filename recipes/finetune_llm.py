@@ -25,7 +25,6 @@ import os
 import sys
 import time
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -83,6 +82,7 @@ def main(argv=None) -> list[dict]:
         engine.load_checkpoint(ckpt_dir)
         start = engine.global_steps
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    device = common.model_device(engine)
     if rank == 0:
         print(f"deepspeed recipe: zen={'on (' + zen.cfg.scheme + ')' if zen else 'off'} ZeRO-"
               f"{engine.zero_optimization_stage()} world={dist.get_world_size()} dp={dp_size} micro_batch={micro} "
@@ -98,16 +98,14 @@ def main(argv=None) -> list[dict]:
         t0 = time.perf_counter()
         loss_sum = 0.0
         for _ in range(accum):
-            batch = next(batches)
+            batch = next(batches).to(device, non_blocking=True)  # engine(...) does not move inputs
             loss = engine(input_ids=batch, labels=batch, use_cache=False).loss
             loss_sum += loss.float().item()
             if zen is not None:
                 zen.annotate(loss=loss_sum / accum)  # the step wrapper closes this step's record
             engine.backward(loss)
             engine.step()
-        mean = torch.tensor([loss_sum / accum])
-        dist.all_reduce(mean, group=dp_group)
-        rec = {"step": step, "loss": mean.item() / dp_size,
+        rec = {"step": step, "loss": common.all_reduce_mean(loss_sum / accum, dp_group),
                "tokens_per_s": accum * micro * args.seq_len * dp_size / (time.perf_counter() - t0)}
         if zen is not None:
             rec["bytes_sent"] = zen.totals["bytes_sent"]

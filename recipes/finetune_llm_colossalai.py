@@ -170,6 +170,7 @@ def main(argv=None) -> list[dict]:
     dp_rank, dp_size, dp_group = data_parallel(plugin)
     start = load_checkpoint(booster, plugin, model, optimizer, scheduler, args.output_dir, rank) if args.resume else 0
     micro, accum = train.micro_batch_size, train.gradient_accumulation_steps
+    device = common.model_device(model)
     if rank == 0:
         print(f"colossalai recipe: {config_summary(cfg)} world={dist.get_world_size()} dp={dp_size} "
               f"micro_batch={micro} accum={accum} train_blocks={len(train_blocks)} eval_blocks={len(eval_blocks)} "
@@ -184,7 +185,7 @@ def main(argv=None) -> list[dict]:
         t0 = time.perf_counter()
         loss_sum = 0.0
         for i in range(accum):
-            batch = next(batches)
+            batch = next(batches).to(device, non_blocking=True)  # DDP without device_ids does not move it
             last = i == accum - 1
             with _no_sync(booster, model, optimizer, not last):
                 loss = model(input_ids=batch, labels=batch, use_cache=False).loss
@@ -195,9 +196,7 @@ def main(argv=None) -> list[dict]:
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
-        mean = torch.tensor([loss_sum / accum])
-        dist.all_reduce(mean, group=dp_group)
-        rec = {"step": step, "loss": mean.item() / dp_size,
+        rec = {"step": step, "loss": common.all_reduce_mean(loss_sum / accum, dp_group),
                "tokens_per_s": accum * micro * args.seq_len * dp_size / (time.perf_counter() - t0)}
         if zen is not None:
             rec["bytes_sent"] = zen.stats.totals["bytes_sent"]

@@ -8,18 +8,52 @@ count bytes with the same logical model below, so a scheme's traffic is identica
 * ``all_reduce``: a ring (reduce-scatter then all-gather): ``2·(n−1)/n`` of the buffer each way.
 * ``broadcast``: the root sends the buffer to every peer.
 
-Traffic to oneself is free and never counted.
+Traffic to oneself is free and never counted. Checks are not traffic and are left out, like the
+agreement payloads of ``all_gather_object``: the int64 call signature that travels next to each count
+(so a header is 16 bytes on the wire) and ``dense``'s 8-byte signature all-gather.
+
+**Device.** Every tensor a collective sees lives on ``comm.device`` (NCCL: the current CUDA device,
+resolved when used; gloo and SimWorld: the CPU unless told otherwise): counts, headers, object gathers
+and agreement payloads are built there, and a transport stages a payload from another device.
+
+**Call signature.** ``SyncScheme.sync`` declares what it synchronizes (dense numel, dtype, op) with
+``comm.signed(...)``. While declared, every header carries it and each receiver compares it with its
+own before any payload moves, so ranks that pass different gradients get a RuntimeError naming both
+ranks' values instead of a wrong sum or a hang. A sync whose first collective is an ``all_reduce`` or a
+``broadcast`` (``dense``) checks it with one 8-byte all-gather first. Every rank receives every other
+rank's signature, so when any two differ, every rank detects it at the same collective and raises.
 """
 
 from __future__ import annotations
 
 import abc
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import torch
 
-_COUNT_BYTES = 8
+_COUNT_BYTES = 8  # per peer and variable-size call: the int64 count (the signature word is a check)
+_SIG_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+               torch.uint8, torch.int8, torch.int16, torch.bool)
+_SIG_OPS = ("sum", "mean")
+
+
+def encode_signature(numel: int, dtype: torch.dtype, op: str) -> int:
+    """One int64 word naming a sync call: bit 62 set, numel in bits 12..61, dtype in 4..11, op in 0..3."""
+    d = _SIG_DTYPES.index(dtype) + 1 if dtype in _SIG_DTYPES else 255
+    o = _SIG_OPS.index(op) + 1 if op in _SIG_OPS else 15
+    return (1 << 62) | ((numel & ((1 << 50) - 1)) << 12) | (d << 4) | o
+
+
+def describe_signature(word: int) -> str:
+    """The inverse of ``encode_signature``, as text for error messages (0: outside any sync)."""
+    if word == 0:
+        return "no sync call (a different collective)"
+    d, o = (word >> 4) & 0xFF, word & 0xF
+    dtype = _SIG_DTYPES[d - 1] if 0 < d <= len(_SIG_DTYPES) else "another dtype"
+    op = _SIG_OPS[o - 1] if 0 < o <= len(_SIG_OPS) else "another op"
+    return f"numel {(word >> 12) & ((1 << 50) - 1)}, dtype {dtype}, op {op!r}"
 
 
 @dataclass
@@ -42,6 +76,14 @@ class CommStats:
         return asdict(self)
 
 
+def backend_device(backend: str) -> torch.device:
+    """The device a process group of ``backend`` takes tensors on (NCCL: the current CUDA device, read at
+    each call; gloo and the rest: the CPU)."""
+    if "nccl" in str(backend).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -57,6 +99,57 @@ class Communicator(abc.ABC):
 
     def __init__(self) -> None:
         self.stats = CommStats()
+        self._sig_word = 0  # the declared sync call (0: none), see the module docstring
+        self._sig_where = ""
+        self._sig_checked = False
+
+    # --- device and options -------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        """Where every tensor this communicator's collectives see lives (resolved at each use)."""
+        return torch.device("cpu")
+
+    def options(self) -> dict:
+        """What shapes this communicator's collectives (transport, backend, device type).
+
+        Ranks must agree on it: ``SyncScheme.check_agreement`` and the Synchronizer compare it.
+        """
+        return {"transport": type(self).__name__, "device_type": self.device.type}
+
+    # --- call signature -----------------------------------------------------------------------------
+    @contextmanager
+    def signed(self, numel: int, dtype: torch.dtype, op: str, where: str):
+        """Declare the sync call in progress (see the module docstring); nests, restoring the outer one."""
+        saved = (self._sig_word, self._sig_where, self._sig_checked)
+        self._sig_word, self._sig_where, self._sig_checked = encode_signature(numel, dtype, op), where, False
+        try:
+            yield
+        finally:
+            self._sig_word, self._sig_where, self._sig_checked = saved
+
+    def _verify_signatures(self, words: Sequence[int]) -> None:
+        """Raise RuntimeError unless every rank's signature word (``words[j]``: rank ``j``'s) is this rank's.
+
+        Transports call it right after the header exchange, before any payload moves.
+        """
+        mine = self._sig_word
+        self._sig_checked = True
+        for j, w in enumerate(words):
+            if j != self.rank and int(w) != mine:
+                raise RuntimeError(
+                    f"zen: ranks disagree on the gradient passed to {self._sig_where or 'a collective'}: rank "
+                    f"{self.rank} has {describe_signature(mine)}, rank {j} has {describe_signature(int(w))}; "
+                    f"every rank must synchronize the same numel, dtype and op")
+
+    def _check_signature_first(self) -> None:
+        """Before an all_reduce/broadcast that opens a declared sync: one small all-gather of the words."""
+        if self._sig_word and not self._sig_checked and self.size > 1:
+            self._verify_signatures(self._gather_words(self._sig_word))
+
+    def _gather_words(self, word: int) -> list[int]:
+        """All-gather one int64 per rank (subclasses override with one fixed-size collective)."""
+        parts = self._all_gather_v(torch.tensor([word], dtype=torch.int64, device=self.device))
+        return [int(p[0]) for p in parts]
 
     # --- public API -------------------------------------------------------------------------------
     def exchange_v(self, send: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -99,6 +192,7 @@ class Communicator(abc.ABC):
         """In-place all-reduce (``sum`` or ``max``); returns ``t``."""
         if op not in ("sum", "max"):
             raise ValueError(f"all_reduce op ({op}) must be one of ['max', 'sum']")
+        self._check_signature_first()
         self._all_reduce(t, op)
         n = self.size
         if n > 1:
@@ -108,6 +202,7 @@ class Communicator(abc.ABC):
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """In-place broadcast from group rank ``src``; returns ``t``."""
+        self._check_signature_first()
         self._broadcast(t, src)
         if self.size > 1:
             if self.rank == src:
@@ -120,13 +215,14 @@ class Communicator(abc.ABC):
         """All-gather a small picklable object (agreement checks, profiles); not counted as traffic."""
         import pickle
 
-        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        # Built on the communicator's device: NCCL refuses CPU tensors.
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
         saved = self.stats.snapshot()
         parts = self.all_gather_v(data)
         # Restore in place: callers (SimWorld.stats) hold a reference to this CommStats object.
         for key, value in saved.as_dict().items():
             setattr(self.stats, key, value)
-        return [pickle.loads(p.numpy().tobytes()) for p in parts]
+        return [pickle.loads(p.cpu().numpy().tobytes()) for p in parts]
 
     # --- accounting ---------------------------------------------------------------------------------
     def _account(self, sent: int = 0, recv: int = 0, msgs: int = 0, msgs_sent: int = 0, msgs_recv: int = 0):

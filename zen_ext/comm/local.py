@@ -5,6 +5,9 @@ a picklable result; results come back in rank order. A worker's exception fails 
 traceback; a hung worker fails it after ``timeout_s``. Workers end with ``destroy_process_group()``
 and ``os._exit`` because DDP + gloo on torch 2.13 aborts at interpreter exit in ~5–10 % of runs
 (shared/research/feasibility.md §3a).
+
+With ``ZEN_NCCL_GUARD=1`` in the environment (``tests/conftest.py`` sets it), each worker runs under
+``zen_ext.comm.nccl_guard``: a lone ``isend``/``irecv`` or a tensor on the wrong device fails the test.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ def _worker(rank, world_size, port, fn, args, queue):
     torch.set_num_threads(1)
     code = 0
     try:
+        from .nccl_guard import maybe_install
+
+        maybe_install()
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         # Plain pickle: torch's queue pickler would pass tensors as shared-memory handles that the
         # parent fetches from this process, which may already have exited (ConnectionResetError).

@@ -36,10 +36,18 @@ class _Shared:
 class SimCommunicator(Communicator):
     """One virtual rank's view of a SimWorld."""
 
-    def __init__(self, rank: int, size: int, shared: _Shared) -> None:
+    def __init__(self, rank: int, size: int, shared: _Shared, device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.rank, self.size, self._sh = rank, size, shared
+        self._device = torch.device(device)
         self._holding = False  # holds a compute token (set by SimWorld.run)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def options(self) -> dict:
+        return {"transport": "sim", "device_type": self._device.type}
 
     def _wait(self) -> None:
         if not self._holding:  # driven by the caller's own threads, outside SimWorld.run
@@ -59,11 +67,19 @@ class SimCommunicator(Communicator):
         return got
 
     def _exchange_v(self, send: list[torch.Tensor]) -> list[torch.Tensor]:
-        got = self._post_and_collect(send)
-        return [got[j][self.rank] for j in range(self.size)]
+        # The signature word travels with the payloads, as in TorchCommunicator's header, and is
+        # compared before any payload is taken.
+        got = self._post_and_collect((self._sig_word, send))
+        self._verify_signatures([g[0] for g in got])
+        return [got[j][1][self.rank] for j in range(self.size)]
 
     def _all_gather_v(self, t: torch.Tensor) -> list[torch.Tensor]:
-        return self._post_and_collect(t)
+        got = self._post_and_collect((self._sig_word, t))
+        self._verify_signatures([g[0] for g in got])
+        return [g[1] for g in got]
+
+    def _gather_words(self, word: int) -> list[int]:
+        return self._post_and_collect(word)
 
     def _all_reduce(self, t: torch.Tensor, op: str) -> None:
         self._sh.slots[self.rank] = t
@@ -99,20 +115,24 @@ class SimWorld:
             different collectives on different ranks must fail loudly, never hang).
         max_active: ranks computing at once between collectives (default: the CPU count). Keeps
             memory bounded at n = 128, where every rank builds a dense result.
+        device: the ranks' ``comm.device`` (where counts, headers and object gathers are built), e.g.
+            ``"cuda"`` to run schemes on CUDA tensors as NCCL would see them.
     """
 
-    def __init__(self, n: int, timeout_s: float = 600.0, max_active: int | None = None) -> None:
+    def __init__(self, n: int, timeout_s: float = 600.0, max_active: int | None = None,
+                 device: torch.device | str = "cpu") -> None:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"SimWorld n ({n}) must be an int >= 1")
         self.n = n
         self.timeout_s = timeout_s
         self.max_active = max(1, max_active or os.cpu_count() or 1)
+        self.device = torch.device(device)
         self.stats: list[CommStats] = [CommStats() for _ in range(n)]
         self._comms: list[SimCommunicator] | None = None
 
     def communicators(self) -> list[SimCommunicator]:
         shared = _Shared(self.n, self.timeout_s, self.max_active)
-        self._comms = [SimCommunicator(r, self.n, shared) for r in range(self.n)]
+        self._comms = [SimCommunicator(r, self.n, shared, self.device) for r in range(self.n)]
         self.stats = [c.stats for c in self._comms]
         return self._comms
 

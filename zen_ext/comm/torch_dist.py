@@ -1,14 +1,30 @@
 """TorchCommunicator: the Communicator protocol over a torch.distributed process group (gloo, NCCL).
 
-Variable-size exchanges send counts first, then payloads, with one of two transports:
+NCCL-safe by construction (checked in CI by ``zen_ext.comm.nccl_guard`` on gloo):
 
-* ``"p2p"`` (default): point-to-point with every receive posted before any send. On rate-limited
-  links this reached 86–98 % of the link rate against 50–70 % for gloo's ``all_to_all_single``
-  (shared/research/netlab.md), and ``benchmarks/bench_exchange.py`` re-measures it.
-* ``"a2a"``: one ``all_to_all_single`` with split sizes.
+* **No lone point-to-point op.** NCCL runs the ops to one peer on one stream, so a lone ``irecv``
+  waits for the peer's ``isend``, which is queued behind the peer's own ``irecv``: a deadlock. Every
+  point-to-point op here is part of one ``batch_isend_irecv`` (one NCCL group on the group's own
+  communicator, not one lazily created communicator per peer pair), or the exchange is one
+  ``all_to_all_single`` with split sizes.
+* **Every tensor on ``self.device``.** NCCL: the current CUDA device, resolved at each use (a
+  communicator built before ``torch.cuda.set_device`` still follows it); gloo: the CPU. Headers are
+  built there, and a payload on another device (a CUDA gradient over gloo, a CPU tensor over NCCL) is
+  staged there and its result moved back.
 
-gloo is never handed an empty tensor: empty payloads are skipped in p2p, and the a2a buffers carry one
-extra element addressed to oneself.
+Variable-size exchanges (``exchange_v``) send a header first (``all_to_all_single`` of an int64
+count and the call signature per peer, see ``comm/base.py``), then the payloads with one of two
+transports, ``zen.exchange_impl``:
+
+* ``"p2p"`` (default): the payloads as one ``batch_isend_irecv`` (receives listed first; gloo runs them
+  one by one in that order). ``benchmarks/results/exchange_netlab.md`` measures both forms on the
+  emulated cluster.
+* ``"a2a"``: one ``all_to_all_single`` with split sizes. gloo is never handed an empty tensor: the
+  buffers carry one extra element addressed to oneself.
+
+``all_gather_v`` (agreement checks, planner profiles, DGC's TP samples, ZEN's pulls) uses the batched
+point-to-point form whatever ``exchange_impl`` says, so ranks that disagree on ``exchange_impl`` still
+meet in the agreement check that reports it (``options()``).
 """
 
 from __future__ import annotations
@@ -16,7 +32,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .base import Communicator
+from .base import Communicator, backend_device
+
+__all__ = ["EXCHANGE_IMPLS", "TorchCommunicator", "backend_device"]
 
 EXCHANGE_IMPLS = ("p2p", "a2a")
 # torch 2.13 renamed all_gather_into_tensor to all_gather_single (the old name warns).
@@ -41,64 +59,114 @@ class TorchCommunicator(Communicator):
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         self.exchange_impl = exchange_impl
-        self.backend = dist.get_backend(self.group)
-        # NCCL needs counts on the device; gloo on the CPU.
-        self._count_device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
+        self.backend = str(dist.get_backend(self.group))
 
-    def _exchange_counts(self, counts: list[int]) -> list[int]:
-        send = torch.tensor(counts, dtype=torch.int64, device=self._count_device)
-        recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        return recv.tolist()
+    @property
+    def device(self) -> torch.device:
+        # Resolved at each use: engines call torch.cuda.set_device after building communicators.
+        return backend_device(self.backend)
 
-    def _p2p(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
-        # Receives first: a send that finds its receive already posted streams without a stall.
-        reqs = [dist.irecv(buf, group=self.group, group_src=j) for j, buf in recvs.items() if buf.numel()]
-        reqs += [dist.isend(buf, group=self.group, group_dst=j) for j, buf in sends.items() if buf.numel()]
-        for r in reqs:
-            r.wait()
+    def options(self) -> dict:
+        return {"transport": self.exchange_impl, "backend": self.backend, "device_type": self.device.type}
 
+    # --- helpers ----------------------------------------------------------------------------------
+    def _header(self, words: list[int]) -> torch.Tensor:
+        return torch.tensor(words, dtype=torch.int64, device=self.device)
+
+    def _batch_p2p(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> None:
+        """Post every send and receive as one batch (one NCCL group), then wait for all of them.
+
+        Empty buffers are left out on both sides (each side knows the sizes from the header).
+        """
+        ops = [dist.P2POp(dist.irecv, buf, group=self.group, group_peer=j) for j, buf in recvs.items() if buf.numel()]
+        ops += [dist.P2POp(dist.isend, buf, group=self.group, group_peer=j) for j, buf in sends.items() if buf.numel()]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    # --- transport ----------------------------------------------------------------------------------
     def _exchange_v(self, send: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Header (count + signature per peer, one all_to_all_single), check, then the payloads."""
         if self.size == 1:
+            self._verify_signatures([self._sig_word])
             return [send[0]]
-        recv_counts = self._exchange_counts([t.numel() for t in send])
-        dtype, device = send[0].dtype, send[0].device
+        dev = self.device
+        home = send[0].device
+        # Step 1: header. Row j goes to rank j: [count of send[j], this rank's call signature].
+        head_in = self._header([w for t in send for w in (t.numel(), self._sig_word)])
+        head_out = torch.empty_like(head_in)
+        dist.all_to_all_single(head_out, head_in, group=self.group)
+        head = head_out.view(self.size, 2).tolist()  # the exchange's one host synchronization
+        self._verify_signatures([h[1] for h in head])
+        recv_counts = [h[0] for h in head]
+        # Step 2: payloads, on the communicator's device.
+        staged = [t.to(dev) for t in send] if home != dev else send
+        dtype = send[0].dtype
         if self.exchange_impl == "p2p":
-            recv = [torch.empty(c, dtype=dtype, device=device) for c in recv_counts]
-            recv[self.rank] = send[self.rank]
+            recv = [torch.empty(c, dtype=dtype, device=dev) for c in recv_counts]
             others = [j for j in range(self.size) if j != self.rank]
-            self._p2p({j: send[j] for j in others}, {j: recv[j] for j in others})
-            return recv
-        in_splits = [t.numel() for t in send]
-        out_splits = list(recv_counts)
-        in_splits[self.rank] += 1
-        out_splits[self.rank] += 1
-        pad = torch.zeros(1, dtype=dtype, device=device)
-        parts = list(send)
-        parts[self.rank] = torch.cat([send[self.rank], pad])
-        buf_in = torch.cat(parts)
-        buf_out = torch.empty(sum(out_splits), dtype=dtype, device=device)
-        dist.all_to_all_single(buf_out, buf_in, out_splits, in_splits, group=self.group)
-        recv = list(buf_out.split(out_splits))
+            self._batch_p2p({j: staged[j] for j in others}, {j: recv[j] for j in others})
+        else:
+            in_splits = [t.numel() for t in staged]
+            out_splits = list(recv_counts)
+            in_splits[self.rank] += 1
+            out_splits[self.rank] += 1
+            parts = list(staged)
+            parts[self.rank] = torch.cat([staged[self.rank], torch.zeros(1, dtype=dtype, device=dev)])
+            buf_in = torch.cat(parts)
+            buf_out = torch.empty(sum(out_splits), dtype=dtype, device=dev)
+            dist.all_to_all_single(buf_out, buf_in, out_splits, in_splits, group=self.group)
+            recv = list(buf_out.split(out_splits))
+        # Step 3: back to the payload's device; one's own part never travelled.
+        if home != dev:
+            recv = [r.to(home) for r in recv]
         recv[self.rank] = send[self.rank]
         return recv
 
     def _all_gather_v(self, t: torch.Tensor) -> list[torch.Tensor]:
+        """Header (size + signature, one all-gather), check, then one batch of point-to-point ops."""
         if self.size == 1:
+            self._verify_signatures([self._sig_word])
             return [t]
-        size = torch.tensor([t.numel()], dtype=torch.int64, device=self._count_device)
-        sizes = torch.empty(self.size, dtype=torch.int64, device=self._count_device)
-        _all_gather_single(sizes, size, group=self.group)
-        out = [torch.empty(int(c), dtype=t.dtype, device=t.device) for c in sizes.tolist()]
-        out[self.rank] = t
+        dev = self.device
+        mine = self._header([t.numel(), self._sig_word])
+        heads = torch.empty(2 * self.size, dtype=torch.int64, device=dev)
+        _all_gather_single(heads, mine, group=self.group)
+        head = heads.view(self.size, 2).tolist()
+        self._verify_signatures([h[1] for h in head])
+        staged = t.to(dev) if t.device != dev else t
+        out = [torch.empty(h[0], dtype=t.dtype, device=dev) for h in head]
         others = [j for j in range(self.size) if j != self.rank]
-        self._p2p({j: t for j in others}, {j: out[j] for j in others})
+        self._batch_p2p({j: staged for j in others}, {j: out[j] for j in others})
+        if t.device != dev:
+            out = [o.to(t.device) for o in out]
+        out[self.rank] = t
         return out
+
+    def _gather_words(self, word: int) -> list[int]:
+        got = torch.empty(self.size, dtype=torch.int64, device=self.device)
+        _all_gather_single(got, self._header([word]), group=self.group)
+        return got.tolist()
 
     def _all_reduce(self, t: torch.Tensor, op: str) -> None:
         if self.size > 1 and t.numel():
-            dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
+            dev = self.device
+            buf = t if t.device == dev else t.to(dev)
+            dist.all_reduce(buf, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX, group=self.group)
+            if buf is not t:
+                t.copy_(buf)
 
     def _broadcast(self, t: torch.Tensor, src: int) -> None:
         if self.size > 1 and t.numel():
-            dist.broadcast(t, group=self.group, group_src=src)
+            dev = self.device
+            buf = t if t.device == dev else t.to(dev)
+            dist.broadcast(buf, group=self.group, group_src=src)
+            if buf is not t:
+                t.copy_(buf)
+
+
+# Under ZEN_NCCL_GUARD=1 (the test suite), every process that talks through a TorchCommunicator runs
+# under the NCCL rules (comm/nccl_guard.py), spawned engine workers included.
+from . import nccl_guard as _nccl_guard  # noqa: E402
+
+_nccl_guard.maybe_install()

@@ -21,12 +21,11 @@ Legend: ``_K`` entries, ``_N`` dense length (rows in row form).
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..comm.base import Communicator
 from .scheme import SyncScheme, register_scheme
+from .timing import PhaseTimer
 from .types import SparseGrad, as_sparse, index_dtype
 from .wire import pack, view_as
 from .zen import _acc_dtype
@@ -87,29 +86,25 @@ class AGSparseScheme(SyncScheme):
         3. Aggregate: sum all entries in rank order with ``index_add_`` (same order on every rank, so
            every rank computes the same bits).
         """
-        t = {}
         sg = as_sparse(grad)
         dtype, device, row_shape = sg.values.dtype, sg.values.device, tuple(sg.values.shape[1:])
+        timer = PhaseTimer(device, enabled=timings is not None)
 
         # Step 1: encode.
-        t0 = time.perf_counter()
+        timer.start("encode_s")
         msg = encode_coo(sg.indices, sg.values, sg.numel)
-        t["encode_s"] = time.perf_counter() - t0
 
         # Step 2: all-gather.
-        t0 = time.perf_counter()
+        timer.start("allgather_s")
         parts = comm.all_gather_v(msg)
-        t["allgather_s"] = time.perf_counter() - t0
 
         # Step 3: aggregate.
-        t0 = time.perf_counter()
+        timer.start("aggregate_s")
         acc = torch.zeros((sg.numel,) + row_shape, dtype=_acc_dtype(dtype), device=device)
         for p in parts:  # one message at a time: peak memory stays at one message, not n of them
             if p.numel():
                 idx, vals = decode_coo(p, sg.numel, row_shape, dtype)
                 acc.index_add_(0, idx, vals.to(acc.dtype))
         out = finish(acc, dtype, op, comm.size)
-        t["aggregate_s"] = time.perf_counter() - t0
-        if timings is not None:
-            timings.update(t)
+        timer.write_into(timings)
         return out

@@ -5,12 +5,11 @@ Bytes per rank (ring): ``2·(n−1)/n · numel · itemsize`` each way, whatever 
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..comm.base import Communicator
 from .scheme import SyncScheme, register_scheme
+from .timing import PhaseTimer
 from .types import SparseGrad, as_dense
 
 
@@ -24,11 +23,11 @@ class DenseScheme(SyncScheme):
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
         key: str | None = None, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        t0 = time.perf_counter()
         out = as_dense(grad)
+        timer = PhaseTimer(out.device, enabled=timings is not None)
+        timer.start("comm_s")
         comm.all_reduce(out)
         if op == "mean":
             out.div_(comm.size)
-        if timings is not None:
-            timings["comm_s"] = time.perf_counter() - t0
+        timer.write_into(timings)
         return out

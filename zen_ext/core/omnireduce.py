@@ -22,14 +22,13 @@ Legend: ``_K`` entries, ``_E`` non-zero elements, ``_B`` non-zero blocks.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..comm.base import Communicator
 from .agsparse import finish
 from .scheme import SyncScheme, register_scheme
 from .sparse_ps import range_push_pull
+from .timing import PhaseTimer
 from .types import SparseGrad, as_sparse
 from .zen import _acc_dtype
 
@@ -89,19 +88,17 @@ class OmniReduceScheme(SyncScheme):
            which sums the blocks and sends its aggregated non-zero blocks to every rank.
         3. Decode: the blocks laid out flat are the dense result (the tail of the last block dropped).
         """
-        t: dict = {}
         sg = as_sparse(grad)
+        timer = PhaseTimer(sg.values.device, enabled=timings is not None)
 
         # Step 1: blocks.
-        t0 = time.perf_counter()
+        timer.start("blocks_s")
         ids_B, payload_B, num_blocks = to_blocks(sg, self.block_size)
-        t["blocks_s"] = time.perf_counter() - t0
 
         # Step 2: push, aggregate, pull over the block index space.
-        out = range_push_pull(comm, ids_B, payload_B, num_blocks, t)
+        out = range_push_pull(comm, ids_B, payload_B, num_blocks, timer)
 
         # Step 3: decode.
         out = finish(out.reshape(-1)[: sg.dense_numel], sg.values.dtype, op, comm.size)
-        if timings is not None:
-            timings.update(t)
+        timer.write_into(timings)
         return out

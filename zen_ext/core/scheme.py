@@ -38,6 +38,9 @@ class SyncScheme(abc.ABC):
         2. Empty gradient (numel 0): return an empty result without any collective (every rank has the
            same numel, so every rank skips).
         3. Run the scheme; a scheme that cannot write into ``out`` returns a new tensor, copied here.
+           The first collective checks that every rank passed the same numel, dtype and op (it rides
+           on the header of the first exchange; a scheme that opens with an all-reduce, ``dense``,
+           pays one 8-byte all-gather).
 
         Args:
             comm: the ranks to synchronize.
@@ -52,6 +55,7 @@ class SyncScheme(abc.ABC):
         Raises:
             ValueError: a bad ``op``, an index outside ``[0, numel)`` (naming the scheme, the index and
                 the range), or an ``out`` of the wrong size, dtype or device.
+            RuntimeError: ranks passed different numel, dtype or op (naming both ranks' values).
         """
         # Step 1: validate.
         check_op(op)
@@ -65,8 +69,11 @@ class SyncScheme(abc.ABC):
         # Step 2: nothing to synchronize.
         if dense_numel == 0:
             return out if out is not None else torch.empty(0, dtype=dtype, device=device)
-        # Step 3: run.
-        res = self._sync(comm, grad, op, timings, key, out)
+        # Step 3: run, with this call's signature (numel, dtype, op) declared on the communicator: its
+        # first header carries it and every rank compares it before any payload moves (comm/base.py),
+        # so ranks passing different gradients raise instead of summing garbage or hanging.
+        with comm.signed(dense_numel, dtype, op, where=f"scheme {self.name!r}.sync"):
+            res = self._sync(comm, grad, op, timings, key, out)
         if out is not None and res is not out:
             out.copy_(res.reshape(-1))
             return out
@@ -90,10 +97,11 @@ class SyncScheme(abc.ABC):
     def check_agreement(self, comm: Communicator) -> None:
         """Raise RuntimeError unless every rank of ``comm`` built this scheme with the same options.
 
-        A scheme's options (seed, formats) shape its collectives: ranks that disagree would exchange
-        garbage or hang, so they are compared explicitly once, before the first sync.
+        A scheme's options (seed, formats) and the communicator's (transport, backend, device type:
+        ``comm.options()``) shape its collectives: ranks that disagree would exchange garbage or hang,
+        so they are compared explicitly once, before the first sync.
         """
-        mine = (self.name, sorted(self.options().items()))
+        mine = (self.name, sorted(self.options().items()), sorted(comm.options().items()))
         for rank, theirs in enumerate(comm.all_gather_object(mine)):
             if theirs != mine:
                 raise RuntimeError(

@@ -31,7 +31,6 @@ Legend: ``_K`` entries, ``_N`` dense length (rows in row form).
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +38,7 @@ import torch
 from ..comm.base import Communicator
 from .agsparse import decode_coo, encode_coo, entry_bytes, finish
 from .scheme import SyncScheme, register_scheme
+from .timing import PhaseTimer
 from .types import SparseGrad, as_sparse, index_dtype
 from .zen import _acc_dtype
 
@@ -158,19 +158,18 @@ class SparCMLScheme(SyncScheme):
         4. Unfold: the folded ranks get the final stream back.
         5. Decode: the final stream as a dense tensor.
         """
-        t = {}
         sg = as_sparse(grad)
         n, rank = comm.size, comm.rank
         codec = _Codec(sg.numel, tuple(sg.values.shape[1:]), sg.values.dtype, sg.values.device)
 
         # Step 1: coalesce.
-        t0 = time.perf_counter()
+        timer = PhaseTimer(sg.values.device, enabled=timings is not None)
+        timer.start("coalesce_s")
         mine = codec.coalesce(sg.indices, sg.values)
-        t["coalesce_s"] = time.perf_counter() - t0
 
         p = 1 << (n.bit_length() - 1)
         rem = n - p
-        t0 = time.perf_counter()
+        timer.start("rounds_s")
         # Step 2: fold. vrank is this rank's place among the p participants (None: sits out).
         if rem:
             if rank < 2 * rem and rank % 2 == 0:
@@ -209,14 +208,11 @@ class SparCMLScheme(SyncScheme):
                     mine = _Stream(None, mine.vals.clone())
             else:
                 self._swap(comm, codec, None)
-        t["rounds_s"] = time.perf_counter() - t0
 
         # Step 5: decode.
-        t0 = time.perf_counter()
+        timer.start("decode_s")
         out = finish(codec.to_dense(mine), sg.values.dtype, op, n)
-        t["decode_s"] = time.perf_counter() - t0
-        if timings is not None:
-            timings.update(t)
+        timer.write_into(timings)
         return out
 
     @staticmethod

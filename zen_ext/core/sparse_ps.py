@@ -20,13 +20,12 @@ Legend: ``_K`` entries, ``_P`` owners (ranks), ``_S`` one range.
 
 from __future__ import annotations
 
-import time
-
 import torch
 
 from ..comm.base import Communicator
 from .agsparse import decode_coo, encode_coo, finish
 from .scheme import SyncScheme, register_scheme
+from .timing import PhaseTimer
 from .types import SparseGrad, as_sparse
 from .zen import _acc_dtype
 
@@ -37,7 +36,7 @@ def range_size(numel: int, n: int) -> int:
 
 
 def range_push_pull(
-    comm: Communicator, idx_K: torch.Tensor, val_K: torch.Tensor, numel: int, timings: dict
+    comm: Communicator, idx_K: torch.Tensor, val_K: torch.Tensor, numel: int, timer: PhaseTimer
 ) -> torch.Tensor:
     """Push entries to the owners of their contiguous ranges, aggregate, pull every aggregate back.
 
@@ -46,7 +45,7 @@ def range_push_pull(
         idx_K: indices in ``[0, numel)`` (duplicates allowed).
         val_K: their values, ``[K]`` or ``[K, W...]``.
         numel: size of the index space.
-        timings: filled with seconds per phase.
+        timer: records the phases (``partition_s``, ``push_s``, ``aggregate_s``, ``pull_s``, ``decode_s``).
 
     Returns:
         The sum over ranks as ``[numel, W...]`` in the gradient dtype (each owner sums in fp32 for half
@@ -57,23 +56,21 @@ def range_push_pull(
     size = range_size(numel, n)
 
     # Step 1: partition by contiguous range (stable, so each owner sees entries in input order).
-    t0 = time.perf_counter()
+    timer.start("partition_s")
     owner_K = idx_K // size
     order = torch.argsort(owner_K, stable=True)
     idx_K, val_K, owner_K = idx_K[order], val_K[order], owner_K[order]
     bounds = torch.searchsorted(owner_K, torch.arange(n + 1, device=device)).tolist()
-    timings["partition_s"] = time.perf_counter() - t0
 
     # Step 2: push each range to its owner (offsets inside the range, so int32 always suffices there).
-    t0 = time.perf_counter()
+    timer.start("push_s")
     send = [encode_coo(idx_K[s:e] - j * size, val_K[s:e], numel) if e > s
             else torch.empty(0, dtype=torch.uint8, device=device)
             for j, (s, e) in enumerate(zip(bounds[:-1], bounds[1:]))]
     recv = comm.exchange_v(send)
-    timings["push_s"] = time.perf_counter() - t0
 
     # Step 3: aggregate this rank's range (sum, never overwrite; fp32 for half types).
-    t0 = time.perf_counter()
+    timer.start("aggregate_s")
     mine = max(0, min(size, numel - rank * size))
     acc = torch.zeros((mine,) + row_shape, dtype=_acc_dtype(dtype), device=device)
     touched = torch.zeros(mine, dtype=torch.bool, device=device)
@@ -83,22 +80,20 @@ def range_push_pull(
         acc.index_add_(0, off, torch.cat([v for _, v in decoded]).to(acc.dtype))
         touched[off] = True
     off_out = touched.nonzero().flatten()
-    timings["aggregate_s"] = time.perf_counter() - t0
 
     # Step 4: pull: the owner's aggregated entries go to every rank in the gradient dtype (ranges are
     # disjoint, so that is the one rounding of each sum).
-    t0 = time.perf_counter()
+    timer.start("pull_s")
     pulled = comm.all_gather_v(encode_coo(off_out, acc[off_out].to(dtype), numel))
-    timings["pull_s"] = time.perf_counter() - t0
 
     # Step 5: decode every owner's range into the dense result.
-    t0 = time.perf_counter()
+    timer.start("decode_s")
     out = torch.zeros((numel,) + row_shape, dtype=dtype, device=device)
     for j, buf in enumerate(pulled):
         if buf.numel():
             off, vals = decode_coo(buf, numel, row_shape, dtype)
             out[off + j * size] = vals
-    timings["decode_s"] = time.perf_counter() - t0
+    timer.stop()
     return out
 
 
@@ -120,10 +115,9 @@ class SparsePSScheme(SyncScheme):
         4. Pull: the owner's aggregate goes to every rank as COO.
         5. Decode: every rank writes all ranges into the dense result.
         """
-        t: dict = {}
         sg = as_sparse(grad)
-        out = range_push_pull(comm, sg.indices, sg.values, sg.numel, t)
+        timer = PhaseTimer(sg.values.device, enabled=timings is not None)
+        out = range_push_pull(comm, sg.indices, sg.values, sg.numel, timer)
         out = finish(out, sg.values.dtype, op, comm.size)
-        if timings is not None:
-            timings.update(t)
+        timer.write_into(timings)
         return out

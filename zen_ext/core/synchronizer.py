@@ -16,10 +16,11 @@ for balanced partitions), plus DGC's tensor-parallel threshold agreement (compre
 ``pop_step_stats`` reports them next to what a dense all-reduce of every bucket would have sent.
 
 Every decision that shapes a collective is agreed explicitly: the first time a rank sees a bucket
-layout, the data-parallel ranks compare layouts, kinds, op, scheme and DGC config (a rank that cannot
-plan the layout sends its error instead), then, whenever a TP group exists, the TP ranks compare
-their DGC parameter names and forward the DP outcome; every rank raises (RuntimeError naming both
-ranks' values) instead of hanging.
+layout, the data-parallel ranks compare layouts, kinds, op, scheme, DGC config and communicator
+options (transport, backend, device type; a rank that cannot plan the layout sends its error
+instead), then, whenever a TP group exists, the TP ranks compare their DGC parameter names and
+communicator options and forward the DP outcome; every rank raises (RuntimeError naming both ranks'
+values) instead of hanging.
 All sparsifier memory lives in one ``SparsifierState`` keyed by parameter name; ``state_dict`` leaves
 process groups out.
 
@@ -406,7 +407,7 @@ class Synchronizer:
             mine = {"error": f"{type(error).__name__}: {error}"}
         else:
             mine = {
-                "numel": numel, "dtype": dtype, "op": op, "scheme": repr(self.scheme),
+                "numel": numel, "dtype": dtype, "op": op, "scheme": repr(self.scheme), "comm": self.dp_comm.options(),
                 "dgc": dataclasses.asdict(self.dgc_config), "natural": dataclasses.asdict(self.natural_config),
                 "slices": [(*e[:3], self.param_kinds.get(e[0])) if not e[4]
                            else (*e[:3], e[4], self.param_kinds.get(e[0])) for e in entries],
@@ -416,7 +417,7 @@ class Synchronizer:
         if self.tp_comm is not None and self.tp_comm.size > 1:
             tp_mine = {"problem": problem,
                        "dgc_names": None if plan is None else [s.state_key for s in plan.dgc],
-                       "dgc": dataclasses.asdict(self.dgc_config)}
+                       "dgc": dataclasses.asdict(self.dgc_config), "comm": self.tp_comm.options()}
             gathered = self.tp_comm.all_gather_object(tp_mine)
             if problem is None:
                 told = next(((r, t["problem"]) for r, t in enumerate(gathered) if t["problem"] is not None), None)

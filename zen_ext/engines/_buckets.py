@@ -482,7 +482,9 @@ class BucketReducer:
             st["dense_bytes"] += 2 * (n - 1) * flat_N.numel() * flat_N.element_size() // n
         # Step 1: non-finite guard.
         if self.guard_comm is not None:
-            bad = torch.tensor([0.0 if bool(torch.isfinite(flat_N).all()) else 1.0])
+            # The flag is built on the communicator's device (NCCL refuses CPU tensors) without a host
+            # sync; reading the agreed flag is the guard's one host synchronization.
+            bad = (~torch.isfinite(flat_N).all()).to(device=self.guard_comm.device, dtype=torch.float32).reshape(1)
             if float(self.guard_comm.all_reduce(bad, "max")[0]) > 0:
                 flat_N.fill_(float("nan"))
                 st["nonfinite_steps"] += 1

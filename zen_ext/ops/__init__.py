@@ -1,13 +1,17 @@
 """Python wrappers of the zen_ext hashing ops (csrc/), falling back to the pure-torch reference.
 
 ``HAVE_CPP_OP`` says whether the compiled library loaded. Without it every op still works, only slower:
-the reference in ``_reference.py`` is bit-identical and doubles as the test oracle.
+the reference in ``_reference.py`` is bit-identical and doubles as the test oracle. A CUDA tensor that
+meets a build without the CUDA kernel (CUDA torch wheels ship no nvcc, so ``launch/setup.sh`` builds
+the CPU kernels only) takes the reference too, and one ``RuntimeWarning`` per process says so and how
+to fix it.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import torch
 
@@ -40,13 +44,36 @@ if HAVE_CPP_OP:
         return idx.new_empty(num_parts), idx.new_empty(k), idx.new_empty(k), idx.new_empty(3)
 
 
+_warned_reference: set[str] = set()
+
+
+def _warn_reference(device_type: str, why: str) -> None:
+    """Warn once per device type that its tensors take the pure-torch reference, and how to fix it."""
+    if device_type in _warned_reference:
+        return
+    _warned_reference.add(device_type)
+    msg = (f"zen_ext: {why}, so the hashing ops run {device_type} tensors through the pure-torch reference "
+           f"(same results, much slower). Fix: install the CUDA toolkit matching torch.version.cuda "
+           f"({torch.version.cuda}), set CUDA_HOME, and rebuild with ZEN_SETUP_FORCE=1 bash launch/setup.sh "
+           f"(or pip install --no-build-isolation -e .); docs/gpu.md has the details.")
+    log.warning(msg)
+    warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+
 def _use_op(t: torch.Tensor) -> bool:
+    dev = t.device.type
     if not HAVE_CPP_OP:
+        if dev == "cuda":
+            _warn_reference(dev, "the zen_ext C++ op is not built (zen_ext._C failed to import)")
         return False
-    if t.device.type == "cpu":
+    if dev == "cpu":
         return True
-    # A _C built without CUDA has no CUDA kernel: fall back to the reference instead of failing.
-    return torch._C._dispatch_has_kernel_for_dispatch_key("zen_ext::hash_partition", t.device.type.upper())
+    # A _C built without CUDA has no CUDA kernel: fall back to the reference instead of failing, loudly.
+    if torch._C._dispatch_has_kernel_for_dispatch_key("zen_ext::hash_partition", dev.upper()):
+        return True
+    if dev == "cuda":
+        _warn_reference(dev, "zen_ext._C was built without the CUDA kernel (no nvcc at build time)")
+    return False
 
 
 def permute(idx_K: torch.Tensor, numel: int, keys_R: torch.Tensor, inverse: bool = False) -> torch.Tensor:

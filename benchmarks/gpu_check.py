@@ -1,0 +1,595 @@
+"""One check of zen_ext on a GPU machine (no internet needed): ``bash launch/gpu_check.sh``.
+
+Single GPU (default) — each part is a row of the markdown report (``--out``, default
+``benchmarks/results/gpu_check.md``):
+
+1. ``hash``: the CUDA hashing op against the C++ CPU op at the paper's scale (214 M elements, 5.2 %
+   density by default): counts and each partition's entries and positions equal, ``P``/``P⁻¹`` round
+   trip, index 0 and the last index, a forced overflow of the parallel memory (lossless and reported);
+   the op's time from CUDA events (the paper: 6 ms on a V100).
+2. ``schemes``: every registered scheme in SimWorld on CUDA tensors (n = 8 and 16), fp32 and bf16,
+   equal to the dense sum (integer-valued inputs: exact).
+3. ``synchronizer``: the Synchronizer with DGC and natural rows on CUDA: natural rows equal the dense
+   sum, every rank's result identical, equal to the same run on the CPU.
+4. ``deepspeed``: the DeepSpeed engine on CUDA, world size 1 over NCCL: ZeRO 0, 1 and 2 with
+   ``overlap_comm``, bf16 and fp16, ZEN attached with natural sparsity only; losses equal to dense
+   DeepSpeed's.
+5. ``gloo``: two processes sharing the GPU over gloo, CUDA gradients, under the NCCL guard; every
+   scheme equal to ``all_reduce``; host synchronizations and peak GPU memory per synchronized bucket.
+
+``--multi`` (run under a launcher, one process per GPU: ``launch/gpu_check.sh --multi`` or
+``deepspeed --num_gpus N benchmarks/gpu_check.py --multi``): every scheme over NCCL on CUDA tensors,
+both exchange transports, against ``all_reduce``, plus the Synchronizer; host synchronizations and
+peak memory per bucket; rank 0 writes ``benchmarks/results/gpu_check_multi.md``.
+
+Without a GPU it exits with status 2 at once. ``--device cpu`` runs the CPU half of parts 2, 3 and 5
+(and part 1 as C++ op vs reference) at small sizes: that is what CI runs (tests/unit/test_gpu_check.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import traceback
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+PARTS = ("hash", "schemes", "synchronizer", "deepspeed", "gloo")
+NO_GPU_MSG = ("gpu_check: no CUDA GPU is visible (torch.cuda.is_available() is False): this check needs one. "
+              "It runs the CUDA kernel, CUDA tensors and NCCL; on a CPU-only machine the test suite covers the "
+              "rest (see docs/gpu.md).")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="markdown report (default benchmarks/results/gpu_check[_multi].md)")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {','.join(PARTS)}")
+    p.add_argument("--numel", type=int, default=214_000_000, help="hash check: dense length (paper: 214 M)")
+    p.add_argument("--density", type=float, default=0.052, help="hash check: non-zero fraction (paper: 5.2 %%)")
+    p.add_argument("--reps", type=int, default=20, help="hash check: timed repeats")
+    p.add_argument("--sim-ranks", default="8,16", help="schemes check: SimWorld sizes")
+    p.add_argument("--multi", action="store_true", help="multi-GPU NCCL check, under a launcher (one rank per GPU)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                   help="cpu: the CPU half at small sizes (CI); cuda: the real check")
+    a = p.parse_args(argv)
+    a.parts = [x for x in a.parts.split(",") if x]
+    bad = sorted(set(a.parts) - set(PARTS))
+    if bad:
+        p.error(f"--parts ({','.join(bad)}) must be a subset of {','.join(PARTS)}")
+    if not 0 < a.density <= 1:
+        p.error(f"--density ({a.density}) must be in (0, 1]")
+    if a.numel < 2:
+        p.error(f"--numel ({a.numel}) must be >= 2")
+    a.sim_ranks = [int(x) for x in a.sim_ranks.split(",")]
+    if a.out is None:
+        a.out = os.path.join(ROOT, "benchmarks", "results", "gpu_check_multi.md" if a.multi else "gpu_check.md")
+    return a
+
+
+class Report:
+    """Rows of (part, check, ok, detail) and free-form notes, written as markdown."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, bool, str]] = []
+        self.notes: list[str] = []
+
+    def add(self, part: str, check: str, ok: bool, detail: str = "") -> None:
+        self.rows.append((part, check, bool(ok), detail))
+        print(f"[{'ok' if ok else 'FAIL'}] {part}: {check} {detail}", flush=True)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.rows) and all(r[2] for r in self.rows)
+
+    def markdown(self, title: str, env: str) -> str:
+        lines = [f"# {title}", "", env, "", f"**{'PASS' if self.ok else 'FAIL'}**: "
+                 f"{sum(r[2] for r in self.rows)}/{len(self.rows)} checks passed.", "",
+                 "| part | check | result | detail |", "|---|---|---|---|"]
+        lines += [f"| {p} | {c} | {'ok' if ok else '**FAIL**'} | {d} |" for p, c, ok, d in self.rows]
+        if self.notes:
+            lines += ["", "## Notes", ""] + [f"- {n}" for n in self.notes]
+        return "\n".join(lines) + "\n"
+
+
+def environment(device: str) -> str:
+    import torch
+
+    from zen_ext import ops
+
+    gpu = torch.cuda.get_device_name() if device == "cuda" and torch.cuda.is_available() else "none"
+    cuda_kernel = torch._C._dispatch_has_kernel_for_dispatch_key("zen_ext::hash_partition", "CUDA") \
+        if ops.HAVE_CPP_OP else False
+    return (f"GPU: {gpu}; torch {torch.__version__} (CUDA {torch.version.cuda}); C++ op: {ops.HAVE_CPP_OP}; "
+            f"CUDA kernel: {cuda_kernel}; date {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+
+
+# --- host synchronizations and memory --------------------------------------------------------------------
+class HostSyncCounter:
+    """Count host synchronizations inside the block (CUDA: ``torch.cuda.set_sync_debug_mode("warn")``
+    warns on every synchronizing call: ``.item()``, ``.tolist()``, ``nonzero``, D2H copies).
+
+    Only the calling thread's warnings are recorded (``warnings.catch_warnings`` is process-wide), so
+    use it around single-threaded code (one process per rank).
+    """
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+        self.count = 0
+
+    def __enter__(self):
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize()
+            self._cm = warnings.catch_warnings(record=True)
+            self._got = self._cm.__enter__()
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+        return self
+
+    def __exit__(self, *exc):
+        import torch
+
+        if self.cuda:
+            torch.cuda.set_sync_debug_mode("default")
+            self.count = sum("synchroniz" in str(w.message).lower() for w in self._got)
+            self._cm.__exit__(*exc)
+        return False
+
+
+# --- part 1: the hashing op -------------------------------------------------------------------------------
+def hash_indices(numel: int, density: float, seed: int = 0):
+    """Distinct sorted-free indices at ``density`` with index 0 and the last index, plus 4 duplicates."""
+    import torch
+
+    k = max(2, int(numel * density))
+    g = torch.Generator().manual_seed(seed)
+    if numel <= 50_000_000:
+        idx = torch.randperm(numel, generator=g)[:k]
+    else:  # randperm of 214 M int64 is 1.7 GB: draw with replacement, which keeps duplicates (allowed)
+        idx = torch.randint(0, numel, (k,), generator=g)
+    idx[0], idx[-1] = 0, numel - 1
+    if k > 8:
+        idx[1:5] = idx[5]  # duplicates stay distinct entries
+    return idx
+
+
+def compare_grouping(got, ref, k: int) -> tuple[bool, str]:
+    """Equal counts, and inside each partition the same (entry, position) pairs, whatever their order.
+
+    Vectorized: sort each result by (partition, entry) and compare (a Python loop over 11 M entries
+    would take minutes).
+    """
+    import torch
+
+    counts, order, pos = (t.cpu() for t in got[:3])
+    rc, ro, rp = (t.cpu() for t in ref[:3])
+    if not torch.equal(counts, rc):
+        return False, f"counts differ: {counts[:8].tolist()} vs {rc[:8].tolist()}"
+    if not torch.equal(torch.sort(order).values, torch.arange(k)):
+        return False, "not every entry exactly once"
+    part = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    a = torch.argsort(part * k + order)
+    b = torch.argsort(part * k + ro)
+    if not (torch.equal(order[a], ro[b]) and torch.equal(pos[a], rp[b])):
+        return False, "a partition holds different entries or positions"
+    return True, ""
+
+
+def check_hash(rep: Report, device: str, numel: int, density: float, reps: int, parts: int = 16) -> None:
+    """CUDA op vs C++ CPU op (``device="cpu"``: C++ op vs the pure-torch reference)."""
+    import torch
+
+    from zen_ext import ops
+    from zen_ext.ops import _reference
+
+    if not ops.HAVE_CPP_OP:
+        rep.add("hash", "C++ op built", False, "zen_ext._C did not import: run launch/setup.sh")
+        return
+    keys = ops.derive_keys(77)
+    idx = hash_indices(numel, density)
+    k = idx.numel()
+    if device == "cuda":
+        if not torch._C._dispatch_has_kernel_for_dispatch_key("zen_ext::hash_partition", "CUDA"):
+            rep.add("hash", "CUDA kernel built", False, "zen_ext._C has no CUDA kernel: install nvcc, "
+                    "ZEN_SETUP_FORCE=1 bash launch/setup.sh (docs/gpu.md)")
+            return
+        d_idx, d_keys = idx.cuda(), keys.cuda()
+
+        def run(**kw):
+            return torch.ops.zen_ext.hash_partition(d_idx, numel, parts, d_keys, kw.get("r", 3), kw.get("pf", 2.0),
+                                                    kw.get("sf", 0.1))
+
+        def perm(x, inverse=False):
+            return torch.ops.zen_ext.permute(x.cuda(), numel, d_keys, inverse).cpu()
+
+        t0 = time.perf_counter()
+        ref = torch.ops.zen_ext.hash_partition(idx, numel, parts, keys, 3, 2.0, 0.1)
+        ref_s = time.perf_counter() - t0
+        ref_perm = torch.ops.zen_ext.permute(idx, numel, keys, False)
+        against = "C++ CPU op"
+    else:
+        def run(**kw):
+            return torch.ops.zen_ext.hash_partition(idx, numel, parts, keys, kw.get("r", 3), kw.get("pf", 2.0),
+                                                    kw.get("sf", 0.1))
+
+        def perm(x, inverse=False):
+            return torch.ops.zen_ext.permute(x, numel, keys, inverse)
+
+        t0 = time.perf_counter()
+        ref = _reference.hash_partition(idx, numel, parts, keys)
+        ref_s = time.perf_counter() - t0
+        ref_perm = _reference.permute(idx, numel, keys)
+        against = "pure-torch reference"
+    scale = f"numel {numel:,}, K {k:,} ({density:.1%}), {parts} partitions"
+    # Step 1: P and its inverse.
+    y = perm(idx)
+    ok = torch.equal(y, ref_perm) and torch.equal(perm(y, inverse=True), idx)
+    rep.add("hash", f"P equal to the {against}, P⁻¹(P(i)) = i", ok, scale)
+    edges = torch.tensor([0, numel - 1])
+    rep.add("hash", "index 0 and the last index round-trip", torch.equal(perm(perm(edges), inverse=True), edges))
+    # Step 2: grouping with the paper's memory (factor 2, serial 0.1).
+    got = run()
+    ok, why = compare_grouping(got, ref, k)
+    collisions, serial, overflows = got[3].tolist()
+    rep.add("hash", f"counts, entries and positions per partition equal to the {against}", ok,
+            why or f"collisions {collisions:,}, serial writes {serial:,}, overflows {overflows}")
+    # Step 3: forced overflow of the parallel memory (factor 0.25, no serial memory): lossless, reported.
+    got = run(r=1, pf=0.25, sf=0.0)
+    ok, why = compare_grouping(got, ref, k)
+    collisions, serial, overflows = got[3].tolist()
+    forced = device != "cuda" or overflows > 0  # the CPU path has no hash memory to overflow
+    rep.add("hash", "forced overflow (parallel factor 0.25, no serial memory) stays lossless and is reported",
+            ok and forced, why or f"serial writes {serial:,}, overflows {overflows:,}")
+    # Step 4: time.
+    if device == "cuda":
+        for _ in range(3):
+            run()
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            run()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        rep.add("hash", "time (CUDA events)", True,
+                f"median {statistics.median(times):.2f} ms, min {min(times):.2f}, max {max(times):.2f} over {reps} "
+                f"(paper: 6 ms on a V100); C++ CPU op {ref_s * 1e3:.0f} ms")
+
+
+# --- part 2: every scheme in SimWorld -------------------------------------------------------------------
+def scheme_inputs(n: int, numel: int, dtype, device: str, seed: int = 0):
+    """Integer-valued sparse gradients (sums exact in bf16 too): empty rank 1, overlap, index 0 and last."""
+    import torch
+
+    from zen_ext import SparseGrad
+
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for r in range(n):
+        k = 0 if r == 1 else int(numel * 0.05)
+        idx = torch.randint(0, numel, (k,), generator=g)
+        if k:
+            idx[0], idx[-1] = 0, numel - 1
+        vals = torch.randint(-3, 4, (k,), generator=g).to(dtype)
+        out.append(SparseGrad(idx.to(device), vals.to(device), numel))
+    return out
+
+
+def check_schemes(rep: Report, device: str, ranks: list[int], numel: int = 20_011) -> None:
+    import torch
+
+    from zen_ext import SimWorld, build_scheme
+    from zen_ext.core.scheme import available_schemes
+
+    for n in ranks:
+        for dtype in (torch.float32, torch.bfloat16):
+            inputs = scheme_inputs(n, numel, dtype, device, seed=n)
+            want = sum(x.to_dense().float() for x in inputs).to(dtype)
+            for name in available_schemes():
+                try:
+                    outs = SimWorld(n, device=device).run(lambda c, x: build_scheme(name).sync(c, x), inputs)
+                    bad = [r for r, o in enumerate(outs) if o.device.type != device or not torch.equal(o, want)]
+                    rep.add("schemes", f"{name} n={n} {str(dtype)[6:]}", not bad,
+                            f"ranks {bad} differ from the dense sum" if bad else "equal to the dense sum")
+                except Exception as exc:  # noqa: BLE001 — a row of the report
+                    rep.add("schemes", f"{name} n={n} {str(dtype)[6:]}", False, f"{type(exc).__name__}: {exc}")
+
+
+# --- part 3: the Synchronizer with DGC and natural rows ----------------------------------------------------
+def _sync_run(device: str, n: int, seed: int = 0):
+    import torch
+
+    from zen_ext import SimWorld
+    from zen_ext.core.synchronizer import GradSlice, Synchronizer
+
+    rows, width, dense_n = 300, 16, 5000
+    slices = [GradSlice("emb", 0, rows * width, (rows, width)), GradSlice("w", rows * width, dense_n, (dense_n,)),
+              GradSlice("b", rows * width + dense_n, 7, (7,))]
+    numel = rows * width + dense_n + 7
+    flats = []
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        f = torch.zeros(numel)
+        hit = torch.randint(0, rows, (20,), generator=g)
+        f[: rows * width].view(rows, width)[hit] = torch.randint(-3, 4, (20, width), generator=g).float()
+        f[rows * width:] = torch.randn(dense_n + 7, generator=g)
+        flats.append(f.to(device))
+    kinds = {"emb": "natural", "w": "dgc", "b": "dense"}
+
+    def body(comm, flat):
+        s = Synchronizer(dp_comm=comm, scheme="zen", param_kinds=kinds,
+                         dgc={"enabled": True, "density": 0.05, "threshold": "exact", "min_numel": 16}, natural={})
+        out = [s.sync_flat(flat, slices, op="sum") for _ in range(2)]
+        return out[-1]
+
+    outs = SimWorld(n, device=device).run(body, flats)
+    return outs, flats, rows * width
+
+
+def check_synchronizer(rep: Report, device: str, n: int = 4) -> None:
+    import torch
+
+    try:
+        outs, flats, nat = _sync_run(device, n)
+        want_nat = sum(f[:nat] for f in flats)
+        rep.add("synchronizer", f"natural rows equal the dense sum (n={n}, {device})",
+                all(torch.equal(o[:nat], want_nat) for o in outs))
+        rep.add("synchronizer", "every rank's result identical (DGC + natural + dense)",
+                all(torch.equal(o, outs[0]) for o in outs) and all(o.device.type == device for o in outs))
+        if device == "cuda":
+            cpu, _, _ = _sync_run("cpu", n)
+            close = torch.allclose(outs[0].cpu(), cpu[0], rtol=1e-5, atol=1e-6)
+            rep.add("synchronizer", "CUDA result equals the same run on the CPU", close,
+                    f"max |diff| {float((outs[0].cpu() - cpu[0]).abs().max()):.2e}")
+    except Exception as exc:  # noqa: BLE001
+        rep.add("synchronizer", "DGC + natural rows", False, f"{type(exc).__name__}: {exc}")
+
+
+# --- part 4: DeepSpeed on CUDA, world size 1 ----------------------------------------------------------------
+DS_CASES = [(s, d) for s in (0, 1, 2) for d in ("bf16", "fp16")]
+
+
+def check_deepspeed(rep: Report, steps: int = 3) -> None:
+    """ZEN (natural only) against dense DeepSpeed on one GPU over NCCL: equal per-step losses."""
+    import logging
+
+    import torch
+
+    from zen_ext.comm.local import free_port
+
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
+    try:
+        import deepspeed
+
+        import zen_ext.deepspeed as zds
+        from recipes.common import build_model
+    except ImportError as exc:
+        rep.add("deepspeed", "import", False, f"{exc}")
+        return
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cuda":
+        rep.add("deepspeed", "DeepSpeed accelerator is CUDA", False,
+                f"got {get_accelerator().device_name()!r}: unset DS_ACCELERATOR (the CPU test setting)")
+        return
+    torch.cuda.set_device(0)
+    deepspeed.init_distributed(dist_backend="nccl")
+    model_cfg = os.path.join(ROOT, "configs", "models", "llama-tiny-untied.json")
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randint(0, 1000, (2, 32), generator=g) for _ in range(steps)]
+
+    def train(stage, dtype, zen):
+        cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+               "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "torch_adam": True}},
+               "zero_optimization": {"stage": stage, "overlap_comm": True}, "steps_per_print": 10**6,
+               dtype: {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})}}
+        if zen:
+            cfg["zen"] = {"scheme": "zen", "bucket_cap_mb": 0.05}
+        engine, *_ = zds.initialize(model=build_model(model_cfg, seed=0), config=cfg)
+        losses = []
+        for x in batches:
+            x = x.to(engine.device)
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.float().item())
+        calls = getattr(getattr(engine, "zen", None), "override_calls", None)
+        return losses, calls
+
+    for stage, dtype in DS_CASES:
+        name = f"ZeRO-{stage} overlap_comm {dtype}"
+        try:
+            dense, _ = train(stage, dtype, False)
+            zen, calls = train(stage, dtype, True)
+            rep.add("deepspeed", f"{name}: ZEN (natural only) losses equal dense DeepSpeed's", zen == dense,
+                    f"dense {[round(v, 4) for v in dense]}, zen {[round(v, 4) for v in zen]}, ZEN reductions {calls}")
+        except Exception as exc:  # noqa: BLE001
+            rep.add("deepspeed", name, False, f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300])
+
+
+# --- part 5: processes sharing the GPU over gloo, and per-bucket costs ------------------------------------
+def _gloo_worker(rank, world_size, device):
+    import torch
+    import torch.distributed as dist
+
+    from zen_ext.comm.torch_dist import TorchCommunicator
+    from zen_ext.core.scheme import available_schemes
+    from zen_ext.core.synchronizer import GradSlice, Synchronizer
+
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    comm = TorchCommunicator()
+    inputs = scheme_inputs(world_size, 100_003, torch.float32, "cpu", seed=3)
+    mine = inputs[rank]
+    grad = type(mine)(mine.indices.to(device), mine.values.to(device), mine.dense_numel)
+    want = mine.to_dense().clone()
+    dist.all_reduce(want)
+    res = {}
+    for name in available_schemes():
+        from zen_ext import build_scheme
+
+        out = build_scheme(name).sync(comm, grad)
+        res[name] = (out.device.type, torch.equal(out.cpu(), want))
+    # Per-bucket costs: a Synchronizer bucket (natural rows + DGC + dense), host syncs and peak memory.
+    rows, width, dn = 2000, 64, 200_000
+    numel = rows * width + dn
+    flat = torch.zeros(numel, device=device)
+    g = torch.Generator().manual_seed(rank)
+    hit = torch.randint(0, rows, (50,), generator=g)
+    flat[: rows * width].view(rows, width)[hit.to(device)] = 1.0
+    flat[rows * width:] = torch.randn(dn, generator=g).to(device)
+    slices = [GradSlice("emb", 0, rows * width, (rows, width)), GradSlice("w", rows * width, dn, (dn,))]
+    sync = Synchronizer(dp_comm=comm, scheme="zen", param_kinds={"emb": "natural", "w": "dgc"},
+                        dgc={"enabled": True, "density": 0.01}, natural={})
+    sync.sync_flat(flat, slices, op="mean")  # first layout: agreement (not the steady state)
+    per = []
+    for _ in range(3):
+        if device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        with HostSyncCounter(device) as hs:
+            sync.sync_flat(flat, slices, op="mean")
+        peak = (torch.cuda.max_memory_allocated() - base) if device == "cuda" else 0
+        per.append((hs.count, peak))
+    return res, per, flat.numel() * flat.element_size()
+
+
+def check_gloo(rep: Report, device: str, world_size: int = 2) -> None:
+    from zen_ext.comm.local import run_workers
+
+    os.environ["ZEN_NCCL_GUARD"] = "1"  # every tensor handed to gloo must be on the CPU: staging checked
+    try:
+        got = run_workers(_gloo_worker, world_size, device, timeout_s=600)
+    except Exception as exc:  # noqa: BLE001
+        rep.add("gloo", f"{world_size} processes sharing the {device} over gloo", False, str(exc)[-400:])
+        return
+    for name in got[0][0]:
+        ok = all(r[0][name] == (device, True) for r in got)
+        rep.add("gloo", f"{name}: {world_size} processes, {device} gradients over gloo equal all_reduce", ok)
+    syncs = [c for r in got for c, _ in r[1]]
+    peaks = [p for r in got for _, p in r[1]]
+    rep.add("gloo", "host synchronizations per synchronized bucket (natural + DGC + dense, zen)", True,
+            f"{min(syncs)}–{max(syncs)} per bucket" if device == "cuda" else "counted on CUDA only")
+    if device == "cuda":
+        rep.add("gloo", "peak GPU memory per synchronized bucket above the bucket's own", True,
+                f"{max(peaks) / 2**20:.1f} MiB for a {got[0][2] / 2**20:.1f} MiB bucket")
+        rep.notes.append("Over gloo every payload is staged through the CPU (gloo's device), which adds "
+                         "device-to-host copies that NCCL does not have; `--multi` measures NCCL.")
+
+
+# --- multi-GPU NCCL ---------------------------------------------------------------------------------------
+def run_multi(rep: Report) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from zen_ext import build_scheme
+    from zen_ext.comm.torch_dist import TorchCommunicator
+    from zen_ext.core.scheme import available_schemes
+    from zen_ext.core.synchronizer import GradSlice, Synchronizer
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local))
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for dtype in (torch.float32, torch.bfloat16):
+        inputs = scheme_inputs(n, 1_000_003, dtype, "cpu", seed=5)
+        mine = inputs[rank]
+        grad = type(mine)(mine.indices.cuda(), mine.values.cuda(), mine.dense_numel)
+        want = mine.to_dense().float().cuda()
+        dist.all_reduce(want)
+        want = want.to(dtype)
+        for impl in ("p2p", "a2a"):
+            comm = TorchCommunicator(exchange_impl=impl)
+            for name in available_schemes():
+                try:
+                    out = build_scheme(name).sync(comm, grad)
+                    ok = torch.tensor([float(torch.equal(out, want))], device="cuda")
+                    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+                    rep.add("multi", f"{name} {impl} {str(dtype)[6:]} n={n}: equal to all_reduce", bool(ok.item()))
+                except Exception as exc:  # noqa: BLE001
+                    rep.add("multi", f"{name} {impl} {str(dtype)[6:]} n={n}", False, f"{type(exc).__name__}: {exc}")
+    # The Synchronizer: host synchronizations and peak memory per bucket, over NCCL.
+    comm = TorchCommunicator()
+    rows, width, dn = 4000, 256, 4_000_000
+    flat = torch.zeros(rows * width + dn, device="cuda")
+    g = torch.Generator().manual_seed(rank)
+    flat[: rows * width].view(rows, width)[torch.randint(0, rows, (100,), generator=g).cuda()] = 1.0
+    flat[rows * width:] = torch.randn(dn, generator=g).cuda()
+    slices = [GradSlice("emb", 0, rows * width, (rows, width)), GradSlice("w", rows * width, dn, (dn,))]
+    sync = Synchronizer(dp_comm=comm, scheme="zen", param_kinds={"emb": "natural", "w": "dgc"},
+                        dgc={"enabled": True, "density": 0.01}, natural={})
+    sync.sync_flat(flat, slices, op="mean")
+    counts, peaks = [], []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        with HostSyncCounter("cuda") as hs:
+            sync.sync_flat(flat, slices, op="mean")
+        counts.append(hs.count)
+        peaks.append(torch.cuda.max_memory_allocated() - base)
+    rep.add("multi", "Synchronizer bucket over NCCL (natural + DGC 1 %)", True,
+            f"host syncs {min(counts)}–{max(counts)} per bucket, peak {max(peaks) / 2**20:.1f} MiB above a "
+            f"{flat.numel() * 4 / 2**20:.1f} MiB bucket (rank {rank})")
+    dist.destroy_process_group()
+
+
+# --- main ---------------------------------------------------------------------------------------------------
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    import torch
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print(NO_GPU_MSG, file=sys.stderr)
+        return 2
+    rep = Report()
+    if a.multi:
+        if "RANK" not in os.environ:
+            print("gpu_check --multi: run it under a launcher, one process per GPU: launch/gpu_check.sh --multi "
+                  "or deepspeed --num_gpus N benchmarks/gpu_check.py --multi", file=sys.stderr)
+            return 2
+        run_multi(rep)
+        if int(os.environ["RANK"]) == 0:
+            _write(a.out, rep.markdown("zen_ext multi-GPU check (NCCL)", environment("cuda")))
+        return 0 if rep.ok else 1
+    numel = a.numel if a.device == "cuda" else min(a.numel, 200_003)
+    steps = {
+        "hash": lambda: check_hash(rep, a.device, numel, a.density, a.reps),
+        "schemes": lambda: check_schemes(rep, a.device, a.sim_ranks),
+        "synchronizer": lambda: check_synchronizer(rep, a.device),
+        "deepspeed": lambda: check_deepspeed(rep) if a.device == "cuda" else rep.notes.append(
+            "deepspeed: skipped on the CPU (the CPU engines are covered by tests/e2e)"),
+        "gloo": lambda: check_gloo(rep, a.device),
+    }
+    for part in a.parts:
+        t0 = time.perf_counter()
+        try:
+            steps[part]()
+        except Exception:  # noqa: BLE001 — a failed part is a failed row, the others still run
+            rep.add(part, "ran", False, traceback.format_exc().strip().splitlines()[-1][:300])
+        rep.notes.append(f"{part}: {time.perf_counter() - t0:.1f} s")
+    rep.notes.append("One GPU cannot test multi-rank NCCL (NCCL refuses two ranks on one GPU); run "
+                     "`launch/gpu_check.sh --multi` on a multi-GPU node (docs/gpu.md).")
+    _write(a.out, rep.markdown("zen_ext GPU check", environment(a.device)))
+    return 0 if rep.ok else 1
+
+
+def _write(path: str, text: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"gpu_check: report in {os.path.relpath(path, ROOT)}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
