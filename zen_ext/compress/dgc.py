@@ -249,7 +249,8 @@ class DGCSparsifier(Sparsifier):
         if not grads:
             raise ValueError("DGCSparsifier.compress needs at least one gradient")
         cfg = self.config
-        flats = [g.grad.reshape(-1) for g in grads]
+        # Flat views as the Synchronizer passes them cost nothing; a shaped one costs a view op.
+        flats = [g.grad if g.grad.dim() == 1 else g.grad.reshape(-1) for g in grads]
         wire, device = flats[0].dtype, flats[0].device
         mdt = memory_dtype(wire, cfg.residual_dtype)
         lay = self._layout(tuple(g.name for g in grads), tuple(f.numel() for f in flats), device)
