@@ -70,8 +70,12 @@ from .state import SparsifierState
 SELECTIONS = ("per_tensor", "per_bucket")
 THRESHOLDS = ("sampled", "exact")
 RESIDUAL_DTYPES = ("float32", "bfloat16")
-REFINE_PASSES = 3
-"""Threshold refinement passes after the sampled estimate (each one count over the tensor)."""
+REFINE_PASSES = 4
+"""Threshold refinement passes after the sampled estimate (each one count over the candidates)."""
+CANDIDATE_FACTOR = 2.0
+"""Candidates are the values above the sample's ``CANDIDATE_FACTOR·k`` quantile (about twice the
+target): the search then moves among them, and only misses the band where the sample
+overestimated the unit's quantile by more than that factor."""
 REFINE_BAND = (0.8, 1.25)
 """A count within ``[0.8·k, 1.25·k]`` is accepted; outside it the threshold moves (``_ThresholdSearch``)."""
 FREE_HOST_READ_DEVICES = ("cpu",)
@@ -257,12 +261,14 @@ class DGCSparsifier(Sparsifier):
         total = lay.numel
 
         # Step 1: an overflowed (fp16) gradient must reach the engine as such and never the memory.
-        # The max-norm of a tensor is non-finite iff one of its entries is, and never overflows.
-        peak_T = torch.stack(torch._foreach_norm(flats, math.inf, dtype=torch.float32))
-        if not bool(torch.isfinite(peak_T).all()):
+        # A 2-norm (one vectorized read, reused by clipping) is non-finite if any entry is; only then
+        # look element-wise, since huge finite values may overflow the norm too.
+        norm_T = torch.stack(torch._foreach_norm(flats, 2, dtype=torch.float32))
+        if not bool(torch.isfinite(norm_T).all()):
             cat = torch.cat(flats)
             bad = (~torch.isfinite(cat)).nonzero().flatten()
-            return SparseGrad(bad, cat[bad], total)
+            if bad.numel():
+                return SparseGrad(bad, cat[bad], total)
 
         # Step 2: local clipping, then accumulate the velocity (momentum correction) or the gradient.
         R, R_T = self.state.flat(lay.names, lay.numels, "residual", mdt, device)
@@ -273,7 +279,6 @@ class DGCSparsifier(Sparsifier):
         gs = flats
         if cfg.clip_norm is not None:
             limit = cfg.clip_norm / math.sqrt(self.dp_size)
-            norm_T = torch.stack(torch._foreach_norm(flats, 2, dtype=torch.float32))
             scale_T = (limit / (norm_T + 1e-6)).clamp(max=1.0)
             g = torch.cat(flats).to(mdt)
             g.view(lay.nblk, lay.blk).mul_(scale_T.to(mdt).repeat_interleave(lay.bpt_T, output_size=lay.nblk)[:, None])
@@ -296,12 +301,10 @@ class DGCSparsifier(Sparsifier):
         tiny = torch.finfo(mdt).smallest_normal * torch.finfo(mdt).eps  # zeros never travel
         if cfg.threshold == "exact":
             thr_U = self._exact_thresholds(R, lay, density, tp_comm).clamp(min=tiny)
-            mask = lay.select(R, thr_U)
+            pos_K = lay.select(R, thr_U).view(-1).nonzero().flatten()  # one host synchronization
         else:
-            thr_U, mask = self._sampled_thresholds(R, lay, density, tp_comm, tiny)
+            thr_U, pos_K = self._sampled_thresholds(R, lay, density, tp_comm, tiny)
         self.state.set_per_unit(list(lay.names), "threshold", thr_U, lay.unit_of_T)
-        pos_K = mask.view(-1).nonzero().flatten()  # the bucket's one host synchronization on a GPU
-        del mask
 
         # Step 5: send v clamped to the wire dtype's finite range (an fp16 value past 65504 would turn
         # into inf, and the residual v − inf into −inf, then NaN); the excess and the cast's rounding
@@ -326,11 +329,15 @@ class DGCSparsifier(Sparsifier):
     # --- thresholds ---------------------------------------------------------------------------------
     def _sampled_thresholds(self, R: torch.Tensor, lay: "_Layout", density: float, tp_comm,
                             tiny: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per-unit thresholds keeping about ``density`` of each unit, and the mask they select.
+        """Per-unit thresholds keeping about ``density`` of each unit, and the positions they select.
 
         1. Sample: strided positions per unit (offset moves with the step), gathered in one indexing.
         2. Pool over TP (one ``all_gather_v``) and sort the samples per unit (descending).
-        3. Search: the sample quantile, then up to ``REFINE_PASSES`` counts of the whole unit.
+        3. Candidates: one pass over the bucket selects ``|v| ≥ t_low``, the sample value at
+           ``CANDIDATE_FACTOR·k`` of each unit (about twice the target): one ``nonzero``.
+        4. Search among the candidates only: counts at any threshold ``≥ t_low`` are exact there, so
+           the passes of the search cost ``O(candidates)``, not ``O(bucket)``. A unit whose candidates
+           are fewer than the band keeps ``t_low`` (all its candidates).
         """
         # Step 1: samples, one gather for the whole bucket.
         pos_S, ns_U = lay.sample_positions(density, self.config.sample_fraction, self.state.step)
@@ -344,22 +351,27 @@ class DGCSparsifier(Sparsifier):
             unit_S = torch.from_numpy(np.repeat(np.arange(lay.units), ns_U)).to(R.device, non_blocking=True)
         sorted_S = _sort_per_unit(samples, unit_S)
         k_U = [max(1, math.ceil(density * n)) for n in numel_U]
-        # Step 3: search (counts are global under TP, so every TP rank moves alike).
         search = _ThresholdSearch(sorted_S, ns_U, k_U, numel_U)
+        # Step 3: candidates at t_low, one pass over the bucket.
+        t_low = search.at_rank(search.rank * CANDIDATE_FACTOR).clamp(min=tiny)
+        pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
+        abs_C = R[pos_C].abs()
+        unit_C = torch.searchsorted(lay.unit_ends_N, pos_C, right=True)
+        # Step 4: search among the candidates (counts are global under TP: every TP rank moves alike).
+        zeros_U = torch.zeros(lay.units, dtype=torch.int64, device=R.device)
         for _ in range(REFINE_PASSES):
-            thr_U = search.thr.clamp(min=tiny)
-            mask = lay.select(R, thr_U)
-            counts_U = lay.count(mask)
+            thr_U = torch.maximum(search.thr, t_low)
+            counts_U = zeros_U.index_add(0, unit_C, (abs_C >= thr_U[unit_C]).to(torch.int64))
             if tp:
                 tp_comm.all_reduce(counts_U)
             search.update(counts_U)
-            # On the CPU reading a flag costs nothing: stop once every unit is in the band and reuse
-            # the mask. On a GPU the passes run blind (a read would synchronize).
+            # On the CPU reading a flag costs nothing: stop once every unit is in the band. On a GPU
+            # the passes run blind (a read would synchronize).
             if counts_U.device.type in FREE_HOST_READ_DEVICES and bool(search.done.all()):
-                return thr_U, mask
-            del mask
-        thr_U = search.thr.clamp(min=tiny)
-        return thr_U, lay.select(R, thr_U)
+                break
+        thr_U = torch.maximum(search.thr, t_low)
+        keep = (abs_C >= thr_U[unit_C]).nonzero().flatten()
+        return thr_U, pos_C[keep]
 
     def _exact_thresholds(self, R: torch.Tensor, lay: "_Layout", density: float, tp_comm) -> torch.Tensor:
         """The ``k``-th largest ``|v|`` of each unit (pooled over the TP group): one segmented sort."""
@@ -408,6 +420,7 @@ class _Layout:
         ends = np.cumsum(bpu)
         self.ends_U = torch.tensor(ends, dtype=torch.int64, device=device)
         self.starts_U = torch.tensor(ends - np.array(bpu), dtype=torch.int64, device=device)
+        self.unit_ends_N = torch.tensor(np.cumsum(self.unit_numels), dtype=torch.int64, device=device)
         self._samples: tuple | None = None
 
     def select(self, R: torch.Tensor, thr_U: torch.Tensor) -> torch.Tensor:
@@ -484,13 +497,13 @@ class _ThresholdSearch:
         self.k_U = torch.tensor(k_U, **f64)
         first = [min(max(1.0, k * ns / n), ns) for k, ns, n in zip(k_U, ns_U, numel_U)]
         self.rank = torch.tensor(first, **f64)
-        self.thr = self._at_rank(self.rank)
+        self.thr = self.at_rank(self.rank)
         self.done = torch.zeros(len(ns_U), dtype=torch.bool, device=dev)
         # Closest probe with too many selected (highest such threshold) and with too few (lowest).
         self.has_over, self.t_over, self.c_over = self.done.clone(), torch.zeros_like(self.rank), torch.zeros_like(self.rank)
         self.has_under, self.t_under, self.c_under = self.done.clone(), torch.zeros_like(self.rank), torch.zeros_like(self.rank)
 
-    def _at_rank(self, rank_U: torch.Tensor) -> torch.Tensor:
+    def at_rank(self, rank_U: torch.Tensor) -> torch.Tensor:
         """The sample at 1-based (fractional) rank ``rank_U`` of each unit's descending sort."""
         idx = (rank_U.ceil() - 1).clamp(min=0).minimum(self.ns_U - 1).long() + self.start_U
         return self.sorted_S[idx]
@@ -507,7 +520,7 @@ class _ThresholdSearch:
         self.has_over, self.has_under = self.has_over | over, self.has_under | under
         # Next probe: rank step on the sample, or interpolation once the target is bracketed.
         rank = (self.rank * k / c.clamp(min=1)).clamp(min=1).minimum(self.ns_U)
-        t_rank = self._at_rank(rank).to(torch.float64)
+        t_rank = self.at_rank(rank).to(torch.float64)
         log_over, log_under = self.c_over.clamp(min=0.5).log(), self.c_under.clamp(min=0.5).log()
         w = (log_over - k.log()) / (log_over - log_under).clamp(min=1e-12)
         t_interp = self.t_over + (self.t_under - self.t_over) * w
