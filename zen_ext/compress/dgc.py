@@ -12,13 +12,20 @@ Choices and why:
 * **per tensor by default** (``selection="per_tensor"``): selecting over a fused 128 MB bucket drops
   whole low-magnitude tensors (SAFusion §2: up to 81 % of BERT's tensors never sent);
   ``"per_bucket"`` (one threshold for all DGC tensors of a bucket) is the option.
+* **a bucket in a constant number of operations**: the residual and momentum of a bucket are one
+  flat buffer each (per-name views, so state stays keyed by name), gradients are added with one
+  ``_foreach`` op, and every per-unit quantity (samples, thresholds, counts) is a tensor over units,
+  never a Python loop of tensor ops. A per-unit threshold is compared in blocks of
+  ``gcd(numels)`` elements (``[nblk, 1]`` broadcast), so no per-element threshold is built.
 * **threshold by sampling** (``threshold="sampled"``): ``sample_fraction`` of ``|v|`` by an odd stride
-  (no aliasing with row layouts), the threshold is the sample's ``density`` quantile, then
-  ``REFINE_PASSES`` passes move the sample rank by ``k / count`` while the count is outside
-  ``REFINE_BAND·k``. Counts and thresholds stay on the device (``torch.where``, no branch on a GPU
-  scalar), so a bucket costs **one** host synchronization (the ``nonzero`` that sizes the message),
-  not one per tensor. ``"exact"`` takes the ``k``-th largest ``|v|`` (``torch.topk``); ties at the
-  threshold are kept in both modes.
+  (no aliasing with row layouts), sorted per unit; one pass over the bucket keeps the *candidates*
+  ``|v| ≥ t_low`` (the sample's ``CANDIDATE_FACTOR·k`` quantile, about twice the target), and
+  ``REFINE_PASSES`` search passes then run on the candidates only (exact counts for any threshold
+  ``≥ t_low``): from the sample's ``density`` quantile, move the sample rank by ``k / count`` while
+  the count is outside ``REFINE_BAND·k``. Counts and thresholds stay on the device, so a bucket costs
+  three host synchronizations on a GPU (finiteness, the candidates' and the selection's
+  ``nonzero``), whatever its number of tensors. ``"exact"`` takes the ``k``-th largest ``|v|`` per
+  unit (one segmented sort of the bucket); ties at the threshold are kept in both modes.
 * **tensor parallelism**: with ``tp_comm`` every TP rank samples its shard, the samples (with each
   shard's numel) are all-gathered over the TP group in one message per bucket, and the counts of each
   pass are all-reduced, so every TP rank derives the same threshold per layer (ZEN §4: "sampling
@@ -28,10 +35,15 @@ Choices and why:
   per tensor because a bucket hook never sees the whole model's gradient at once).
 * **warm-up**: density ramps exponentially from ``warmup_start_density`` to ``density`` over the first
   ``warmup_steps`` steps.
-* **memory in fp32** for fp16/bf16 gradients; values travel in the gradient's dtype, and the rounding
-  error of that cast stays in the residual, so conservation is still exact.
+* **memory in fp32** for fp16/bf16 gradients (``residual_dtype="bfloat16"`` halves it); values
+  travel in the gradient's dtype, **clamped to its finite range** (an accumulated fp16 value past
+  65504 would be sent as inf and turn the residual into −inf, then NaN, freezing the tensor), and the
+  excess and the cast's rounding error stay in the residual, so conservation is still exact.
 * **non-finite gradients** (an fp16 loss-scale overflow): the memory is left untouched and the
   non-finite entries are sent as they are, so the engine sees the overflow and skips the step.
+* **loss scaling** (``set_loss_scale``): the memory holds scaled gradient and is rescaled when the
+  scale changes; a step marked ``discard_step`` (some rank overflowed in some bucket) is undone at
+  ``end_step`` from a snapshot taken at the step's first touch.
 
 Bytes: DGC itself sends nothing over the data-parallel group; it hands ``≈ density·numel`` element
 COO pairs to the scheme. Over the TP group a rank sends ``(8·(1 + 2U) + 4·S)`` bytes per bucket to
@@ -468,7 +480,17 @@ class _Layout:
 
 
 def _sort_per_unit(vals: torch.Tensor, unit_ids: torch.Tensor) -> torch.Tensor:
-    """``vals`` sorted by unit (ascending), descending within each unit: two stable sorts."""
+    """``vals`` (≥ 0) sorted by unit (ascending), descending within each unit.
+
+    Up to fp32, one sort of int64 keys ``unit·2³² + (2³¹ − 1 − bits(v))`` (the bits of a
+    non-negative float order like the float), about 20× faster than two stable sorts on this CPU;
+    fp64 takes the two stable sorts.
+    """
+    if vals.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        bits = vals.float().view(torch.int32)
+        key = (unit_ids.to(torch.int64) << 32) | (0x7FFFFFFF - bits).to(torch.int64)
+        desc = (0x7FFFFFFF - (key.sort().values & 0xFFFFFFFF)).to(torch.int32)
+        return desc.view(torch.float32).to(vals.dtype)
     v, order = vals.sort(descending=True, stable=True)
     _, by_unit = unit_ids[order].sort(stable=True)
     return v[by_unit]
