@@ -251,7 +251,8 @@ class DGCSparsifier(Sparsifier):
         1. Guard: if any gradient is non-finite, send its non-finite entries and leave the memory alone.
         2. Clip each local gradient (``clip_norm``) and accumulate it into its velocity ``v``.
         3. Choose one threshold per selection unit (sampled + refined, or exact), common to the TP group.
-        4. Select ``|v| ≥ threshold`` (non-zeros only) over the bucket's flat memory: one ``nonzero``.
+        4. Select ``|v| ≥ threshold`` (non-zeros only): one pass and one ``nonzero`` over the bucket's
+           flat memory (the sampled search's candidates), the rest on the candidates only.
         5. Error feedback: send ``v`` clamped to the gradient dtype's finite range, keep ``v − sent``
            (exact), zero the momentum at sent positions.
 
@@ -424,8 +425,7 @@ class _Layout:
         self.unit_numels = list(numels) if per_tensor else [self.numel]
         self.units = len(self.unit_numels)
         self.unit_of_T = list(range(len(numels))) if per_tensor else [0] * len(numels)
-        self.unit_first = ([(i,) for i in range(len(names))] if per_tensor else [(0,)])
-        self.keys = [names[u[0]] for u in self.unit_first]
+        self.keys = list(names) if per_tensor else [names[0]]  # sampling offsets hash the unit's first name
         bpu = [n // self.blk for n in self.unit_numels]
         self.bpt_T = torch.tensor([n // self.blk for n in numels], dtype=torch.int64, device=device)
         self.bpu_U = torch.tensor(bpu, dtype=torch.int64, device=device)
