@@ -12,13 +12,20 @@ Choices and why:
 * **per tensor by default** (``selection="per_tensor"``): selecting over a fused 128 MB bucket drops
   whole low-magnitude tensors (SAFusion §2: up to 81 % of BERT's tensors never sent);
   ``"per_bucket"`` (one threshold for all DGC tensors of a bucket) is the option.
+* **a bucket in a constant number of operations**: the residual and momentum of a bucket are one
+  flat buffer each (per-name views, so state stays keyed by name), gradients are added with one
+  ``_foreach`` op, and every per-unit quantity (samples, thresholds, counts) is a tensor over units,
+  never a Python loop of tensor ops. A per-unit threshold is compared in blocks of
+  ``gcd(numels)`` elements (``[nblk, 1]`` broadcast), so no per-element threshold is built.
 * **threshold by sampling** (``threshold="sampled"``): ``sample_fraction`` of ``|v|`` by an odd stride
-  (no aliasing with row layouts), the threshold is the sample's ``density`` quantile, then
-  ``REFINE_PASSES`` passes move the sample rank by ``k / count`` while the count is outside
-  ``REFINE_BAND·k``. Counts and thresholds stay on the device (``torch.where``, no branch on a GPU
-  scalar), so a bucket costs **one** host synchronization (the ``nonzero`` that sizes the message),
-  not one per tensor. ``"exact"`` takes the ``k``-th largest ``|v|`` (``torch.topk``); ties at the
-  threshold are kept in both modes.
+  (no aliasing with row layouts), sorted per unit; one pass over the bucket keeps the *candidates*
+  ``|v| ≥ t_low`` (the sample's ``CANDIDATE_FACTOR·k`` quantile, about twice the target), and
+  ``REFINE_PASSES`` search passes then run on the candidates only (exact counts for any threshold
+  ``≥ t_low``): from the sample's ``density`` quantile, move the sample rank by ``k / count`` while
+  the count is outside ``REFINE_BAND·k``. Counts and thresholds stay on the device, so a bucket costs
+  three host synchronizations on a GPU (finiteness, the candidates' and the selection's
+  ``nonzero``), whatever its number of tensors. ``"exact"`` takes the ``k``-th largest ``|v|`` per
+  unit (one segmented sort of the bucket); ties at the threshold are kept in both modes.
 * **tensor parallelism**: with ``tp_comm`` every TP rank samples its shard, the samples (with each
   shard's numel) are all-gathered over the TP group in one message per bucket, and the counts of each
   pass are all-reduced, so every TP rank derives the same threshold per layer (ZEN §4: "sampling
@@ -28,10 +35,15 @@ Choices and why:
   per tensor because a bucket hook never sees the whole model's gradient at once).
 * **warm-up**: density ramps exponentially from ``warmup_start_density`` to ``density`` over the first
   ``warmup_steps`` steps.
-* **memory in fp32** for fp16/bf16 gradients; values travel in the gradient's dtype, and the rounding
-  error of that cast stays in the residual, so conservation is still exact.
+* **memory in fp32** for fp16/bf16 gradients (``residual_dtype="bfloat16"`` halves it); values
+  travel in the gradient's dtype, **clamped to its finite range** (an accumulated fp16 value past
+  65504 would be sent as inf and turn the residual into −inf, then NaN, freezing the tensor), and the
+  excess and the cast's rounding error stay in the residual, so conservation is still exact.
 * **non-finite gradients** (an fp16 loss-scale overflow): the memory is left untouched and the
   non-finite entries are sent as they are, so the engine sees the overflow and skips the step.
+* **loss scaling** (``set_loss_scale``): the memory holds scaled gradient and is rescaled when the
+  scale changes; a step marked ``discard_step`` (some rank overflowed in some bucket) is undone at
+  ``end_step`` from a snapshot taken at the step's first touch.
 
 Bytes: DGC itself sends nothing over the data-parallel group; it hands ``≈ density·numel`` element
 COO pairs to the scheme. Over the TP group a rank sends ``(8·(1 + 2U) + 4·S)`` bytes per bucket to
@@ -50,6 +62,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ..core.types import SparseGrad
@@ -68,8 +81,13 @@ from .state import SparsifierState
 
 SELECTIONS = ("per_tensor", "per_bucket")
 THRESHOLDS = ("sampled", "exact")
-REFINE_PASSES = 3
-"""Threshold refinement passes after the sampled estimate (each one count over the tensor)."""
+RESIDUAL_DTYPES = ("float32", "bfloat16")
+REFINE_PASSES = 4
+"""Threshold refinement passes after the sampled estimate (each one count over the candidates)."""
+CANDIDATE_FACTOR = 2.0
+"""Candidates are the values above the sample's ``CANDIDATE_FACTOR·k`` quantile (about twice the
+target): the search then moves among them, and only misses the band where the sample
+overestimated the unit's quantile by more than that factor."""
 REFINE_BAND = (0.8, 1.25)
 """A count within ``[0.8·k, 1.25·k]`` is accepted; outside it the threshold moves (``_ThresholdSearch``)."""
 FREE_HOST_READ_DEVICES = ("cpu",)
@@ -110,6 +128,10 @@ class DGCConfig:
     """Density at step 0 of the warm-up, in [density, 1] (DGC's schedule starts at 0.25)."""
     min_numel: int = 1024
     """Parameters with fewer elements (and all 1-D ones) go dense: their top-k saves nothing."""
+    residual_dtype: str = "float32"
+    """dtype of the residual and momentum: ``"float32"`` (8 bytes per parameter with momentum
+    correction) or ``"bfloat16"`` (4 bytes; the accumulation then rounds to 8 mantissa bits).
+    fp64 gradients keep fp64 memory either way."""
 
     def __post_init__(self) -> None:
         s = "dgc"
@@ -121,6 +143,7 @@ class DGCConfig:
         check_int(s, "min_numel", self.min_numel)
         check_choice(s, "selection", self.selection, SELECTIONS)
         check_choice(s, "threshold", self.threshold, THRESHOLDS)
+        check_choice(s, "residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
         if not 0 < self.density <= 1:
             raise ValueError(f"zen.dgc.density ({self.density!r}) must be in (0, 1]")
         if not 0 < self.sample_fraction <= 1:
@@ -158,6 +181,12 @@ class DGCConfig:
 class DGCSparsifier(Sparsifier):
     """DGC top-k with momentum correction, masking, clipping, warm-up and exact error feedback.
 
+    A bucket is compressed with a constant number of tensor operations, whatever its number of
+    parameters: the memory of a bucket is one flat buffer per kind (``SparsifierState.flat``), the
+    per-tensor thresholds are found together (segmented sampling, sorting and counting over selection
+    units), and per-unit thresholds are compared in blocks of ``gcd(numels)`` elements
+    (``_Layout``), so no per-element threshold tensor is ever built.
+
     Args:
         config: the ``zen.dgc`` section.
         state: where residuals, momenta and thresholds live (keyed by parameter name); its ``step``
@@ -173,15 +202,61 @@ class DGCSparsifier(Sparsifier):
         self.config = DGCConfig.from_dict(config)
         self.state = state if state is not None else SparsifierState()
         self.dp_size = int(dp_size)
+        self._layouts: dict[tuple, _Layout] = {}
+        self.loss_scale: float | None = None
+        """The loss scale the memory is accumulated at (``set_loss_scale``); ``None``: never set."""
+        self._journal: dict[int, tuple] = {}
+        """id(flat residual) → (residual, momentum, their copies at the step's first touch)."""
+        self._discard = False
 
+    # --- loss scaling and skipped steps -------------------------------------------------------------
+    def set_loss_scale(self, scale: float) -> None:
+        """Declare the loss scale of the gradients that follow; rescale the memory if it changed.
+
+        The residual and momentum hold *scaled* gradient (they accumulate what the engine hands over),
+        so when the scale moves from ``s`` to ``s'`` both are multiplied by ``s'/s`` (exact for the
+        power-of-two steps of dynamic loss scaling): no residual stays at an old scale. Declaring a
+        scale also makes steps transactional: the memory a step changes is snapshotted on first touch
+        and restored by ``end_step`` if ``discard_step`` was called (an overflowed step).
+
+        Raises:
+            ValueError: ``scale`` is not a finite number > 0.
+        """
+        scale = float(scale)
+        if not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"zen: loss scale ({scale!r}) must be a finite number > 0")
+        if self.loss_scale is not None and scale != self.loss_scale:
+            self.state.rescale(scale / self.loss_scale)
+            for _, _, old_r, old_u in self._journal.values():
+                old_r.mul_(scale / self.loss_scale)
+                if old_u is not None:
+                    old_u.mul_(scale / self.loss_scale)
+        self.loss_scale = scale
+
+    def discard_step(self) -> None:
+        """This optimizer step is skipped (some rank overflowed): ``end_step`` restores the memory."""
+        self._discard = True
+
+    def end_step(self) -> None:
+        """Commit this step's memory, or restore its snapshot if the step was discarded."""
+        if self._discard:
+            for r, u, old_r, old_u in self._journal.values():
+                r.copy_(old_r)
+                if u is not None:
+                    u.copy_(old_u)
+        self._journal, self._discard = {}, False
+
+    # --- compression --------------------------------------------------------------------------------
     def compress(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad:
         """Select what ``grads`` send this step and keep the rest in the residuals.
 
         1. Guard: if any gradient is non-finite, send its non-finite entries and leave the memory alone.
         2. Clip each local gradient (``clip_norm``) and accumulate it into its velocity ``v``.
         3. Choose one threshold per selection unit (sampled + refined, or exact), common to the TP group.
-        4. Select ``|v| ≥ threshold`` (non-zeros only) over the concatenation: one ``nonzero``.
-        5. Error feedback: ``v ← v − sent`` exactly; zero the momentum at sent positions.
+        4. Select ``|v| ≥ threshold`` (non-zeros only): one pass and one ``nonzero`` over the bucket's
+           flat memory (the sampled search's candidates), the rest on the candidates only.
+        5. Error feedback: send ``v`` clamped to the gradient dtype's finite range, keep ``v − sent``
+           (exact), zero the momentum at sent positions.
 
         Args:
             grads: the DGC gradients of one bucket, in bucket order, of one dtype and device.
@@ -193,155 +268,274 @@ class DGCSparsifier(Sparsifier):
         if not grads:
             raise ValueError("DGCSparsifier.compress needs at least one gradient")
         cfg = self.config
-        flats = [g.grad.reshape(-1) for g in grads]
-        wire = flats[0].dtype
-        adt = acc_dtype(wire)
-        total = sum(f.numel() for f in flats)
+        # Flat views as the Synchronizer passes them cost nothing; a shaped one costs a view op.
+        flats = [g.grad if g.grad.dim() == 1 else g.grad.reshape(-1) for g in grads]
+        wire, device = flats[0].dtype, flats[0].device
+        mdt = memory_dtype(wire, cfg.residual_dtype)
+        lay = self._layout(tuple(g.name for g in grads), tuple(f.numel() for f in flats), device)
+        total = lay.numel
 
         # Step 1: an overflowed (fp16) gradient must reach the engine as such and never the memory.
-        # A sum is non-finite if any element is (one cheap pass); only then look element-wise, since
-        # a sum of huge finite values may overflow too.
-        if not bool(torch.isfinite(torch.stack([f.sum(dtype=adt) for f in flats])).all()):
+        # A 2-norm (one vectorized read, reused by clipping) is non-finite if any entry is; only then
+        # look element-wise, since huge finite values may overflow the norm too.
+        norm_T = torch.stack(torch._foreach_norm(flats, 2, dtype=torch.float32))
+        if not bool(torch.isfinite(norm_T).all()):
             cat = torch.cat(flats)
             bad = (~torch.isfinite(cat)).nonzero().flatten()
             if bad.numel():
                 return SparseGrad(bad, cat[bad], total)
 
         # Step 2: local clipping, then accumulate the velocity (momentum correction) or the gradient.
-        vs = []
-        for ng, g in zip(grads, flats):
-            v = self.state.tensor(ng.name, "residual", g.numel(), adt, g.device)
-            g = g.to(adt)  # may alias the bucket: only read below
-            if cfg.clip_norm is not None:
-                limit = cfg.clip_norm / math.sqrt(self.dp_size)
-                g = g * (limit / (torch.linalg.vector_norm(g) + 1e-6)).clamp(max=1.0)
-            if cfg.momentum_correction:
-                u = self.state.tensor(ng.name, "momentum", g.numel(), adt, g.device)
-                u.mul_(cfg.momentum).add_(g)
-                v.add_(u)
+        R, R_T = self.state.flat(lay.names, lay.numels, "residual", mdt, device)
+        U, U_T = (self.state.flat(lay.names, lay.numels, "momentum", mdt, device) if cfg.momentum_correction
+                  else (None, None))
+        if self.loss_scale is not None and id(R) not in self._journal:
+            self._journal[id(R)] = (R, U, R.clone(), U.clone() if U is not None else None)
+        gs = flats
+        if cfg.clip_norm is not None:
+            limit = cfg.clip_norm / math.sqrt(self.dp_size)
+            scale_T = (limit / (norm_T + 1e-6)).clamp(max=1.0)
+            g = torch.cat(flats).to(mdt)
+            g.view(lay.nblk, lay.blk).mul_(scale_T.to(mdt).repeat_interleave(lay.bpt_T, output_size=lay.nblk)[:, None])
+            gs = [g]
+        if cfg.momentum_correction:
+            U.mul_(cfg.momentum)
+            if len(gs) == 1 and gs[0].numel() == total:
+                U.add_(gs[0])
             else:
-                v.add_(g)
-            vs.append(v)
+                torch._foreach_add_(U_T, gs)
+            R.add_(U)
+        elif len(gs) == 1 and gs[0].numel() == total:
+            R.add_(gs[0])
+        else:
+            torch._foreach_add_(R_T, gs)
+        del gs
 
-        # Step 3: thresholds, one per selection unit (per tensor or per bucket).
-        names = [g.name for g in grads]
-        units = [[i] for i in range(len(vs))] if cfg.selection == "per_tensor" else [list(range(len(vs)))]
-        abs_vs = [v.abs() for v in vs]
-        thr_U = self._thresholds(names, abs_vs, units, cfg.density_at(self.state.step), tp_comm)
-        # Zeros never travel, even when the threshold is 0 (fewer non-zeros than k).
-        tiny = torch.finfo(adt).smallest_normal * torch.finfo(adt).eps
-        thr_per = [None] * len(vs)
-        for u, thr in zip(units, thr_U):
-            thr = thr.clamp(min=tiny)
-            for i in u:
-                thr_per[i] = thr
-                self.state.set(names[i], "threshold", thr)
+        # Step 3 + 4: thresholds, one per selection unit, and the selection mask they give.
+        density = cfg.density_at(self.state.step)
+        tiny = torch.finfo(mdt).smallest_normal * torch.finfo(mdt).eps  # zeros never travel
+        if cfg.threshold == "exact":
+            thr_U = self._exact_thresholds(R, lay, density, tp_comm).clamp(min=tiny)
+            pos_K = lay.select(R, thr_U).view(-1).nonzero().flatten()  # one host synchronization
+        else:
+            thr_U, pos_K = self._sampled_thresholds(R, lay, density, tp_comm, tiny)
+        self.state.set_per_unit(list(lay.names), "threshold", thr_U, lay.unit_of_T)
 
-        # Step 4: select over the concatenation; the nonzero is the bucket's one host synchronization.
-        masks = [a >= t for a, t in zip(abs_vs, thr_per)]
-        pos_K = torch.cat(masks).nonzero().flatten()
-        cat_v = torch.cat(vs) if len(vs) > 1 else vs[0]
-        sent_K = cat_v[pos_K].to(wire)
-
-        # Step 5: residual = v − sent, exactly (the cast's rounding error stays behind); masking.
-        for name, v, m in zip(names, vs, masks):
-            if adt == wire:
-                v.masked_fill_(m, 0)
-            else:
-                v.sub_(torch.where(m, v.to(wire).to(adt), torch.zeros((), dtype=adt, device=v.device)))
-            if cfg.momentum_correction and cfg.momentum_masking:
-                self.state.get(name, "momentum").masked_fill_(m, 0)
+        # Step 5: send v clamped to the wire dtype's finite range (an fp16 value past 65504 would turn
+        # into inf, and the residual v − inf into −inf, then NaN); the excess and the cast's rounding
+        # error stay in the residual, so sent + residual == v (exact while |v| ≤ 2·max, Sterbenz).
+        v_K = R[pos_K]
+        top = torch.finfo(wire).max
+        sent_K = (v_K.clamp(-top, top) if top < torch.finfo(mdt).max else v_K).to(wire)
+        R.index_put_((pos_K,), v_K - sent_K.to(mdt))
+        if cfg.momentum_correction and cfg.momentum_masking:
+            U.index_fill_(0, pos_K, 0)
         return SparseGrad(pos_K, sent_K, total)
 
+    def _layout(self, names: tuple[str, ...], numels: tuple[int, ...], device: torch.device) -> "_Layout":
+        key = (names, numels, device)
+        lay = self._layouts.get(key)
+        if lay is None:
+            if len(self._layouts) > 4096:  # layouts change only on bucket rebuilds; bound the cache
+                self._layouts.clear()
+            lay = self._layouts[key] = _Layout(names, numels, self.config.selection == "per_tensor", device)
+        return lay
+
     # --- thresholds ---------------------------------------------------------------------------------
-    def _thresholds(self, names: list[str], abs_vs: list[torch.Tensor], units: list[list[int]],
-                    density: float, tp_comm) -> list[torch.Tensor]:
-        """One 0-d threshold tensor per unit such that about ``density`` of the unit's values reach it."""
-        exact = self.config.threshold == "exact"
-        numel_U = [sum(abs_vs[i].numel() for i in u) for u in units]
-        samples_U = []
-        for u, n in zip(units, numel_U):
-            parts = [abs_vs[i] for i in u]
-            if exact:
-                samples_U.append(torch.cat(parts) if len(parts) > 1 else parts[0])
-            else:
-                samples_U.append(self._sample(parts, n, density, names[u[0]]))
+    def _sampled_thresholds(self, R: torch.Tensor, lay: "_Layout", density: float, tp_comm,
+                            tiny: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-unit thresholds keeping about ``density`` of each unit, and the positions they select.
+
+        1. Sample: strided positions per unit (offset moves with the step), gathered in one indexing.
+        2. Pool over TP (one ``all_gather_v``) and sort the samples per unit (descending).
+        3. Candidates: one pass over the bucket selects ``|v| ≥ t_low``, the sample value at
+           ``CANDIDATE_FACTOR·k`` of each unit (about twice the target): one ``nonzero``.
+        4. Search among the candidates only: counts at any threshold ``≥ t_low`` are exact there, so
+           the passes of the search cost ``O(candidates)``, not ``O(bucket)``. A unit whose candidates
+           are fewer than the band keeps ``t_low`` (all its candidates).
+        """
+        # Step 1: samples, one gather for the whole bucket.
+        pos_S, ns_U = lay.sample_positions(density, self.config.sample_fraction, self.state.step)
+        samples = torch.nan_to_num(R[pos_S.to(R.device, non_blocking=True)].abs(), nan=0.0)
+        numel_U = list(lay.unit_numels)
+        # Step 2: pool and sort per unit.
         tp = tp_comm is not None and tp_comm.size > 1
         if tp:
-            samples_U, numel_U = _gather_samples(samples_U, numel_U, tp_comm)
+            samples, unit_S, ns_U, numel_U = _gather_units(samples, ns_U, numel_U, tp_comm)
+        else:
+            unit_S = torch.from_numpy(np.repeat(np.arange(lay.units), ns_U)).to(R.device, non_blocking=True)
+        sorted_S = _sort_per_unit(samples, unit_S)
         k_U = [max(1, math.ceil(density * n)) for n in numel_U]
-        if exact:
-            return [s.topk(min(k, s.numel())).values[-1] for s, k in zip(samples_U, k_U)]
-
-        # Sampled: start at the sample's density quantile, then search (counts are global under TP).
-        searches = [_ThresholdSearch(s.sort(descending=True).values, k, n) for s, k, n in zip(samples_U, k_U, numel_U)]
+        search = _ThresholdSearch(sorted_S, ns_U, k_U, numel_U)
+        # Step 3: candidates at t_low, one pass over the bucket.
+        t_low = search.at_rank(search.rank * CANDIDATE_FACTOR).clamp(min=tiny)
+        pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
+        abs_C = R[pos_C].abs()
+        unit_C = torch.searchsorted(lay.unit_ends_N, pos_C, right=True)
+        # Step 4: search among the candidates (counts are global under TP: every TP rank moves alike).
+        zeros_U = torch.zeros(lay.units, dtype=torch.int64, device=R.device)
         for _ in range(REFINE_PASSES):
-            counts_U = torch.stack([sum(torch.count_nonzero(abs_vs[i] >= s.thr) for i in u)
-                                    for u, s in zip(units, searches)])
+            thr_U = torch.maximum(search.thr, t_low)
+            counts_U = zeros_U.index_add(0, unit_C, (abs_C >= thr_U[unit_C]).to(torch.int64))
             if tp:
                 tp_comm.all_reduce(counts_U)
-            for j, s in enumerate(searches):
-                s.update(counts_U[j])
+            search.update(counts_U)
             # On the CPU reading a flag costs nothing: stop once every unit is in the band. On a GPU
-            # the passes run blind (a read would synchronize). TP ranks decide alike (global counts).
-            if counts_U.device.type in FREE_HOST_READ_DEVICES and bool(torch.stack([s.done for s in searches]).all()):
+            # the passes run blind (a read would synchronize).
+            if counts_U.device.type in FREE_HOST_READ_DEVICES and bool(search.done.all()):
                 break
-        return [s.thr for s in searches]
+        thr_U = torch.maximum(search.thr, t_low)
+        keep = (abs_C >= thr_U[unit_C]).nonzero().flatten()
+        return thr_U, pos_C[keep]
 
-    def _sample(self, parts: list[torch.Tensor], numel: int, density: float, key: str) -> torch.Tensor:
-        """Strided samples over the concatenation of ``parts``, with an offset that changes per step."""
-        num = min(numel, max(math.ceil(self.config.sample_fraction * numel), math.ceil(MIN_KEPT_SAMPLES / density)))
-        if num >= numel:
-            return torch.cat(parts) if len(parts) > 1 else parts[0]
-        stride = numel // num
-        if stride > 1 and stride % 2 == 0:
-            stride -= 1  # an odd stride walks through every column of a power-of-two-wide matrix
-        offset = zlib.crc32(f"{key}:{self.state.step}".encode()) % stride
-        out, base = [], 0
-        for a in parts:
-            n = a.numel()
-            # Sample j sits at offset + j·stride; those inside [base, base + n) belong to this part.
-            j0 = max(0, -((offset - base) // stride))
-            j1 = min(num, -((offset - base - n) // stride))
-            if j1 > j0:
-                out.append(a[torch.arange(j0, j1, device=a.device) * stride + (offset - base)])
+    def _exact_thresholds(self, R: torch.Tensor, lay: "_Layout", density: float, tp_comm) -> torch.Tensor:
+        """The ``k``-th largest ``|v|`` of each unit (pooled over the TP group): one segmented sort."""
+        vals = R.abs()
+        numel_U = list(lay.unit_numels)
+        if tp_comm is not None and tp_comm.size > 1:
+            vals, unit_N, _, numel_U = _gather_units(vals, numel_U, numel_U, tp_comm)
+        else:
+            unit_N = lay.unit_ids(R.device)
+        sorted_N = _sort_per_unit(vals, unit_N)
+        k_U = [max(1, math.ceil(density * n)) for n in numel_U]
+        at = np.cumsum([0] + numel_U[:-1]) + np.array(k_U) - 1
+        return sorted_N[torch.from_numpy(at).to(R.device, non_blocking=True)]
+
+
+def memory_dtype(wire: torch.dtype, residual_dtype: str) -> torch.dtype:
+    """The dtype of DGC's residual and momentum for gradients of dtype ``wire``."""
+    if residual_dtype == "bfloat16" and wire in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.bfloat16
+    return acc_dtype(wire)
+
+
+class _Layout:
+    """What is fixed for one bucket layout: units, blocks, and the index tensors of counting.
+
+    Each unit (a tensor, or the whole bucket with ``per_bucket``) is a contiguous range of the flat
+    memory. Viewing the memory as ``[nblk, blk]`` with ``blk = gcd(numels)`` puts every block inside
+    one unit, so a per-unit threshold broadcasts over a block row (``[nblk, 1]``, expanded from
+    ``[U]`` by ``repeat_interleave``): no per-element threshold tensor. LLM shapes give blocks of
+    thousands of elements; a layout with ``gcd == 1`` degrades to one threshold per element.
+    """
+
+    def __init__(self, names: tuple[str, ...], numels: tuple[int, ...], per_tensor: bool, device) -> None:
+        self.names, self.numels = names, numels
+        self.numel = sum(numels)
+        self.blk = max(1, math.gcd(*numels)) if self.numel else 1
+        self.nblk = self.numel // self.blk
+        self.unit_numels = list(numels) if per_tensor else [self.numel]
+        self.units = len(self.unit_numels)
+        self.unit_of_T = list(range(len(numels))) if per_tensor else [0] * len(numels)
+        self.keys = list(names) if per_tensor else [names[0]]  # sampling offsets hash the unit's first name
+        bpu = [n // self.blk for n in self.unit_numels]
+        self.bpt_T = torch.tensor([n // self.blk for n in numels], dtype=torch.int64, device=device)
+        self.bpu_U = torch.tensor(bpu, dtype=torch.int64, device=device)
+        ends = np.cumsum(bpu)
+        self.ends_U = torch.tensor(ends, dtype=torch.int64, device=device)
+        self.starts_U = torch.tensor(ends - np.array(bpu), dtype=torch.int64, device=device)
+        self.unit_ends_N = torch.tensor(np.cumsum(self.unit_numels), dtype=torch.int64, device=device)
+        self._samples: tuple | None = None
+
+    def select(self, R: torch.Tensor, thr_U: torch.Tensor) -> torch.Tensor:
+        """``|R| ≥ thr`` of each element's unit, as a bool ``[nblk, blk]`` (two compares, no abs copy)."""
+        t = thr_U.to(R.dtype).repeat_interleave(self.bpu_U, output_size=self.nblk)[:, None]
+        Rb = R.view(self.nblk, self.blk)
+        mask = Rb >= t
+        mask |= Rb <= -t
+        return mask
+
+    def count(self, mask: torch.Tensor) -> torch.Tensor:
+        """Selected elements per unit (int64 ``[U]``)."""
+        cs = torch.nn.functional.pad(mask.sum(1).cumsum(0), (1, 0))
+        return cs[self.ends_U] - cs[self.starts_U]
+
+    def unit_ids(self, device) -> torch.Tensor:
+        """The unit of every element (int64 ``[numel]``; built per call, only ``"exact"`` needs it)."""
+        return torch.arange(self.units, device=device).repeat_interleave(self.bpu_U * self.blk, output_size=self.numel)
+
+    def sample_positions(self, density: float, fraction: float, step: int) -> tuple[torch.Tensor, list[int]]:
+        """Strided sample positions of every unit (host-built, one copy) and the count per unit.
+
+        Per unit: ``num = max(fraction·n, MIN_KEPT_SAMPLES/density)`` samples (all when that reaches
+        ``n``) at ``offset + j·stride``, the stride odd (no aliasing with power-of-two rows), the
+        offset a hash of the unit's first name and the step (deterministic, moving).
+        """
+        if self._samples is not None and self._samples[0] == (density, fraction, step):
+            return self._samples[1], self._samples[2]
+        parts, ns_U, base = [], [], 0
+        for key, n in zip(self.keys, self.unit_numels):
+            num = min(n, max(math.ceil(fraction * n), math.ceil(MIN_KEPT_SAMPLES / density)))
+            if num >= n:
+                parts.append(np.arange(base, base + n, dtype=np.int64))
+            else:
+                stride = n // num
+                if stride > 1 and stride % 2 == 0:
+                    stride -= 1  # an odd stride walks through every column of a power-of-two-wide matrix
+                offset = zlib.crc32(f"{key}:{step}".encode()) % stride
+                parts.append(base + offset + stride * np.arange(num, dtype=np.int64))
+            ns_U.append(len(parts[-1]))
             base += n
-        return torch.cat(out)
+        pos = torch.from_numpy(np.concatenate(parts))
+        self._samples = ((density, fraction, step), pos, ns_U)
+        return pos, ns_U
 
 
-def _at_rank(sorted_S: torch.Tensor, rank: torch.Tensor) -> torch.Tensor:
-    """The value at 1-based (fractional, device) rank ``rank`` of a descending sort, as a 0-d tensor."""
-    idx = (rank.ceil().long() - 1).clamp(0, sorted_S.numel() - 1)
-    return sorted_S.index_select(0, idx.reshape(1)).reshape(())
+def _sort_per_unit(vals: torch.Tensor, unit_ids: torch.Tensor) -> torch.Tensor:
+    """``vals`` (≥ 0) sorted by unit (ascending), descending within each unit.
+
+    Up to fp32, one sort of int64 keys ``unit·2³² + (2³¹ − 1 − bits(v))`` (the bits of a
+    non-negative float order like the float), about 20× faster than two stable sorts on this CPU;
+    fp64 takes the two stable sorts.
+    """
+    if vals.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        bits = vals.float().view(torch.int32)
+        key = (unit_ids.to(torch.int64) << 32) | (0x7FFFFFFF - bits).to(torch.int64)
+        desc = (0x7FFFFFFF - (key.sort().values & 0xFFFFFFFF)).to(torch.int32)
+        return desc.view(torch.float32).to(vals.dtype)
+    v, order = vals.sort(descending=True, stable=True)
+    _, by_unit = unit_ids[order].sort(stable=True)
+    return v[by_unit]
 
 
 class _ThresholdSearch:
-    """Find a threshold whose count lies in ``REFINE_BAND·k``, on device scalars only (no host branch).
+    """Find per-unit thresholds whose counts lie in ``REFINE_BAND·k``, on device tensors ``[U]`` only.
 
-    The first probe is the sample's density quantile. While only one side of the target is known, the
-    next probe moves the sample rank by ``k / count`` (exact if the sample were perfectly
+    The first probe is each unit's sample density quantile. While only one side of the target is
+    known, the next probe moves the sample rank by ``k / count`` (exact if the sample were perfectly
     representative). Once one probe counted too many and another too few, the next one interpolates
     between the closest two in (threshold, log count), which a lumpy sample cannot make oscillate.
-    A probe inside the band is kept.
+    A probe inside the band is kept. Every unit moves at once (no host branch, no loop over units).
+
+    Args:
+        sorted_S: the samples sorted by unit, descending within each unit.
+        ns_U: samples per unit; k_U: elements to keep per unit; numel_U: elements per unit.
     """
 
-    def __init__(self, sorted_S: torch.Tensor, k: int, numel: int) -> None:
+    def __init__(self, sorted_S: torch.Tensor, ns_U: list[int], k_U: list[int], numel_U: list[int]) -> None:
         dev = sorted_S.device
-        self.sorted_S, self.k = sorted_S, k
-        ns = sorted_S.numel()
-        # torch.full launches a fill; torch.tensor(x, device=cuda) would copy and synchronize.
-        self.rank = torch.full((), min(max(1.0, k * ns / numel), ns), dtype=torch.float64, device=dev)
-        self.thr = _at_rank(sorted_S, self.rank)
         f64 = dict(dtype=torch.float64, device=dev)
-        self.done = torch.zeros((), dtype=torch.bool, device=dev)
+        self.sorted_S = sorted_S
+        self.start_U = torch.tensor(np.cumsum([0] + ns_U[:-1]), dtype=torch.int64, device=dev)
+        self.ns_U = torch.tensor(ns_U, **f64)
+        self.k_U = torch.tensor(k_U, **f64)
+        first = [min(max(1.0, k * ns / n), ns) for k, ns, n in zip(k_U, ns_U, numel_U)]
+        self.rank = torch.tensor(first, **f64)
+        self.thr = self.at_rank(self.rank)
+        self.done = torch.zeros(len(ns_U), dtype=torch.bool, device=dev)
         # Closest probe with too many selected (highest such threshold) and with too few (lowest).
-        self.has_over, self.t_over, self.c_over = self.done.clone(), torch.zeros((), **f64), torch.zeros((), **f64)
-        self.has_under, self.t_under, self.c_under = self.done.clone(), torch.zeros((), **f64), torch.zeros((), **f64)
+        self.has_over, self.t_over, self.c_over = self.done.clone(), torch.zeros_like(self.rank), torch.zeros_like(self.rank)
+        self.has_under, self.t_under, self.c_under = self.done.clone(), torch.zeros_like(self.rank), torch.zeros_like(self.rank)
 
-    def update(self, count: torch.Tensor) -> None:
-        """Record the count at ``self.thr`` and move ``self.thr`` to the next probe."""
+    def at_rank(self, rank_U: torch.Tensor) -> torch.Tensor:
+        """The sample at 1-based (fractional) rank ``rank_U`` of each unit's descending sort."""
+        idx = (rank_U.ceil() - 1).clamp(min=0).minimum(self.ns_U - 1).long() + self.start_U
+        return self.sorted_S[idx]
+
+    def update(self, count_U: torch.Tensor) -> None:
+        """Record the counts at ``self.thr`` and move ``self.thr`` to the next probes."""
         lo, hi = REFINE_BAND
-        k, c, t = self.k, count.to(torch.float64), self.thr.to(torch.float64)
+        k, c, t = self.k_U, count_U.to(torch.float64), self.thr.to(torch.float64)
         self.done = self.done | ((c >= lo * k) & (c <= hi * k))
         over = (c > hi * k) & (~self.has_over | (t > self.t_over))
         under = (c < lo * k) & (~self.has_under | (t < self.t_under))
@@ -349,36 +543,41 @@ class _ThresholdSearch:
         self.t_under, self.c_under = torch.where(under, t, self.t_under), torch.where(under, c, self.c_under)
         self.has_over, self.has_under = self.has_over | over, self.has_under | under
         # Next probe: rank step on the sample, or interpolation once the target is bracketed.
-        rank = (self.rank * k / c.clamp(min=1)).clamp(1, self.sorted_S.numel())
-        t_rank = _at_rank(self.sorted_S, rank).to(torch.float64)
+        rank = (self.rank * k / c.clamp(min=1)).clamp(min=1).minimum(self.ns_U)
+        t_rank = self.at_rank(rank).to(torch.float64)
         log_over, log_under = self.c_over.clamp(min=0.5).log(), self.c_under.clamp(min=0.5).log()
-        w = (log_over - math.log(k)) / (log_over - log_under).clamp(min=1e-12)
+        w = (log_over - k.log()) / (log_over - log_under).clamp(min=1e-12)
         t_interp = self.t_over + (self.t_under - self.t_over) * w
         t_next = torch.where(self.has_over & self.has_under, t_interp, t_rank)
         self.rank = torch.where(self.done, self.rank, rank)
         self.thr = torch.where(self.done, self.thr, t_next.to(self.thr.dtype))
 
 
-def _gather_samples(samples_U: list[torch.Tensor], numel_U: list[int], tp_comm) -> tuple[list[torch.Tensor], list[int]]:
-    """All-gather every unit's samples and numel over the TP group; pooled in rank order on every rank.
+def _gather_units(vals: torch.Tensor, n_U: list[int], numel_U: list[int],
+                  tp_comm) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """All-gather every rank's per-unit values (samples, or all values) over the TP group in one message.
+
+    Returns:
+        ``(vals, unit ids, values per unit, numel per unit)`` pooled over the TP ranks (rank order).
 
     Raises:
         RuntimeError: TP ranks disagree on the number of selection units.
     """
-    device, dtype = samples_U[0].device, samples_U[0].dtype
-    u = len(samples_U)
-    header = torch.tensor([u, *numel_U, *(s.numel() for s in samples_U)], dtype=torch.int64, device=device)
-    parts = tp_comm.all_gather_v(pack(header, *samples_U))
-    pooled: list[list[torch.Tensor]] = [[] for _ in range(u)]
-    totals = [0] * u
+    device, dtype = vals.device, vals.dtype
+    u = len(n_U)
+    header = torch.tensor([u, *numel_U, *n_U], dtype=torch.int64, device=device)
+    parts = tp_comm.all_gather_v(pack(header, vals))
+    pooled, unit_ids, totals, counts = [], [], [0] * u, [0] * u
     for r, buf in enumerate(parts):
         u_r = int(view_as(buf, 0, 1, torch.int64))
         if u_r != u:
             raise RuntimeError(f"zen.dgc: TP rank {r} has {u_r} selection units but TP rank {tp_comm.rank} "
                                f"has {u}; every TP rank must compress the same parameters in the same buckets")
         meta = view_as(buf, 8, 2 * u, torch.int64).tolist()
-        vals = view_as(buf, 8 * (1 + 2 * u), sum(meta[u:]), dtype)
-        for j, (n, s) in enumerate(zip(meta[:u], vals.split(meta[u:]))):
-            totals[j] += n
-            pooled[j].append(s)
-    return [torch.cat(p) for p in pooled], totals
+        pooled.append(view_as(buf, 8 * (1 + 2 * u), sum(meta[u:]), dtype))
+        unit_ids.append(np.repeat(np.arange(u), meta[u:]))
+        for j in range(u):
+            totals[j] += meta[j]
+            counts[j] += meta[u + j]
+    ids = torch.from_numpy(np.concatenate(unit_ids)).to(device, non_blocking=True)
+    return torch.cat(pooled), ids, counts, totals

@@ -240,6 +240,15 @@ class Synchronizer:
         st["sync_s"] += time.perf_counter() - t_start
         return out_N.view_as(flat)
 
+    def set_grad_scale(self, scale: float) -> None:
+        """The loss scale the next gradients carry (fp16): DGC rescales its memory when it changes and
+        makes steps discardable (``discard_step``). Call before the step's first bucket."""
+        self._dgc.set_loss_scale(scale)
+
+    def discard_step(self) -> None:
+        """This step overflowed on some rank and will be skipped: ``end_step`` restores DGC's memory."""
+        self._dgc.discard_step()
+
     def end_step(self) -> None:
         """Advance the step counter (warm-up, sampling offsets) once per optimizer step."""
         self.state.step += 1

@@ -488,6 +488,7 @@ class BucketReducer:
             if float(self.guard_comm.all_reduce(bad, "max")[0]) > 0:
                 flat_N.fill_(float("nan"))
                 st["nonfinite_steps"] += 1
+                self.sync.discard_step()  # earlier buckets of this step must not keep their DGC updates
                 return
         # Step 2: re-bucket.
         cap = max(1, self.cap_bytes // flat_N.element_size())

@@ -304,6 +304,9 @@ class ZenDeepSpeed:
         t0 = time.perf_counter()
         self.override_calls += 1
         work = flat if flat.dtype == comm_dtype else flat.to(comm_dtype)
+        scale = getattr(self.engine.optimizer, "loss_scale", None) if self.engine.fp16_enabled() else None
+        if scale is not None:  # DGC memory follows the fp16 loss scale (docs/sparsifiers.md)
+            self.sync.set_grad_scale(scale)
         self.reducer.reduce_(work, slices, self.op)
         if work is not flat:
             flat.copy_(work)
