@@ -21,7 +21,7 @@ def test_defaults_match_the_documented_ones():
     assert (c.dgc.warmup_steps, c.dgc.warmup_start_density, c.dgc.min_numel) == (0, 0.25, 1024)
     assert (c.natural.enabled, c.natural.row_granularity) == (True, True)
     assert (c.planner.bandwidth_gbps, c.planner.latency_us, c.planner.profile_steps, c.planner.reprofile_every) == (
-        10.0, 50.0, 3, 1000)
+        None, None, 3, 1000)  # null: measured at start
     assert (c.stats.jsonl_path, c.stats.summary) == (None, True)
     assert c.bucket_cap_bytes == 128 * 2**20
 
