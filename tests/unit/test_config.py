@@ -59,7 +59,7 @@ def test_from_ds_config_reads_path_and_dict(tmp_path):
 
 @pytest.mark.parametrize("section, exc, text", [
     ({"sceme": "zen"}, ValueError,
-     "zen got unknown key(s) ['sceme']; valid keys are ['bucket_cap_mb', 'dgc', 'enabled', 'exchange_impl', "
+     "zen got unknown key(s) ['sceme']; valid keys are ['async_sync', 'bucket_cap_mb', 'dgc', 'enabled', 'exchange_impl', "
      "'hierarchical', 'natural', 'planner', 'pull_format', 'scheme', 'seed', 'stats']"),
     ({"dgc": {"densty": 0.1}}, ValueError,
      "zen.dgc got unknown key(s) ['densty']; valid keys are ['clip_norm', 'density', 'enabled', 'min_numel', "

@@ -146,7 +146,9 @@ class SparsityProfile:
         return -(-self.numel * self.row_width // self.block_size)
 
     def density(self) -> float:
-        """Mean per-rank density ``d_G``."""
+        """Mean per-rank density ``d_G`` (0 for an empty index space or no ranks)."""
+        if not self.n or not self.numel:
+            return 0.0
         return sum(p.unique_nnz for p in self.locals) / self.n / self.numel
 
     def union(self, ranks: Sequence[int], blocks: bool = False) -> float:
