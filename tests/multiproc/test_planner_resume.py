@@ -13,16 +13,16 @@ import torch
 from tests.multiproc.launch import run_workers
 
 NUMEL, STEPS, CUT = 1 << 20, 6, 3
-OPTS = dict(candidates=["dense", "agsparse"], profile_steps=2, reprofile_every=0, bandwidth_gbps=1.0,
+OPTS = dict(candidates=["dense", "agsparse"], profile_steps=2, reprofile_every=0, bandwidth_gbps=0.1,
             latency_us=50.0)
 
 
 def _grad(step: int, rank: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * step + rank)
     vals = torch.randn(NUMEL, generator=g).to(torch.bfloat16)
-    if step < CUT:  # 0.1 % of the elements
+    if step < CUT:  # 0.01 % of the elements: agsparse wins by ~10x on a 0.1 Gbit/s link
         mask = torch.zeros(NUMEL, dtype=torch.bool)
-        mask[torch.randint(0, NUMEL, (NUMEL // 1000,), generator=g)] = True
+        mask[torch.randint(0, NUMEL, (NUMEL // 10000,), generator=g)] = True
         vals = vals * mask
     return vals
 
