@@ -331,3 +331,26 @@ def test_async_sync_failure_reaches_the_training_thread():
         # Later buckets fail fast, naming the first failure, instead of running collectives.
         assert "an earlier bucket failed on this rank" in errors[1] and f"rank {rank}" in errors[1]
         assert closed_error.startswith("zen: the communication worker was closed")
+
+
+def _auto_summary(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zen_ext.engines.ddp import register_zen_hook
+
+    ddp = DDP(TinyLM(), bucket_cap_mb=0.002)
+    state = register_zen_hook(ddp, {"scheme": "auto", "planner": {"profile_steps": 2}})
+    _, losses = _train(ddp, 3, rank, world)
+    text = state.summary(print_it=False)
+    params = {n: p.detach().clone() for n, p in ddp.module.named_parameters()}
+    state.close()
+    return text, params
+
+
+def test_auto_on_the_async_hook_explains_its_choices():
+    """The planner calibrates (link probe, compute) on the communication worker; the summary says why."""
+    (text0, p0), (_, p1) = run_workers(_auto_summary, 2)
+    assert "auto: link" in text0 and "measured by the probe" in text0
+    assert "auto[embed.weight:natural] -> " in text0 and "* " in text0
+    for name in p0:
+        assert torch.equal(p0[name], p1[name]), name

@@ -415,7 +415,14 @@ class ZenHookState:
         return the summary text; rank 0 prints it when ``zen.stats.summary`` is on."""
         totals = [None] * dist.get_world_size()
         dist.all_gather_object(totals, self.stats.totals)
-        return report_summary(self.stats, self.cfg, totals, self.rank, f"DDP hook dp={self.dp_size}", print_it)
+        text = report_summary(self.stats, self.cfg, totals, self.rank, f"DDP hook dp={self.dp_size}", print_it)
+        explain = getattr(self.sync.scheme, "explain", None)  # ``auto``: why each slice runs its scheme
+        if explain is not None:
+            why = explain()
+            text += "\n" + why
+            if (self.cfg.stats.summary if print_it is None else print_it) and self.rank == 0:
+                print(why, flush=True)
+        return text
 
     def close(self) -> None:
         """Finish and release what the state holds (idempotent; call it on every rank).
