@@ -68,7 +68,8 @@ def wire_of(rec: dict) -> cm.Wire:
 
 def evaluate(rows: list[dict], rates: cm.ComputeRates) -> list[dict]:
     """One result per sparse record: measured, and the three predictions (see the module docstring)."""
-    sparse = [r for r in rows if r.get("bench") == "comm" and r["scheme"] != "dense" and len(r["slices"]) == 1]
+    sparse = [r for r in rows if r.get("bench") == "comm" and r["scheme"] != "dense" and r["scheme"] in cm.PREDICTORS
+              and len(r["slices"]) == 1 and r.get("predicted_s") is not None]
     latest = {}
     for r in sparse:
         latest[(r["n"], r["rate"], r["workload"], r["scheme"])] = r
@@ -131,10 +132,18 @@ def main(argv=None) -> int:
             rates = cm.ComputeRates.from_list(json.load(f))
     else:
         rates = calibrated_rates(a.ranks)
-    text = render(evaluate(rows, rates), rates, a.ranks)
+    results = evaluate(rows, rates)
+    text = render(results, rates, a.ranks)
     print(text)
-    with open(a.out or os.path.join(a.results, "cluster_model_eval.md"), "w") as f:
+    out = a.out or os.path.join(a.results, "cluster_model_eval.md")
+    with open(out, "w") as f:
         f.write(text)
+    # The numbers the report's target table reads.
+    summary = {k: statistics.median(abs(_err(r[k], r["measured"])) for r in results) if results else None
+               for k in ("alpha_beta", "calibrated", "refined")}
+    with open(os.path.splitext(out)[0] + ".json", "w") as f:
+        json.dump(dict(median_abs_err=summary, runs=len(results), rates=rates.as_list(), calibration_ranks=a.ranks),
+                  f, indent=1)
     return 0
 
 
