@@ -354,3 +354,30 @@ def test_auto_on_the_async_hook_explains_its_choices():
     assert "auto[embed.weight:natural] -> " in text0 and "* " in text0
     for name in p0:
         assert torch.equal(p0[name], p1[name]), name
+
+
+def _async_fallbacks(rank, world):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zen_ext.engines.ddp import register_zen_hook
+
+    groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
+    unused = DDP(TinyLM(), bucket_cap_mb=0.002, find_unused_parameters=True)
+    s1 = register_zen_hook(unused, {})
+    _, losses = _train(unused, 2, rank, world)
+    # A TP group of one rank is ignored (no TP); build directly with a real 2-rank "TP" group instead.
+    from zen_ext.engines.ddp import ZenHookState
+
+    s2 = ZenHookState.build(TinyLM(), {}, dp_group=groups[rank], tp_group=dist.group.WORLD)
+    plain = DDP(TinyLM(), bucket_cap_mb=0.002)
+    s3 = register_zen_hook(plain, {})
+    out = (s1.worker is None, s2.worker is None, s3.worker is not None, len(losses))
+    for s in (s1, s2, s3):
+        s.close()
+    return out
+
+
+def test_async_sync_falls_back_where_other_collectives_share_the_groups():
+    for unused_blocking, tp_blocking, plain_async, steps in run_workers(_async_fallbacks, 2):
+        assert unused_blocking and tp_blocking and plain_async and steps == 2

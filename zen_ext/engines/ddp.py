@@ -330,9 +330,16 @@ class ZenHookState:
         guard = TorchCommunicator(guard_group) if guard_nonfinite else None
         reducer = BucketReducer(sync, cap_bytes=cfg.bucket_cap_bytes, dp_size=dp_comm.size, tp_comm=tp_comm,
                                 guard_comm=guard)
-        # Step 4: the worker (the device of the gradients: the module's parameters).
+        # Step 4: the worker (the device of the gradients: the module's parameters). Not with a TP
+        # group: the backward pass itself issues collectives on it (row-parallel layers), and ZEN's
+        # DGC threshold agreement on the same group from another thread could reach the ranks in
+        # different orders.
         worker = None
-        if cfg.async_sync:
+        if cfg.async_sync and tp_comm is not None:
+            if rank == 0:
+                log.info("zen: zen.async_sync is off with a tensor-parallel group (the backward pass uses that "
+                         "group too); buckets synchronize inside the hook")
+        elif cfg.async_sync:
             first = next(module.parameters(), None)
             device = first.device if first is not None else torch.device("cpu")
             worker = CommWorker.acquire(dp_comm.group, device)
@@ -503,8 +510,14 @@ def register_zen_hook(ddp_model, cfg: "ZenConfig | dict | None" = None, *, tp_gr
         cfg: the ``"zen"`` section (ZenConfig, dict, or None for the defaults).
         tp_group, guard_group, guard_nonfinite: see ``ZenHookState.build``.
 
+    ``zen.async_sync`` (default) synchronizes buckets on the communication worker while the backward
+    pass goes on, except with ``find_unused_parameters=True`` or a tensor-parallel group, where other
+    collectives share the groups during the backward pass (then the hook blocks, as before). Keep the
+    main thread off the data-parallel group's collectives between ``forward`` and the end of
+    ``backward`` (DDP itself does).
+
     Returns:
-        The state (statistics, ``state_dict`` for checkpoints, ``summary``).
+        The state (statistics, ``state_dict`` for checkpoints, ``summary``; ``close()`` at the end).
 
     Raises:
         TypeError: ``ddp_model`` is not a DistributedDataParallel.
@@ -521,5 +534,14 @@ def register_zen_hook(ddp_model, cfg: "ZenConfig | dict | None" = None, *, tp_gr
                          "DDP's all-reduce")
     state = ZenHookState.build(ddp_model.module, cfg, dp_group=ddp_model.process_group, tp_group=tp_group,
                                guard_group=guard_group, guard_nonfinite=guard_nonfinite)
+    if state.worker is not None and getattr(ddp_model, "find_unused_parameters", False):
+        # DDP all-reduces its used-parameter map on the data-parallel group from the autograd thread
+        # once the last bucket is marked ready, possibly while the worker still synchronizes buckets
+        # on that group: the two would reach the ranks in different orders.
+        if state.rank == 0:
+            log.info("zen: zen.async_sync is off with find_unused_parameters=True (DDP's own all-reduce of the "
+                     "used-parameter map shares the group); buckets synchronize inside the hook")
+        state.worker.release()
+        state.worker = None
     ddp_model.register_comm_hook(state, zen_comm_hook)
     return state
