@@ -638,6 +638,9 @@ class Wire:
         return cls(float(msgs), nbytes / net.bytes_per_s)
 
 
+SHARED = "*"  # the Refinement's fits shared by every scheme
+
+
 @dataclass
 class Refinement:
     """What real syncs taught the model: per scheme and phase, ``measured ≈ slope · predicted + offset``.
@@ -647,8 +650,13 @@ class Refinement:
     offset catches what scales with nothing the model counts (Python and allocator work per phase,
     per-message costs of the transport above the probe's latency), which dominates small syncs; the
     slope catches rates that differ from the micro-benchmark's. The wire phases of a scheme are fitted
-    together (``"wire"``: the α–β time plus the computation inside them). Until a phase was observed
-    its prediction is left as is; one observation gives a pure ratio.
+    together (``"wire"``: the α–β time plus the computation inside them). One observation gives a pure
+    ratio.
+
+    Every observation also feeds two shared fits (scheme ``"*"``): ``"wire"`` and ``"compute"`` (all
+    computing phases). A scheme's phase that was never measured uses them, so a planner that runs one
+    scheme corrects the others by the same measured network and machine instead of comparing a
+    corrected prediction with uncorrected ones (which would favor whatever it did not run).
     """
 
     decay: float = 0.9
@@ -657,6 +665,8 @@ class Refinement:
     def apply(self, scheme: str, phase: str, predicted_s: float) -> float:
         """The refined prediction of one phase (or ``"wire"``) of ``scheme``."""
         st = self.fits.get(scheme, {}).get(phase)
+        if st is None:
+            st = self.fits.get(SHARED, {}).get("wire" if phase == "wire" else "compute")
         if st is None:
             return predicted_s
         slope, offset = _line(st)
@@ -668,7 +678,6 @@ class Refinement:
         ``predicted`` is ``predict_phases_s`` without refinement (its wire phases include the α–β
         time); non-numeric or missing phases are skipped.
         """
-        mine = self.fits.setdefault(scheme, {})
         wire = [k for k in predicted if k in WIRE_PHASES]
         pairs = [(k, predicted[k], measured.get(k)) for k in predicted if k not in WIRE_PHASES]
         if wire and all(isinstance(measured.get(k), (int, float)) for k in wire):
@@ -676,14 +685,15 @@ class Refinement:
         for k, x, y in pairs:
             if not isinstance(y, (int, float)) or not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0:
                 continue
-            st = mine.setdefault(k, [0.0] * 5)  # weight, Σx, Σy, Σxx, Σxy
-            for i in range(5):
-                st[i] *= self.decay
-            st[0] += 1.0
-            st[1] += x
-            st[2] += y
-            st[3] += x * x
-            st[4] += x * y
+            for owner, key in ((scheme, k), (SHARED, "wire" if k == "wire" else "compute")):
+                st = self.fits.setdefault(owner, {}).setdefault(key, [0.0] * 5)  # weight, Σx, Σy, Σxx, Σxy
+                for i in range(5):
+                    st[i] *= self.decay
+                st[0] += 1.0
+                st[1] += x
+                st[2] += y
+                st[3] += x * x
+                st[4] += x * y
 
     def state(self) -> dict:
         return {"fits": {s: {k: list(v) for k, v in ph.items()} for s, ph in self.fits.items()}}
