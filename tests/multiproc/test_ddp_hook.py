@@ -381,3 +381,36 @@ def _async_fallbacks(rank, world):
 def test_async_sync_falls_back_where_other_collectives_share_the_groups():
     for unused_blocking, tp_blocking, plain_async, steps in run_workers(_async_fallbacks, 2):
         assert unused_blocking and tp_blocking and plain_async and steps == 2
+
+
+_EXIT_SCRIPT = r"""
+import os, sys, tempfile, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+sys.path.insert(0, os.environ["ZEN_ROOT"])
+from zen_ext.engines.ddp import register_zen_hook
+dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)), bucket_cap_mb=0.0001)
+state = register_zen_hook(model, {"stats": {"summary": False}})
+assert state.worker is not None
+model(torch.randn(4, 8)).sum().backward()
+print("trained", flush=True)
+if sys.argv[1] == "destroy":
+    dist.destroy_process_group()
+# no state.close(): the atexit handler drains and joins the daemon worker
+"""
+
+
+@pytest.mark.parametrize("ending", ["plain", "destroy"])
+def test_async_worker_never_blocks_or_aborts_interpreter_exit(ending, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_check.py"
+    script.write_text(_EXIT_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    r = subprocess.run([sys.executable, str(script), ending], capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "ZEN_ROOT": root, "OMP_NUM_THREADS": "1"})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "trained" in r.stdout
+    assert "terminate called" not in r.stderr and "Fatal Python error" not in r.stderr
