@@ -19,6 +19,7 @@
 #            interleaved repeats; then the cost model's bytes per rank at 4-32 hosts
 #   e2e      bench_e2e: tokens/s of the fine-tuning recipe, dense vs ZEN, per lab size of $E2E_HOSTS
 #   overhead bench_overhead: hashing/encoding/aggregation compute vs the time saved in `comm` (4 hosts)
+#   overlap  bench_overlap: DDP step time with zen.async_sync on vs off, 2 hosts at $OVERLAP_RATE (~2 min)
 #   report   cluster_model_eval.py (compute-aware cost model vs the measured runs), then
 #            cluster_report.py renders the markdown (issue 13's targets: met/missed, ratio) and plots
 #
@@ -56,7 +57,7 @@ E2E_REPS=${E2E_REPS:-3}
 SMALL_MODEL="$ROOT/benchmarks/configs/llama-lab16.json"
 QUIET_WAIT=${QUIET_WAIT:-45}
 QUIET_LEVEL=${QUIET_LEVEL:-0.3}
-STAGES=${STAGES:-"traces comm e2e overhead report"}
+STAGES=${STAGES:-"traces comm e2e overhead overlap report"}
 LAUNCH="$ROOT/launch/netlab/launch.sh"
 RES=${RESULTS:-$ROOT/benchmarks/results}
 OUT="$WORK/results"
@@ -178,6 +179,16 @@ if has overhead; then
     --comm "$RES/cluster_comm.jsonl" --out "$OUT/cluster_overhead.jsonl"
   cp "$OUT/cluster_overhead.jsonl" "$RES/"
   stage_end overhead
+fi
+
+if has overlap; then
+  stage_begin
+  rm -f "$OUT/cluster_overlap.jsonl"
+  log "overlap: DDP hook, async vs blocking, 2 hosts at ${OVERLAP_RATE:-100mbit}"
+  timeout 600 "$LAUNCH" -n 2 -r "${OVERLAP_RATE:-100mbit}" --timeout 560 --logdir "$WORK/logs/overlap" -- \
+    benchmarks/bench_overlap.py --steps 8 --reps 6 --out "$OUT/cluster_overlap.jsonl"
+  cp "$OUT/cluster_overlap.jsonl" "$RES/"
+  stage_end overlap
 fi
 
 if has report; then
