@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from zen_ext.analysis.traces import TraceStep
 
 SCHEMES = ("dense", "agsparse", "sparcml", "omnireduce", "sparse_ps", "zen", "zen_coo")
+#: Measured too: the planner, calibrated in the lab (link probe, compute micro-benchmark) and profiled
+#: on the warm-up round (``profile_steps`` 1), then refined by every timed sync as in training.
+AUTO = "auto"
 
 
 # --- workloads -----------------------------------------------------------------------------------
@@ -152,7 +155,8 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
     # The dense baseline all-reduces the gradient a training step already holds in dense form, so it
     # gets it densified before any timing (its all-reduce still copies it, as DeepSpeed's flatten does).
     mine_dense = {key: g.to_dense() for key, g in mine.items()} if "dense" in a.schemes else {}
-    schemes = {name: build_scheme(name) for name in a.schemes}
+    schemes = {name: build_scheme(name, profile_steps=1) if name == AUTO else build_scheme(name)
+               for name in a.schemes}
     net = cm.Network(bandwidth_gbps=lab.goodput * 8 / 1e9, latency_us=a.latency_us) if lab.goodput else None
     preds = _predictions(step, n, list(schemes), net) if rank == 0 else {}
 
@@ -165,6 +169,8 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
                 for k, v in t.items():
                     if isinstance(v, float):
                         timings[k] = timings.get(k, 0.0) + v
+                if "scheme" in t:  # auto: what it ran
+                    timings.setdefault("chosen", []).append(t["scheme"])
         return outs
 
     # Step 2: warm-up round: connections, partitioner caches; every result checked against dense.
@@ -217,7 +223,8 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
         stats = [cm.CommStats(s, r, ms, mr) for s, r, ms, mr in zip(sent, recv, msgs_sent, msgs_recv)]
         bound = max(max(s, r) for s, r in zip(sent, recv)) / lab.goodput if lab.goodput else float("nan")
         t_min, t_med, t_max = mmm(ts)
-        phase_keys = sorted({k for r in rs for p in r["phases"] for k in p})
+        chosen = sorted({c for r in rs for p in r["phases"] for c in p.get("chosen", [])})
+        phase_keys = sorted({k for r in rs for p in r["phases"] for k in p if k != "chosen"})
         phases = {k: statistics.median(max(p.get(k, 0.0) for p in r["phases"]) for r in rs) for k in phase_keys}
         out.append(dict(
             bench="comm", **lab.meta(), n=n, workload=label, path=portable_path(path), step=step.step, slices=slices,
@@ -227,7 +234,8 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
             bound_s=bound, eff=bound / t_med if lab.goodput else None,
             latency_us=a.latency_us, modeled_s=cm.modeled_time_s(stats, net) if net else None,
             **preds.get(name, dict(predicted_s=None, predicted_max_sent=None)),
-            phases=phases, check_max_abs_err=check[name],
+            phases=phases, check_max_abs_err=check[name], chosen=chosen,
+            explain=schemes[name].explain() if name == AUTO else None,
             cpu_all=statistics.median(r["cpu_all"] for r in rs), cpu_ours=statistics.median(r["cpu_ours"] for r in rs),
             foreign=statistics.median(r["foreign"] for r in rs), pre_busy=pre_busy,
             records=[dict(span=r["span"], cpu_all=r["cpu_all"], cpu_ours=r["cpu_ours"], foreign=r["foreign"])
@@ -283,7 +291,7 @@ def main(argv=None) -> int:
     ps.add_argument("--out", default=None, help="append JSON lines here")
     pr = sub.add_parser("run", help="measure (one process per host, under launch/netlab/launch.sh)")
     pr.add_argument("--workload", action="append", required=True, help="label=path[@step]; repeatable")
-    pr.add_argument("--schemes", type=lambda s: s.split(","), default=list(SCHEMES))
+    pr.add_argument("--schemes", type=lambda s: s.split(","), default=[*SCHEMES, AUTO])
     pr.add_argument("--reps", type=int, default=5)
     pr.add_argument("--latency-us", type=float, default=50.0, help="α of the modeled time (cost model default)")
     pr.add_argument("--quiet-wait", type=float, default=0.0, metavar="S",

@@ -24,7 +24,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from .compress import DGCConfig, NaturalConfig
 
@@ -47,10 +47,12 @@ class PlannerConfig(_Section):
     """Inputs of the ``"auto"`` scheme's cost model (paper §3.4, Eq. 1–2); ignored by other schemes."""
     _PATH = "zen.planner"
 
-    bandwidth_gbps: float = 10.0
-    """Per-rank link bandwidth the cost model assumes, in Gbit/s, > 0. Default 10."""
-    latency_us: float = 50.0
-    """Per-message latency the cost model assumes, in microseconds, >= 0. Default 50."""
+    bandwidth_gbps: Optional[float] = None
+    """Per-rank link bandwidth the cost model assumes, in Gbit/s, > 0. null (default): measured at
+    start by a short probe over the data-parallel group."""
+    latency_us: Optional[float] = None
+    """Per-message latency the cost model assumes, in microseconds, >= 0. null (default): measured
+    at start with the bandwidth."""
     profile_steps: int = 3
     """Steps profiled (density, overlap) before the first choice, >= 1. Default 3."""
     reprofile_every: int = 1000
@@ -89,6 +91,9 @@ class ZenConfig(_Section):
     exchange_impl: str = "p2p"
     """Transport of variable-size exchanges: ``"p2p"`` (receives posted first; faster on shaped
     links) or ``"a2a"`` (one ``all_to_all_single``). Default p2p."""
+    async_sync: bool = True
+    """DDP hook: synchronize buckets on a communication thread while the backward pass goes on
+    (results bitwise equal to the blocking path); false synchronizes inside the hook. Default true."""
     bucket_cap_mb: float = 128.0
     """Gradients are synchronized in buckets of at most this many MB (the paper's 128 MB DDP
     buckets); DeepSpeed hands up to 5e8 elements at once, so buckets are re-cut. > 0. Default 128."""
@@ -353,9 +358,9 @@ def _rules_zen(c: ZenConfig, p: str) -> None:
 
 
 def _rules_planner(c: PlannerConfig, p: str) -> None:
-    if not c.bandwidth_gbps > 0:
+    if c.bandwidth_gbps is not None and not c.bandwidth_gbps > 0:
         raise _range_error(f"{p}.bandwidth_gbps", c.bandwidth_gbps, "be > 0")
-    if not c.latency_us >= 0:
+    if c.latency_us is not None and not c.latency_us >= 0:
         raise _range_error(f"{p}.latency_us", c.latency_us, "be >= 0")
     if c.profile_steps < 1:
         raise _range_error(f"{p}.profile_steps", c.profile_steps, "be >= 1")

@@ -21,7 +21,7 @@ def test_defaults_match_the_documented_ones():
     assert (c.dgc.warmup_steps, c.dgc.warmup_start_density, c.dgc.min_numel) == (0, 0.25, 1024)
     assert (c.natural.enabled, c.natural.row_granularity) == (True, True)
     assert (c.planner.bandwidth_gbps, c.planner.latency_us, c.planner.profile_steps, c.planner.reprofile_every) == (
-        10.0, 50.0, 3, 1000)
+        None, None, 3, 1000)  # null: measured at start
     assert (c.stats.jsonl_path, c.stats.summary) == (None, True)
     assert c.bucket_cap_bytes == 128 * 2**20
 
@@ -59,7 +59,7 @@ def test_from_ds_config_reads_path_and_dict(tmp_path):
 
 @pytest.mark.parametrize("section, exc, text", [
     ({"sceme": "zen"}, ValueError,
-     "zen got unknown key(s) ['sceme']; valid keys are ['bucket_cap_mb', 'dgc', 'enabled', 'exchange_impl', "
+     "zen got unknown key(s) ['sceme']; valid keys are ['async_sync', 'bucket_cap_mb', 'dgc', 'enabled', 'exchange_impl', "
      "'hierarchical', 'natural', 'planner', 'pull_format', 'scheme', 'seed', 'stats']"),
     ({"dgc": {"densty": 0.1}}, ValueError,
      "zen.dgc got unknown key(s) ['densty']; valid keys are ['clip_norm', 'density', 'enabled', 'min_numel', "

@@ -146,7 +146,9 @@ class SparsityProfile:
         return -(-self.numel * self.row_width // self.block_size)
 
     def density(self) -> float:
-        """Mean per-rank density ``d_G``."""
+        """Mean per-rank density ``d_G`` (0 for an empty index space or no ranks)."""
+        if not self.n or not self.numel:
+            return 0.0
         return sum(p.unique_nnz for p in self.locals) / self.n / self.numel
 
     def union(self, ranks: Sequence[int], blocks: bool = False) -> float:
@@ -421,3 +423,354 @@ def predict_stats(scheme: str, profile: SparsityProfile, options: dict | None = 
 def predict_time_s(scheme: str, profile: SparsityProfile, net: Network, options: dict | None = None) -> float:
     """``modeled_time_s`` of the predicted traffic."""
     return modeled_time_s(predict_stats(scheme, profile, options), net)
+
+
+# --- computation: per-entry and per-element work of each scheme, on calibrated rates ----------------
+# The α–β time above is the wire; on a real machine each scheme also hashes, sorts, scatters and
+# materializes dense buffers, and on the lab's shared cores that computation is most of a sparse sync
+# (docs/benchmarks.md). The model below counts, per phase of each scheme (the same phase names the
+# schemes write into ``timings``), how many units of five primitives the slowest rank executes, and
+# multiplies them by rates measured on the running device (``calibrate_compute``). Phase times of
+# real syncs refine the result per scheme and phase (``Refinement``).
+
+#: Phases whose time is mostly the wire (their prediction starts from the α–β time); the others compute.
+WIRE_PHASES = frozenset({"push_s", "pull_s", "allgather_s", "rounds_s", "comm_s"})
+PRIMITIVES = ("fill_s_per_byte", "scatter_s_per_elem", "sort_s_per_entry", "hash_s_per_entry", "bitmap_s_per_bit")
+
+
+@dataclass
+class ComputeRates:
+    """Seconds per unit of the primitives the schemes' computation is made of.
+
+    ``fill_s_per_byte``: zero-fill / cast / copy of dense buffers (memory bandwidth);
+    ``scatter_s_per_elem``: ``index_add_`` / ``index_put_`` of one element at a random position;
+    ``sort_s_per_entry``: ``torch.unique`` (sort) of one index; ``hash_s_per_entry``: h0 of one index
+    (``HashPartitioner``); ``bitmap_s_per_bit``: decoding one bit of a hash bitmap.
+    The defaults are this project's 2-core lab machine with 4 ranks on it (order of magnitude only:
+    ``calibrate_compute`` measures the running device).
+    """
+
+    fill_s_per_byte: float = 1.0e-9
+    scatter_s_per_elem: float = 2.0e-8
+    sort_s_per_entry: float = 6.0e-8
+    hash_s_per_entry: float = 5.0e-8
+    bitmap_s_per_bit: float = 3.0e-9
+
+    def as_list(self) -> list[float]:
+        return [getattr(self, k) for k in PRIMITIVES]
+
+    @classmethod
+    def from_list(cls, values: Sequence[float]) -> "ComputeRates":
+        return cls(**{k: float(v) for k, v in zip(PRIMITIVES, values)})
+
+
+def _time_best_s(fn: Callable[[], object], reps: int, device: torch.device) -> float:
+    """Best of ``reps`` timed calls (after one warm-up); CUDA is synchronized around each call."""
+    import time
+
+    cuda = device.type == "cuda"
+    fn()
+    best = float("inf")
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def calibrate_compute(device: "torch.device | str" = "cpu", elems: int = 1 << 22, entries: int = 1 << 16,
+                      reps: int = 2) -> ComputeRates:
+    """Measure ``ComputeRates`` on ``device`` with a short micro-benchmark (~0.1–0.3 s on a CPU core).
+
+    ``elems`` is large enough (16 MB) that the dense buffers do not fit in cache, as gradient
+    buckets do not.
+
+    1. Fill: zero-fill plus a cast-copy of an ``elems``-element fp32 buffer.
+    2. Scatter: ``index_add_`` of ``entries`` random positions into it.
+    3. Sort: ``torch.unique`` of ``entries`` random indices. 4. Hash: h0 of them.
+    5. Bitmap: decode an ``elems``-bit bitmap with ~1 % of the bits set.
+
+    Each rate is the best of ``reps`` (the least disturbed run); callers agree on the slowest rank's
+    rates with one all-reduce MAX (``AutoScheme`` does).
+    """
+    from ..core.bitmap import decode_bitmap, encode_bitmap
+
+    device = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, elems, (entries,), generator=g).to(device)
+    vals = torch.ones(entries, device=device)
+    buf = torch.zeros(elems, device=device)
+    mask = torch.zeros(elems, dtype=torch.bool, device=device)
+    mask[idx[: max(1, elems // 100)]] = True
+    bm = encode_bitmap(mask)
+    part = HashPartitioner(elems, 8, 0)
+    rates = [
+        # Step 1: zeros (4 B written per element) + a cast copy (4 B read, 2 B written).
+        _time_best_s(lambda: torch.zeros(elems, device=device).to(torch.bfloat16), reps, device) / (elems * 10),
+        # Step 2.
+        _time_best_s(lambda: buf.index_add_(0, idx, vals), reps, device) / entries,
+        # Step 3 and 4.
+        _time_best_s(lambda: torch.unique(idx), reps, device) / entries,
+        _time_best_s(lambda: part.partition_of(idx), reps, device) / entries,
+        # Step 5.
+        _time_best_s(lambda: decode_bitmap(bm, elems), reps, device) / elems,
+    ]
+    return ComputeRates.from_list([max(r, 1e-15) for r in rates])
+
+
+@dataclass
+class WorkCounts:
+    """What the compute model needs about one sync (the slowest rank's view).
+
+    Args:
+        n: ranks. numel: rows (index space). row_width: elements per row. value_bytes: bytes per element.
+        nnz: each rank's entries (duplicates included). union: distinct indices over all ranks.
+        server_recv_max: entries the busiest server of a range-partitioned scheme receives (None:
+            balanced, ``Σ nnz / n``). block_union / block_size: OmniReduce's non-zero blocks.
+    """
+
+    n: int
+    numel: int
+    row_width: int
+    value_bytes: int
+    nnz: list[int]
+    union: float
+    server_recv_max: float | None = None
+    block_union: float | None = None
+    block_recv_max: float | None = None
+    block_size: int = BLOCK_SIZE
+
+    @classmethod
+    def from_profile(cls, p: SparsityProfile) -> "WorkCounts":
+        range_recv = _counts_PP(p, "range_counts").sum(0).max().item() if p.n else 0.0
+        block_recv = _counts_PP(p, "block_counts").sum(0).max().item() if p.n else 0.0
+        return cls(n=p.n, numel=p.numel, row_width=p.row_width, value_bytes=p.value_bytes,
+                   nnz=[q.raw_nnz for q in p.locals], union=p.union(range(p.n)) if p.n else 0.0,
+                   server_recv_max=range_recv, block_union=p.union(range(p.n), blocks=True) if p.n else 0.0,
+                   block_recv_max=block_recv, block_size=p.block_size)
+
+    @classmethod
+    def independent(cls, n: int, numel: int, row_width: int, value_bytes: int, nnz: Sequence[int]) -> "WorkCounts":
+        """Counts when the ranks' indices are independent and uniform (no profile: e.g. recorded runs)."""
+        miss = 1.0
+        for k in nnz:
+            miss *= 1.0 - min(1.0, k / max(1, numel))
+        union = numel * (1.0 - miss)
+        # A block of BLOCK_SIZE elements holds BLOCK_SIZE / row_width rows; it is non-zero unless all miss.
+        rows_per_block = max(1.0, BLOCK_SIZE / max(1, row_width))
+        num_blocks = -(-numel * row_width // BLOCK_SIZE)
+
+        def blocks(k: float) -> float:
+            return num_blocks * (1.0 - (1.0 - min(1.0, k / max(1, numel))) ** rows_per_block)
+
+        return cls(n=n, numel=numel, row_width=row_width, value_bytes=value_bytes, nnz=list(nnz), union=union,
+                   block_union=blocks(union), block_recv_max=sum(blocks(k) for k in nnz) / max(1, n))
+
+
+def compute_work(scheme: str, w: WorkCounts, options: dict | None = None) -> dict[str, dict[str, float]]:
+    """Units of each primitive per phase of ``scheme`` on the slowest rank: ``{phase: {primitive: units}}``.
+
+    Mirrors what each scheme's ``_sync`` does (core/*.py); ``N`` rows, ``W`` row width, ``K`` the
+    largest local entry count, ``S`` all ranks' entries, ``U`` the union.
+    """
+    opts = options or {}
+    n, N, W, vb = max(1, w.n), w.numel, w.row_width, w.value_bytes
+    ab = max(4, vb)  # accumulators are fp32 (fp64 for fp64)
+    ib = torch.empty(0, dtype=index_dtype(max(1, N))).element_size()
+    K = float(max(w.nnz, default=0))
+    S = float(sum(w.nnz))
+    U = float(w.union)
+    dense_out = N * W * vb  # the dense result every scheme writes
+    if scheme == "dense":
+        return {"comm_s": {"fill_s_per_byte": dense_out}}
+    if scheme == "agsparse":
+        return {"encode_s": {"fill_s_per_byte": K * (ib + W * vb)},
+                "aggregate_s": {"fill_s_per_byte": N * W * (2 * ab + vb) + S * 8,
+                                "scatter_s_per_elem": S * W}}
+    if scheme in ("zen", "zen_coo"):
+        per_server = S / n
+        bitmap = scheme == "zen" and opts.get("pull_format", "auto") != "coo" and U / n * ib > N / n / 8
+        decode = {"fill_s_per_byte": dense_out, "hash_s_per_entry": U, "scatter_s_per_elem": U * W}
+        if bitmap:
+            decode["bitmap_s_per_bit"] = N
+        return {"hash_s": {"hash_s_per_entry": K, "fill_s_per_byte": K * (W * vb + ib)},
+                "aggregate_s": {"fill_s_per_byte": N / n * (W * ab + 1) + per_server * 8,
+                                "scatter_s_per_elem": per_server * W * 2, "bitmap_s_per_bit": N / n},
+                "decode_s": decode}
+    if scheme == "sparcml":
+        rounds = max(1, (n - 1).bit_length())
+        merged = sum(min(U, K * (1 << i)) for i in range(1, rounds + 1))
+        return {"coalesce_s": {"sort_s_per_entry": K},
+                "rounds_s": {"sort_s_per_entry": merged, "fill_s_per_byte": merged * (ib + W * vb)},
+                "decode_s": {"fill_s_per_byte": dense_out, "scatter_s_per_elem": U * W}}
+    if scheme == "sparse_ps":
+        recv = w.server_recv_max if w.server_recv_max is not None else S / n
+        return {"partition_s": {"sort_s_per_entry": K},
+                "aggregate_s": {"fill_s_per_byte": N / n * W * ab, "scatter_s_per_elem": recv * W,
+                                "sort_s_per_entry": recv},
+                "decode_s": {"fill_s_per_byte": dense_out, "scatter_s_per_elem": U * W}}
+    if scheme == "omnireduce":
+        B = opts.get("block_size", w.block_size)
+        blocks = w.block_union if w.block_union is not None else min(-(-N * W // B), U)
+        recv = w.block_recv_max if w.block_recv_max is not None else blocks
+        return {"blocks_s": {"sort_s_per_entry": K},
+                "partition_s": {"fill_s_per_byte": blocks * B * vb},
+                "aggregate_s": {"fill_s_per_byte": N / n * W * ab + recv * B * ab},
+                "decode_s": {"fill_s_per_byte": dense_out + blocks * B * vb}}
+    raise ValueError(f"compute model scheme ({scheme!r}) must be one of {sorted(PREDICTORS)}")
+
+
+@dataclass(frozen=True)
+class Wire:
+    """The α–β inputs of one sync on its slowest rank: messages, and seconds of bytes at the link rate."""
+
+    msgs: float
+    bytes_s: float
+
+    @classmethod
+    def of(cls, stats: Sequence[CommStats], net: Network) -> "Wire":
+        msgs = max((max(s.msgs_sent, s.msgs_recv) for s in stats), default=0)
+        nbytes = max((max(s.bytes_sent, s.bytes_recv) for s in stats), default=0)
+        return cls(float(msgs), nbytes / net.bytes_per_s)
+
+
+SHARED = "*"  # the Refinement's fits shared by every scheme
+
+
+@dataclass
+class Refinement:
+    """What real syncs taught the model: per scheme and phase, ``measured ≈ slope · predicted + offset``.
+
+    The fit is a least-squares line through the (predicted, measured) pairs of the syncs seen
+    (exponentially decayed by ``decay`` per observation, so the model follows a drifting machine). The
+    offset catches what scales with nothing the model counts (Python and allocator work per phase,
+    per-message costs of the transport above the probe's latency), which dominates small syncs; the
+    slope catches rates that differ from the micro-benchmark's. The wire phases of a scheme are fitted
+    together (``"wire"``: the α–β time plus the computation inside them). One observation gives a pure
+    ratio.
+
+    Every observation also feeds two shared fits (scheme ``"*"``): ``"wire"`` and ``"compute"`` (all
+    computing phases). A scheme's phase that was never measured uses them, so a planner that runs one
+    scheme corrects the others by the same measured network and machine instead of comparing a
+    corrected prediction with uncorrected ones (which would favor whatever it did not run).
+    """
+
+    decay: float = 0.9
+    fits: dict[str, dict[str, list[float]]] = field(default_factory=dict)
+
+    def apply(self, scheme: str, phase: str, predicted_s: float) -> float:
+        """The refined prediction of one phase (or ``"wire"``) of ``scheme``."""
+        st = self.fits.get(scheme, {}).get(phase)
+        if st is None:
+            st = self.fits.get(SHARED, {}).get("wire" if phase == "wire" else "compute")
+        if st is None:
+            return predicted_s
+        slope, offset = _line(st)
+        return slope * predicted_s + offset
+
+    def observe(self, scheme: str, predicted: dict[str, float], measured: dict) -> None:
+        """Fold one sync's ``timings`` (phase → seconds) into the fits of ``scheme``.
+
+        ``predicted`` is ``predict_phases_s`` without refinement (its wire phases include the α–β
+        time); non-numeric or missing phases are skipped.
+        """
+        wire = [k for k in predicted if k in WIRE_PHASES]
+        pairs = [(k, predicted[k], measured.get(k)) for k in predicted if k not in WIRE_PHASES]
+        if wire and all(isinstance(measured.get(k), (int, float)) for k in wire):
+            pairs.append(("wire", sum(predicted[k] for k in wire), sum(float(measured[k]) for k in wire)))
+        for k, x, y in pairs:
+            if not isinstance(y, (int, float)) or not (math.isfinite(x) and math.isfinite(y)) or x < 0 or y < 0:
+                continue
+            for owner, key in ((scheme, k), (SHARED, "wire" if k == "wire" else "compute")):
+                st = self.fits.setdefault(owner, {}).setdefault(key, [0.0] * 5)  # weight, Σx, Σy, Σxx, Σxy
+                for i in range(5):
+                    st[i] *= self.decay
+                st[0] += 1.0
+                st[1] += x
+                st[2] += y
+                st[3] += x * x
+                st[4] += x * y
+
+    def state(self) -> dict:
+        return {"fits": {s: {k: list(v) for k, v in ph.items()} for s, ph in self.fits.items()}}
+
+    def load(self, st: dict) -> None:
+        self.fits = {s: {k: [float(x) for x in v] for k, v in ph.items()} for s, ph in st.get("fits", {}).items()}
+
+    def merge_max(self, states: Sequence[dict]) -> None:
+        """Agree across ranks (``states``: every rank's ``state()``, in rank order): per scheme and
+        phase, the fit of the rank whose line predicts the most at its mean input (the slowest rank
+        sets the pace of a sync; ties go to the lower rank)."""
+        merged: dict[str, dict[str, list[float]]] = {}
+        for st in states:
+            for s, ph in st.get("fits", {}).items():
+                for k, v in ph.items():
+                    cur = merged.setdefault(s, {}).get(k)
+                    if cur is None or _line_at_mean(v) > _line_at_mean(cur):
+                        merged[s][k] = [float(x) for x in v]
+        self.fits = merged
+
+
+def _line(st: Sequence[float]) -> tuple[float, float]:
+    """``(slope, offset)`` of the decayed least-squares fit, both >= 0."""
+    w, sx, sy, sxx, sxy = st
+    if w <= 0:
+        return 1.0, 0.0
+    det = w * sxx - sx * sx
+    if det > 1e-12 * max(1e-30, w * sxx):
+        slope = (w * sxy - sx * sy) / det
+        offset = (sy - slope * sx) / w
+        if slope >= 0 and offset >= 0:
+            return slope, offset
+        if slope < 0:
+            return 0.0, sy / w
+    # One distinct input (or a negative offset): a line through the origin.
+    return (sxy / sxx if sxx > 0 else 1.0), 0.0
+
+
+def _line_at_mean(st: Sequence[float]) -> float:
+    slope, offset = _line(st)
+    return slope * (st[1] / st[0] if st[0] > 0 else 0.0) + offset
+
+
+_SCHEME_WIRE_PHASES = {"dense": ("comm_s",), "agsparse": ("allgather_s",), "sparcml": ("rounds_s",),
+                       "zen": ("push_s", "pull_s"), "zen_coo": ("push_s", "pull_s"),
+                       "sparse_ps": ("push_s", "pull_s"), "omnireduce": ("push_s", "pull_s")}
+
+
+def predict_phases_s(scheme: str, w: WorkCounts, wire: Wire, latency_s: float, rates: ComputeRates,
+                     options: dict | None = None, refine: Refinement | None = None) -> dict[str, float]:
+    """Predicted seconds per phase of ``scheme``: computation from ``compute_work`` × ``rates``, plus
+    the α–β time ``wire.msgs · latency_s + wire.bytes_s`` spread over the wire phases; with
+    ``refine``, each computing phase and the wire phases together go through their fitted line."""
+    work = compute_work(scheme, w, options)
+    wire_phases = _SCHEME_WIRE_PHASES.get(scheme, ("comm_s",))
+    out = {}
+    for phase in dict.fromkeys([*work, *wire_phases]):
+        units = work.get(phase, {})
+        t = sum(getattr(rates, prim) * u for prim, u in units.items())
+        if phase in wire_phases:
+            t += (wire.msgs * latency_s + wire.bytes_s) / len(wire_phases)
+        elif refine is not None:
+            t = refine.apply(scheme, phase, t)
+        out[phase] = t
+    if refine is not None:
+        raw = sum(out[k] for k in wire_phases)
+        if raw > 0:
+            scale = refine.apply(scheme, "wire", raw) / raw
+            for k in wire_phases:
+                out[k] *= scale
+        else:
+            for k in wire_phases:
+                out[k] = refine.apply(scheme, "wire", 0.0) / len(wire_phases)
+    return out
+
+
+def predict_total_s(scheme: str, w: WorkCounts, wire: Wire, latency_s: float, rates: ComputeRates,
+                    options: dict | None = None, refine: Refinement | None = None) -> float:
+    """The sync's predicted wall time: the sum of ``predict_phases_s`` (phases run one after another)."""
+    return sum(predict_phases_s(scheme, w, wire, latency_s, rates, options, refine).values())

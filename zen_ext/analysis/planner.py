@@ -1,9 +1,21 @@
 """``auto``: pick the fastest lossless scheme per gradient slice from profiled sparsity (ZEN paper §2.3).
 
 ZEN "collects the lightweight sparsity profiling results of the first few iterations and determines
-the optimal scheme by comparing Equations (1) and (2)". This planner does the same with the full α–β
-predictions of ``cost_model`` (which know each scheme's wire format and the configured bandwidth and
-latency) and with dense all-reduce among the candidates, so a dense gradient is never made slower.
+the optimal scheme by comparing Equations (1) and (2)". This planner does the same with the full
+predictions of ``cost_model`` — each scheme's wire format under the α–β model *plus its computation*
+(entries hashed, sorted, scattered, dense buffers written), on rates measured on the running device —
+and with dense all-reduce among the candidates, so a dense gradient is never made slower.
+
+Calibration (once per rank, at its first profiling sync; all ranks take part, in the same order):
+
+* link: unless ``bandwidth_gbps`` and ``latency_us`` are both given, a probe times all-reduces of 8 B
+  and 1 MiB over the data-parallel group (best of 3 each) and solves the ring all-reduce's α–β time
+  for latency and bandwidth;
+* compute: ``cost_model.calibrate_compute`` on the gradient's device (``model="compute"`` only);
+* agreement: one all-reduce MAX of those few numbers — every rank plans with the slowest rank's;
+* refinement: the phase times of every real sync (the ``timings`` the schemes fill) fit a line per
+  scheme and phase (``cost_model.Refinement``); the ranks merge their fits on profiling syncs, inside
+  the profile's all-gather.
 
 Per slice ``key``:
 
@@ -19,15 +31,22 @@ Per slice ``key``:
 
 The profile travels through ``Communicator.all_gather_object``, which the byte counters leave out; it is
 ``O(n + sample_budget)`` per rank and runs on profiling syncs only. Each change of a slice's choice is
-logged once (rank 0, logger ``zen_ext.planner``) with its reason; ``last_choice(key)`` returns it.
+logged once (rank 0, logger ``zen_ext.planner``) with its reason and every candidate's predicted time;
+``last_choice(key)`` returns it, ``explain()`` summarizes calibration and choices for a run summary.
 
-Tuning: ``bandwidth_gbps``/``latency_us`` describe the data-parallel links (the inter-node NIC);
+Checkpoints: ``state_dict()`` holds every slice's profiling state and choice (keyed by slice key),
+the calibration (link and compute rates) and the refinement, so a resumed run neither re-profiles nor
+re-calibrates and keeps choosing what the uninterrupted run would have (the Synchronizer saves it).
+
+Tuning: ``bandwidth_gbps``/``latency_us`` describe the data-parallel links (the inter-node NIC; leave
+them null to measure);
 ``profile_steps`` 3 is enough for gradients whose sparsity drifts slowly; lower ``reprofile_every`` if
 it drifts fast (e.g. curriculum changes).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import time
@@ -55,42 +74,92 @@ class _SliceState:
     since_decision: int = 0
     choice: str | None = None
     reason: str = ""
+    # The latest profile's model inputs of the chosen scheme (refinement compares real syncs with them).
+    work: "cm.WorkCounts | None" = None
+    wire: "cm.Wire | None" = None
+
+    def state(self) -> dict:
+        return {"profiled": self.profiled, "predictions": [dict(p) for p in self.predictions],
+                "since_decision": self.since_decision, "choice": self.choice, "reason": self.reason,
+                "work": dataclasses.asdict(self.work) if self.work is not None else None,
+                "wire": dataclasses.asdict(self.wire) if self.wire is not None else None}
+
+    @classmethod
+    def from_state(cls, st: dict) -> "_SliceState":
+        return cls(profiled=int(st["profiled"]), predictions=[dict(p) for p in st["predictions"]],
+                   since_decision=int(st["since_decision"]), choice=st["choice"], reason=st["reason"],
+                   work=cm.WorkCounts(**st["work"]) if st.get("work") else None,
+                   wire=cm.Wire(**st["wire"]) if st.get("wire") else None)
+
+
+@dataclass
+class _Calibration:
+    """One rank's agreed calibration: the link and the compute rates."""
+
+    network: cm.Network
+    rates: cm.ComputeRates
+    measured_link: bool
+
+    def state(self) -> dict:
+        return {"bandwidth_gbps": self.network.bandwidth_gbps, "latency_us": self.network.latency_us,
+                "rates": self.rates.as_list(), "measured_link": self.measured_link}
+
+    @classmethod
+    def from_state(cls, st: dict) -> "_Calibration":
+        return cls(cm.Network(float(st["bandwidth_gbps"]), float(st["latency_us"])),
+                   cm.ComputeRates.from_list(st["rates"]), bool(st["measured_link"]))
+
+
+_STATE_VERSION = 1
+_PROBE_SMALL_BYTES, _PROBE_BIG_BYTES, _PROBE_REPS = 8, 1 << 20, 3
+_MAX_BANDWIDTH_GBPS = 10_000.0  # what a probe too fast to resolve reports
 
 
 @register_scheme
 class AutoScheme(SyncScheme):
-    """Per-slice choice among lossless schemes by predicted α–β time (see the module docstring).
+    """Per-slice choice among lossless schemes by predicted time (see the module docstring).
 
     Args:
-        bandwidth_gbps: link bandwidth per direction, Gbit/s.
-        latency_us: per-message latency, µs.
+        bandwidth_gbps: link bandwidth per direction, Gbit/s; None: measured at start (with the latency).
+        latency_us: per-message latency, µs; None: measured at start.
         profile_steps: syncs of a slice that are profiled before its choice is final (>= 1).
         reprofile_every: syncs of a slice between re-profilings (0: never re-profile).
         candidates: scheme names to choose from (default: every registered lossless scheme the cost
             model knows, ``dense`` included).
         seed: hash seed passed to the candidates that take one (``zen``, ``zen_coo``).
         sample_budget: indices per rank in the profile's sample (more: better estimates of γ).
+        model: ``"compute"`` (wire + calibrated computation, refined from real syncs) or
+            ``"alpha_beta"`` (the wire only, as the paper's Eq. 1/2).
     """
 
     name = "auto"
+    MODELS = ("compute", "alpha_beta")
 
     def __init__(
         self,
-        bandwidth_gbps: float = 10.0,
-        latency_us: float = 50.0,
+        bandwidth_gbps: float | None = None,
+        latency_us: float | None = None,
         profile_steps: int = 3,
         reprofile_every: int = 1000,
         candidates: list[str] | tuple[str, ...] | None = None,
         seed: int = 0,
         sample_budget: int = 2048,
+        model: str = "compute",
     ) -> None:
-        self.network = cm.Network(float(bandwidth_gbps), float(latency_us))
+        # A fixed link is validated now (Network raises the zen.* errors); a partly fixed one is
+        # completed by the probe.
+        self._fixed = (None if bandwidth_gbps is None else float(bandwidth_gbps),
+                       None if latency_us is None else float(latency_us))
+        cm.Network(self._fixed[0] if self._fixed[0] is not None else 1.0,
+                   self._fixed[1] if self._fixed[1] is not None else 0.0)
         if not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(f"zen.profile_steps ({profile_steps!r}) must be an int >= 1")
         if not isinstance(reprofile_every, int) or reprofile_every < 0:
             raise ValueError(f"zen.reprofile_every ({reprofile_every!r}) must be an int >= 0 (0: never)")
         if not isinstance(sample_budget, int) or sample_budget < 1:
             raise ValueError(f"zen.sample_budget ({sample_budget!r}) must be an int >= 1")
+        if model not in self.MODELS:
+            raise ValueError(f"zen.planner model ({model!r}) must be one of {list(self.MODELS)}")
         valid = self.valid_candidates()
         if candidates is None:
             candidates = valid
@@ -104,9 +173,13 @@ class AutoScheme(SyncScheme):
         self.reprofile_every = reprofile_every
         self.seed = int(seed)
         self.sample_budget = sample_budget
+        self.model = model
         self.candidates = tuple(sorted(dict.fromkeys(candidates), key=_priority))
         self._schemes = {c: self._build(c) for c in self.candidates}
         self._states: dict[tuple[str, int], _SliceState] = {}
+        # Per rank (one instance may serve every simulated rank of a SimWorld).
+        self._calib: dict[int, _Calibration] = {}
+        self._refine: dict[int, cm.Refinement] = {}
 
     @staticmethod
     def valid_candidates() -> list[str]:
@@ -115,9 +188,19 @@ class AutoScheme(SyncScheme):
         return sorted((s for s in names if build_scheme(s).lossless), key=_priority)
 
     def options(self) -> dict:
-        return dict(bandwidth_gbps=self.network.bandwidth_gbps, latency_us=self.network.latency_us,
+        return dict(bandwidth_gbps=self._fixed[0], latency_us=self._fixed[1],
                     profile_steps=self.profile_steps, reprofile_every=self.reprofile_every,
-                    candidates=list(self.candidates), seed=self.seed, sample_budget=self.sample_budget)
+                    candidates=list(self.candidates), seed=self.seed, sample_budget=self.sample_budget,
+                    model=self.model)
+
+    @property
+    def network(self) -> cm.Network | None:
+        """The link the predictions use (the lowest rank's calibration here), None before calibration."""
+        if self._calib:
+            return self._calib[min(self._calib)].network
+        if None not in self._fixed:
+            return cm.Network(*self._fixed)
+        return None
 
     def last_choice(self, key: str) -> tuple[str, str] | None:
         """``(scheme name, reason)`` of the latest choice for slice ``key``, or None before its first sync."""
@@ -130,43 +213,123 @@ class AutoScheme(SyncScheme):
         """``{key: scheme name}`` for every slice seen so far."""
         return {k: st.choice for (k, _), st in sorted(self._states.items()) if st.choice is not None}
 
+    def explain(self) -> str:
+        """Why each slice runs the scheme it runs: the calibration and every candidate's predicted time
+        (mean over the slice's profiled syncs), the chosen one marked ``*`` (lowest rank's view)."""
+        lines = []
+        if self._calib:
+            cal = self._calib[min(self._calib)]
+            how = "measured by the probe" if cal.measured_link else "configured"
+            lines.append(f"auto: link {cal.network.bandwidth_gbps:.3g} Gbit/s, {cal.network.latency_us:.3g} us "
+                         f"({how}); model {self.model}")
+            if self.model == "compute":
+                lines.append("auto: compute rates (slowest rank) " + ", ".join(
+                    f"{k} {v:.3g}" for k, v in zip(cm.PRIMITIVES, cal.rates.as_list())))
+        ranks = sorted({r for _, r in self._states})
+        for (key, rank), st in sorted(self._states.items()):
+            if rank != (ranks[0] if ranks else 0) or st.choice is None:
+                continue
+            lines.append(f"auto[{key}] -> {st.choice}: " + _candidates_text(st, self.candidates))
+        return "\n".join(lines) if lines else "auto: no slice synchronized yet"
+
+    # --- checkpoints ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Every slice's planning state (keyed by slice key, then rank), the calibration and the
+        refinement; plain Python values (JSON-able)."""
+        slices: dict[str, dict[int, dict]] = {}
+        for (key, rank), st in self._states.items():
+            slices.setdefault(key, {})[rank] = st.state()
+        return {"version": _STATE_VERSION, "options": self.options(), "slices": slices,
+                "calibration": {r: c.state() for r, c in self._calib.items()},
+                "refinement": {r: ref.state() for r, ref in self._refine.items()}}
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Restore ``state_dict()``: the next syncs continue where the saved run was.
+
+        Raises:
+            ValueError: a state of another version, or saved with other planner options (a different
+                candidate set or model would make the saved choices meaningless).
+        """
+        if not isinstance(sd, dict) or sd.get("version") != _STATE_VERSION:
+            raise ValueError(f"auto state_dict version ({sd.get('version') if isinstance(sd, dict) else sd!r}) "
+                             f"must be {_STATE_VERSION}")
+        if sd.get("options") != self.options():
+            raise ValueError(f"auto state_dict options ({sd.get('options')}) must equal this planner's "
+                             f"({self.options()}); resume with the same zen.planner settings")
+        self._states = {(key, int(rank)): _SliceState.from_state(st)
+                        for key, per_rank in sd["slices"].items() for rank, st in per_rank.items()}
+        self._calib = {int(r): _Calibration.from_state(c) for r, c in sd["calibration"].items()}
+        self._refine = {}
+        for r, st in sd["refinement"].items():
+            self._refine[int(r)] = cm.Refinement()
+            self._refine[int(r)].load(st)
+
+    # --- the sync --------------------------------------------------------------------------------------
     def _sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
         key: str | None = None, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Synchronize ``grad`` with this slice's chosen scheme.
 
-        1. Profile (profiling syncs only): all-gather every rank's summary, predict every candidate.
-        2. Decide: the lowest mean prediction; check that every rank decided the same; log a change.
-        3. Run the chosen scheme (lossless, so also exact while profiling).
+        1. Calibrate (first profiling sync of this rank): link probe, compute micro-benchmark, MAX.
+        2. Profile (profiling syncs only): all-gather every rank's summary and refinement, predict
+           every candidate.
+        3. Decide: the lowest mean prediction; check that every rank decided the same; log a change.
+        4. Run the chosen scheme (lossless, so also exact while profiling); refine from its phases.
         """
+        sg_numel = grad.numel if isinstance(grad, SparseGrad) else grad.numel()
+        if sg_numel == 0:  # nothing to plan (the public sync returns earlier; _sync is called directly too)
+            values = grad.values if isinstance(grad, SparseGrad) else grad
+            return torch.empty(0, dtype=values.dtype, device=values.device)
         if key is None:
-            numel = grad.numel if isinstance(grad, SparseGrad) else grad.numel()
-            key = f"numel={numel}"
+            key = f"numel={sg_numel}"
         st = self._states.setdefault((key, comm.rank), _SliceState())
         profiling_s = 0.0
         if st.profiled < self.profile_steps:
-            # Step 1: profile.
             t0 = time.perf_counter()
-            profile = self._gather_profile(comm, as_sparse(grad))
-            st.predictions.append({c: cm.predict_time_s(c, profile, self.network, self._schemes[c].options())
-                                   for c in self.candidates})
+            sg = as_sparse(grad)
+            # Step 1: calibrate.
+            cal = self._calibrate(comm, sg.values.device)
+            refine = self._refine.setdefault(comm.rank, cm.Refinement())
+            # Step 2: profile.
+            profile, states = self._gather_profile(comm, sg, refine.state())
+            if self.model == "compute":
+                refine.merge_max(states)
+            work = cm.WorkCounts.from_profile(profile)
+            preds, wires = {}, {}
+            for c in self.candidates:
+                opts = self._schemes[c].options()
+                stats = cm.predict_stats(c, profile, opts)
+                wires[c] = cm.Wire.of(stats, cal.network)
+                preds[c] = (cm.modeled_time_s(stats, cal.network) if self.model == "alpha_beta" else
+                            cm.predict_total_s(c, work, wires[c], cal.network.alpha_s, cal.rates, opts, refine))
+            st.predictions.append(preds)
             st.profiled += 1
-            # Step 2: decide and agree.
-            choice, reason = self._decide(st, profile)
+            # Step 3: decide and agree.
+            choice, reason = self._decide(st, profile, cal)
             self._agree(comm, key, choice)
-            if choice != st.choice and comm.rank == 0:
-                logger.info("auto[%s] -> %s: %s", key, choice, reason)
+            if comm.rank == 0 and (choice != st.choice or st.profiled == self.profile_steps):
+                logger.info("auto[%s] -> %s: %s | %s", key, choice, reason, _candidates_text_of(
+                    _mean_predictions(st, self.candidates), choice, self.candidates))
             st.choice, st.reason = choice, reason
+            st.work, st.wire = work, wires[choice]
             st.since_decision = 0
             profiling_s = time.perf_counter() - t0
         else:
             st.since_decision += 1
             if self.reprofile_every and st.since_decision >= self.reprofile_every:
                 st.profiled, st.predictions = 0, []  # the next sync of this slice profiles again
-        # Step 3: run the choice.
-        out = self._schemes[st.choice]._sync(comm, grad, op, timings, key, out)
+        # Step 4: run the choice, learn from its phase times.
+        phases: dict = {}
+        out = self._schemes[st.choice]._sync(comm, grad, op, phases, key, out)
+        if self.model == "compute" and st.work is not None and comm.rank in self._calib:
+            cal = self._calib[comm.rank]
+            c = st.choice
+            predicted = cm.predict_phases_s(c, st.work, st.wire, cal.network.alpha_s, cal.rates,
+                                            self._schemes[c].options())
+            self._refine.setdefault(comm.rank, cm.Refinement()).observe(c, predicted, phases)
         if timings is not None:
+            timings.update(phases)
             timings["scheme"] = st.choice
             timings["profile_s"] = profiling_s
         return out
@@ -178,8 +341,49 @@ class AutoScheme(SyncScheme):
             scheme = build_scheme(name, seed=self.seed)
         return scheme
 
-    def _gather_profile(self, comm: Communicator, sg: SparseGrad) -> cm.SparsityProfile:
-        """Two small all-gathers: sizes (to agree on the sample rate), then every rank's local profile."""
+    def _calibrate(self, comm: Communicator, device: torch.device) -> _Calibration:
+        """This rank's calibration, measured once (see the module docstring); every rank calls it at
+        its first profiling sync, so the collectives line up."""
+        cal = self._calib.get(comm.rank)
+        if cal is not None:
+            return cal
+        bw, lat = self._fixed
+        probe = comm.size > 1 and (bw is None or lat is None)
+        # Step 1: link probe (best of a few all-reduces of two sizes).
+        small_s = big_s = 0.0
+        if probe:
+            small_s = _best_all_reduce_s(comm, _PROBE_SMALL_BYTES, device)
+            big_s = _best_all_reduce_s(comm, _PROBE_BIG_BYTES, device)
+        # Step 2: compute micro-benchmark.
+        rates = cm.calibrate_compute(device) if self.model == "compute" else cm.ComputeRates()
+        # Step 3: agree on the slowest rank's numbers, one all-reduce MAX.
+        if comm.size > 1:
+            agreed = torch.tensor([small_s, big_s, *rates.as_list()], dtype=torch.float64, device=device)
+            vals = comm.all_reduce(agreed, "max").tolist()
+            small_s, big_s, rates = vals[0], vals[1], cm.ComputeRates.from_list(vals[2:])
+        if probe:
+            n = comm.size
+            # Ring all-reduce: 2(n−1) messages, 2(n−1)/n · size bytes per rank.
+            lat_probe = small_s / (2 * (n - 1)) * 1e6
+            extra = big_s - small_s
+            bw_probe = (2 * (n - 1) / n * (_PROBE_BIG_BYTES - _PROBE_SMALL_BYTES) * 8 / extra / 1e9
+                        if extra > 0 else _MAX_BANDWIDTH_GBPS)
+            bw = bw if bw is not None else min(_MAX_BANDWIDTH_GBPS, bw_probe)
+            lat = lat if lat is not None else max(0.0, lat_probe)
+        cal = _Calibration(cm.Network(bw if bw is not None else 10.0, lat if lat is not None else 50.0), rates,
+                           measured_link=probe)
+        self._calib[comm.rank] = cal
+        if comm.rank == 0:
+            logger.info("auto: calibrated: link %.3g Gbit/s, %.3g us (%s); compute %s", cal.network.bandwidth_gbps,
+                        cal.network.latency_us, "probe" if probe else "configured",
+                        ", ".join(f"{k} {v:.3g}" for k, v in zip(cm.PRIMITIVES, rates.as_list()))
+                        if self.model == "compute" else "not modeled")
+        return cal
+
+    def _gather_profile(self, comm: Communicator, sg: SparseGrad,
+                        refine_state: dict | None = None) -> tuple[cm.SparsityProfile, list[dict]]:
+        """Two small all-gathers: sizes (to agree on the sample rate), then every rank's local profile
+        with its refinement state. Returns the profile and the states in rank order."""
         n = comm.size
         indices = sg.indices.cpu()  # the profile is small bookkeeping: CPU, whatever the gradient's device
         uniq = torch.unique(indices)
@@ -193,13 +397,15 @@ class AutoScheme(SyncScheme):
         s = cm.sample_parts_for(max(x[1] for x in sizes), self.sample_budget)
         sb = cm.sample_parts_for(max(x[2] for x in sizes), self.sample_budget)
         mine = cm.local_profile(indices, sg.numel, sg.row_width, n, self.seed, s, sb)
-        return cm.SparsityProfile(
+        gathered = comm.all_gather_object((mine, refine_state or {}))
+        profile = cm.SparsityProfile(
             numel=sg.numel, row_width=sg.row_width, value_bytes=sg.values.element_size(), seed=self.seed,
-            locals=comm.all_gather_object(mine), sample_parts=s, block_sample_parts=sb,
+            locals=[g[0] for g in gathered], sample_parts=s, block_sample_parts=sb,
         )
+        return profile, [g[1] for g in gathered]
 
-    def _decide(self, st: _SliceState, profile: cm.SparsityProfile) -> tuple[str, str]:
-        mean = {c: sum(p[c] for p in st.predictions) / len(st.predictions) for c in self.candidates}
+    def _decide(self, st: _SliceState, profile: cm.SparsityProfile, cal: _Calibration) -> tuple[str, str]:
+        mean = _mean_predictions(st, self.candidates)
         ranked = sorted(self.candidates, key=lambda c: (mean[c], _priority(c)))
         best = ranked[0]
         n, d = profile.n, profile.density()
@@ -215,7 +421,8 @@ class AutoScheme(SyncScheme):
         if len(ranked) > 1:
             parts.append(f"next {ranked[1]} {mean[ranked[1]] * 1e3:.3f} ms")
         parts.append(f"n={n}, density={d:.4%}, gamma_n={gammas.get(n, 1.0):.2f}, Eq.1/2 prefer {rule}")
-        parts.append(f"{self.network.bandwidth_gbps:g} Gbit/s, {self.network.latency_us:g} us, "
+        parts.append(f"{cal.network.bandwidth_gbps:.3g} Gbit/s, {cal.network.latency_us:.3g} us"
+                     f"{' (measured)' if cal.measured_link else ''}, model {self.model}, "
                      f"mean of {len(st.predictions)} profiled sync(s)")
         return best, "; ".join(parts)
 
@@ -225,6 +432,36 @@ class AutoScheme(SyncScheme):
             if other != mine:
                 raise RuntimeError(f"auto: rank {r} decided {other} but rank {comm.rank} decided {mine}; "
                                    "every rank must use the same options and slice order")
+
+
+def _best_all_reduce_s(comm: Communicator, nbytes: int, device: torch.device) -> float:
+    """Best of ``_PROBE_REPS`` timed all-reduces of ``nbytes`` (after one warm-up) on ``device``."""
+    t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
+    cuda = device.type == "cuda"
+    best = float("inf")
+    for i in range(_PROBE_REPS + 1):
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        comm.all_reduce(t, "sum")
+        if cuda:
+            torch.cuda.synchronize(device)
+        if i:  # the first one warms the connection up
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _mean_predictions(st: _SliceState, candidates: tuple[str, ...]) -> dict[str, float]:
+    return {c: sum(p[c] for p in st.predictions) / len(st.predictions) for c in candidates} if st.predictions \
+        else {}
+
+
+def _candidates_text_of(mean: dict[str, float], choice: str, candidates: tuple[str, ...]) -> str:
+    return ", ".join(f"{c}{'*' if c == choice else ''} {mean[c] * 1e3:.3f} ms" for c in candidates if c in mean)
+
+
+def _candidates_text(st: _SliceState, candidates: tuple[str, ...]) -> str:
+    return "candidates " + _candidates_text_of(_mean_predictions(st, candidates), st.choice, candidates)
 
 
 def _priority(name: str) -> int:

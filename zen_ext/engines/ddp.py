@@ -2,7 +2,12 @@
 to enable DGC and our synchronization scheme", with 128 MB buckets).
 
 DDP fuses gradients into flat buckets (``bucket_cap_mb``) and hands each bucket to the hook as soon as
-its gradients are ready, so synchronization overlaps the rest of the backward pass. The hook maps the
+its gradients are ready. With ``zen.async_sync`` (the default) the hook only enqueues the bucket and
+returns a pending future: a communication worker (one thread per process group, FIFO, so every rank
+runs the buckets in the same order) synchronizes it while autograd computes the gradients of the
+earlier layers, and completes the future; DDP waits for all futures at the end of the backward pass.
+With ``zen.async_sync`` false the hook synchronizes inside the call and returns a completed future.
+Both paths run the same operations in the same order, so their results are bitwise equal. The hook maps the
 bucket's parameters to their names, lets the Synchronizer route each one (untied embedding rows →
 natural sparsity, large matrices → DGC top-k, the rest dense) through the configured scheme, and
 writes the data-parallel *mean* back (a custom hook replaces DDP's own averaging).
@@ -22,8 +27,12 @@ DDP, so ``zen_ext.engines.colossalai`` registers this hook after ``boost``; plai
 ``register_zen_hook(ddp_model, {"dgc": {"enabled": True}})`` before the first backward.
 """
 
+import atexit
 import logging
+import queue
+import threading
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -37,7 +46,192 @@ from .stats import StepStats, report_summary
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ZenHookState", "register_zen_hook", "zen_comm_hook"]
+__all__ = ["CommWorker", "ZenHookState", "register_zen_hook", "zen_comm_hook"]
+
+
+class CommWorker:
+    """A communication thread that completes futures for buckets, one at a time, in submission order.
+
+    One worker serves every ZEN hook over the same process group (``CommWorker.acquire``), so the
+    collectives of all buckets reach the group in the order the buckets were handed over — the same
+    order on every rank, because DDP hands buckets over in the same order everywhere — and nothing
+    else of ZEN's issues collectives on that group concurrently.
+
+    Correctness conditions the worker keeps:
+
+    * CPU: the worker runs with the submitting thread's intra-op thread count, so reductions inside
+      the schemes split work the same way as in the blocking path (bitwise-equal results).
+    * CUDA: the worker computes on its own stream. ``submit`` records an event on the producer's
+      current stream (the gradients in the bucket are written there) and the worker's stream waits
+      on it; every submitted tensor is ``record_stream``-ed on the worker's stream so the caching
+      allocator does not reuse its memory while the worker still reads or writes it. The future is
+      created with the device, so ``set_result`` records an event on the worker's stream and
+      whoever waits on the future (DDP's reducer) makes its own stream wait on that event.
+    * Failure: an exception inside a job is logged at ERROR on this rank at once and set on that
+      job's future (DDP re-raises it in the training thread when it waits for the bucket). Every
+      later job fails fast with a RuntimeError naming the first failure, instead of running
+      collectives that the peers would no longer match. Peers that already entered a collective
+      this rank never reaches wait until the process group's timeout (``timeout=`` of
+      ``init_process_group``; set it to minutes, not the 30-minute default, for jobs that must fail
+      fast).
+    * Exit: the thread is a daemon (it never keeps the process alive); ``close`` drains the queue and
+      joins the thread, and an ``atexit`` handler closes every live worker with a bounded wait, so a
+      normal interpreter exit does not find the thread inside torch code.
+
+    Args:
+        device: the device of the gradients (a CUDA device gets its own stream).
+        name: the thread's name (for stack dumps).
+    """
+
+    _STOP = object()
+    _live: dict[int, "CommWorker"] = {}
+    _live_lock = threading.Lock()
+
+    def __init__(self, device: torch.device, name: str = "zen-comm") -> None:
+        self.device = torch.device(device)
+        self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._num_threads = torch.get_num_threads()
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._failed: BaseException | None = None
+        self._closed = False
+        self._refs = 0
+        self._key: int | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        _ALL_WORKERS.add(self)
+
+    # --- one worker per process group ------------------------------------------------------------------
+    @classmethod
+    def acquire(cls, group, device: torch.device) -> "CommWorker":
+        """The worker of ``group`` (created on first use); pair every call with ``release``."""
+        key = id(group)
+        with cls._live_lock:
+            w = cls._live.get(key)
+            if w is None or w._closed:
+                w = cls(device, name=f"zen-comm-{key:x}")
+                w._key = key
+                w._group = group  # keeps id(group) unique while the worker lives
+                cls._live[key] = w
+            w._refs += 1
+            return w
+
+    def release(self) -> None:
+        """Drop one reference; the last one closes the worker."""
+        with self._live_lock:
+            self._refs -= 1
+            last = self._refs <= 0
+            if last and self._key is not None and self._live.get(self._key) is self:
+                del self._live[self._key]
+        if last:
+            self.close()
+
+    # --- jobs ------------------------------------------------------------------------------------------
+    def submit(self, fn, tensors: "list[torch.Tensor]" = ()) -> torch.futures.Future:
+        """Run ``fn()`` on the worker after every job submitted before; its result completes the future.
+
+        1. Refuse a closed worker (RuntimeError) and fail fast after an earlier failure.
+        2. CUDA: order the worker's stream after the producer's current stream; mark ``tensors`` as
+           used by the worker's stream.
+        3. Enqueue.
+
+        Args:
+            fn: a callable without arguments returning a tensor.
+            tensors: tensors ``fn`` reads or writes that were produced on the caller's stream.
+
+        Returns:
+            A future completed by the worker (with the exception ``fn`` raised, if any).
+
+        Raises:
+            RuntimeError: the worker was closed.
+        """
+        # Step 1: state.
+        if self._closed:
+            raise RuntimeError("zen: the communication worker was closed (ZenHookState.close()); build a new "
+                               "state to synchronize again")
+        cuda = self._stream is not None
+        fut: torch.futures.Future = torch.futures.Future(devices=[self.device]) if cuda else torch.futures.Future()
+        if self._failed is not None:
+            fut.set_exception(self._fail_fast_error())
+            return fut
+        # Step 2: stream order and allocator safety.
+        ready = None
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            for t in tensors:
+                t.record_stream(self._stream)
+        # Step 3: FIFO.
+        self._queue.put((fn, fut, ready))
+        return fut
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait until every job submitted so far has finished; False if ``timeout_s`` passed first."""
+        if self._closed or not self._thread.is_alive():
+            return True
+        done = threading.Event()
+        self._queue.put((done.set, None, None))
+        return done.wait(timeout_s)
+
+    def close(self, timeout_s: float | None = 60.0) -> None:
+        """Finish the queued jobs, stop and join the thread (idempotent).
+
+        A thread stuck in a collective that its peers never join is left behind after ``timeout_s``
+        (it is a daemon: it does not keep the process alive), with a warning.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        _ALL_WORKERS.discard(self)
+        if threading.current_thread() is self._thread:
+            return  # closing from a job: the loop ends at the stop marker
+        self._queue.put(self._STOP)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("zen: communication worker %s still busy after %.0f s at close (a collective its peers "
+                        "did not join?); leaving the daemon thread behind", self._thread.name, timeout_s or 0)
+
+    def _fail_fast_error(self) -> RuntimeError:
+        return RuntimeError(f"zen: an earlier bucket failed on this rank ({type(self._failed).__name__}: "
+                            f"{self._failed}); no further buckets are synchronized")
+
+    def _run(self) -> None:
+        torch.set_num_threads(self._num_threads)
+        while True:
+            item = self._queue.get()
+            if item is self._STOP:
+                return
+            fn, fut, ready = item
+            if fut is None:  # a drain marker
+                fn()
+                continue
+            try:
+                if self._failed is not None:
+                    raise self._fail_fast_error()
+                with torch.no_grad():
+                    if self._stream is None:
+                        fut.set_result(fn())
+                    else:
+                        with torch.cuda.stream(self._stream):
+                            self._stream.wait_event(ready)
+                            # set_result inside the stream context: the future records its event here.
+                            fut.set_result(fn())
+            except BaseException as e:  # noqa: BLE001 - every failure must reach the future
+                if self._failed is None:
+                    self._failed = e
+                    log.error("zen: bucket synchronization failed on this rank: %r; peers waiting in a collective "
+                              "of it wait until the process group timeout", e)
+                fut.set_exception(e)
+
+
+_ALL_WORKERS: "weakref.WeakSet[CommWorker]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_workers_at_exit() -> None:
+    # Registered at import, so it runs after atexit handlers registered later (LIFO) — e.g. a
+    # destroy_process_group registered by the training script runs first only if registered after.
+    for w in list(_ALL_WORKERS):
+        w.close(timeout_s=5.0)
 
 
 class ZenHookState:
@@ -54,6 +248,8 @@ class ZenHookState:
         cfg: the validated ``"zen"`` section.
         stats: per-step statistics (JSONL on rank 0).
         rank: this process's global rank.
+        worker: the communication worker that synchronizes buckets while the backward pass goes on
+            (``zen.async_sync``), or None to synchronize inside the hook.
     """
 
     __slots__ = (
@@ -65,10 +261,12 @@ class ZenHookState:
         "_layouts", "step", "hook_calls", "_t_step",
         # Statistics.
         "stats",
+        # Asynchronous synchronization (None: blocking), and whether close() ran.
+        "worker", "_closed",
     )
 
     def __init__(self, *, sync: Synchronizer, reducer: BucketReducer, names: dict[int, str], cfg: ZenConfig,
-                 stats: StepStats, rank: int) -> None:
+                 stats: StepStats, rank: int, worker: "CommWorker | None" = None) -> None:
         self.cfg = cfg
         self.names = names
         self.rank = rank
@@ -82,6 +280,8 @@ class ZenHookState:
         self.hook_calls = 0
         self._t_step = 0.0
         self.stats = stats
+        self.worker = worker
+        self._closed = False
 
     @classmethod
     def build(cls, module: torch.nn.Module, cfg: "ZenConfig | dict | None" = None, *, dp_group=None,
@@ -92,6 +292,7 @@ class ZenHookState:
         2. Classify each parameter (natural / dgc / dense) and build the scheme and the Synchronizer
            over ``dp_group``, with DGC thresholds agreed over ``tp_group``.
         3. Wrap it in a BucketReducer (optional non-finite guard over ``guard_group``).
+        4. With ``zen.async_sync``, attach the communication worker of ``dp_group``.
 
         Args:
             module: the model as DDP sees it (``ddp.module``); its parameter names key all state.
@@ -131,11 +332,24 @@ class ZenHookState:
         guard = TorchCommunicator(guard_group) if guard_nonfinite else None
         reducer = BucketReducer(sync, cap_bytes=cfg.bucket_cap_bytes, dp_size=dp_comm.size, tp_comm=tp_comm,
                                 guard_comm=guard)
+        # Step 4: the worker (the device of the gradients: the module's parameters). Not with a TP
+        # group: the backward pass itself issues collectives on it (row-parallel layers), and ZEN's
+        # DGC threshold agreement on the same group from another thread could reach the ranks in
+        # different orders.
+        worker = None
+        if cfg.async_sync and tp_comm is not None:
+            if rank == 0:
+                log.info("zen: zen.async_sync is off with a tensor-parallel group (the backward pass uses that "
+                         "group too); buckets synchronize inside the hook")
+        elif cfg.async_sync:
+            first = next(module.parameters(), None)
+            device = first.device if first is not None else torch.device("cpu")
+            worker = CommWorker.acquire(dp_comm.group, device)
         if rank == 0:
-            log.info("zen: DDP comm hook (dp=%d, tp=%d, guard_nonfinite=%s): %s", dp_comm.size,
-                     tp_comm.size if tp_comm else 1, guard_nonfinite, cfg.to_dict())
+            log.info("zen: DDP comm hook (dp=%d, tp=%d, guard_nonfinite=%s, async_sync=%s): %s", dp_comm.size,
+                     tp_comm.size if tp_comm else 1, guard_nonfinite, worker is not None, cfg.to_dict())
         return cls(sync=sync, reducer=reducer, names=names, cfg=cfg,
-                   stats=StepStats(rank, cfg.stats.jsonl_path), rank=rank)
+                   stats=StepStats(rank, cfg.stats.jsonl_path), rank=rank, worker=worker)
 
     # --- per bucket -----------------------------------------------------------------------------------
     def slices_for(self, bucket: "dist.GradBucket") -> list[GradSlice]:
@@ -166,13 +380,25 @@ class ZenHookState:
         return slices
 
     def reduce_bucket(self, bucket: "dist.GradBucket") -> torch.Tensor:
-        """Replace the bucket buffer by its data-parallel mean; returns the buffer."""
+        """Replace the bucket buffer by its data-parallel mean, in this thread; returns the buffer."""
+        return self._reduce(bucket.buffer(), self.slices_for(bucket), bucket.is_last())
+
+    def submit_bucket(self, bucket: "dist.GradBucket") -> torch.futures.Future:
+        """Hand the bucket to the communication worker; the returned future completes with the mean.
+
+        Everything read from the ``GradBucket`` is read here, in the hook's thread: the worker only
+        sees the buffer and the (cached) slices.
+        """
+        buf = bucket.buffer()
+        slices, last = self.slices_for(bucket), bucket.is_last()
+        return self.worker.submit(lambda: self._reduce(buf, slices, last), [buf])
+
+    def _reduce(self, buf: torch.Tensor, slices: list[GradSlice], last: bool) -> torch.Tensor:
         t0 = time.perf_counter()
         self.hook_calls += 1
-        buf = bucket.buffer()
-        self.reducer.reduce_(buf, self.slices_for(bucket), self.op)
+        self.reducer.reduce_(buf, slices, self.op)
         self._t_step += time.perf_counter() - t0
-        if bucket.is_last():
+        if last:
             # DDP reduces buckets in index order and the last one closes the iteration; with
             # no_sync() accumulation the hook only runs on the synchronizing micro-batch, so this
             # is once per optimizer step.
@@ -198,9 +424,33 @@ class ZenHookState:
         return the summary text; rank 0 prints it when ``zen.stats.summary`` is on."""
         totals = [None] * dist.get_world_size()
         dist.all_gather_object(totals, self.stats.totals)
-        return report_summary(self.stats, self.cfg, totals, self.rank, f"DDP hook dp={self.dp_size}", print_it)
+        text = report_summary(self.stats, self.cfg, totals, self.rank, f"DDP hook dp={self.dp_size}", print_it)
+        explain = getattr(self.sync.scheme, "explain", None)  # ``auto``: why each slice runs its scheme
+        if explain is not None:
+            why = explain()
+            text += "\n" + why
+            if (self.cfg.stats.summary if print_it is None else print_it) and self.rank == 0:
+                print(why, flush=True)
+        return text
 
     def close(self) -> None:
+        """Finish and release what the state holds (idempotent; call it on every rank).
+
+        1. Drain the communication worker: buckets already handed over finish (DDP has waited for
+           them anyway once ``backward`` returned), then drop this state's reference to the worker,
+           which stops and joins its thread when no other state of the same process group uses it.
+        2. Close the statistics file.
+
+        Later hook calls raise RuntimeError (the worker is gone); build a new state to go on.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        # Step 1: the worker.
+        if self.worker is not None:
+            self.worker.drain()
+            self.worker.release()
+        # Step 2: statistics.
         self.stats.close()
 
     # --- checkpoints ----------------------------------------------------------------------------------
@@ -228,22 +478,27 @@ class ZenHookState:
 def zen_comm_hook(state: ZenHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: synchronize the bucket with ZEN and return its data-parallel mean.
 
-    The reduction runs synchronously inside the hook (its exchanges are variable-size, so they
-    cannot be one async collective); the returned future is already complete, as in PyTorch's
-    PowerSGD hook on gloo.
+    With ``zen.async_sync`` (default) the bucket goes to the process group's communication worker and
+    the future completes when it is synchronized, while autograd goes on with the earlier layers
+    (ZEN's exchanges are variable-size sequences, not one async collective, so a thread runs them).
+    Otherwise the reduction runs inside the hook and the future is already complete, as in
+    PyTorch's PowerSGD hook on gloo.
 
     Args:
         state: the ``ZenHookState`` built for the DDP-wrapped module.
         bucket: the flat gradient bucket DDP hands over.
 
     Returns:
-        A completed future holding the bucket buffer, now the mean over the data-parallel group.
+        A future of the bucket buffer, which holds the mean over the data-parallel group once the
+        future is complete.
 
     Example::
 
         >>> state = ZenHookState.build(ddp.module, {"dgc": {"enabled": True}})  # doctest: +SKIP
         >>> ddp.register_comm_hook(state, zen_comm_hook)  # doctest: +SKIP
     """
+    if state.worker is not None:
+        return state.submit_bucket(bucket)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(state.reduce_bucket(bucket))
     return fut
@@ -261,8 +516,14 @@ def register_zen_hook(ddp_model, cfg: "ZenConfig | dict | None" = None, *, tp_gr
         cfg: the ``"zen"`` section (ZenConfig, dict, or None for the defaults).
         tp_group, guard_group, guard_nonfinite: see ``ZenHookState.build``.
 
+    ``zen.async_sync`` (default) synchronizes buckets on the communication worker while the backward
+    pass goes on, except with ``find_unused_parameters=True`` or a tensor-parallel group, where other
+    collectives share the groups during the backward pass (then the hook blocks, as before). Keep the
+    main thread off the data-parallel group's collectives between ``forward`` and the end of
+    ``backward`` (DDP itself does).
+
     Returns:
-        The state (statistics, ``state_dict`` for checkpoints, ``summary``).
+        The state (statistics, ``state_dict`` for checkpoints, ``summary``; ``close()`` at the end).
 
     Raises:
         TypeError: ``ddp_model`` is not a DistributedDataParallel.
@@ -279,5 +540,14 @@ def register_zen_hook(ddp_model, cfg: "ZenConfig | dict | None" = None, *, tp_gr
                          "DDP's all-reduce")
     state = ZenHookState.build(ddp_model.module, cfg, dp_group=ddp_model.process_group, tp_group=tp_group,
                                guard_group=guard_group, guard_nonfinite=guard_nonfinite)
+    if state.worker is not None and getattr(ddp_model, "find_unused_parameters", False):
+        # DDP all-reduces its used-parameter map on the data-parallel group from the autograd thread
+        # once the last bucket is marked ready, possibly while the worker still synchronizes buckets
+        # on that group: the two would reach the ranks in different orders.
+        if state.rank == 0:
+            log.info("zen: zen.async_sync is off with find_unused_parameters=True (DDP's own all-reduce of the "
+                     "used-parameter map shares the group); buckets synchronize inside the hook")
+        state.worker.release()
+        state.worker = None
     ddp_model.register_comm_hook(state, zen_comm_hook)
     return state
