@@ -169,3 +169,41 @@ def test_fake_kernels_give_shapes():
         assert acc.shape == (130, 2) and acc.dtype == torch.float32 and words.shape == (3,) and count.shape == (1,)
         msg = torch.ops.zen_ext.encode_pull(acc, words, 5, 1, 1, torch.bfloat16, 4)
         assert msg.shape == (16 + 24 + 5 * 2 * 2,)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not ops.HAVE_CPP_OP
+                    or not torch._C._dispatch_has_kernel_for_dispatch_key("zen_ext::decode_pull_", "CUDA"),
+                    reason="needs a GPU and zen_ext._C built with CUDA")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_ops_match_cpu(dtype):
+    for case in range(len(CASES)):
+        m, width, ranks, k, dense = CASES[case]
+        pl = _payloads(m, width, dtype, torch.int32, ranks, k, seed=case, dense_ranks=dense)
+        if not pl:
+            continue
+        acc, words, count = torch.ops.zen_ext.aggregate_push(pl, m, width, dtype, 4)
+        g_acc, g_words, g_count = torch.ops.zen_ext.aggregate_push([p.cuda() for p in pl], m, width, dtype, 4)
+        assert torch.equal(g_words.cpu(), words) and torch.equal(g_count.cpu(), count)
+        torch.testing.assert_close(g_acc.cpu(), acc)  # atomics: order of additions differs
+        for fmt in (0, 1, 2):
+            msg = torch.ops.zen_ext.encode_pull(acc, words, int(count), fmt, 3, dtype, 4)
+            g_msg = torch.ops.zen_ext.encode_pull(acc.cuda(), words.cuda(), int(count), fmt, 3, dtype, 4)
+            assert torch.equal(g_msg.cpu(), msg)
+    for numel, n, width in [(4099, 4, 1), (1000, 7, 2), (2, 3, 1)]:
+        for fmt_of in (lambda p: 0, lambda p: 1, lambda p: 2):
+            want, _ = _round_trip(numel, n, width, dtype, torch.int32, fmt_of, seed=1, use_op=True)
+            out = torch.zeros_like(want).cuda()
+            g = torch.Generator().manual_seed(1)
+            # Re-encode on the CPU, decode on the GPU.
+            idx = torch.randint(0, numel, (3 * n + 20,), generator=g)
+            idx[:3] = torch.tensor([0, numel - 1, 0])
+            vals = torch.randint(-8, 9, (idx.numel(), width) if width > 1 else (idx.numel(),), generator=g).to(dtype)
+            y = ops.permute(idx, numel, KEYS)
+            for part in range(n):
+                sel = y % n == part
+                m = _reference.part_size(numel, part, n)
+                payload = pack((y[sel] // n).to(torch.int32), vals[sel]) if sel.any() else torch.empty(0, dtype=torch.uint8)
+                acc, words, count = torch.ops.zen_ext.aggregate_push([payload], m, width, dtype, 4)
+                msg = torch.ops.zen_ext.encode_pull(acc, words, int(count), fmt_of(part), 1, dtype, 4)
+                torch.ops.zen_ext.decode_pull_(out, msg.cuda(), part, n, KEYS.cuda(), 4)
+            assert torch.equal(out.cpu(), want)
