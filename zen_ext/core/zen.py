@@ -10,8 +10,14 @@ Wire formats (indices never travel as floats):
 * push: per peer one message ``[pos (int32, or int64 if numel ≥ 2^31) | values (gradient dtype)]``,
   or the peer's whole partition as dense values when that is not larger (its size tells them apart);
 * pull: per server one message ``[header int64×2 = (format, count) | body]`` where the body is the
-  cheapest of COO (``pos | values``), hash bitmap (``⌈|𝕀_i|/8⌉`` bytes padded to 8 ``| values``), or
-  dense (``|𝕀_i|`` values), so every rank knows how to decode it (paper Fig. 17a crossover).
+  cheapest of COO (``pos | values``), hash bitmap (``⌈|𝕀_i|/64⌉`` little-endian 64-bit words, i.e.
+  ``⌈|𝕀_i|/8⌉`` bytes padded to 8, ``| values``), or dense (``|𝕀_i|`` values), so every rank knows how
+  to decode it (paper Fig. 17a crossover). Layout: ``csrc/pull_format.h``.
+
+Steps 3–5 run in fused ops (``zen_ext.ops.aggregate_push`` / ``encode_pull`` / ``decode_pull_``: C++ on
+the CPU, CUDA kernels on the GPU, ``ops/_reference.py`` otherwise): one pass each, the result written
+into the caller's ``out``, and no host read of pulled headers (host reads per call: the push counts and
+the aggregated count, whatever ``n``).
 
 Legend: ``_K`` non-zeros, ``_P`` partitions, ``_M`` one partition's index-set size, ``_N`` dense length.
 """
@@ -128,7 +134,8 @@ class ZenScheme(SyncScheme):
         3. Aggregate: the server sums duplicates into its compact ``|𝕀_i|`` buffer (sum, never
            overwrite).
         4. Pull: the server sends its aggregate to every rank in the cheapest encoding.
-        5. Decode: every rank maps positions back to indices with ``P⁻¹`` and writes the dense result.
+        5. Decode: every rank maps positions back to indices with ``P⁻¹`` and writes the dense result
+           into ``out`` (when given; else a new tensor), each server's message as soon as it is there.
         """
         t = {}
         sg = as_sparse(grad)
