@@ -258,7 +258,26 @@ def decode_compare(step, n: int, reps: int, seed: int = 0) -> dict:
         c0 = time.thread_time()
         out.zero_()
         t["after_zero_cpu_s"].append(time.thread_time() - c0)
-    return dict(union=y.numel(), numel=numel, n=n, **{k: mmm(v) for k, v in t.items()})
+    # Pipelined pull, modelled with the measured per-message decode times: messages land one after
+    # another at the link rate (the own message at once); decoding each on arrival ends at
+    # max(arrival, previous end) + its decode, decoding after the whole all-gather at last arrival + all.
+    per_msg = []
+    for i, msg in enumerate(new_in):
+        c0 = time.thread_time()
+        ops.decode_pull_(out, msg, i, n, keys, 4)
+        per_msg.append(time.thread_time() - c0)
+    pipe = {}
+    for rate_bps in (1e9, 10e9):
+        arrive, at = [], 0.0
+        for i, msg in enumerate(new_in):
+            at += 0.0 if i == 0 else msg.numel() * 8 / rate_bps
+            arrive.append(at)
+        end = 0.0
+        for a_i, d_i in zip(arrive, per_msg):
+            end = max(end, a_i) + d_i
+        pipe[f"{rate_bps / 1e9:g}gbit"] = dict(blocking_s=arrive[-1] + sum(per_msg), pipelined_s=end,
+                                                wire_s=arrive[-1])
+    return dict(union=y.numel(), numel=numel, n=n, pipeline_model=pipe, **{k: mmm(v) for k, v in t.items()})
 
 
 def transient_bytes(scheme_name: str, step, n: int, use_out: bool = True) -> dict:
@@ -348,6 +367,10 @@ def main(argv=None) -> int:
                   f"wall {f(dc['before_wall_s'])} cpu {f(dc['before_cpu_s'])}; after wall {f(dc['after_wall_s'])} "
                   f"cpu {f(dc['after_cpu_s'])} (zeroing the buffer alone: cpu {f(dc['after_zero_cpu_s'])}); "
                   f"cpu median ratio after/before {dc['after_cpu_s'][1] / dc['before_cpu_s'][1]:.2f}", flush=True)
+            for rate, pm in dc["pipeline_model"].items():
+                print(f"{label:>16} pull + decode at {rate} (model, measured decodes): wire {1e3 * pm['wire_s']:.1f} ms, "
+                      f"decode after the all-gather {1e3 * pm['blocking_s']:.1f} ms, on arrival "
+                      f"{1e3 * pm['pipelined_s']:.1f} ms", flush=True)
         totals = {}
         for scheme in a.schemes + ([a.compare] if a.compare and a.compare not in a.schemes else []):
             mem = transient_bytes(scheme, step, n, use_out=a.use_out)
