@@ -97,11 +97,22 @@ class ReplayComm(Communicator):
         t.copy_(self._next("broadcast"))
 
 
-def measure(scheme_name: str, step, n: int, reps: int) -> dict:
-    """Per-phase compute seconds of ``scheme_name`` on every slice of ``step`` (see the module docstring)."""
+def rank_inputs(step, n: int) -> list[dict]:
+    """Every rank's slices; beyond the trace's ranks, rank ``r`` replays trace rank ``r % world_size``
+    (the union and the per-rank density stay the trace's; only the number of ranks grows)."""
+    keys = list(step.slices)
+    return [{k: step.slices[k][r % step.world_size] for k in keys} for r in range(n)]
+
+
+def measure(scheme_name: str, step, n: int, reps: int, use_out: bool = False) -> dict:
+    """Per-phase compute seconds of ``scheme_name`` on every slice of ``step`` (see the module docstring).
+
+    With ``use_out`` the result goes into a preallocated buffer per slice (``sync(..., out=)``), as an
+    engine passes its bucket; ``cpu_total_s`` is the thread's CPU time (less sensitive to foreign load).
+    """
     scheme = build_scheme(scheme_name)
     keys = list(step.slices)
-    inputs = [{k: step.slices[k][r] for k in keys} for r in range(n)]
+    inputs = rank_inputs(step, n)
 
     # Step 1: record what every rank receives.
     def record(comm, mine):
@@ -119,14 +130,17 @@ def measure(scheme_name: str, step, n: int, reps: int) -> dict:
         for r in range(n):
             replay = ReplayComm(r, n, logs[r])
             phases: dict[str, float] = {}
-            t0 = time.perf_counter()
+            outs = {k: torch.zeros(inputs[r][k].dense_numel, dtype=inputs[r][k].values.dtype) for k in keys} \
+                if use_out else {}
+            t0, c0 = time.perf_counter(), time.thread_time()
             for k in keys:
                 t: dict = {}
-                scheme.sync(replay, inputs[r][k], key=k, timings=t)
+                scheme.sync(replay, inputs[r][k], key=k, timings=t, out=outs.get(k))
                 for name, v in t.items():
                     if isinstance(v, float):
                         phases[name] = phases.get(name, 0.0) + v
             phases["total_s"] = time.perf_counter() - t0
+            phases["cpu_total_s"] = time.thread_time() - c0
             for name, v in phases.items():
                 worst[name] = max(worst.get(name, 0.0), v)
         per_rep.append(worst)
@@ -180,6 +194,141 @@ def decode_profile(step, n: int, reps: int, seed: int = 0) -> dict:
                 table_build_s=build_s, table_bytes=table.numel() * 4, cycle_walk_domain=(1 << bits) / numel)
 
 
+def _old_decode(pulled: list[tuple[torch.Tensor, torch.Tensor]], part, numel: int) -> torch.Tensor:
+    """The decode zen did before the fused op (commit 6dcf3db), for the before/after comparison:
+    a fresh dense result, numpy bitmap unpacking per server, ``P⁻¹`` of the concatenated union, a scatter."""
+    from zen_ext.core.bitmap import decode_bitmap
+
+    n = part.num_parts
+    ys, vs = [], []
+    for i, (bm, vals) in enumerate(pulled):
+        pos = decode_bitmap(bm, part.part_size(i))
+        ys.append(pos * n + i)
+        vs.append(vals)
+    out = torch.zeros(numel, dtype=pulled[0][1].dtype)
+    out[part.unpermute(torch.cat(ys))] = torch.cat(vs)
+    return out
+
+
+def decode_compare(step, n: int, reps: int, seed: int = 0) -> dict:
+    """zen's decode of the pulled union of the first slice, before (``_old_decode``) and after
+    (zero the caller's buffer + ``zen_ext::decode_pull_`` per server), interleaved in one run.
+
+    Wall and thread-CPU seconds, (min, median, max) over ``reps``; both results are checked equal.
+    """
+    from zen_ext import ops
+    from zen_ext.core.bitmap import encode_bitmap
+    from zen_ext.core.hashing import HashPartitioner
+    from zen_ext.ops import _reference
+
+    grads = [next(iter(step.slices.values()))[r % step.world_size] for r in range(n)]
+    numel = grads[0].numel
+    if grads[0].row_width != 1:
+        return {}
+    part = HashPartitioner(numel, n, seed)
+    y = ops.permute(torch.unique(torch.cat([g.indices for g in grads])), numel, part.keys)
+    old_in, new_in = [], []
+    for i in range(n):
+        p = torch.sort(y[y % n == i] // n).values  # ascending: the bitmap's value order
+        m = part.part_size(i)
+        mask = torch.zeros(m, dtype=torch.bool)
+        mask[p] = True
+        vals = torch.randn(p.numel())
+        old_in.append((encode_bitmap(mask), vals))
+        acc, words, count = ops.aggregate_push([torch.cat([p.to(torch.int32).view(torch.uint8), vals.view(torch.uint8)])],
+                                               m, 1, torch.float32, 4)
+        new_in.append(ops.encode_pull(acc, words, int(count), _reference.FMT_BITMAP, 1, torch.float32, 4))
+    out = torch.empty(numel)
+    keys = part.keys_on("cpu")
+
+    def new():
+        out.zero_()
+        for i, msg in enumerate(new_in):
+            ops.decode_pull_(out, msg, i, n, keys, 4)
+        return out
+
+    assert torch.equal(_old_decode(old_in, part, numel), new()), "old and new decode disagree"
+    t = {k: [] for k in ("before_wall_s", "after_wall_s", "before_cpu_s", "after_cpu_s", "after_zero_cpu_s")}
+    for _ in range(reps):
+        for name, fn in (("before", lambda: _old_decode(old_in, part, numel)), ("after", new)):
+            w0, c0 = time.perf_counter(), time.thread_time()
+            fn()
+            t[f"{name}_cpu_s"].append(time.thread_time() - c0)
+            t[f"{name}_wall_s"].append(time.perf_counter() - w0)
+        c0 = time.thread_time()
+        out.zero_()
+        t["after_zero_cpu_s"].append(time.thread_time() - c0)
+    # Pipelined pull, modelled with the measured per-message decode times: messages land one after
+    # another at the link rate (the own message at once); decoding each on arrival ends at
+    # max(arrival, previous end) + its decode, decoding after the whole all-gather at last arrival + all.
+    per_msg = []
+    for i, msg in enumerate(new_in):
+        c0 = time.thread_time()
+        ops.decode_pull_(out, msg, i, n, keys, 4)
+        per_msg.append(time.thread_time() - c0)
+    pipe = {}
+    for rate_bps in (1e9, 10e9):
+        arrive, at = [], 0.0
+        for i, msg in enumerate(new_in):
+            at += 0.0 if i == 0 else msg.numel() * 8 / rate_bps
+            arrive.append(at)
+        end = 0.0
+        for a_i, d_i in zip(arrive, per_msg):
+            end = max(end, a_i) + d_i
+        pipe[f"{rate_bps / 1e9:g}gbit"] = dict(blocking_s=arrive[-1] + sum(per_msg), pipelined_s=end,
+                                                wire_s=arrive[-1])
+    return dict(union=y.numel(), numel=numel, n=n, pipeline_model=pipe, **{k: mmm(v) for k, v in t.items()})
+
+
+def transient_bytes(scheme_name: str, step, n: int, use_out: bool = True) -> dict:
+    """Peak bytes of tensors allocated during one replayed sync of the first slice by rank 0, over
+    the bucket's bytes. Counted with a TorchDispatchMode (every op output with a fresh storage adds
+    its bytes until the tensor is freed); the caller's ``out`` and the received messages are not
+    counted (they exist in any scheme). An approximation: a view that outlives its base is not seen.
+    """
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    key = next(iter(step.slices))
+    inputs = rank_inputs(step, n)
+    grad = inputs[0][key]
+    scheme = build_scheme(scheme_name)
+
+    def record(comm, mine):
+        rec = RecordingComm(comm)
+        scheme.sync(rec, mine[key], key=key)
+        return rec.log
+
+    log = SimWorld(n, max_active=1).run(record, inputs)[0]
+
+    class Peak(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.live = self.peak = 0
+
+        def _free(self, nbytes):
+            self.live -= nbytes
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            seen = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+                    if isinstance(a, torch.Tensor)}
+            for t in torch.utils._pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                    nb = t.untyped_storage().nbytes()
+                    self.live += nb
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(t, self._free, nb)
+            return out
+
+    out = torch.zeros(grad.dense_numel, dtype=grad.values.dtype) if use_out else None
+    with Peak() as pk:
+        scheme.sync(ReplayComm(0, n, log), grad, key=key, out=out)
+    bucket = grad.dense_numel * grad.values.element_size()
+    return dict(scheme=scheme_name, peak_bytes=pk.peak, bucket_bytes=bucket, ratio=pk.peak / bucket)
+
+
 def saved_s(comm_rows: list[dict], label: str, scheme: str, rate: str) -> tuple[float, float] | None:
     """(dense median, scheme median) of the newest bench_comm rows for ``label`` at ``rate``."""
     med = {}
@@ -200,6 +349,8 @@ def main(argv=None) -> int:
     p.add_argument("--comm", default=None, help="bench_comm JSON lines (time saved per rate)")
     p.add_argument("--rates", default="1gbit,2500mbit", help="lab rates to relate the overhead to")
     p.add_argument("--out", default=None, help="append JSON lines here")
+    p.add_argument("--use-out", action="store_true", help="schemes write into a preallocated buffer (out=)")
+    p.add_argument("--compare", default="", help="scheme to relate zen's compute to (e.g. agsparse)")
     a = p.parse_args(argv)
     torch.set_num_threads(1)
     comm_rows = read_jsonl(a.comm) if a.comm else []
@@ -207,10 +358,29 @@ def main(argv=None) -> int:
           f"{'total ms':>8}  saved / overhead per rate", flush=True)
     for spec in a.workload:
         label, path, step = load_workload(spec)
-        n = min(a.ranks, step.world_size)
-        dp = decode_profile(step, n, a.reps)
-        for scheme in a.schemes:
-            ph = measure(scheme, step, n, a.reps)
+        n = a.ranks  # beyond the trace's ranks, ranks replay trace ranks (rank_inputs)
+        dp = decode_profile(step, min(n, step.world_size), a.reps)
+        dc = decode_compare(step, n, a.reps)
+        if dc:
+            f = lambda v: "/".join(f"{1e3 * x:.1f}" for x in v)  # noqa: E731
+            print(f"{label:>16} decode of the union ({dc['union']:,} of {dc['numel']:,}, n={n}) min/med/max ms: before "
+                  f"wall {f(dc['before_wall_s'])} cpu {f(dc['before_cpu_s'])}; after wall {f(dc['after_wall_s'])} "
+                  f"cpu {f(dc['after_cpu_s'])} (zeroing the buffer alone: cpu {f(dc['after_zero_cpu_s'])}); "
+                  f"cpu median ratio after/before {dc['after_cpu_s'][1] / dc['before_cpu_s'][1]:.2f}", flush=True)
+            for rate, pm in dc["pipeline_model"].items():
+                print(f"{label:>16} pull + decode at {rate} (model, measured decodes): wire {1e3 * pm['wire_s']:.1f} ms, "
+                      f"decode after the all-gather {1e3 * pm['blocking_s']:.1f} ms, on arrival "
+                      f"{1e3 * pm['pipelined_s']:.1f} ms", flush=True)
+        totals = {}
+        for scheme in a.schemes + ([a.compare] if a.compare and a.compare not in a.schemes else []):
+            mem = transient_bytes(scheme, step, n, use_out=a.use_out)
+            print(f"{label:>16} {scheme:>8} transient memory of one sync: {mem['peak_bytes'] / 2**20:.1f} MiB = "
+                  f"{mem['ratio']:.2f}x the bucket ({mem['bucket_bytes'] / 2**20:.1f} MiB)", flush=True)
+            ph = measure(scheme, step, n, a.reps, use_out=a.use_out)
+            totals[scheme] = ph
+            print(f"{label:>16} {scheme:>8} whole sync compute min/med/max ms: wall "
+                  f"{'/'.join(f'{1e3 * x:.1f}' for x in ph['total_s'])}, cpu "
+                  f"{'/'.join(f'{1e3 * x:.1f}' for x in ph['cpu_total_s'])}", flush=True)
             med = {k: v[1] for k, v in ph.items()}
             compute = sum(med.get(k, 0.0) for k in ("hash_s", *ENCODE_PHASES, "aggregate_s", "decode_s"))
             vs = {}
@@ -223,7 +393,7 @@ def main(argv=None) -> int:
                                     hash_over_saved=med.get("hash_s", 0.0) / saved if saved > 0 else None,
                                     overhead_over_saved=compute / saved if saved > 0 else None)
             rec = dict(bench="overhead", workload=label, path=portable_path(path), step=step.step, n=n, scheme=scheme,
-                       reps=a.reps,
+                       reps=a.reps, use_out=a.use_out, decode_compare=dc, transient_memory=mem,
                        phases={k: dict(min=v[0], med=v[1], max=v[2]) for k, v in ph.items()},
                        hash_s=med.get("hash_s", 0.0), encode_s=sum(med.get(k, 0.0) for k in ENCODE_PHASES),
                        aggregate_s=med.get("aggregate_s", 0.0), decode_s=med.get("decode_s", 0.0),
@@ -241,6 +411,13 @@ def main(argv=None) -> int:
               f"{1e3 * dp['scatter_s']:.2f} ms; a {dp['table_bytes'] / 2**20:.0f} MiB inverse table would replace "
               f"P^-1 by a {1e3 * dp['table_gather_s']:.2f} ms gather (built once in {dp['table_build_s']:.2f} s)",
               flush=True)
+        if a.compare and a.compare in totals:
+            for scheme in a.schemes:
+                if scheme != a.compare and scheme in totals:
+                    for kind in ("total_s", "cpu_total_s"):
+                        r = [x / y for x, y in zip(totals[scheme][kind], totals[a.compare][kind])]
+                        print(f"{label:>16} {scheme} / {a.compare} whole compute ({kind}, n={n}): min/med/max of "
+                              f"the per-statistic ratios {r[0]:.2f}/{r[1]:.2f}/{r[2]:.2f}", flush=True)
     return 0
 
 

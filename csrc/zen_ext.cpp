@@ -16,4 +16,16 @@ TORCH_LIBRARY(zen_ext, m) {
   m.def(
       "hash_partition(Tensor idx, int numel, int num_parts, Tensor keys, int num_rehash=3, "
       "float parallel_factor=2.0, float serial_factor=0.1) -> (Tensor, Tensor, Tensor, Tensor)");
+  // ZEN's server side (wire format: csrc/pull_format.h): sum the pushed payloads (dense partitions or
+  // [positions | rows] pairs) into the compact buffer in one pass. Returns (acc [part_size, width] in
+  // fp32 for half types, touched bitmap as int64 words, count = set bits as int64 [1]).
+  m.def(
+      "aggregate_push(Tensor[] payloads, int part_size, int width, ScalarType dtype, int idx_bytes) -> "
+      "(Tensor, Tensor, Tensor)");
+  // The pull message [format, count | body] of an aggregate, values divided by divisor and cast to dtype.
+  m.def(
+      "encode_pull(Tensor acc, Tensor words, int count, int fmt, int divisor, ScalarType dtype, int idx_bytes) "
+      "-> Tensor");
+  // Write server part's pulled message into out (numel rows) at the global indices P^-1(p*n + part).
+  m.def("decode_pull_(Tensor(a!) out, Tensor msg, int part, int num_parts, Tensor keys, int idx_bytes) -> ()");
 }

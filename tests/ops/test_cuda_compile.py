@@ -36,6 +36,9 @@ from zen_ext import ops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KERNEL_CU = os.path.join(ROOT, "csrc", "cuda", "hash_kernel.cu")
+PULL_CU = os.path.join(ROOT, "csrc", "cuda", "pull_kernel.cu")
+PULL_KERNELS = ("add_dense_kernel", "fill_words_kernel", "add_coo_kernel", "popcount_total_kernel",
+                "word_popcount_kernel", "encode_kernel", "msg_word_popcount_kernel", "decode_kernel")
 HARNESS_CU = os.path.join(ROOT, "tests", "ops", "hash_kernel_harness.cu")
 # One architecture keeps the check quick; sm_80 (A100) is the oldest the paper-class GPUs need.
 GENCODE = ["-gencode", "arch=compute_80,code=sm_80"]
@@ -103,6 +106,18 @@ def _runtime_libraries() -> list[str]:
     return libs
 
 
+def _check_object_links(obj) -> None:
+    undefined = subprocess.run(["nm", "-u", str(obj)], capture_output=True, text=True).stdout.split()
+    undefined = [s for s in undefined if s != "U"]
+    defined = set().union(*map(_exported_symbols, _runtime_libraries()))
+    unresolved = [s for s in undefined if s not in defined and s not in LINK_TIME_SYMBOLS]
+    demangled = subprocess.run(["c++filt"], input="\n".join(unresolved), capture_output=True, text=True).stdout
+    outside_c10_cuda = [s for s in demangled.splitlines() if s and not s.startswith("c10::cuda::")]
+    assert not outside_c10_cuda, f"symbols no library provides: {outside_c10_cuda}"
+    assert any(s.startswith("c10::cuda::getCurrentCUDAStream") for s in demangled.splitlines()), (
+        "the op must launch on the current stream")
+
+
 @pytest.mark.timeout(1200)
 def test_torch_glue_compiles(tmp_path):
     if not shutil.which("nm") or not shutil.which("c++filt") or not shutil.which("g++"):
@@ -113,16 +128,23 @@ def test_torch_glue_compiles(tmp_path):
     for kernel in KERNELS:
         assert kernel in entries, f"ptxas compiled no {kernel}: {entries}"
     assert "insert_kernelIi" in entries and "insert_kernelIl" in entries, "both slot widths must be instantiated"
+    _check_object_links(obj)
 
-    undefined = subprocess.run(["nm", "-u", str(obj)], capture_output=True, text=True).stdout.split()
-    undefined = [s for s in undefined if s != "U"]
-    defined = set().union(*map(_exported_symbols, _runtime_libraries()))
-    unresolved = [s for s in undefined if s not in defined and s not in LINK_TIME_SYMBOLS]
-    demangled = subprocess.run(["c++filt"], input="\n".join(unresolved), capture_output=True, text=True).stdout
-    outside_c10_cuda = [s for s in demangled.splitlines() if s and not s.startswith("c10::cuda::")]
-    assert not outside_c10_cuda, f"symbols no library provides: {outside_c10_cuda}"
-    assert any(s.startswith("c10::cuda::getCurrentCUDAStream") for s in demangled.splitlines()), (
-        "the op must launch on the current stream")
+
+@pytest.mark.timeout(1200)
+def test_pull_kernels_compile(tmp_path):
+    """``csrc/cuda/pull_kernel.cu`` (aggregate_push, encode_pull, decode_pull_) compiles and links."""
+    if not shutil.which("nm") or not shutil.which("c++filt") or not shutil.which("g++"):
+        pytest.skip("binutils (nm, c++filt) and g++ are needed for the symbol check")
+    obj = tmp_path / "pull_kernel.o"
+    proc = _nvcc(["-c", PULL_CU, "-o", str(obj), *_torch_nvcc_flags(), *GENCODE, "-Xptxas", "-v"])
+    entries = _ptxas_entries(proc.stderr)
+    for kernel in PULL_KERNELS:
+        assert kernel in entries, f"ptxas compiled no {kernel}: {entries}"
+    # Every value dtype of the dispatch (fp32, fp64, fp16, bf16) has its encode kernel.
+    for tag in ("IffE", "IddE", "IN3c104HalfEfE", "IN3c108BFloat16EfE"):
+        assert f"encode_kernel{tag}" in entries, f"encode_kernel not instantiated for {tag}: {entries}"
+    _check_object_links(obj)
 
 
 # ---------------------------------------------------------------------------------------------------

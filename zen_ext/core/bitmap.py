@@ -6,6 +6,10 @@ worker receives ``Σ_i |𝕀_i| / 8 = numel / 8`` bitmap bytes in total, indepen
 bitmap over hashed partitions would cost ``n·numel/8``). Positions decode to global indices through
 ``HashPartitioner.indices_of`` (no table).
 
+``zen`` itself now encodes and decodes its bitmaps inside the fused pull ops (``zen_ext.ops.encode_pull``
+/ ``decode_pull_``, 64-bit words scanned with popcount and count-trailing-zeros, same bytes); these
+byte-level helpers remain for analysis and for ``benchmarks/bench_overhead.py``'s before/after decode.
+
 Legend: ``_M`` bitmap length in bits (``|𝕀_i|``), ``_B`` bytes.
 """
 

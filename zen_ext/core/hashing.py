@@ -57,6 +57,15 @@ class HashPartitioner:
         self.seed = int(seed)
         self.keys = ops.derive_keys(seed)
         self.cfg = hash_config or HashConfig()
+        self._keys_by_device: dict[torch.device, torch.Tensor] = {torch.device("cpu"): self.keys}
+
+    def keys_on(self, device: torch.device | str) -> torch.Tensor:
+        """The round keys on ``device``, copied there once (a per-call copy would be a host transfer)."""
+        device = torch.device(device)
+        k = self._keys_by_device.get(device)
+        if k is None:  # a benign race under SimWorld threads: both store equal tensors
+            k = self._keys_by_device[device] = self.keys.to(device)
+        return k
 
     def part_size(self, part: int) -> int:
         """``|𝕀_part|``: how many of the ``numel`` indices hash to ``part``."""
@@ -64,7 +73,7 @@ class HashPartitioner:
 
     def partition_of(self, idx_K: torch.Tensor) -> torch.Tensor:
         """h0 itself: the partition of each index."""
-        return ops.permute(idx_K, self.numel, self.keys.to(idx_K.device)) % self.num_parts
+        return ops.permute(idx_K, self.numel, self.keys_on(idx_K.device)) % self.num_parts
 
     def partition(self, idx_K: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Group indices by partition.
@@ -75,7 +84,7 @@ class HashPartitioner:
         """
         c = self.cfg
         return ops.hash_partition(
-            idx_K, self.numel, self.num_parts, self.keys.to(idx_K.device), c.num_rehash, c.parallel_factor,
+            idx_K, self.numel, self.num_parts, self.keys_on(idx_K.device), c.num_rehash, c.parallel_factor,
             c.serial_factor,
         )
 
@@ -85,7 +94,7 @@ class HashPartitioner:
 
     def unpermute(self, y_K: torch.Tensor) -> torch.Tensor:
         """``P⁻¹(y)`` for hashed values ``y = pos·n + part`` in ``[0, numel)``."""
-        return ops.permute(y_K, self.numel, self.keys.to(y_K.device), inverse=True)
+        return ops.permute(y_K, self.numel, self.keys_on(y_K.device), inverse=True)
 
 
 def imbalance(counts: torch.Tensor) -> float:

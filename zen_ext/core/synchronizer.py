@@ -152,22 +152,31 @@ class Synchronizer:
                      dataclasses.asdict(self.dgc_config))
 
     # --- the hot path -------------------------------------------------------------------------------
-    def sync_flat(self, flat: torch.Tensor, slices: list[GradSlice], op: str = "mean") -> torch.Tensor:
+    def sync_flat(
+        self, flat: torch.Tensor, slices: list[GradSlice], op: str = "mean", out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Reduce the flat bucket ``flat`` over the data-parallel group.
 
         1. Plan: route each slice by its kind (cached per layout; agreed across ranks the first time).
         2. Dense: the dense slices and uncovered elements, gathered into one buffer, one all-reduce.
         3. Natural: each embedding slice's non-zero rows through the scheme (lossless).
-        4. DGC: compress every DGC slice (memory keyed by name), fuse them into one SparseGrad over
-           the bucket's index space, one scheme call.
+        4. DGC: compress every DGC slice (memory keyed by name), fuse them into one SparseGrad, one
+           scheme call. When the DGC slices tile one range of the bucket (the usual layout) the
+           SparseGrad spans that range and the scheme writes into ``out``'s view of it; otherwise it
+           spans the concatenated DGC slices and each slice is copied out of a DGC-sized result. No
+           bucket-sized intermediate either way.
 
         Args:
-            flat: this rank's bucket (contiguous; any shape, read as flat). Not modified.
+            flat: this rank's bucket (contiguous; any shape, read as flat). Not modified unless it is
+                also ``out``.
             slices: the parameters in the bucket; they must not overlap.
             op: ``"sum"`` or ``"mean"`` over the data-parallel ranks.
+            out: where the reduced bucket goes (contiguous, ``flat``'s numel, dtype and device); may be
+                ``flat`` itself, since every range of ``flat`` is read before its range of ``out`` is
+                written. Default: a new tensor.
 
         Returns:
-            The reduced bucket, a new tensor of ``flat``'s shape and dtype.
+            The reduced bucket of ``flat``'s shape and dtype: ``out`` (viewed so) when given.
 
         Raises:
             ValueError: bad slices (overlap, out of range, unknown name, shape ≠ numel) or op.
@@ -185,7 +194,14 @@ class Synchronizer:
 
         # Step 1: plan.
         plan = self._plan_for(flat_N, slices, op)
-        out_N = torch.empty_like(flat_N)
+        if out is not None:
+            if not out.is_contiguous() or out.numel() != flat_N.numel() or out.dtype != flat_N.dtype \
+                    or out.device != flat_N.device:
+                raise ValueError(f"sync_flat: out ({tuple(out.shape)} {out.dtype} on {out.device}) must be contiguous "
+                                 f"with {flat_N.numel()} {flat_N.dtype} elements on {flat_N.device}")
+            out_N = out.reshape(-1)
+        else:
+            out_N = torch.empty_like(flat_N)
 
         # Step 2: one dense all-reduce for everything routed dense.
         if plan.dense_ranges:
@@ -207,9 +223,9 @@ class Synchronizer:
             sg = self._natural.compress([NamedGrad(s.name, flat_N[s.offset : s.offset + s.numel].view(s.shape))])
             st["compress_s"] += time.perf_counter() - t0
             timings: dict = {}
-            res = self.scheme.sync(dp, sg, op, timings=timings, key=f"{s.name}:natural")
+            self.scheme.sync(dp, sg, op, timings=timings, key=f"{s.name}:natural",
+                             out=out_N[s.offset : s.offset + s.numel])
             self._note_scheme(timings)
-            out_N[s.offset : s.offset + s.numel] = res
             self._count("natural", s.numel, sg.nnz * sg.row_width)
 
         # Step 4: all DGC slices of the bucket fused into one SparseGrad over the bucket's indices.
@@ -217,13 +233,28 @@ class Synchronizer:
             t0 = time.perf_counter()
             grads = [NamedGrad(s.state_key, flat_N[s.offset : s.offset + s.numel]) for s in plan.dgc]
             sg = self._dgc.compress(grads, tp_comm=self.tp_comm)
-            idx_K = self._to_bucket(plan, sg.indices)
+            # The span of the DGC slices; tiled = no other element inside it (slices do not overlap).
+            lo = min(s.offset for s in plan.dgc)
+            hi = max(s.offset + s.numel for s in plan.dgc)
+            tiled = sum(s.numel for s in plan.dgc) == hi - lo
+            in_order = all(a.offset + a.numel == b.offset for a, b in zip(plan.dgc, plan.dgc[1:]))
+            if tiled:
+                # Concatenation order = bucket order: the DGC indices already are offsets into the span.
+                idx_K = sg.indices if in_order else self._to_bucket(plan, sg.indices) - lo
+                grad = SparseGrad(idx_K, sg.values, hi - lo)
+            else:
+                grad = SparseGrad(sg.indices, sg.values, sg.numel)
             st["compress_s"] += time.perf_counter() - t0
             timings = {}
-            res = self.scheme.sync(dp, SparseGrad(idx_K, sg.values, plan.numel), op, timings=timings, key=plan.dgc_key)
+            if tiled:
+                self.scheme.sync(dp, grad, op, timings=timings, key=plan.dgc_key, out=out_N[lo:hi])
+            else:
+                res = self.scheme.sync(dp, grad, op, timings=timings, key=plan.dgc_key)
+                at = 0
+                for s in plan.dgc:  # concatenation order
+                    out_N[s.offset : s.offset + s.numel] = res[at : at + s.numel]
+                    at += s.numel
             self._note_scheme(timings)
-            for s in plan.dgc:
-                out_N[s.offset : s.offset + s.numel] = res[s.offset : s.offset + s.numel]
             self._count("dgc", sg.numel, sg.nnz)
 
         # Stats of this call.

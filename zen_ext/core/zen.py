@@ -10,8 +10,14 @@ Wire formats (indices never travel as floats):
 * push: per peer one message ``[pos (int32, or int64 if numel ≥ 2^31) | values (gradient dtype)]``,
   or the peer's whole partition as dense values when that is not larger (its size tells them apart);
 * pull: per server one message ``[header int64×2 = (format, count) | body]`` where the body is the
-  cheapest of COO (``pos | values``), hash bitmap (``⌈|𝕀_i|/8⌉`` bytes padded to 8 ``| values``), or
-  dense (``|𝕀_i|`` values), so every rank knows how to decode it (paper Fig. 17a crossover).
+  cheapest of COO (``pos | values``), hash bitmap (``⌈|𝕀_i|/64⌉`` little-endian 64-bit words, i.e.
+  ``⌈|𝕀_i|/8⌉`` bytes padded to 8, ``| values``), or dense (``|𝕀_i|`` values), so every rank knows how
+  to decode it (paper Fig. 17a crossover). Layout: ``csrc/pull_format.h``.
+
+Steps 3–5 run in fused ops (``zen_ext.ops.aggregate_push`` / ``encode_pull`` / ``decode_pull_``: C++ on
+the CPU, CUDA kernels on the GPU, ``ops/_reference.py`` otherwise): one pass each, the result written
+into the caller's ``out``, and no host read of pulled headers (host reads per call: the push counts and
+the aggregated count, whatever ``n``).
 
 Legend: ``_K`` non-zeros, ``_P`` partitions, ``_M`` one partition's index-set size, ``_N`` dense length.
 """
@@ -23,14 +29,15 @@ import time
 import torch
 
 from ..comm.base import Communicator
-from .bitmap import bitmap_bytes, decode_bitmap, encode_bitmap
+from .. import ops
+from .bitmap import bitmap_bytes
 from .hashing import HashConfig, HashPartitioner
 from .scheme import SyncScheme, register_scheme
 from .types import SparseGrad, as_sparse, index_dtype
-from .wire import pack, view_as
+from .wire import pack
 
 PULL_FORMATS = ("auto", "coo", "bitmap", "dense")
-_FMT_COO, _FMT_BITMAP, _FMT_DENSE = 0, 1, 2
+_FMT_COO, _FMT_BITMAP, _FMT_DENSE = ops._reference.FMT_COO, ops._reference.FMT_BITMAP, ops._reference.FMT_DENSE
 _FMT_NAMES = {_FMT_COO: "coo", _FMT_BITMAP: "bitmap", _FMT_DENSE: "dense"}
 _HEADER_BYTES = 16
 
@@ -39,6 +46,25 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     # Half-precision sums accumulate in fp32 on the server (more exact than a bf16 ring all-reduce);
     # values travel in the gradient's dtype on both phases.
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _pull_as_arrived(comm: Communicator, msg: torch.Tensor):
+    """Yield ``(server, message)`` of the pull as each message is complete.
+
+    With a communicator that offers ``all_gather_v_start(t)`` (returning a handle whose
+    ``as_completed()`` yields ``(rank, tensor)`` as each peer's message lands), the caller decodes a
+    partition while the others are still on the wire. The blocking ``all_gather_v`` fallback yields
+    them after the whole collective; the own message (no wire) comes first either way.
+    """
+    start = getattr(comm, "all_gather_v_start", None)
+    if start is None:
+        pulled = comm.all_gather_v(msg)
+        yield comm.rank, pulled[comm.rank]
+        for i, buf in enumerate(pulled):
+            if i != comm.rank:
+                yield i, buf
+        return
+    yield from start(msg).as_completed()
 
 
 def pull_costs(count: int, part_size: int, idx_bytes: int, val_bytes: int) -> dict[int, int]:
@@ -108,7 +134,8 @@ class ZenScheme(SyncScheme):
         3. Aggregate: the server sums duplicates into its compact ``|𝕀_i|`` buffer (sum, never
            overwrite).
         4. Pull: the server sends its aggregate to every rank in the cheapest encoding.
-        5. Decode: every rank maps positions back to indices with ``P⁻¹`` and writes the dense result.
+        5. Decode: every rank maps positions back to indices with ``P⁻¹`` and writes the dense result
+           into ``out`` (when given; else a new tensor), each server's message as soon as it is there.
         """
         t = {}
         sg = as_sparse(grad)
@@ -148,76 +175,45 @@ class ZenScheme(SyncScheme):
         recv = comm.exchange_v(send)
         t["push_s"] = time.perf_counter() - t0
 
-        # Step 3: aggregate into the compact buffer of this server's index set.
+        # Step 3: aggregate into the compact buffer of this server's index set, the touched bitmap
+        # set in the same pass (zen_ext::aggregate_push). The count is the one host read of this step:
+        # the pull message's size depends on it.
         t0 = time.perf_counter()
         m = part.part_size(rank)
-        acc = torch.zeros((m,) + row_shape, dtype=_acc_dtype(dtype), device=device)
-        touched = torch.zeros(m, dtype=torch.bool, device=device)
-        pos_in, val_in = [], []
-        for buf in recv:
-            if m and buf.numel() == m * vsz:  # dense push payload
-                acc += view_as(buf, 0, m * width, dtype).view((m,) + row_shape).to(acc.dtype)
-                touched.fill_(True)
-                continue
-            k = buf.numel() // (isz + vsz)
-            if k:
-                pos_in.append(view_as(buf, 0, k, idt))
-                val_in.append(view_as(buf, k * isz, k * width, dtype).view((k,) + row_shape))
-        if pos_in:
-            p_all = torch.cat(pos_in).to(torch.int64)
-            acc.index_add_(0, p_all, torch.cat(val_in).to(acc.dtype))
-            touched[p_all] = True
-        pos_out = touched.nonzero().flatten()
-        val_out = acc[pos_out]
-        if op == "mean":
-            val_out = val_out / n
-        val_out = val_out.to(dtype)
+        acc, words, count_1 = ops.aggregate_push(recv, m, width, dtype, isz)
+        count = int(count_1)
         t["aggregate_s"] = time.perf_counter() - t0
 
-        # Step 4: pull, in the cheapest format for this partition's aggregated count.
+        # Step 4: pull, in the cheapest format for this partition's aggregated count; the message
+        # ([format, count | body], csrc/pull_format.h) is written in one pass, mean's division included.
         t0 = time.perf_counter()
-        count = pos_out.numel()
         fmt = self._choose_format(count, m, isz, vsz)
-        if fmt == _FMT_DENSE:
-            body = [acc.div(n).to(dtype) if op == "mean" else acc.to(dtype)]
-        elif fmt == _FMT_BITMAP:
-            bm = encode_bitmap(touched)
-            body = [bm, torch.zeros(-bm.numel() % 8, dtype=torch.uint8, device=device), val_out]
-        else:
-            body = [pos_out.to(idt), val_out]
-        header = torch.tensor([fmt, count], dtype=torch.int64, device=device)
-        pulled = comm.all_gather_v(pack(header, *body))
+        msg = ops.encode_pull(acc, words, count, fmt, n if op == "mean" else 1, dtype, isz)
+        del acc, words
         t["pull_s"] = time.perf_counter() - t0
 
-        # Step 5: decode every server's partition into the dense result.
+        # Step 5: decode every server's partition straight into the result (the caller's buffer when
+        # given): zero it, then each message's values land at P⁻¹(p·n + i) (zen_ext::decode_pull_ reads
+        # the header itself: no host read). Partitions are decoded in the order they arrive.
         t0 = time.perf_counter()
-        ys, vs = [], []
-        for i, buf in enumerate(pulled):
-            fmt_i, cnt = view_as(buf, 0, 2, torch.int64).tolist()
-            m_i = part.part_size(i)
-            if fmt_i == _FMT_DENSE:
-                pos = torch.arange(m_i, device=device)
-                vals = view_as(buf, _HEADER_BYTES, m_i * width, dtype).view((m_i,) + row_shape)
-            elif fmt_i == _FMT_BITMAP:
-                nb = bitmap_bytes(m_i)
-                pos = decode_bitmap(buf[_HEADER_BYTES : _HEADER_BYTES + nb], m_i)
-                vals = view_as(buf, _HEADER_BYTES + nb + (-nb % 8), cnt * width, dtype).view((cnt,) + row_shape)
-            else:
-                pos = view_as(buf, _HEADER_BYTES, cnt, idt).to(torch.int64)
-                vals = view_as(buf, _HEADER_BYTES + cnt * isz, cnt * width, dtype).view((cnt,) + row_shape)
-            if pos.numel():
-                ys.append(pos * n + i)
-                vs.append(vals)
-        out = torch.zeros((numel,) + row_shape, dtype=dtype, device=device)
-        if ys:
-            idx = part.unpermute(torch.cat(ys))
-            out[idx] = torch.cat(vs)
-        out = out.reshape(-1)
-        t["decode_s"] = time.perf_counter() - t0
+        res = out if out is not None else torch.empty(numel * width, dtype=dtype, device=device)
+        res.zero_()
+        rows = res.view(numel, width) if width > 1 else res
+        keys = part.keys_on(device)
+        zero_s, loop_decode_s = time.perf_counter() - t0, 0.0
+        t_pull = time.perf_counter()
+        for i, buf in _pull_as_arrived(comm, msg):
+            t0 = time.perf_counter()
+            ops.decode_pull_(rows, buf, i, n, keys, isz)
+            loop_decode_s += time.perf_counter() - t0
+        # pull_s: encoding plus waiting for messages; decode_s: zeroing plus decoding.
+        t["pull_s"] += time.perf_counter() - t_pull - loop_decode_s
+        decode_s = zero_s + loop_decode_s
+        t["decode_s"] = decode_s
         if timings is not None:
             timings.update(t)
             timings["pull_format"] = _FMT_NAMES[fmt]
-        return out
+        return res
 
     def _choose_format(self, count: int, part_size: int, isz: int, vsz: int) -> int:
         if self.pull_format != "auto":

@@ -29,7 +29,10 @@ if os.environ.get("ZEN_DISABLE_CPP_OP", "0") != "1":
     except ImportError as exc:  # the package stays usable, on the reference path
         log.info("zen_ext C++ op not available (%s); using the pure-torch reference", exc)
 
-__all__ = ["HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition"]
+__all__ = [
+    "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
+    "aggregate_push", "encode_pull", "decode_pull_",
+]
 
 # Fake (meta) kernels: shapes only, so torch.compile / FakeTensor tracing can see through the ops.
 if HAVE_CPP_OP:
@@ -42,6 +45,25 @@ if HAVE_CPP_OP:
     def _hash_partition_fake(idx, numel, num_parts, keys, num_rehash=3, parallel_factor=2.0, serial_factor=0.1):
         k = idx.shape[0]
         return idx.new_empty(num_parts), idx.new_empty(k), idx.new_empty(k), idx.new_empty(3)
+
+    @torch.library.register_fake("zen_ext::aggregate_push")
+    def _aggregate_push_fake(payloads, part_size, width, dtype, idx_bytes):
+        device = payloads[0].device if payloads else torch.device("cpu")
+        acc = torch.empty((part_size, width), dtype=_reference.acc_dtype(dtype), device=device)
+        words = torch.empty(_reference.num_words(part_size), dtype=torch.int64, device=device)
+        return acc, words, torch.empty(1, dtype=torch.int64, device=device)
+
+    @torch.library.register_fake("zen_ext::encode_pull")
+    def _encode_pull_fake(acc, words, count, fmt, divisor, dtype, idx_bytes):
+        m, width = acc.shape
+        vsz = torch.empty(0, dtype=dtype).element_size() * width
+        idx_b = {0: count * idx_bytes, 1: 8 * _reference.num_words(m), 2: 0}[fmt]
+        rows = m if fmt == 2 else count
+        return acc.new_empty(_reference.HEADER_BYTES + idx_b + rows * vsz, dtype=torch.uint8)
+
+    @torch.library.register_fake("zen_ext::decode_pull_")
+    def _decode_pull_fake(out, msg, part, num_parts, keys, idx_bytes):
+        return None
 
 
 _warned_reference: set[str] = set()
@@ -103,3 +125,51 @@ def hash_partition(
             idx_K, numel, num_parts, keys_R, num_rehash, parallel_factor, serial_factor
         )
     return _reference.hash_partition(idx_K, numel, num_parts, keys_R)
+
+
+_PULL_OP_DEVICES: dict[str, bool] = {}
+
+
+def _use_pull_op(t: torch.Tensor) -> bool:
+    # The pull ops came after hash_partition: a _C built before them (or without CUDA) has no kernel
+    # for them, and the reference runs instead. Cached per device type: one dispatcher query each.
+    if not HAVE_CPP_OP:
+        return False
+    dev = t.device.type
+    got = _PULL_OP_DEVICES.get(dev)
+    if got is None:
+        got = hasattr(torch.ops.zen_ext, "decode_pull_") and torch._C._dispatch_has_kernel_for_dispatch_key(
+            "zen_ext::decode_pull_", dev.upper())
+        _PULL_OP_DEVICES[dev] = got
+    return got
+
+
+def aggregate_push(
+    payloads: list[torch.Tensor], part_size: int, width: int, dtype: torch.dtype, idx_bytes: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ZEN server side: sum pushed uint8 payloads (dense partition, or ``[positions | rows]``) into the
+    compact buffer in one pass; returns ``(acc [part_size, width], words, count [1])``, ``words`` the
+    touched bitmap as int64 words (wire format: ``csrc/pull_format.h``)."""
+    if payloads and _use_pull_op(payloads[0]):
+        return torch.ops.zen_ext.aggregate_push(payloads, part_size, width, dtype, idx_bytes)
+    return _reference.aggregate_push(list(payloads), part_size, width, dtype, idx_bytes)
+
+
+def encode_pull(
+    acc: torch.Tensor, words: torch.Tensor, count: int, fmt: int, divisor: int, dtype: torch.dtype, idx_bytes: int
+) -> torch.Tensor:
+    """The pull message ``[fmt, count | body]`` of an aggregate (values ``/ divisor``, cast to ``dtype``)."""
+    if _use_pull_op(acc):
+        return torch.ops.zen_ext.encode_pull(acc, words, count, fmt, divisor, dtype, idx_bytes)
+    return _reference.encode_pull(acc, words, count, fmt, divisor, dtype, idx_bytes)
+
+
+def decode_pull_(
+    out: torch.Tensor, msg: torch.Tensor, part: int, num_parts: int, keys_R: torch.Tensor, idx_bytes: int
+) -> None:
+    """Write server ``part``'s pull message into ``out`` (``numel`` rows) at ``P⁻¹(p·n + part)``: bitmap
+    words scanned with popcount/ctz, no bool array, no ``nonzero``; the header is read by the op."""
+    if _use_pull_op(out):
+        torch.ops.zen_ext.decode_pull_(out, msg, part, num_parts, keys_R, idx_bytes)
+    else:
+        _reference.decode_pull_(out, msg, part, num_parts, keys_R, idx_bytes)

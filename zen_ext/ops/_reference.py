@@ -120,3 +120,131 @@ def hash_partition(
     counts = torch.bincount(part, minlength=num_parts)
     pos = (y // num_parts)[order]
     return counts, order, pos, torch.zeros(3, dtype=torch.int64)
+
+
+# ---------------------------------------------------------------------------------------------------
+# ZEN's server-side aggregation and pull (wire format: csrc/pull_format.h and zen_ext/core/zen.py)
+# ---------------------------------------------------------------------------------------------------
+
+FMT_COO, FMT_BITMAP, FMT_DENSE = 0, 1, 2
+HEADER_BYTES = 16
+_BIT_WEIGHTS = [1 << b for b in range(8)]
+
+
+def part_size(numel: int, part: int, num_parts: int) -> int:
+    """``|𝕀_part|``: positions ``p`` with ``p·num_parts + part < numel``."""
+    return max(0, (numel - part + num_parts - 1) // num_parts)
+
+
+def num_words(num_bits: int) -> int:
+    """64-bit words of a bitmap of ``num_bits`` bits."""
+    return (num_bits + 63) // 64
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype of the server: fp32 for half types, the dtype itself otherwise."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _bytes_as(buf_B: torch.Tensor, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    # ``count`` elements of ``dtype`` at byte ``offset`` (copied, so any alignment works).
+    esize = torch.empty(0, dtype=dtype).element_size()
+    return buf_B[offset : offset + count * esize].clone().view(dtype)
+
+
+def mask_to_words(mask_M: torch.Tensor) -> torch.Tensor:
+    """A bool mask as int64 words, bit ``p`` of the little-endian bitmap = ``mask[p]``."""
+    m = mask_M.numel()
+    padded = torch.zeros(num_words(m) * 64, dtype=torch.uint8, device=mask_M.device)
+    padded[:m] = mask_M.to(torch.uint8)
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=mask_M.device)
+    return (padded.view(-1, 8) * weights).sum(1, dtype=torch.uint8).view(torch.int64)
+
+
+def words_to_mask(words_W: torch.Tensor, num_bits: int) -> torch.Tensor:
+    """Inverse of ``mask_to_words`` for the first ``num_bits`` bits."""
+    weights = torch.tensor(_BIT_WEIGHTS, dtype=torch.uint8, device=words_W.device)
+    return (words_W.contiguous().view(torch.uint8).unsqueeze(1) & weights).ne(0).view(-1)[:num_bits]
+
+
+def aggregate_push(
+    payloads: list[torch.Tensor], part_size_: int, width: int, dtype: torch.dtype, idx_bytes: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sum pushed payloads into the compact buffer, in payload order; see ``zen_ext::aggregate_push``.
+
+    Returns:
+        ``acc`` ``[part_size, width]`` (fp32 for half types), ``words`` (int64 touched bitmap),
+        ``count`` (int64 ``[1]``: set bits).
+    """
+    m, idt = part_size_, (torch.int32 if idx_bytes == 4 else torch.int64)
+    device = payloads[0].device if payloads else torch.device("cpu")
+    acc = torch.zeros((m, width), dtype=acc_dtype(dtype), device=device)
+    touched = torch.zeros(m, dtype=torch.bool, device=device)
+    vsz = torch.empty(0, dtype=dtype).element_size() * width
+    for buf in payloads:
+        nbytes = buf.numel()
+        if nbytes == 0:
+            continue
+        if m and nbytes == m * vsz:
+            acc += _bytes_as(buf, 0, m * width, dtype).view(m, width).to(acc.dtype)
+            touched.fill_(True)
+            continue
+        if nbytes % (idx_bytes + vsz):
+            raise ValueError(f"aggregate_push: a payload of {nbytes} bytes is neither dense nor whole pairs")
+        k = nbytes // (idx_bytes + vsz)
+        pos = _bytes_as(buf, 0, k, idt).to(torch.int64)
+        if k and (int(pos.min()) < 0 or int(pos.max()) >= m):
+            raise ValueError(f"aggregate_push: position outside [0, {m})")
+        vals = _bytes_as(buf, k * idx_bytes, k * width, dtype).view(k, width).to(acc.dtype)
+        acc.index_add_(0, pos, vals)  # sequential on the CPU: payload order, like the C++ op
+        touched[pos] = True
+    return acc, mask_to_words(touched), touched.sum().reshape(1).to(torch.int64)
+
+
+def encode_pull(
+    acc: torch.Tensor, words: torch.Tensor, count: int, fmt: int, divisor: int, dtype: torch.dtype, idx_bytes: int
+) -> torch.Tensor:
+    """The pull message ``[fmt, count | body]``; see ``zen_ext::encode_pull``."""
+    m, width = acc.shape
+    touched = words_to_mask(words, m)
+    pos = touched.nonzero().flatten()
+    if pos.numel() != count:
+        raise ValueError(f"encode_pull: count ({count}) but {pos.numel()} bits set")
+    src = acc if fmt == FMT_DENSE else acc[pos]
+    vals = (src / divisor if divisor != 1 else src).to(dtype)
+    header = torch.tensor([fmt, count], dtype=torch.int64, device=acc.device)
+    if fmt == FMT_DENSE:
+        parts = [header, vals]
+    elif fmt == FMT_BITMAP:
+        parts = [header, words, vals]
+    else:
+        parts = [header, pos.to(torch.int32 if idx_bytes == 4 else torch.int64), vals]
+    return torch.cat([p.contiguous().reshape(-1).view(torch.uint8) for p in parts])
+
+
+def decode_pull_(
+    out: torch.Tensor, msg: torch.Tensor, part: int, num_parts: int, keys_R: torch.Tensor, idx_bytes: int
+) -> None:
+    """Write server ``part``'s pull message into ``out`` at ``P⁻¹(p·num_parts + part)``."""
+    if msg.numel() == 0:
+        return
+    numel = out.shape[0]
+    width = out.shape[1] if out.dim() == 2 else 1
+    m = part_size(numel, part, num_parts)
+    fmt, count = _bytes_as(msg, 0, 2, torch.int64).tolist()
+    if fmt == FMT_DENSE:
+        pos, at = torch.arange(m, device=out.device), HEADER_BYTES
+    elif fmt == FMT_BITMAP:
+        nw = num_words(m)
+        pos = words_to_mask(_bytes_as(msg, HEADER_BYTES, nw, torch.int64), m).nonzero().flatten()
+        at = HEADER_BYTES + 8 * nw
+    elif fmt == FMT_COO:
+        pos = _bytes_as(msg, HEADER_BYTES, count, torch.int32 if idx_bytes == 4 else torch.int64).to(torch.int64)
+        at = HEADER_BYTES + count * idx_bytes
+    else:
+        raise ValueError(f"decode_pull_: bad format {fmt}")
+    rows = pos.numel()
+    vals = _bytes_as(msg, at, rows * width, out.dtype).view((rows,) + tuple(out.shape[1:]))
+    if rows:
+        idx = permute(pos * num_parts + part, numel, keys_R, inverse=True)
+        out[idx] = vals

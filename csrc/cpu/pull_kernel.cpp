@@ -1,0 +1,331 @@
+// CPU kernels of ZEN's server-side aggregation and pull (zen_ext::aggregate_push, encode_pull,
+// decode_pull_): one pass each over the pushed payloads, the touched bitmap and the pulled message,
+// bit-identical to the pure-torch reference (zen_ext/ops/_reference.py). Wire format: csrc/pull_format.h.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "../pull_format.h"
+
+namespace zen_ext {
+namespace {
+
+using namespace pull;
+
+FeistelKeys keys_of(const at::Tensor& keys) {
+  TORCH_CHECK(keys.dtype() == at::kLong && keys.dim() == 1 && keys.numel() == kNumRounds,
+              "keys must be an int64 tensor of ", kNumRounds, " round keys, got ", keys.dtype(), " of shape ",
+              keys.sizes());
+  auto k = keys.cpu().contiguous();
+  FeistelKeys out;
+  for (int r = 0; r < kNumRounds; ++r) out.k[r] = uint32_t(k.data_ptr<int64_t>()[r]);
+  return out;
+}
+
+at::ScalarType acc_type(at::ScalarType t) {
+  return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
+}
+
+void check_bytes(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kByte && t.dim() == 1 && t.is_contiguous(), what,
+              " must be a contiguous 1-D uint8 CPU tensor, got ", t.scalar_type(), " of shape ", t.sizes(), " on ",
+              t.device());
+}
+
+constexpr int64_t kMaxBatch = 512;
+
+// One pass of the inverse Feistel network over x[0, count) for domains of at most 32 bits (numel <=
+// 2^32): lanes are independent and branch-free, so the compiler vectorizes it (AVX2 clone picked at
+// load time where the CPU has it). Bit-identical to feistel(x, keys, bits, true) of csrc/hashing.h.
+__attribute__((target_clones("avx2", "default"))) void feistel_inv32(uint32_t* x, int64_t count,
+                                                                        const FeistelKeys& keys, int bits) {
+  const int wl = bits - bits / 2, wr = bits / 2;
+  const uint32_t mask_l = uint32_t((uint64_t(1) << wl) - 1), mask_r = uint32_t((uint64_t(1) << wr) - 1);
+  const uint32_t k0 = keys.k[0], k1 = keys.k[1], k2 = keys.k[2], k3 = keys.k[3];
+  for (int64_t j = 0; j < count; ++j) {
+    // Rounds 3..0 of the inverse; the widths alternate wr, wl, wr, wl and end where they started.
+    uint32_t left = x[j] >> wr, right = x[j] & mask_r;
+    uint32_t nl = right ^ (fmix32(left ^ k3) & mask_r);
+    right = left, left = nl;
+    nl = right ^ (fmix32(left ^ k2) & mask_l);
+    right = left, left = nl;
+    nl = right ^ (fmix32(left ^ k1) & mask_r);
+    right = left, left = nl;
+    nl = right ^ (fmix32(left ^ k0) & mask_l);
+    right = left, left = nl;
+    x[j] = (left << wr) | right;
+  }
+}
+
+// Global indices of a run of positions, P⁻¹(p·n + part), into g[0, count): batched and vectorized
+// while the domain fits 32 bits, then cycle walking for the few lanes that left [0, numel).
+void global_indices(const int64_t* pos, int64_t count, int64_t part, int64_t n, uint64_t numel,
+                    const FeistelKeys& keys, int bits, int64_t* g, uint32_t* scratch) {
+  if (bits > 32) {
+    for (int64_t j = 0; j < count; ++j) g[j] = global_index(pos[j], part, n, numel, keys, bits);
+    return;
+  }
+  for (int64_t j = 0; j < count; ++j) scratch[j] = uint32_t(pos[j] * n + part);
+  feistel_inv32(scratch, count, keys, bits);
+  // Cycle walking, vectorized too: the lanes outside [0, numel) (about 1 − numel / 2^bits of them)
+  // are compacted and walked again until none is left.
+  uint32_t walk[kMaxBatch];
+  int32_t lane[kMaxBatch];
+  int64_t todo = 0;
+  for (int64_t j = 0; j < count; ++j) {
+    const uint32_t y = scratch[j];
+    g[j] = int64_t(y);
+    walk[todo] = y;
+    lane[todo] = int32_t(j);
+    todo += y >= numel;
+  }
+  while (todo) {
+    feistel_inv32(walk, todo, keys, bits);
+    int64_t left = 0;
+    for (int64_t q = 0; q < todo; ++q) {
+      const uint32_t y = walk[q];
+      g[lane[q]] = int64_t(y);
+      walk[left] = y;
+      lane[left] = lane[q];
+      left += y >= numel;
+    }
+    todo = left;
+  }
+}
+
+constexpr int64_t kBatch = kMaxBatch;
+constexpr int64_t kPrefetch = 32;  // measured: 32 ahead beats 8, 64, 128 and none (docs/kernels.md)
+
+// Stores rows [row0, row0 + count) of vals at the global indices of positions pos[0, count).
+struct RowWriter {
+  uint8_t* dst;
+  const uint8_t* vals;
+  int64_t vsz, part, n;
+  uint64_t numel;
+  FeistelKeys keys;
+  int bits;
+
+  void operator()(const int64_t* pos, int64_t count, int64_t row0) const {
+    int64_t g[kBatch];
+    uint32_t scratch[kBatch];
+    global_indices(pos, count, part, n, numel, keys, bits, g, scratch);
+    // The stores are random over out: prefetch a few ahead (a whole batch ahead evicts them again).
+    for (int64_t j = 0; j < count; ++j) {
+      if (j + kPrefetch < count) __builtin_prefetch(dst + g[j + kPrefetch] * vsz, 1, 1);
+      std::memcpy(dst + g[j] * vsz, vals + (row0 + j) * vsz, size_t(vsz));
+    }
+  }
+};
+
+// Server side, steps 2-3 of zen's sync fused: every pushed payload summed into the compact buffer
+// acc (part_size rows of width values, fp32 for half types) in payload order, and the touched
+// bitmap set in the same pass. Returns (acc, words, count) with count = popcount(words) (int64 [1]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_push_cpu(at::TensorList payloads, int64_t part_size,
+                                                                  int64_t width, at::ScalarType dtype,
+                                                                  int64_t idx_bytes) {
+  TORCH_CHECK(part_size >= 0 && width >= 1, "aggregate_push: part_size (", part_size, ") must be >= 0 and width (",
+              width, ") >= 1");
+  TORCH_CHECK(idx_bytes == 4 || idx_bytes == 8, "aggregate_push: idx_bytes (", idx_bytes, ") must be 4 or 8");
+  const int64_t m = part_size, nw = num_words(m);
+  auto acc = at::zeros({m, width}, at::TensorOptions().dtype(acc_type(dtype)));
+  auto words = at::zeros({nw}, at::TensorOptions().dtype(at::kLong));
+  uint64_t* wp = reinterpret_cast<uint64_t*>(words.data_ptr<int64_t>());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "aggregate_push", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    acc_t* ap = acc.data_ptr<acc_t>();
+    const int64_t vsz = int64_t(sizeof(scalar_t)) * width;
+    for (const auto& buf : payloads) {
+      check_bytes(buf, "aggregate_push payload");
+      const int64_t nbytes = buf.numel();
+      const uint8_t* p = buf.data_ptr<uint8_t>();
+      if (nbytes == 0) continue;
+      if (m > 0 && nbytes == m * vsz) {  // dense payload: the whole partition, position order
+        at::parallel_for(0, m * width, 1 << 16, [&](int64_t b, int64_t e) {
+          for (int64_t j = b; j < e; ++j) ap[j] += acc_t(load<scalar_t>(p + j * sizeof(scalar_t)));
+        });
+        for (int64_t w = 0; w < nw; ++w) wp[w] = ~uint64_t(0);
+        if (m % 64) wp[nw - 1] = (uint64_t(1) << (m % 64)) - 1;
+        continue;
+      }
+      TORCH_CHECK(nbytes % (idx_bytes + vsz) == 0, "aggregate_push: a payload of ", nbytes,
+                  " bytes is neither dense (", m * vsz, ") nor whole (position, row) pairs of ", idx_bytes + vsz);
+      const int64_t k = nbytes / (idx_bytes + vsz);
+      const uint8_t* vals = p + k * idx_bytes;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t pos = load_pos(p + j * idx_bytes, idx_bytes);
+        TORCH_CHECK(pos >= 0 && pos < m, "aggregate_push: position ", pos, " outside [0, ", m, ")");
+        acc_t* row = ap + pos * width;
+        const uint8_t* v = vals + j * vsz;
+        for (int64_t c = 0; c < width; ++c) row[c] += acc_t(load<scalar_t>(v + c * sizeof(scalar_t)));
+        wp[pos >> 6] |= uint64_t(1) << (pos & 63);
+      }
+    }
+  });
+  int64_t count = 0;
+  for (int64_t w = 0; w < nw; ++w) count += popcount64(wp[w]);
+  return {acc, words, at::full({1}, count, at::TensorOptions().dtype(at::kLong))};
+}
+
+// Server side, step 4: the pull message [fmt, count | body] of acc in format fmt, values divided by
+// divisor (the op "mean" of zen: divide in the accumulation dtype, then cast, as the reference does).
+at::Tensor encode_pull_cpu(const at::Tensor& acc, const at::Tensor& words, int64_t count, int64_t fmt,
+                           int64_t divisor, at::ScalarType dtype, int64_t idx_bytes) {
+  TORCH_CHECK(acc.device().is_cpu() && acc.dim() == 2 && acc.is_contiguous() && acc.scalar_type() == acc_type(dtype),
+              "encode_pull: acc must be a contiguous 2-D CPU tensor of ", acc_type(dtype), ", got ",
+              acc.scalar_type(), " of shape ", acc.sizes());
+  TORCH_CHECK(fmt == kFmtCoo || fmt == kFmtBitmap || fmt == kFmtDense, "encode_pull: fmt (", fmt,
+              ") must be 0 (coo), 1 (bitmap) or 2 (dense)");
+  TORCH_CHECK(divisor >= 1 && (idx_bytes == 4 || idx_bytes == 8), "encode_pull: divisor (", divisor,
+              ") must be >= 1 and idx_bytes (", idx_bytes, ") 4 or 8");
+  const int64_t m = acc.size(0), width = acc.size(1), nw = num_words(m);
+  TORCH_CHECK(words.scalar_type() == at::kLong && words.numel() == nw && words.is_contiguous(),
+              "encode_pull: words must hold ", nw, " int64 words");
+  TORCH_CHECK(count >= 0 && count <= m, "encode_pull: count (", count, ") must be in [0, ", m, "]");
+  const uint64_t* wp = reinterpret_cast<const uint64_t*>(words.data_ptr<int64_t>());
+  const int64_t esz = at::elementSize(dtype), vsz = esz * width;
+  const int64_t ib = index_bytes(fmt, count, m, idx_bytes);
+  auto msg = at::empty({kHeaderBytes + ib + value_rows(fmt, count, m) * vsz}, at::TensorOptions().dtype(at::kByte));
+  uint8_t* out = msg.data_ptr<uint8_t>();
+  store<int64_t>(out, fmt);
+  store<int64_t>(out + 8, count);
+  uint8_t* idx_out = out + kHeaderBytes;
+  uint8_t* val_out = idx_out + ib;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "encode_pull", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const acc_t* ap = acc.data_ptr<acc_t>();
+    const acc_t div = acc_t(divisor);
+    auto put_row = [&](int64_t row, int64_t at_row) {
+      const acc_t* src = ap + row * width;
+      uint8_t* dst = val_out + at_row * vsz;
+      for (int64_t c = 0; c < width; ++c) {
+        const acc_t v = divisor == 1 ? src[c] : src[c] / div;
+        store<scalar_t>(dst + c * esz, scalar_t(v));
+      }
+    };
+    if (fmt == kFmtDense) {
+      at::parallel_for(0, m, 1 << 14, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; ++r) put_row(r, r);
+      });
+      return;
+    }
+    if (fmt == kFmtBitmap) std::memcpy(idx_out, wp, size_t(8 * nw));
+    int64_t k = 0;
+    for (int64_t w = 0; w < nw; ++w) {
+      for (uint64_t bits = wp[w]; bits; bits &= bits - 1) {
+        const int64_t pos = w * 64 + ctz64(bits);
+        TORCH_CHECK(k < count, "encode_pull: more than count (", count, ") bits set");
+        if (fmt == kFmtCoo) {
+          if (idx_bytes == 4) store<int32_t>(idx_out + k * 4, int32_t(pos));
+          else store<int64_t>(idx_out + k * 8, pos);
+        }
+        put_row(pos, k++);
+      }
+    }
+    TORCH_CHECK(k == count, "encode_pull: count (", count, ") but ", k, " bits set");
+  });
+  return msg;
+}
+
+// Worker side, step 5: one pulled message of server `part` written into out (numel rows of width
+// values, dtype of the values) at the global indices P⁻¹(p·n + part) of its positions p. Positions
+// come from the bitmap words by popcount/count-trailing-zeros (no bool array, no nonzero).
+void decode_pull_cpu(const at::Tensor& out, const at::Tensor& msg, int64_t part, int64_t num_parts,
+                     const at::Tensor& keys, int64_t idx_bytes) {
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() >= 1 && out.dim() <= 2,
+              "decode_pull_: out must be a contiguous 1-D or 2-D CPU tensor, got shape ", out.sizes());
+  check_bytes(msg, "decode_pull_: msg");
+  TORCH_CHECK(num_parts >= 1 && part >= 0 && part < num_parts, "decode_pull_: part (", part,
+              ") must be in [0, num_parts = ", num_parts, ")");
+  TORCH_CHECK(idx_bytes == 4 || idx_bytes == 8, "decode_pull_: idx_bytes (", idx_bytes, ") must be 4 or 8");
+  const int64_t numel = out.size(0), width = out.dim() == 2 ? out.size(1) : 1;
+  TORCH_CHECK(uint64_t(numel) <= kMaxNumel, "decode_pull_: numel must be <= 2^62, got ", numel);
+  const int64_t m = part_size(numel, part, num_parts), nw = num_words(m);
+  const int64_t nbytes = msg.numel();
+  if (nbytes == 0) return;
+  TORCH_CHECK(nbytes >= kHeaderBytes, "decode_pull_: message of ", nbytes, " bytes has no header");
+  const uint8_t* p = msg.data_ptr<uint8_t>();
+  const int64_t fmt = load<int64_t>(p), count = load<int64_t>(p + 8);
+  TORCH_CHECK(fmt == kFmtCoo || fmt == kFmtBitmap || fmt == kFmtDense, "decode_pull_: bad format ", fmt);
+  TORCH_CHECK(count >= 0 && count <= m, "decode_pull_: count (", count, ") must be in [0, ", m, "]");
+  const int64_t esz = out.element_size(), vsz = esz * width;
+  const int64_t ib = index_bytes(fmt, count, m, idx_bytes);
+  TORCH_CHECK(nbytes == kHeaderBytes + ib + value_rows(fmt, count, m) * vsz, "decode_pull_: message of ", nbytes,
+              " bytes does not match format ", fmt, " with count ", count, " of a partition of ", m);
+  const uint8_t* idx_in = p + kHeaderBytes;
+  const uint8_t* val_in = idx_in + ib;
+  uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr());
+  const FeistelKeys k = keys_of(keys);
+  const int bits = domain_bits(uint64_t(numel));
+  // A row is copied byte for byte: the values are already in out's dtype (scaled by the server).
+  const RowWriter write{dst, val_in, vsz, part, num_parts, uint64_t(numel), k, bits};
+  if (fmt == kFmtDense) {
+    at::parallel_for(0, m, kBatch * 16, [&](int64_t b, int64_t e) {
+      int64_t pos[kBatch];
+      for (int64_t r = b; r < e; r += kBatch) {
+        const int64_t c = std::min(kBatch, e - r);
+        for (int64_t j = 0; j < c; ++j) pos[j] = r + j;
+        write(pos, c, r);
+      }
+    });
+  } else if (fmt == kFmtCoo) {
+    // Check every position before the first write: a rejected message leaves out untouched.
+    for (int64_t r = 0; r < count; ++r) {
+      const int64_t pos = load_pos(idx_in + r * idx_bytes, idx_bytes);
+      TORCH_CHECK(pos >= 0 && pos < m, "decode_pull_: COO position ", pos, " lies outside [0, ", m, ")");
+    }
+    at::parallel_for(0, count, kBatch * 16, [&](int64_t b, int64_t e) {
+      int64_t pos[kBatch];
+      for (int64_t r = b; r < e; r += kBatch) {
+        const int64_t c = std::min(kBatch, e - r);
+        for (int64_t j = 0; j < c; ++j) pos[j] = load_pos(idx_in + (r + j) * idx_bytes, idx_bytes);
+        write(pos, c, r);
+      }
+    });
+  } else {
+    // Word by word: popcount gives each chunk of words its first value row (so threads can split
+    // the words), count-trailing-zeros walks the set bits into batches of positions.
+    const int64_t grain = 1 << 12;
+    const int64_t chunks = (nw + grain - 1) / grain;
+    std::vector<int64_t> first(chunks + 1, 0);
+    for (int64_t c = 0; c < chunks; ++c) {
+      int64_t s = 0;
+      for (int64_t w = c * grain, e = std::min(nw, w + grain); w < e; ++w) s += popcount64(load<uint64_t>(idx_in + 8 * w));
+      first[c + 1] = first[c] + s;
+    }
+    TORCH_CHECK(first[chunks] == count, "decode_pull_: bitmap has ", first[chunks], " bits set, header says ", count);
+    if (m % 64) {
+      TORCH_CHECK((load<uint64_t>(idx_in + 8 * (nw - 1)) >> (m % 64)) == 0, "decode_pull_: bitmap bits past ", m);
+    }
+    at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+      int64_t pos[kBatch];
+      for (int64_t c = cb; c < ce; ++c) {
+        int64_t row = first[c], fill = 0;
+        for (int64_t w = c * grain, e = std::min(nw, w + grain); w < e; ++w) {
+          for (uint64_t b = load<uint64_t>(idx_in + 8 * w); b; b &= b - 1) {
+            pos[fill++] = w * 64 + ctz64(b);
+            if (fill == kBatch) {
+              write(pos, fill, row);
+              row += fill, fill = 0;
+            }
+          }
+        }
+        if (fill) write(pos, fill, row);
+      }
+    });
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zen_ext, CPU, m) {
+  m.impl("aggregate_push", &aggregate_push_cpu);
+  m.impl("encode_pull", &encode_pull_cpu);
+  m.impl("decode_pull_", &decode_pull_cpu);
+}
+
+}  // namespace zen_ext

@@ -1,0 +1,307 @@
+// CUDA kernels of ZEN's server-side aggregation and pull (zen_ext::aggregate_push, encode_pull,
+// decode_pull_), same schemas and wire format (csrc/pull_format.h) as the CPU op
+// (csrc/cpu/pull_kernel.cpp). Launched on the current stream; none of them reads device memory on the
+// host, so a zen call's host synchronizations stay the ones zen.py makes (counts, message sizes).
+//
+// Differences from the CPU op, by design:
+// * aggregate_push sums with atomicAdd: the order of the additions into one position is not fixed
+//   (as for index_add_ on CUDA); integer-valued sums are still exact.
+// * decode_pull_ reads the header on the device and cannot raise on a malformed message without a
+//   host read: entries outside the partition are skipped (the CPU op raises). Messages come from
+//   encode_pull on a peer, which checks them.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "../pull_format.h"
+
+namespace zen_ext {
+namespace {
+
+using namespace pull;
+constexpr int kThreads = 256;
+
+int64_t blocks_for(int64_t work) {
+  return std::max<int64_t>(1, std::min<int64_t>((work + kThreads - 1) / kThreads, 1 << 16));
+}
+
+__device__ __forceinline__ FeistelKeys keys_from(const int64_t* keys_R) {
+  FeistelKeys k;
+  for (int r = 0; r < kNumRounds; ++r) k.k[r] = uint32_t(keys_R[r]);
+  return k;
+}
+
+__device__ __forceinline__ void atomic_add_acc(float* p, float v) { atomicAdd(p, v); }
+__device__ __forceinline__ void atomic_add_acc(double* p, double v) { atomicAdd(p, v); }
+
+__device__ __forceinline__ void set_bit(int64_t* words, int64_t pos) {
+  atomicOr(reinterpret_cast<unsigned long long*>(words + (pos >> 6)), 1ull << (pos & 63));
+}
+
+// ---- aggregate_push ------------------------------------------------------------------------------
+
+template <typename scalar_t, typename acc_t>
+__global__ void add_dense_kernel(const uint8_t* __restrict__ p, int64_t total, acc_t* __restrict__ acc) {
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < total; j += int64_t(gridDim.x) * blockDim.x)
+    acc[j] += acc_t(load<scalar_t>(p + j * sizeof(scalar_t)));  // one payload per launch: no race
+}
+
+__global__ void fill_words_kernel(int64_t* __restrict__ words, int64_t m) {
+  const int64_t nw = num_words(m);
+  for (int64_t w = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; w < nw; w += int64_t(gridDim.x) * blockDim.x) {
+    const int rem = int(m - 64 * w);
+    words[w] = rem >= 64 ? int64_t(~0ull) : int64_t((1ull << rem) - 1);
+  }
+}
+
+template <typename scalar_t, typename acc_t>
+__global__ void add_coo_kernel(const uint8_t* __restrict__ p, int64_t k, int64_t width, int64_t idx_bytes,
+                               int64_t m, acc_t* __restrict__ acc, int64_t* __restrict__ words,
+                               int64_t* __restrict__ bad) {
+  const uint8_t* vals = p + k * idx_bytes;
+  const int64_t vsz = width * int64_t(sizeof(scalar_t));
+  for (int64_t j = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; j < k; j += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t pos = load_pos(p + j * idx_bytes, idx_bytes);
+    if (pos < 0 || pos >= m) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(bad), 1ull);
+      continue;
+    }
+    for (int64_t c = 0; c < width; ++c)
+      atomic_add_acc(acc + pos * width + c, acc_t(load<scalar_t>(vals + j * vsz + c * sizeof(scalar_t))));
+    set_bit(words, pos);
+  }
+}
+
+__global__ void popcount_total_kernel(const int64_t* __restrict__ words, int64_t nw, int64_t* __restrict__ count) {
+  int64_t s = 0;
+  for (int64_t w = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; w < nw; w += int64_t(gridDim.x) * blockDim.x)
+    s += popcount64(uint64_t(words[w]));
+  if (s) atomicAdd(reinterpret_cast<unsigned long long*>(count), (unsigned long long)s);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_push_cuda(at::TensorList payloads, int64_t part_size,
+                                                                   int64_t width, at::ScalarType dtype,
+                                                                   int64_t idx_bytes) {
+  TORCH_CHECK(!payloads.empty(), "aggregate_push: the CUDA op needs at least one payload (for its device)");
+  TORCH_CHECK(part_size >= 0 && width >= 1 && (idx_bytes == 4 || idx_bytes == 8), "aggregate_push: part_size (",
+              part_size, ") >= 0, width (", width, ") >= 1, idx_bytes (", idx_bytes, ") 4 or 8");
+  const c10::cuda::CUDAGuard guard(payloads[0].device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t m = part_size, nw = num_words(m);
+  const auto opts = payloads[0].options();
+  const at::ScalarType acc_st = (dtype == at::kHalf || dtype == at::kBFloat16) ? at::kFloat : dtype;
+  auto acc = at::zeros({m, width}, opts.dtype(acc_st));
+  auto words = at::zeros({nw}, opts.dtype(at::kLong));
+  auto counters = at::zeros({2}, opts.dtype(at::kLong));  // [count, bad positions]
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "aggregate_push_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const int64_t vsz = int64_t(sizeof(scalar_t)) * width;
+    for (const auto& buf : payloads) {
+      TORCH_CHECK(buf.is_cuda() && buf.scalar_type() == at::kByte && buf.dim() == 1 && buf.is_contiguous(),
+                  "aggregate_push payloads must be contiguous 1-D uint8 CUDA tensors");
+      const int64_t nbytes = buf.numel();
+      if (nbytes == 0) continue;
+      if (m > 0 && nbytes == m * vsz) {
+        add_dense_kernel<scalar_t, acc_t><<<blocks_for(m * width), kThreads, 0, stream>>>(
+            buf.data_ptr<uint8_t>(), m * width, acc.data_ptr<acc_t>());
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        fill_words_kernel<<<blocks_for(nw), kThreads, 0, stream>>>(words.data_ptr<int64_t>(), m);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        continue;
+      }
+      TORCH_CHECK(nbytes % (idx_bytes + vsz) == 0, "aggregate_push: a payload of ", nbytes,
+                  " bytes is neither dense (", m * vsz, ") nor whole (position, row) pairs of ", idx_bytes + vsz);
+      const int64_t k = nbytes / (idx_bytes + vsz);
+      add_coo_kernel<scalar_t, acc_t><<<blocks_for(k), kThreads, 0, stream>>>(
+          buf.data_ptr<uint8_t>(), k, width, idx_bytes, m, acc.data_ptr<acc_t>(), words.data_ptr<int64_t>(),
+          counters.data_ptr<int64_t>() + 1);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  if (nw) {
+    popcount_total_kernel<<<blocks_for(nw), kThreads, 0, stream>>>(words.data_ptr<int64_t>(), nw,
+                                                                   counters.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  // The count is read by the caller anyway (it sizes the pull message); positions outside the
+  // partition were skipped and counted in counters[1], which zen.py may check with the same read.
+  return {acc, words, counters.narrow(0, 0, 1)};
+}
+
+// ---- encode_pull ---------------------------------------------------------------------------------
+
+__global__ void word_popcount_kernel(const int64_t* __restrict__ words, int64_t nw, int64_t* __restrict__ pc) {
+  for (int64_t w = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; w < nw; w += int64_t(gridDim.x) * blockDim.x)
+    pc[w] = popcount64(uint64_t(words[w]));
+}
+
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void put_row(const acc_t* acc, int64_t row, int64_t width, int64_t divisor,
+                                        uint8_t* val_out, int64_t at_row) {
+  for (int64_t c = 0; c < width; ++c) {
+    const acc_t v = divisor == 1 ? acc[row * width + c] : acc[row * width + c] / acc_t(divisor);
+    store<scalar_t>(val_out + (at_row * width + c) * int64_t(sizeof(scalar_t)), scalar_t(v));
+  }
+}
+
+// One thread per word (bitmap, COO) or per row (dense); first_row = exclusive prefix of popcounts.
+template <typename scalar_t, typename acc_t>
+__global__ void encode_kernel(const acc_t* __restrict__ acc, const int64_t* __restrict__ words,
+                              const int64_t* __restrict__ incl_pc, int64_t m, int64_t width, int64_t fmt,
+                              int64_t count, int64_t divisor, int64_t idx_bytes, uint8_t* __restrict__ msg) {
+  uint8_t* idx_out = msg + kHeaderBytes;
+  uint8_t* val_out = idx_out + index_bytes(fmt, count, m, idx_bytes);
+  const int64_t nw = num_words(m);
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t t0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  if (t0 == 0) {
+    store<int64_t>(msg, fmt);
+    store<int64_t>(msg + 8, count);
+  }
+  if (fmt == kFmtDense) {
+    for (int64_t r = t0; r < m; r += stride) put_row<scalar_t, acc_t>(acc, r, width, divisor, val_out, r);
+    return;
+  }
+  for (int64_t w = t0; w < nw; w += stride) {
+    const uint64_t bits0 = uint64_t(words[w]);
+    if (fmt == kFmtBitmap) store<uint64_t>(idx_out + 8 * w, bits0);
+    int64_t k = incl_pc[w] - popcount64(bits0);
+    for (uint64_t b = bits0; b; b &= b - 1) {
+      const int64_t pos = w * 64 + ctz64(b);
+      if (fmt == kFmtCoo) {
+        if (idx_bytes == 4) store<int32_t>(idx_out + k * 4, int32_t(pos));
+        else store<int64_t>(idx_out + k * 8, pos);
+      }
+      put_row<scalar_t, acc_t>(acc, pos, width, divisor, val_out, k++);
+    }
+  }
+}
+
+at::Tensor encode_pull_cuda(const at::Tensor& acc, const at::Tensor& words, int64_t count, int64_t fmt,
+                            int64_t divisor, at::ScalarType dtype, int64_t idx_bytes) {
+  TORCH_CHECK(acc.is_cuda() && acc.dim() == 2 && acc.is_contiguous(), "encode_pull: acc must be contiguous 2-D CUDA");
+  TORCH_CHECK(fmt == kFmtCoo || fmt == kFmtBitmap || fmt == kFmtDense, "encode_pull: fmt (", fmt, ") must be 0, 1 or 2");
+  TORCH_CHECK(divisor >= 1 && (idx_bytes == 4 || idx_bytes == 8), "encode_pull: divisor >= 1, idx_bytes 4 or 8");
+  const c10::cuda::CUDAGuard guard(acc.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t m = acc.size(0), width = acc.size(1), nw = num_words(m);
+  TORCH_CHECK(words.scalar_type() == at::kLong && words.numel() == nw && words.is_contiguous(),
+              "encode_pull: words must hold ", nw, " int64 words");
+  TORCH_CHECK(count >= 0 && count <= m, "encode_pull: count (", count, ") must be in [0, ", m, "]");
+  const int64_t vsz = at::elementSize(dtype) * width;
+  auto msg = at::empty({kHeaderBytes + index_bytes(fmt, count, m, idx_bytes) + value_rows(fmt, count, m) * vsz},
+                       acc.options().dtype(at::kByte));
+  auto pc = at::empty({std::max<int64_t>(nw, 1)}, words.options());
+  if (fmt != kFmtDense && nw) {
+    word_popcount_kernel<<<blocks_for(nw), kThreads, 0, stream>>>(words.data_ptr<int64_t>(), nw, pc.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    pc = at::cumsum(pc, 0);  // inclusive; the kernel subtracts its own word
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "encode_pull_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    TORCH_CHECK(acc.scalar_type() == c10::CppTypeToScalarType<acc_t>::value, "encode_pull: acc dtype");
+    encode_kernel<scalar_t, acc_t><<<blocks_for(std::max(fmt == kFmtDense ? m : nw, int64_t(1))), kThreads, 0, stream>>>(
+        acc.data_ptr<acc_t>(), words.data_ptr<int64_t>(), pc.data_ptr<int64_t>(), m, width, fmt, count, divisor,
+        idx_bytes, msg.data_ptr<uint8_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return msg;
+}
+
+// ---- decode_pull_ --------------------------------------------------------------------------------
+
+// Popcount per bitmap word, or zeros when the message is not a bitmap (the format is on the device).
+__global__ void msg_word_popcount_kernel(const uint8_t* __restrict__ msg, int64_t nbytes, int64_t nw,
+                                         int64_t* __restrict__ pc) {
+  const int64_t fmt = load<int64_t>(msg);
+  for (int64_t w = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; w < nw; w += int64_t(gridDim.x) * blockDim.x) {
+    const bool ok = fmt == kFmtBitmap && kHeaderBytes + 8 * (w + 1) <= nbytes;
+    pc[w] = ok ? popcount64(load<uint64_t>(msg + kHeaderBytes + 8 * w)) : 0;
+  }
+}
+
+// One thread per position (dense), entry (COO) or word (bitmap, with incl_pc the inclusive prefix).
+__global__ void decode_kernel(uint8_t* __restrict__ out, int64_t vsz, const uint8_t* __restrict__ msg,
+                              int64_t nbytes, const int64_t* __restrict__ incl_pc, int64_t part, int64_t n,
+                              uint64_t numel, int64_t m, const int64_t* __restrict__ keys_R, int bits,
+                              int64_t idx_bytes) {
+  const int64_t fmt = load<int64_t>(msg), count = load<int64_t>(msg + 8);
+  if (count < 0 || count > m) return;
+  const int64_t ib = index_bytes(fmt, count, m, idx_bytes);
+  if (nbytes != kHeaderBytes + ib + value_rows(fmt, count, m) * vsz) return;  // malformed: write nothing
+  const FeistelKeys keys = keys_from(keys_R);
+  const uint8_t* idx_in = msg + kHeaderBytes;
+  const uint8_t* val_in = idx_in + ib;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t t0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  auto put = [&](int64_t pos, int64_t row) {
+    const int64_t g = global_index(pos, part, n, numel, keys, bits);
+    memcpy(out + g * vsz, val_in + row * vsz, size_t(vsz));
+  };
+  if (fmt == kFmtDense) {
+    for (int64_t r = t0; r < m; r += stride) put(r, r);
+  } else if (fmt == kFmtCoo) {
+    for (int64_t r = t0; r < count; r += stride) {
+      const int64_t pos = load_pos(idx_in + r * idx_bytes, idx_bytes);
+      if (pos >= 0 && pos < m) put(pos, r);
+    }
+  } else if (fmt == kFmtBitmap) {
+    const int64_t nw = num_words(m);
+    for (int64_t w = t0; w < nw; w += stride) {
+      const uint64_t bits0 = load<uint64_t>(idx_in + 8 * w);
+      int64_t row = incl_pc[w] - popcount64(bits0);
+      for (uint64_t b = bits0; b; b &= b - 1) {
+        const int64_t pos = w * 64 + ctz64(b);
+        if (pos < m && row < count) put(pos, row);
+        ++row;
+      }
+    }
+  }
+}
+
+void decode_pull_cuda(const at::Tensor& out, const at::Tensor& msg, int64_t part, int64_t num_parts,
+                      const at::Tensor& keys, int64_t idx_bytes) {
+  TORCH_CHECK(out.is_cuda() && out.is_contiguous() && out.dim() >= 1 && out.dim() <= 2,
+              "decode_pull_: out must be a contiguous 1-D or 2-D CUDA tensor");
+  TORCH_CHECK(msg.is_cuda() && msg.scalar_type() == at::kByte && msg.dim() == 1 && msg.is_contiguous(),
+              "decode_pull_: msg must be a contiguous 1-D uint8 CUDA tensor");
+  TORCH_CHECK(num_parts >= 1 && part >= 0 && part < num_parts, "decode_pull_: part must be in [0, num_parts)");
+  TORCH_CHECK(idx_bytes == 4 || idx_bytes == 8, "decode_pull_: idx_bytes must be 4 or 8");
+  TORCH_CHECK(keys.scalar_type() == at::kLong && keys.numel() == kNumRounds, "decode_pull_: keys must be int64[4]");
+  const int64_t nbytes = msg.numel();
+  if (nbytes == 0) return;
+  TORCH_CHECK(nbytes >= kHeaderBytes, "decode_pull_: message of ", nbytes, " bytes has no header");
+  const c10::cuda::CUDAGuard guard(out.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t numel = out.size(0), width = out.dim() == 2 ? out.size(1) : 1;
+  const int64_t m = part_size(numel, part, num_parts), nw = num_words(m);
+  auto keys_R = keys.to(out.device()).contiguous();  // no copy when zen.py passes device keys (cached)
+  auto pc = at::empty({std::max<int64_t>(nw, 1)}, msg.options().dtype(at::kLong));
+  if (nw) {
+    msg_word_popcount_kernel<<<blocks_for(nw), kThreads, 0, stream>>>(msg.data_ptr<uint8_t>(), nbytes, nw,
+                                                                       pc.data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    pc = at::cumsum(pc, 0);
+  }
+  decode_kernel<<<blocks_for(std::max<int64_t>(m, 1)), kThreads, 0, stream>>>(
+      reinterpret_cast<uint8_t*>(out.data_ptr()), out.element_size() * width, msg.data_ptr<uint8_t>(), nbytes,
+      pc.data_ptr<int64_t>(), part, num_parts, uint64_t(numel), m, keys_R.data_ptr<int64_t>(),
+      domain_bits(uint64_t(numel)), idx_bytes);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(zen_ext, CUDA, m) {
+  m.impl("aggregate_push", &aggregate_push_cuda);
+  m.impl("encode_pull", &encode_pull_cuda);
+  m.impl("decode_pull_", &decode_pull_cuda);
+}
+
+}  // namespace zen_ext
