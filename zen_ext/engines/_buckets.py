@@ -499,7 +499,8 @@ class BucketReducer:
                 out = self._reduce_tp_shared(chunk, members[0], op)
             else:
                 out = self._reduce_dp(chunk, members, op)
-            chunk.copy_(out)
+            if out.data_ptr() != chunk.data_ptr():  # the direct path already wrote into the chunk
+                chunk.copy_(out)
 
     def _reduce_dp(self, chunk: torch.Tensor, members: list[GradSlice], op: str) -> torch.Tensor:
         nat = [s for s in members if self.sync.param_kinds.get(s.name) == "natural" and len(s.shape) >= 2]
@@ -510,7 +511,9 @@ class BucketReducer:
             out = self.node.reduce(chunk, members, op, self.sync.sync_flat)
             self._stats["intra_bytes_sent"] += self.node.bytes_sent - before
         else:
-            out = self.sync.sync_flat(chunk, list(members), op)
+            # The reduced bucket goes straight back into the engine's buffer: no bucket-sized
+            # temporary and no copy (sync_flat reads every range before writing it).
+            out = self.sync.sync_flat(chunk, list(members), op, out=chunk)
         if nat:
             self._stats["natural_union_rows"] += sum(_nonzero_rows(out, s) for s in nat)
         return out
