@@ -51,3 +51,32 @@ def test_dense_on_gloo_matches_simworld_bytes():
     for r in range(3):
         assert torch.equal(got[r][0], expected)
         assert got[r][1] == world.stats[r].as_dict()
+
+
+def _gather_start_worker(rank, world_size):
+    from zen_ext.comm.torch_dist import TorchCommunicator
+
+    comm = TorchCommunicator()
+    mine = torch.arange(rank * 3, dtype=torch.int64) + 100 * rank  # rank 0 sends nothing
+    blocking = comm.all_gather_v(mine)
+    order, msgs = [], {}
+    for j, buf in comm.all_gather_v_start(mine).as_completed():
+        order.append(j)
+        msgs[j] = buf.clone()
+    # A consumer that stops after its own message still leaves no request behind: the next
+    # collectives on the group run normally.
+    handle = comm.all_gather_v_start(mine)
+    next(iter(handle.as_completed()))
+    del handle
+    again = comm.all_gather_v(mine)
+    return order, msgs, blocking, again
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_all_gather_v_start_yields_each_message_once_own_first(world_size):
+    got = run_workers(_gather_start_worker, world_size)
+    for r, (order, msgs, blocking, again) in enumerate(got):
+        assert order[0] == r and sorted(order) == list(range(world_size))
+        for j in range(world_size):
+            want = torch.arange(j * 3, dtype=torch.int64) + 100 * j
+            assert torch.equal(msgs[j], want) and torch.equal(blocking[j], want) and torch.equal(again[j], want)

@@ -84,6 +84,37 @@ def backend_device(backend: str) -> torch.device:
     return torch.device("cpu")
 
 
+class GatherHandle:
+    """A started ``all_gather_v``: each rank's message, yielded as it lands (``as_completed``).
+
+    Lets a consumer (ZEN's pull decode) work on one server's partition while the others are still on
+    the wire. ``waits[j]`` blocks until rank ``j``'s message is complete; ``finish`` waits for the rest
+    (this rank's sends) and runs even when the consumer stops early, so no request outlives the handle.
+    """
+
+    def __init__(self, rank: int, parts: list[torch.Tensor], waits: dict | None = None, finish=None) -> None:
+        self.rank = rank
+        self.parts = parts
+        self._waits = waits or {}
+        self._finish = finish
+
+    def as_completed(self):
+        """Yield ``(rank, message)``: this rank's own first (no wire), then the peers in ring order."""
+        try:
+            yield self.rank, self.parts[self.rank]
+            n = len(self.parts)
+            for step in range(1, n):
+                j = (self.rank + step) % n
+                wait = self._waits.get(j)
+                if wait is not None:
+                    self.parts[j] = wait()
+                yield j, self.parts[j]
+        finally:
+            if self._finish is not None:
+                self._finish()
+                self._finish = None
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -188,6 +219,25 @@ class Communicator(abc.ABC):
                 self._account(recv=_nbytes(out[j]), msgs_recv=1)
         return out
 
+    def all_gather_v_start(self, t: torch.Tensor) -> GatherHandle:
+        """Start a variable-size all-gather of a 1-D tensor; its messages are read through the handle.
+
+        Same wire and accounting as ``all_gather_v`` (sizes first, checked, no padding); the payloads
+        are in flight when this returns, where the transport allows.
+        """
+        if t.dim() != 1:
+            raise ValueError(f"all_gather_v_start needs a 1-D tensor, got {t.dim()}-D")
+        t = t.contiguous()
+        handle = self._all_gather_v_start(t)
+        peers = [j for j in range(self.size) if j != self.rank]
+        self._account(sent=len(peers) * _COUNT_BYTES, recv=len(peers) * _COUNT_BYTES, msgs=len(peers))
+        if t.numel():
+            self._account(sent=len(peers) * _nbytes(t), msgs_sent=len(peers))
+        for j in peers:
+            if handle.parts[j].numel():
+                self._account(recv=_nbytes(handle.parts[j]), msgs_recv=1)
+        return handle
+
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce (``sum`` or ``max``); returns ``t``."""
         if op not in ("sum", "max"):
@@ -237,6 +287,10 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def _all_gather_v(self, t: torch.Tensor) -> list[torch.Tensor]: ...
+
+    def _all_gather_v_start(self, t: torch.Tensor) -> GatherHandle:
+        # Transports without asynchronous requests complete the whole gather here.
+        return GatherHandle(self.rank, self._all_gather_v(t))
 
     @abc.abstractmethod
     def _all_reduce(self, t: torch.Tensor, op: str) -> None: ...

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .base import Communicator, backend_device
+from .base import GatherHandle, Communicator, backend_device
 
 __all__ = ["EXCHANGE_IMPLS", "TorchCommunicator", "backend_device"]
 
@@ -142,6 +142,56 @@ class TorchCommunicator(Communicator):
             out = [o.to(t.device) for o in out]
         out[self.rank] = t
         return out
+
+    def _all_gather_v_start(self, t: torch.Tensor) -> GatherHandle:
+        """``_all_gather_v`` whose payload requests are waited per peer, as the consumer reads them.
+
+        1. Header (size + signature, one all-gather, the one host synchronization), check.
+        2. Post every receive and send as one ``batch_isend_irecv`` (one NCCL group).
+        3. The handle waits for peer ``j``'s receive only when ``j``'s message is read; the sends are
+           waited last. Where the backend returns one request for the whole batch (NCCL coalesces
+           the group), the first wait completes every message.
+        """
+        if self.size == 1:
+            self._verify_signatures([self._sig_word])
+            return GatherHandle(self.rank, [t])
+        # Step 1: header.
+        dev = self.device
+        mine = self._header([t.numel(), self._sig_word])
+        heads = torch.empty(2 * self.size, dtype=torch.int64, device=dev)
+        _all_gather_single(heads, mine, group=self.group)
+        head = heads.view(self.size, 2).tolist()
+        self._verify_signatures([h[1] for h in head])
+        # Step 2: post the batch.
+        staged = t.to(dev) if t.device != dev else t
+        parts = [torch.empty(h[0], dtype=t.dtype, device=dev) for h in head]
+        parts[self.rank] = t
+        peers = [j for j in range(self.size) if j != self.rank]
+        recv_peers = [j for j in peers if parts[j].numel()]
+        for j in peers:
+            if not parts[j].numel():  # nothing travels: the consumer gets it on the payload's device
+                parts[j] = t.new_empty(0)
+        ops = [dist.P2POp(dist.irecv, parts[j], group=self.group, group_peer=j) for j in recv_peers]
+        ops += [dist.P2POp(dist.isend, staged, group=self.group, group_peer=j) for j in peers if staged.numel()]
+        works = list(dist.batch_isend_irecv(ops)) if ops else []
+        # Step 3: per-peer waits. Each request is waited exactly once: a second wait on a gloo
+        # receive blocks for another message that never comes.
+        per_op = len(works) == len(ops)
+        pending = dict(enumerate(works))
+
+        def wait_for(j: int):
+            if per_op:
+                pending.pop(recv_peers.index(j)).wait()
+            else:
+                while pending:
+                    pending.popitem()[1].wait()
+            return parts[j] if t.device == dev else parts[j].to(t.device)
+
+        def finish() -> None:
+            while pending:
+                pending.popitem()[1].wait()
+
+        return GatherHandle(self.rank, parts, {j: (lambda j=j: wait_for(j)) for j in recv_peers}, finish)
 
     def _gather_words(self, word: int) -> list[int]:
         got = torch.empty(self.size, dtype=torch.int64, device=self.device)
