@@ -196,7 +196,8 @@ class ZenTorchDDPPlugin(TorchDDPPlugin):
     def configure(self, model, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
         out = super().configure(model, optimizer, criterion, dataloader, lr_scheduler)
         if self.zen_config.enabled:
-            self.zen = register_zen_hook(out[0].module, self.zen_config, guard_nonfinite=self.guard_nonfinite)
+            self.zen = register_zen_hook(out[0].module, self.zen_config, guard_nonfinite=self.guard_nonfinite,
+                                         optimizer=optimizer)
         return out
 
 
@@ -248,7 +249,7 @@ class ZenHybridParallelPlugin(HybridParallelPlugin):
                 raise RuntimeError(f"zen: HybridParallelModule wraps a {type(ddp).__name__}, not torch DDP; "
                                    f"ColossalAI {VERIFIED_COLOSSALAI} builds DDP for pp_size 1, zero_stage 0")
             self.zen = register_zen_hook(ddp, self.zen_config, tp_group=self.tp_group if self.tp_size > 1 else None,
-                                         guard_nonfinite=self.precision == "fp16")
+                                         guard_nonfinite=self.precision == "fp16", optimizer=optimizer)
         return out
 
 

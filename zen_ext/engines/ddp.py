@@ -30,10 +30,10 @@ import torch.distributed as dist
 
 from ..comm.torch_dist import TorchCommunicator
 from ..compress import classify_parameters
-from ..config import ZenConfig
+from ..config import ZenConfig, resolve_dgc_defaults
 from ..core.synchronizer import GradSlice, Synchronizer
 from ._buckets import BucketReducer, locate_slices
-from .stats import StepStats, report_summary
+from .stats import StepStats, report_summary, startup_line
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class ZenHookState:
 
     @classmethod
     def build(cls, module: torch.nn.Module, cfg: "ZenConfig | dict | None" = None, *, dp_group=None,
-              tp_group=None, guard_group=None, guard_nonfinite: bool = False) -> "ZenHookState":
+              tp_group=None, guard_group=None, guard_nonfinite: bool = False, optimizer=None) -> "ZenHookState":
         """Build the state for the parameters of ``module`` (the module DDP wraps).
 
         1. Validate the ``"zen"`` section and refuse what the DDP path does not serve.
@@ -103,6 +103,9 @@ class ZenHookState:
             guard_nonfinite: make a NaN/Inf gradient on any rank NaN-fill every rank's bucket instead
                 of synchronizing it, so a loss scaler (fp16, AMP ``GradScaler``) still sees the overflow
                 that DGC could otherwise drop, and no residual memory is polluted.
+            optimizer: the training optimizer, from which a null ``zen.dgc.momentum_correction`` is
+                decided (``config.resolve_dgc_defaults``); None: false (plain error feedback, right for
+                any optimizer), with a warning when DGC is on.
 
         Raises:
             ValueError, TypeError: an invalid ``"zen"`` section.
@@ -116,6 +119,11 @@ class ZenHookState:
                 "reduction is implemented for zen_ext.deepspeed only; \"auto\" runs ZEN over the whole "
                 "data-parallel group")
         rank = dist.get_rank()
+        if optimizer is None and cfg.dgc.enabled and cfg.dgc.momentum_correction is None and rank == 0:
+            log.warning("zen: zen.dgc.momentum_correction is null and no optimizer was given: using false (plain "
+                        "error feedback, right for Adam and momentum-SGD); pass optimizer= to register_zen_hook, or "
+                        "set it true for SGD with momentum 0 (DGC's DGCSGD)")
+        cfg, dgc_note = resolve_dgc_defaults(cfg, optimizer)
         # Step 2: routing and the Synchronizer.
         names = {id(p): n for n, p in module.named_parameters()}
         kinds = classify_parameters(module, natural=cfg.natural_options(), dgc=cfg.dgc_options(), log=rank == 0)
@@ -132,6 +140,8 @@ class ZenHookState:
         if rank == 0:
             log.info("zen: DDP comm hook (dp=%d, tp=%d, guard_nonfinite=%s): %s", dp_comm.size,
                      tp_comm.size if tp_comm else 1, guard_nonfinite, cfg.to_dict())
+            print(startup_line(f"a DDP comm hook (dp={dp_comm.size}, tp={tp_comm.size if tp_comm else 1})", cfg, kinds,
+                               {n: p.numel() for n, p in module.named_parameters()}, dgc_note), flush=True)
         return cls(sync=sync, reducer=reducer, names=names, cfg=cfg,
                    stats=StepStats(rank, cfg.stats.jsonl_path), rank=rank)
 
@@ -244,7 +254,7 @@ def zen_comm_hook(state: ZenHookState, bucket: dist.GradBucket) -> torch.futures
 
 
 def register_zen_hook(ddp_model, cfg: "ZenConfig | dict | None" = None, *, tp_group=None, guard_group=None,
-                      guard_nonfinite: bool = False) -> ZenHookState:
+                      guard_nonfinite: bool = False, optimizer=None) -> ZenHookState:
     """Build a ``ZenHookState`` for a DDP model and register ``zen_comm_hook`` on it.
 
     Call it after wrapping and before the first backward. The data-parallel group is the one DDP
@@ -253,7 +263,8 @@ def register_zen_hook(ddp_model, cfg: "ZenConfig | dict | None" = None, *, tp_gr
     Args:
         ddp_model: a ``torch.nn.parallel.DistributedDataParallel``.
         cfg: the ``"zen"`` section (ZenConfig, dict, or None for the defaults).
-        tp_group, guard_group, guard_nonfinite: see ``ZenHookState.build``.
+        tp_group, guard_group, guard_nonfinite, optimizer: see ``ZenHookState.build`` (pass the
+            optimizer so that DGC's momentum correction is chosen from it).
 
     Returns:
         The state (statistics, ``state_dict`` for checkpoints, ``summary``).
@@ -272,6 +283,6 @@ def register_zen_hook(ddp_model, cfg: "ZenConfig | dict | None" = None, *, tp_gr
         raise ValueError("zen.enabled (False) must be true to register the ZEN hook; skip the call to keep "
                          "DDP's all-reduce")
     state = ZenHookState.build(ddp_model.module, cfg, dp_group=ddp_model.process_group, tp_group=tp_group,
-                               guard_group=guard_group, guard_nonfinite=guard_nonfinite)
+                               guard_group=guard_group, guard_nonfinite=guard_nonfinite, optimizer=optimizer)
     ddp_model.register_comm_hook(state, zen_comm_hook)
     return state
