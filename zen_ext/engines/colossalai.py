@@ -38,6 +38,7 @@ import inspect
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -230,6 +231,20 @@ class ZenHybridParallelPlugin(HybridParallelPlugin):
         apply_cpu_patches()
         super().__init__(tp_size, pp_size, ddp_bucket_cap_mb=self.zen_config.bucket_cap_mb, **kwargs)
         self.zen: ZenHookState | None = None
+
+    def __del__(self, _finalizing=sys.is_finalizing, _initialized=dist.is_initialized) -> None:
+        """Destroy the plugin's process groups (ColossalAI's ``__del__``) only while that can work.
+
+        ColossalAI 0.5.0's ``HybridParallelPlugin.__del__`` destroys the mesh's groups and calls
+        ``gc.collect()``; run at interpreter exit (the plugin lives in a script's globals) the modules
+        are already torn down, and Python prints ``Exception ignored in: HybridParallelPlugin.__del__
+        ... TypeError: 'NoneType' object is not callable``. At exit, or after
+        ``destroy_process_group()`` (which destroys every group), there is nothing left to free, so it
+        is skipped; the builtins it needs are bound as defaults because module globals may be None then.
+        """
+        if _finalizing() or not _initialized():
+            return
+        super().__del__()
 
     def configure(self, model, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
         # Models ColossalAI has no ShardFormer policy for (Gemma2) get zen_ext's, for this call only.
