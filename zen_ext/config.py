@@ -264,13 +264,15 @@ def optimizer_momentum(optimizer) -> tuple[bool | None, str]:
         keep moments (any with ``betas``: the Adam family, LAMB, Lion; SGD with momentum > 0), and
         ``(None, ...)`` when unknown (no optimizer, or one without either hint).
     """
-    inner, depth = optimizer, 0
-    while depth < 6:
-        nxt = next((getattr(inner, a) for a in ("optimizer", "optim")
-                    if getattr(getattr(inner, a, None), "param_groups", None) is not None), None)
-        if nxt is None or nxt is inner:
+    chain = [optimizer]
+    while optimizer is not None and len(chain) < 8:
+        nxt = next((getattr(chain[-1], a) for a in ("optimizer", "optim")
+                    if getattr(chain[-1], a, None) is not None), None)
+        if nxt is None or any(nxt is c for c in chain):
             break
-        inner, depth = nxt, depth + 1
+        chain.append(nxt)
+    # The innermost object with param groups is the real optimizer.
+    inner = next((c for c in reversed(chain) if getattr(c, "param_groups", None)), optimizer)
     groups = getattr(inner, "param_groups", None)
     if not groups:
         return None, "no optimizer given" if optimizer is None else f"{type(optimizer).__name__} (param groups unknown)"

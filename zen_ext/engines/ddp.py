@@ -22,8 +22,10 @@ DDP, so ``zen_ext.engines.colossalai`` registers this hook after ``boost``; plai
 ``register_zen_hook(ddp_model, {"dgc": {"enabled": True}})`` before the first backward.
 """
 
+import atexit
 import logging
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -65,6 +67,8 @@ class ZenHookState:
         "_layouts", "step", "hook_calls", "_t_step",
         # Statistics.
         "stats",
+        # Shutdown: set by close(); the atexit handler holds a weak reference.
+        "closed", "__weakref__",
     )
 
     def __init__(self, *, sync: Synchronizer, reducer: BucketReducer, names: dict[int, str], cfg: ZenConfig,
@@ -82,6 +86,9 @@ class ZenHookState:
         self.hook_calls = 0
         self._t_step = 0.0
         self.stats = stats
+        self.closed = False
+        # Scripts that never call close() still get it, before the interpreter tears modules down.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     @classmethod
     def build(cls, module: torch.nn.Module, cfg: "ZenConfig | dict | None" = None, *, dp_group=None,
@@ -175,6 +182,9 @@ class ZenHookState:
 
     def reduce_bucket(self, bucket: "dist.GradBucket") -> torch.Tensor:
         """Replace the bucket buffer by its data-parallel mean; returns the buffer."""
+        if self.closed:
+            raise RuntimeError("zen: the ZEN hook state was closed (close() ends training); DDP still calls the hook, "
+                               "so build a new DDP model and register_zen_hook to train again")
         t0 = time.perf_counter()
         self.hook_calls += 1
         buf = bucket.buffer()
@@ -209,7 +219,28 @@ class ZenHookState:
         return report_summary(self.stats, self.cfg, totals, self.rank, f"DDP hook dp={self.dp_size}", print_it)
 
     def close(self) -> None:
+        """End of training: release what the hook holds, in the order process shutdown needs.
+
+        1. Anything still running asynchronously for the hook (an asynchronous comm worker, where
+           the hook has one) must finish the work it holds and be joined here, first: a thread still
+           inside a gloo/NCCL call when ``destroy_process_group()`` runs, or a joinable thread alive at
+           interpreter exit, aborts the process ("terminate called without an active exception").
+        2. Close the statistics file, so rank 0's JSONL is complete on disk.
+        3. Drop the Synchronizer and the reducer, and with them this state's references to the
+           process groups, so ``destroy_process_group()`` frees the groups while the interpreter is whole.
+
+        Call it after the last step and ``summary()``, before ``destroy_process_group()``; the hook
+        refuses to run afterwards. Idempotent; an ``atexit`` handler calls it for scripts that do not.
+        """
+        if self.closed:
+            return
+        self.closed = True
+        # Step 1: no asynchronous work in this version (the reduction runs inside the hook).
+        # Step 2: statistics.
         self.stats.close()
+        # Step 3: the machinery and its communicators.
+        self.sync = self.reducer = None
+        self._layouts.clear()
 
     # --- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -225,6 +256,12 @@ class ZenHookState:
             return
         self.sync.load_state_dict(sd["sync"])
         self.step = int(sd.get("step", 0))
+
+
+def _close_at_exit(ref) -> None:
+    state = ref()
+    if state is not None:
+        state.close()
 
 
 # NOTE: no ``from __future__ import annotations`` in this module: DDP's register_comm_hook checks that
