@@ -20,7 +20,8 @@ How a block runs:
    the README says for CPU).
 
 Every run must exit 0 and print no traceback and no ``Exception ignored`` (item 7 of issue 14: the
-ColossalAI plugin's ``__del__`` at interpreter exit).
+ColossalAI plugin's ``__del__`` at interpreter exit). A run that fails with exactly torch's known DDP
+exit abort (``TORCH_EXIT_ABORT``) is run once more.
 """
 
 from __future__ import annotations
@@ -213,6 +214,20 @@ def _scratch(tmp_path) -> str:
     return str(tmp_path)
 
 
+TORCH_EXIT_ABORT = "terminate called without an active exception"
+"""torch 2.13's DDP on gloo aborts at interpreter exit in ~1 run in 30-60, with or without ZEN
+(docs/colossalai.md, "Ending a run"): a run that fails with exactly that is run once more."""
+
+
+def _run_with_retry(cmd, cwd: str) -> subprocess.CompletedProcess:
+    for attempt in range(2):
+        proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
+        if proc.returncode == 0 or TORCH_EXIT_ABORT not in proc.stdout + proc.stderr or attempt == 1:
+            return proc
+        print(f"retrying {cmd[-1][:60]!r} once after torch's DDP exit abort")
+    raise AssertionError("unreachable")
+
+
 def _check_output(proc: subprocess.CompletedProcess, what: str) -> str:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"{what} exited {proc.returncode}:\n{out[-6000:]}"
@@ -228,8 +243,8 @@ def _run_python(name: str, tmp_path) -> tuple[list[dict], str]:
     assert BY_NAME[name].text in program
     with open(os.path.join(cwd, "snippet.py"), "w") as f:
         f.write(program)
-    proc = subprocess.run([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
-                           "snippet.py"], cwd=cwd, env=_env(), capture_output=True, text=True, timeout=420)
+    proc = _run_with_retry([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port",
+                            str(free_port()), "snippet.py"], cwd)
     out = _check_output(proc, f"{name} ({BY_NAME[name].path}:{BY_NAME[name].line})")
     results = []
     for r in range(2):
@@ -345,8 +360,7 @@ def test_python_api_block(tmp_path):
 def _run_bash(name: str, tmp_path) -> str:
     cwd = _scratch(tmp_path)
     b = BY_NAME[name]
-    proc = subprocess.run(["bash", "-e", "-c", b.text], cwd=cwd, env=_env(), capture_output=True, text=True,
-                          timeout=600)
+    proc = _run_with_retry(["bash", "-e", "-c", b.text], cwd)
     return _check_output(proc, f"{name} ({b.path}:{b.line})")
 
 
