@@ -20,15 +20,49 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import math
 import os
 import sys
+import warnings
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 BUILTIN_TEXT = "pydoc"
+
+
+# --- known harmless third-party notices --------------------------------------------------------------
+KNOWN_HARMLESS_WARNINGS = (
+    (FutureWarning, r"`torch\.distributed\.all_gather_into_tensor` is deprecated",
+     "DeepSpeed 0.19.8 calls the collective torch 2.13 renamed; same result"),
+    (FutureWarning, r"`broadcast_buffers` is deprecated",
+     "ColossalAI 0.5.0 passes DDP's old argument name; same behaviour"),
+    (UserWarning, r"Please install apex from source",
+     "ColossalAI's fused RMSNorm kernel is optional (CUDA); its torch RMSNorm runs instead"),
+    (UserWarning, r"Please install the latest tensornvme",
+     "ColossalAI's optional asynchronous checkpoint writer; checkpoints are written synchronously"),
+)
+"""(category, message regex, why it is harmless): what ``quiet_known_warnings`` filters."""
+QUIET_LOGGERS = {"bitsandbytes.backends.cpu.ops": "an optional 4-bit CPU kernel (\"Failed to load CPU "
+                 "gemm_4bit_forward\"), imported through transformers; no 4-bit layer is used"}
+"""Loggers set to ERROR by ``quiet_known_warnings``, and why."""
+
+
+def quiet_known_warnings() -> None:
+    """Hide the third-party notices above, which every recipe run printed once per rank (issue 14,
+    item 7); anything else still shows. Applied when this module is imported, before the recipes
+    import DeepSpeed or ColossalAI. Set ``ZEN_EXT_SHOW_ALL_WARNINGS=1`` to see them."""
+    if os.environ.get("ZEN_EXT_SHOW_ALL_WARNINGS") == "1":
+        return
+    for category, message, _why in KNOWN_HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+
+
+quiet_known_warnings()
 
 
 # --- text ------------------------------------------------------------------------------------------

@@ -17,8 +17,10 @@ This module is engine-neutral: it reads plain dicts and imports neither DeepSpee
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import json
+import logging
 import math
 import os
 import types
@@ -31,6 +33,10 @@ from .compress import DGCConfig, NaturalConfig
 SUPPORTED_ZERO_STAGES = (0, 1, 2)
 MAX_BUCKET_CAP_MB = 2.0**20
 """Largest ``bucket_cap_mb`` (1 TiB): the cap in bytes must be a Python int (``bucket_cap_bytes``)."""
+SECTION = "zen"
+"""The top-level key of the section in a DeepSpeed / ColossalAI JSON config."""
+
+log = logging.getLogger(__name__)
 
 
 class _Section:
@@ -151,7 +157,8 @@ class ZenConfig(_Section):
             NotImplementedError: ZeRO-3 or pipeline parallelism with an enabled section.
         """
         ds = load_json_config(ds_config)
-        if "zen" not in ds:
+        if SECTION not in ds:
+            warn_near_miss_sections(ds)
             return cls(enabled=False)
         cfg = cls.from_json_section(ds["zen"])
         if cfg.enabled:
@@ -251,6 +258,102 @@ def check_deepspeed_settings(ds: dict) -> None:
         raise NotImplementedError(
             f"zen supports data parallelism and AutoTP tensor + data parallelism, not sequence "
             f"parallelism (sequence_parallel_size = {sp})")
+
+
+def near_miss_sections(config: dict) -> list[str]:
+    """Top-level keys of ``config`` that look like a misspelled ``"zen"`` (``"zne"``, ``"Zen"``,
+    ``"zen_ext"``): a key starting with "zen" or within difflib ratio 0.6 of it, case and spaces
+    ignored. DeepSpeed's own keys are all further away (the nearest, ``"zero"``/``"mean"``, 0.57)."""
+    out = []
+    for key in config:
+        if not isinstance(key, str) or key == SECTION:
+            continue
+        k = key.strip().lower()
+        if k.startswith(SECTION) or difflib.SequenceMatcher(None, k, SECTION).ratio() >= 0.6:
+            out.append(key)
+    return out
+
+
+def warn_near_miss_sections(config: dict) -> list[str]:
+    """Warn (``logging`` WARNING, shown without any logging set-up) about near-miss section names
+    when the config has no ``"zen"`` key: DeepSpeed ignores unknown top-level keys, so a typo would
+    otherwise train with the dense all-reduce and say nothing. Returns the keys warned about."""
+    keys = near_miss_sections(config)
+    if keys and SECTION not in config:
+        log.warning("zen: the config has no \"zen\" section but has %s; did you mean \"zen\"? Without it ZEN is "
+                    "NOT attached and gradients use the engine's dense all-reduce",
+                    ", ".join(json.dumps(k) for k in keys))
+    return keys
+
+
+# --- DGC defaults that depend on the optimizer --------------------------------------------------------
+def optimizer_momentum(optimizer) -> tuple[bool | None, str]:
+    """Whether ``optimizer`` applies momentum of its own, and its description.
+
+    Wrappers are unwrapped through their ``.optimizer`` / ``.optim`` attribute (DeepSpeed's ZeRO,
+    BF16 and FP16 optimizers, ColossalAI's OptimizerWrapper, Accelerate's AcceleratedOptimizer).
+
+    Returns:
+        ``(False, "SGD (momentum 0)")`` for SGD without momentum, ``(True, ...)`` for optimizers that
+        keep moments (any with ``betas``: the Adam family, LAMB, Lion; SGD with momentum > 0), and
+        ``(None, ...)`` when unknown (no optimizer, or one without either hint).
+    """
+    chain = [optimizer]
+    while optimizer is not None and len(chain) < 8:
+        nxt = next((getattr(chain[-1], a) for a in ("optimizer", "optim")
+                    if getattr(chain[-1], a, None) is not None), None)
+        if nxt is None or any(nxt is c for c in chain):
+            break
+        chain.append(nxt)
+    # The innermost object with param groups is the real optimizer.
+    inner = next((c for c in reversed(chain) if getattr(c, "param_groups", None)), optimizer)
+    groups = getattr(inner, "param_groups", None)
+    if not groups:
+        return None, "no optimizer given" if optimizer is None else f"{type(optimizer).__name__} (param groups unknown)"
+    name = type(inner).__name__
+    if any("betas" in g for g in groups) or any(t in name for t in ("Adam", "Lamb", "LAMB", "Lion")):
+        return True, f"{name} keeps its own moments"
+    if any("momentum" in g for g in groups):
+        m = max(float(g.get("momentum") or 0.0) for g in groups)
+        if m == 0 and "SGD" in name:
+            return False, f"{name} with momentum 0"
+        return m > 0 or None, f"{name} with momentum {m:g}"
+    return None, f"{name} (not known to be momentum-free)"
+
+
+def resolve_dgc_defaults(cfg: "ZenConfig", optimizer) -> "tuple[ZenConfig, str]":
+    """Decide ``zen.dgc.momentum_correction`` when it is null, from the optimizer the engine has.
+
+    DGC's momentum correction (``u ← m·u + g; v ← v + u``) moves the momentum into the sparsifier,
+    which is right only when the optimizer applies none (DGC's DGCSGD: SGD with momentum 0). With
+    Adam-family optimizers or momentum-SGD it would apply momentum twice, so null becomes false
+    there and whenever the optimizer is unknown (plain error feedback, right for every optimizer).
+    An explicit true with an optimizer that keeps moments is kept, with a warning.
+
+    Args:
+        cfg: the validated ``"zen"`` section.
+        optimizer: the engine's optimizer (wrapped or not), or None when the caller has none.
+
+    Returns:
+        The config with the field decided (a copy when it changed) and a short reason for logs
+        (empty when DGC is off).
+    """
+    d = cfg.dgc
+    if not d.enabled:
+        return cfg, ""
+    has_momentum, what = optimizer_momentum(optimizer)
+    if d.momentum_correction is None:
+        value = has_momentum is False
+        cfg = dataclasses.replace(cfg, dgc=dataclasses.replace(d, momentum_correction=value))
+        why = ("DGC supplies the momentum (dgc.momentum %g), as DGC's DGCSGD" % d.momentum if value else
+               "momentum correction would apply momentum twice" if has_momentum else
+               "plain error feedback is right for any optimizer")
+        return cfg, f"momentum_correction={str(value).lower()} (chosen: {what}; {why})"
+    if d.momentum_correction and has_momentum:
+        log.warning("zen: zen.dgc.momentum_correction is true but the optimizer (%s) applies momentum too, so "
+                    "momentum is applied twice; set it false (or null to choose from the optimizer), or use SGD "
+                    "with momentum 0 as DGC's DGCSGD does", what)
+    return cfg, f"momentum_correction={str(d.momentum_correction).lower()} (set in the config; optimizer: {what})"
 
 
 # --- validation ---------------------------------------------------------------------------------------

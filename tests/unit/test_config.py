@@ -17,7 +17,7 @@ def test_defaults_match_the_documented_ones():
     assert (c.dgc.enabled, c.dgc.density, c.dgc.selection, c.dgc.threshold, c.dgc.sample_fraction) == (
         False, 0.05, "per_tensor", "sampled", 0.01)
     assert (c.dgc.momentum, c.dgc.momentum_correction, c.dgc.momentum_masking, c.dgc.clip_norm) == (
-        0.9, True, True, None)
+        0.9, None, True, None)
     assert (c.dgc.warmup_steps, c.dgc.warmup_start_density, c.dgc.min_numel) == (0, 0.25, 1024)
     assert (c.natural.enabled, c.natural.row_granularity) == (True, True)
     assert (c.planner.bandwidth_gbps, c.planner.latency_us, c.planner.profile_steps, c.planner.reprofile_every) == (

@@ -62,7 +62,7 @@ def test_config_defaults_match_the_documented_keys():
     assert (c.enabled, c.density, c.selection, c.threshold, c.sample_fraction, c.momentum) == (
         False, 0.05, "per_tensor", "sampled", 0.01, 0.9)
     assert (c.momentum_correction, c.momentum_masking, c.clip_norm, c.warmup_steps,
-            c.warmup_start_density, c.min_numel) == (True, True, None, 0, 0.25, 1024)
+            c.warmup_start_density, c.min_numel) == (None, True, None, 0, 0.25, 1024)
 
 
 @pytest.mark.parametrize("values, exc, text", [
@@ -143,7 +143,8 @@ def test_residual_conservation_is_exact(dtype, momentum_correction, threshold):
 
 
 def test_momentum_correction_and_masking_semantics():
-    sp = DGCSparsifier(DGCConfig(enabled=True, density=0.25, threshold="exact", momentum=0.5))
+    sp = DGCSparsifier(DGCConfig(enabled=True, density=0.25, threshold="exact", momentum=0.5,
+                                 momentum_correction=True))
     g1 = torch.tensor([8.0, 1.0, 2.0, -4.0])
     sg = compress(sp, g1)
     assert sg.indices.tolist() == [0] and sg.values.tolist() == [8.0]
@@ -158,7 +159,8 @@ def test_momentum_correction_and_masking_semantics():
 
 
 def test_without_masking_momentum_keeps_sent_positions():
-    sp = DGCSparsifier(DGCConfig(enabled=True, density=0.25, threshold="exact", momentum=0.5, momentum_masking=False))
+    sp = DGCSparsifier(DGCConfig(enabled=True, density=0.25, threshold="exact", momentum=0.5, momentum_masking=False,
+                                 momentum_correction=True))
     compress(sp, torch.tensor([8.0, 1.0, 2.0, -4.0]))
     assert sp.state.get("p0", "momentum").tolist() == [8.0, 1.0, 2.0, -4.0]
     assert sp.state.get("p0", "residual").tolist() == [0.0, 1.0, 2.0, -4.0]

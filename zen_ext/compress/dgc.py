@@ -113,9 +113,11 @@ class DGCConfig:
     """Fraction of values sampled to estimate the threshold, in (0, 1]; DGC uses 0.001–0.01."""
     momentum: float = 0.9
     """Momentum ``m`` of momentum correction, in [0, 1)."""
-    momentum_correction: bool = True
+    momentum_correction: bool | None = None
     """Accumulate velocity (``u ← m·u + g; v ← v + u``) instead of raw gradients; the optimizer must
-    then not apply momentum again."""
+    then not apply momentum again. null (default): chosen from the optimizer when attached (true
+    only for SGD with momentum 0, DGC's DGCSGD set-up; false for Adam-family, SGD with momentum and
+    the rest) and logged; unresolved null acts as false."""
     momentum_masking: bool = True
     """Zero the momentum at sent positions (stops stale momentum); needs momentum correction."""
     clip_norm: float | None = None
@@ -135,8 +137,10 @@ class DGCConfig:
 
     def __post_init__(self) -> None:
         s = "dgc"
-        for name in ("enabled", "momentum_correction", "momentum_masking"):
+        for name in ("enabled", "momentum_masking"):
             check_bool(s, name, getattr(self, name))
+        if self.momentum_correction is not None:  # null: resolved from the optimizer when attached
+            check_bool(s, "momentum_correction", self.momentum_correction)
         for name in ("density", "sample_fraction", "momentum", "warmup_start_density"):
             check_number(s, name, getattr(self, name))
         check_int(s, "warmup_steps", self.warmup_steps)

@@ -38,6 +38,7 @@ import inspect
 import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
@@ -196,7 +197,8 @@ class ZenTorchDDPPlugin(TorchDDPPlugin):
     def configure(self, model, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
         out = super().configure(model, optimizer, criterion, dataloader, lr_scheduler)
         if self.zen_config.enabled:
-            self.zen = register_zen_hook(out[0].module, self.zen_config, guard_nonfinite=self.guard_nonfinite)
+            self.zen = register_zen_hook(out[0].module, self.zen_config, guard_nonfinite=self.guard_nonfinite,
+                                         optimizer=optimizer)
         return out
 
 
@@ -230,6 +232,20 @@ class ZenHybridParallelPlugin(HybridParallelPlugin):
         super().__init__(tp_size, pp_size, ddp_bucket_cap_mb=self.zen_config.bucket_cap_mb, **kwargs)
         self.zen: ZenHookState | None = None
 
+    def __del__(self, _finalizing=sys.is_finalizing, _initialized=dist.is_initialized) -> None:
+        """Destroy the plugin's process groups (ColossalAI's ``__del__``) only while that can work.
+
+        ColossalAI 0.5.0's ``HybridParallelPlugin.__del__`` destroys the mesh's groups and calls
+        ``gc.collect()``; run at interpreter exit (the plugin lives in a script's globals) the modules
+        are already torn down, and Python prints ``Exception ignored in: HybridParallelPlugin.__del__
+        ... TypeError: 'NoneType' object is not callable``. At exit, or after
+        ``destroy_process_group()`` (which destroys every group), there is nothing left to free, so it
+        is skipped; the builtins it needs are bound as defaults because module globals may be None then.
+        """
+        if _finalizing() or not _initialized():
+            return
+        super().__del__()
+
     def configure(self, model, optimizer=None, criterion=None, dataloader=None, lr_scheduler=None):
         # Models ColossalAI has no ShardFormer policy for (Gemma2) get zen_ext's, for this call only.
         own = self.custom_policy is None and policy_for(model) is not None
@@ -248,7 +264,7 @@ class ZenHybridParallelPlugin(HybridParallelPlugin):
                 raise RuntimeError(f"zen: HybridParallelModule wraps a {type(ddp).__name__}, not torch DDP; "
                                    f"ColossalAI {VERIFIED_COLOSSALAI} builds DDP for pp_size 1, zero_stage 0")
             self.zen = register_zen_hook(ddp, self.zen_config, tp_group=self.tp_group if self.tp_size > 1 else None,
-                                         guard_nonfinite=self.precision == "fp16")
+                                         guard_nonfinite=self.precision == "fp16", optimizer=optimizer)
         return out
 
 

@@ -39,10 +39,10 @@ import torch.distributed as dist
 
 from ..comm.torch_dist import TorchCommunicator
 from ..compress import classify_parameters
-from ..config import ZenConfig
+from ..config import ZenConfig, resolve_dgc_defaults
 from ..core.synchronizer import GradSlice, Synchronizer, resize_warning
 from ._buckets import BucketReducer, locate_slices
-from .stats import StepStats, report_summary
+from .stats import StepStats, report_summary, startup_line
 
 log = logging.getLogger(__name__)
 
@@ -261,8 +261,9 @@ class ZenHookState:
         "_layouts", "step", "hook_calls", "_t_step",
         # Statistics.
         "stats",
-        # Asynchronous synchronization (None: blocking), and whether close() ran.
-        "worker", "_closed",
+        # Asynchronous synchronization (None: blocking); shutdown: set by close() (the atexit handler
+        # holds a weak reference).
+        "worker", "closed", "__weakref__",
     )
 
     def __init__(self, *, sync: Synchronizer, reducer: BucketReducer, names: dict[int, str], cfg: ZenConfig,
@@ -281,11 +282,13 @@ class ZenHookState:
         self._t_step = 0.0
         self.stats = stats
         self.worker = worker
-        self._closed = False
+        self.closed = False
+        # Scripts that never call close() still get it, before the interpreter tears modules down.
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     @classmethod
     def build(cls, module: torch.nn.Module, cfg: "ZenConfig | dict | None" = None, *, dp_group=None,
-              tp_group=None, guard_group=None, guard_nonfinite: bool = False) -> "ZenHookState":
+              tp_group=None, guard_group=None, guard_nonfinite: bool = False, optimizer=None) -> "ZenHookState":
         """Build the state for the parameters of ``module`` (the module DDP wraps).
 
         1. Validate the ``"zen"`` section and refuse what the DDP path does not serve.
@@ -304,6 +307,9 @@ class ZenHookState:
             guard_nonfinite: make a NaN/Inf gradient on any rank NaN-fill every rank's bucket instead
                 of synchronizing it, so a loss scaler (fp16, AMP ``GradScaler``) still sees the overflow
                 that DGC could otherwise drop, and no residual memory is polluted.
+            optimizer: the training optimizer, from which a null ``zen.dgc.momentum_correction`` is
+                decided (``config.resolve_dgc_defaults``); None: false (plain error feedback, right for
+                any optimizer), with a warning when DGC is on.
 
         Raises:
             ValueError, TypeError: an invalid ``"zen"`` section.
@@ -317,6 +323,11 @@ class ZenHookState:
                 "reduction is implemented for zen_ext.deepspeed only; \"auto\" runs ZEN over the whole "
                 "data-parallel group")
         rank = dist.get_rank()
+        if optimizer is None and cfg.dgc.enabled and cfg.dgc.momentum_correction is None and rank == 0:
+            log.warning("zen: zen.dgc.momentum_correction is null and no optimizer was given: using false (plain "
+                        "error feedback, right for Adam and momentum-SGD); pass optimizer= to register_zen_hook, or "
+                        "set it true for SGD with momentum 0 (DGC's DGCSGD)")
+        cfg, dgc_note = resolve_dgc_defaults(cfg, optimizer)
         # Step 2: routing and the Synchronizer.
         names = {id(p): n for n, p in module.named_parameters()}
         dp_comm = TorchCommunicator(dp_group, cfg.exchange_impl)
@@ -348,6 +359,8 @@ class ZenHookState:
         if rank == 0:
             log.info("zen: DDP comm hook (dp=%d, tp=%d, guard_nonfinite=%s, async_sync=%s): %s", dp_comm.size,
                      tp_comm.size if tp_comm else 1, guard_nonfinite, worker is not None, cfg.to_dict())
+            print(startup_line(f"a DDP comm hook (dp={dp_comm.size}, tp={tp_comm.size if tp_comm else 1})", cfg, kinds,
+                               {n: p.numel() for n, p in module.named_parameters()}, dgc_note), flush=True)
         return cls(sync=sync, reducer=reducer, names=names, cfg=cfg,
                    stats=StepStats(rank, cfg.stats.jsonl_path), rank=rank, worker=worker)
 
@@ -381,6 +394,7 @@ class ZenHookState:
 
     def reduce_bucket(self, bucket: "dist.GradBucket") -> torch.Tensor:
         """Replace the bucket buffer by its data-parallel mean, in this thread; returns the buffer."""
+        self._check_open()
         return self._reduce(bucket.buffer(), self.slices_for(bucket), bucket.is_last())
 
     def submit_bucket(self, bucket: "dist.GradBucket") -> torch.futures.Future:
@@ -389,9 +403,15 @@ class ZenHookState:
         Everything read from the ``GradBucket`` is read here, in the hook's thread: the worker only
         sees the buffer and the (cached) slices.
         """
+        self._check_open()
         buf = bucket.buffer()
         slices, last = self.slices_for(bucket), bucket.is_last()
         return self.worker.submit(lambda: self._reduce(buf, slices, last), [buf])
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("zen: the ZEN hook state was closed (close() ends training); DDP still calls the hook, "
+                               "so build a new DDP model and register_zen_hook to train again")
 
     def _reduce(self, buf: torch.Tensor, slices: list[GradSlice], last: bool) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -434,24 +454,33 @@ class ZenHookState:
         return text
 
     def close(self) -> None:
-        """Finish and release what the state holds (idempotent; call it on every rank).
+        """End of training: release what the hook holds, in the order process shutdown needs.
 
         1. Drain the communication worker: buckets already handed over finish (DDP has waited for
            them anyway once ``backward`` returned), then drop this state's reference to the worker,
-           which stops and joins its thread when no other state of the same process group uses it.
-        2. Close the statistics file.
+           which stops and joins its thread when no other state of the same process group uses it. A
+           thread still inside a gloo/NCCL call when ``destroy_process_group()`` runs, or a joinable
+           thread alive at interpreter exit, aborts the process ("terminate called without an active
+           exception").
+        2. Close the statistics file, so rank 0's JSONL is complete on disk.
+        3. Drop the Synchronizer and the reducer, and with them this state's references to the
+           process groups, so ``destroy_process_group()`` frees the groups while the interpreter is whole.
 
-        Later hook calls raise RuntimeError (the worker is gone); build a new state to go on.
+        Call it after the last step and ``summary()``, before ``destroy_process_group()``; the hook
+        refuses to run afterwards. Idempotent; an ``atexit`` handler calls it for scripts that do not.
         """
-        if self._closed:
+        if self.closed:
             return
-        self._closed = True
+        self.closed = True
         # Step 1: the worker.
         if self.worker is not None:
             self.worker.drain()
             self.worker.release()
         # Step 2: statistics.
         self.stats.close()
+        # Step 3: the machinery and its communicators.
+        self.sync = self.reducer = None
+        self._layouts.clear()
 
     # --- checkpoints ----------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -471,6 +500,12 @@ class ZenHookState:
             log.warning(resize_warning(sd.get("dp_size"), self.dp_size, sd["sync"]))
         self.sync.load_state_dict(sd["sync"], per_rank=not resized)
         self.step = int(sd.get("step", 0))
+
+
+def _close_at_exit(ref) -> None:
+    state = ref()
+    if state is not None:
+        state.close()
 
 
 # NOTE: no ``from __future__ import annotations`` in this module: DDP's register_comm_hook checks that
@@ -505,7 +540,7 @@ def zen_comm_hook(state: ZenHookState, bucket: dist.GradBucket) -> torch.futures
 
 
 def register_zen_hook(ddp_model, cfg: "ZenConfig | dict | None" = None, *, tp_group=None, guard_group=None,
-                      guard_nonfinite: bool = False) -> ZenHookState:
+                      guard_nonfinite: bool = False, optimizer=None) -> ZenHookState:
     """Build a ``ZenHookState`` for a DDP model and register ``zen_comm_hook`` on it.
 
     Call it after wrapping and before the first backward. The data-parallel group is the one DDP
@@ -514,7 +549,8 @@ def register_zen_hook(ddp_model, cfg: "ZenConfig | dict | None" = None, *, tp_gr
     Args:
         ddp_model: a ``torch.nn.parallel.DistributedDataParallel``.
         cfg: the ``"zen"`` section (ZenConfig, dict, or None for the defaults).
-        tp_group, guard_group, guard_nonfinite: see ``ZenHookState.build``.
+        tp_group, guard_group, guard_nonfinite, optimizer: see ``ZenHookState.build`` (pass the
+            optimizer so that DGC's momentum correction is chosen from it).
 
     ``zen.async_sync`` (default) synchronizes buckets on the communication worker while the backward
     pass goes on, except with ``find_unused_parameters=True`` or a tensor-parallel group, where other
@@ -539,7 +575,7 @@ def register_zen_hook(ddp_model, cfg: "ZenConfig | dict | None" = None, *, tp_gr
         raise ValueError("zen.enabled (False) must be true to register the ZEN hook; skip the call to keep "
                          "DDP's all-reduce")
     state = ZenHookState.build(ddp_model.module, cfg, dp_group=ddp_model.process_group, tp_group=tp_group,
-                               guard_group=guard_group, guard_nonfinite=guard_nonfinite)
+                               guard_group=guard_group, guard_nonfinite=guard_nonfinite, optimizer=optimizer)
     if state.worker is not None and getattr(ddp_model, "find_unused_parameters", False):
         # DDP all-reduces its used-parameter map on the data-parallel group from the autograd thread
         # once the last bucket is marked ready, possibly while the worker still synchronizes buckets

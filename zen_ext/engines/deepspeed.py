@@ -38,10 +38,11 @@ import torch
 
 from ..comm.torch_dist import TorchCommunicator
 from ..compress import classify_parameters
-from ..config import ZenConfig, check_deepspeed_settings, load_json_config
+from ..config import (SECTION, ZenConfig, check_deepspeed_settings, load_json_config, near_miss_sections,
+                      resolve_dgc_defaults)
 from ..core.synchronizer import Synchronizer, resize_warning
 from ._buckets import BucketReducer, NodeShardedReduce, locate_slices, maybe_node_sharding
-from .stats import StepStats, report_summary
+from .stats import StepStats, report_summary, startup_line
 
 log = logging.getLogger(__name__)
 
@@ -97,9 +98,11 @@ def initialize(*args, **kwargs):
     if source is None:
         return orig(*bound.args, **bound.kwargs)
     ds_config = copy.deepcopy(load_json_config(source))
-    cfg = ZenConfig.from_ds_config(ds_config)
+    cfg = ZenConfig.from_ds_config(ds_config)  # warns about a near-miss section name ("zne")
     if not cfg.enabled:
-        return orig(*bound.args, **bound.kwargs)
+        result = orig(*bound.args, **bound.kwargs)
+        _mark_without_zen(result[0], _off_reason(ds_config))
+        return result
     check_deepspeed_version()
     _refuse_pipeline_model(a.get("model"))
     # Step 2: the ZeRO settings the override needs.
@@ -118,6 +121,12 @@ def initialize(*args, **kwargs):
 def enable() -> None:
     """Make plain ``deepspeed.initialize`` attach ZEN (one line for HF Trainer / Accelerate users).
 
+    1. Route ``deepspeed.initialize`` through ``initialize`` (Accelerate looks it up at ``prepare``).
+    2. Make Accelerate leave the ``"zen"`` section alone: it treats every ``"auto"`` value of a
+       DeepSpeed config as a placeholder it must fill from its own arguments and raises
+       "`zen.scheme` not found in kwargs" otherwise, while ``"scheme": "auto"`` and
+       ``"hierarchical": "auto"`` are zen_ext's own values (the planner, node detection).
+
     Example::
 
         >>> import zen_ext.deepspeed; zen_ext.deepspeed.enable()  # doctest: +SKIP
@@ -126,9 +135,12 @@ def enable() -> None:
     import deepspeed
 
     global _original_initialize
+    # Step 1: the initialize seam.
     if _original_initialize is None:
         _original_initialize = deepspeed.initialize
     deepspeed.initialize = _patched_initialize
+    # Step 2: Accelerate's placeholder filling skips the "zen" section.
+    _patch_accelerate_fill_match(True)
 
 
 def disable() -> None:
@@ -139,6 +151,35 @@ def disable() -> None:
     if _original_initialize is not None:
         deepspeed.initialize = _original_initialize
         _original_initialize = None
+    _patch_accelerate_fill_match(False)
+
+
+def _patch_accelerate_fill_match(on: bool) -> None:
+    """Wrap (or unwrap) ``accelerate.utils.DeepSpeedPlugin.fill_match`` so that keys under ``zen.``
+    are not treated as Accelerate placeholders (checked on accelerate 1.15: ``deepspeed_config_process``
+    walks every leaf of the config through ``fill_match``; HF Trainer's own ``HfTrainerDeepSpeedConfig``
+    only fills the keys it names, so it needs nothing). A no-op without Accelerate."""
+    try:
+        from accelerate.utils.dataclasses import DeepSpeedPlugin
+    except ImportError:
+        return
+    current = DeepSpeedPlugin.fill_match
+    original = getattr(current, "_zen_ext_original", None)
+    if not on:
+        if original is not None:
+            DeepSpeedPlugin.fill_match = original
+        return
+    if original is not None:
+        return  # already wrapped
+
+    @functools.wraps(current)
+    def fill_match(self, ds_key_long, *args, **kwargs):
+        if ds_key_long == SECTION or ds_key_long.startswith(SECTION + "."):
+            return None  # zen_ext's section: its "auto" values are zen_ext's choices, not placeholders
+        return current(self, ds_key_long, *args, **kwargs)
+
+    fill_match._zen_ext_original = current
+    DeepSpeedPlugin.fill_match = fill_match
 
 
 @functools.wraps(initialize)
@@ -168,16 +209,55 @@ def attach(engine, cfg: "ZenConfig | dict") -> "ZenDeepSpeed":
     return engine.zen
 
 
+def _off_reason(ds_config: dict) -> str:
+    """Why ``initialize`` left an engine without ZEN, in the words a user needs."""
+    if SECTION in ds_config:
+        return 'the config\'s "zen" section has "enabled": false'
+    near = near_miss_sections(ds_config)
+    if near:
+        return f'the config has no "zen" section (it has {", ".join(map(repr, near))}: a misspelling?)'
+    return 'the config has no "zen" section'
+
+
+def _mark_without_zen(engine, reason: str) -> None:
+    """Let ``engine.zen`` on an engine without ZEN raise an AttributeError that says why.
+
+    ``getattr(engine, "zen", None)`` still returns None (the idiom the recipes use); only a direct
+    ``engine.zen.summary()`` gets the explanation instead of DeepSpeed's generic "object has no
+    attribute 'zen'". DeepSpeedEngine.__getattr__ is wrapped once, for the name ``zen`` only.
+    """
+    cls = type(engine)
+    engine.__dict__["_zen_off_reason"] = reason
+    if getattr(cls.__getattr__, "_zen_ext_original", None) is not None:
+        return
+    original = cls.__getattr__
+
+    @functools.wraps(original)
+    def __getattr__(self, name):
+        if name == "zen" and "_zen_off_reason" in self.__dict__:
+            raise AttributeError(
+                f"zen: ZEN is not attached to this {type(self).__name__}: {self.__dict__['_zen_off_reason']}; "
+                f"DeepSpeed's dense all-reduce synchronized the gradients. Add a \"zen\" section to the config "
+                f"given to zen_ext.deepspeed.initialize (or to deepspeed.initialize after "
+                f"zen_ext.deepspeed.enable()); check with getattr(engine, \"zen\", None)")
+        return original(self, name)
+
+    __getattr__._zen_ext_original = original
+    cls.__getattr__ = __getattr__
+
+
 # --- the attachment -------------------------------------------------------------------------------------
 class ZenDeepSpeed:
     """ZEN attached to one DeepSpeed engine: the Synchronizer, the overrides, statistics, checkpoints.
 
-    1. Refuse what the overrides cannot serve (ZeRO-3, pipeline/sequence parallelism, MoE, ZeRO-1/2
-       with reduce-scatter, DGC with ZeRO-2 gradient accumulation).
+    1. Decide the DGC defaults that depend on the optimizer (``resolve_dgc_defaults``), and refuse
+       what the overrides cannot serve (ZeRO-3, pipeline/sequence parallelism, MoE, ZeRO-1/2 with
+       reduce-scatter, DGC with ZeRO-2 gradient accumulation).
     2. Groups: the data-parallel group (split by node when hierarchical) and the TP group.
     3. The Synchronizer and the BucketReducer around it (re-bucketing, TP-shared embedding rows, the
        fp16 non-finite guard).
-    4. Install the instance overrides (reduction, step, checkpoints).
+    4. Install the instance overrides (reduction, step, checkpoints); rank 0 prints one line saying
+       ZEN is on (engine, groups, scheme, what each sparsifier got, the DGC momentum choice).
 
     Args:
         engine: the ``DeepSpeedEngine``.
@@ -188,8 +268,9 @@ class ZenDeepSpeed:
         import torch.distributed as dist
         from deepspeed.utils import groups
 
+        # Step 1: refuse what the overrides cannot serve; DGC defaults that depend on the optimizer.
+        cfg, self.dgc_note = resolve_dgc_defaults(cfg, engine.optimizer)
         self.engine, self.cfg = engine, cfg
-        # Step 1: refuse what the overrides cannot serve.
         self.stage = engine.zero_optimization_stage()
         # The ZeRO optimizer reduces its own buckets; everything else (ZeRO-0, fp16/bf16 wrappers, and
         # BF16_Optimizer, which bf16 + ZeRO-1 + fp32 grad accumulation builds) goes through the engine.
@@ -247,6 +328,9 @@ class ZenDeepSpeed:
         if self.rank == 0:
             log.info("zen: attached to DeepSpeed ZeRO-%d (dp=%d, tp=%d, hierarchical=%s, op=%s): %s", self.stage,
                      len(self.dp_ranks), tp_size or 1, self.hierarchical, self.op, cfg.to_dict())
+            numels = {n: p.numel() for n, p in engine.module.named_parameters()}
+            print(startup_line(f"DeepSpeed ZeRO-{self.stage} (dp={len(self.dp_ranks)}, tp={tp_size or 1}, "
+                               f"hierarchical={self.hierarchical})", cfg, kinds, numels, self.dgc_note), flush=True)
 
     # --- groups -------------------------------------------------------------------------------------------
     def _maybe_node_sharding(self, dist) -> NodeShardedReduce | None:
@@ -360,7 +444,15 @@ class ZenDeepSpeed:
         import torch.distributed as dist
 
         totals = _all_gather_object(dist, self.stats.totals)
-        return report_summary(self.stats, self.cfg, totals, self.rank, f"ZeRO-{self.stage} hierarchical={self.hierarchical}", print_it)
+        text = report_summary(self.stats, self.cfg, totals, self.rank,
+                              f"ZeRO-{self.stage} hierarchical={self.hierarchical}", print_it)
+        explain = getattr(self.sync.scheme, "explain", None)  # ``auto``: why each slice runs its scheme
+        if explain is not None:
+            why = explain()
+            text += "\n" + why
+            if (self.cfg.stats.summary if print_it is None else print_it) and self.rank == 0:
+                print(why, flush=True)
+        return text
 
     def close(self) -> None:
         self.stats.close()

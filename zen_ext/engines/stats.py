@@ -151,6 +151,42 @@ def summarize(totals_by_rank: list[dict], steps: int, schemes: Counter, losses: 
     return "\n".join(lines)
 
 
+def startup_line(engine_line: str, cfg, kinds: dict[str, str], numels: dict[str, int] | None = None,
+                 dgc_note: str = "") -> str:
+    """The one line an adapter prints on rank 0 when ZEN is attached, so a user sees it is on.
+
+    Example: ``zen_ext: ZEN on DeepSpeed ZeRO-1 (dp=2, tp=1): scheme=auto, buckets 128 MB |
+    natural 1 tensor (65.5 K elements), dgc 5% 8 tensors (...), dense 9 tensors | momentum_correction=...``
+
+    Args:
+        engine_line: the engine and its groups, e.g. ``"DeepSpeed ZeRO-1 (dp=2, tp=1, hierarchical=False)"``.
+        cfg: the validated (resolved) ``ZenConfig``.
+        kinds: parameter name → ``"natural" | "dgc" | "dense"`` (``classify_parameters``).
+        numels: parameter name → element count, for the element totals (optional).
+        dgc_note: what ``resolve_dgc_defaults`` chose and why (empty when DGC is off).
+    """
+    parts = []
+    for kind in ("natural", "dgc", "dense"):
+        names = [n for n, k in kinds.items() if k == kind]
+        if not names:
+            continue
+        label = f"dgc {cfg.dgc.density:.4g}" if kind == "dgc" else kind
+        text = f"{label}: {len(names)} tensor{'s' if len(names) != 1 else ''}"
+        if numels:
+            text += f" ({_count(sum(numels.get(n, 0) for n in names))} elements)"
+        parts.append(text)
+    line = (f"zen_ext: ZEN on {engine_line}: scheme={cfg.scheme}, buckets {cfg.bucket_cap_mb:g} MB | "
+            + ", ".join(parts or ["no trainable parameters"]))
+    return line + (f" | dgc {dgc_note}" if dgc_note else "")
+
+
+def _count(n: int) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return str(n)
+
+
 def report_summary(stats, cfg, totals_by_rank: list[dict], rank: int, engine_line: str,
                    print_it: bool | None = None) -> str:
     """The summary text both adapters end a run with; rank 0 prints it when ``zen.stats.summary`` is on.
