@@ -430,7 +430,7 @@ def test_flat_memory_survives_checkpoint_and_rebuckets():
     """State stays keyed by name: a restored state and a re-bucketed layout continue bitwise."""
     gen = torch.Generator().manual_seed(13)
     steps = [[torch.randn(32, 64, generator=gen), torch.randn(4096, generator=gen)] for _ in range(4)]
-    cfg = DGCConfig(enabled=True, density=0.05)
+    cfg = DGCConfig(enabled=True, density=0.05, momentum_correction=True)  # momentum memory is restored too
     ref = DGCSparsifier(cfg)
     want = []
     for s, grads in enumerate(steps):
@@ -465,7 +465,7 @@ def test_values_past_the_wire_range_are_clamped_not_frozen(wire):
     if wire == torch.float16:
         base[:60] = 3e4 * torch.linspace(0.9, 1.1, 60)
         grads = [base.to(wire)] * 12
-        sp = DGCSparsifier(DGCConfig(enabled=True, density=0.01))
+        sp = DGCSparsifier(DGCConfig(enabled=True, momentum_correction=True, density=0.01))
         mc = True
     else:
         first, second = base.clone(), base.clone()
@@ -498,7 +498,7 @@ def test_loss_scale_change_rescales_the_memory_exactly():
     gen = torch.Generator().manual_seed(15)
     steps = [[torch.randn(40, 50, generator=gen), torch.randn(3000, generator=gen)] for _ in range(6)]
     scales = [1024.0, 1024.0, 512.0, 512.0, 2048.0, 256.0]  # dynamic loss scaling moves by powers of 2
-    cfg = DGCConfig(enabled=True, density=0.05)
+    cfg = DGCConfig(enabled=True, momentum_correction=True, density=0.05)
     ref, sp = DGCSparsifier(cfg), DGCSparsifier(cfg)
     for s, (grads, scale) in enumerate(zip(steps, scales)):
         ref.state.step = sp.state.step = s
@@ -527,7 +527,7 @@ def test_overflowed_step_leaves_residual_and_momentum_bitwise_unchanged():
     gen = torch.Generator().manual_seed(16)
     slices = [GradSlice("a", 0, 2048, (32, 64)), GradSlice("b", 2048, 2048, (32, 64))]
     kinds = {"a": "dgc", "b": "dgc"}
-    dgc = {"enabled": True, "density": 0.05, "min_numel": 16}
+    dgc = {"enabled": True, "density": 0.05, "min_numel": 16, "momentum_correction": True}
     steps = [[torch.randn(4096, generator=gen).half() for _ in range(2)] for _ in range(3)]
     steps[2][1][5000 % 2048 + 2048] = float("inf")  # rank 1, bucket of "b"
 
@@ -564,7 +564,7 @@ def test_residual_dtype_option_validates_and_halves_memory():
         DGCConfig.from_dict({"residual_dtype": "float16"})
     assert "zen.dgc.residual_dtype ('float16') must be one of ['float32', 'bfloat16']" in str(info.value)
     g = torch.randn(64, 64, generator=torch.Generator().manual_seed(17))
-    sp = DGCSparsifier(DGCConfig(enabled=True, residual_dtype="bfloat16"))
+    sp = DGCSparsifier(DGCConfig(enabled=True, momentum_correction=True, residual_dtype="bfloat16"))
     compress(sp, g)
     assert sp.state.get("p0", "residual").dtype == torch.bfloat16
     assert sp.state.get("p0", "momentum").dtype == torch.bfloat16
@@ -575,7 +575,7 @@ def test_bf16_residual_conserves_and_round_trips(wire):
     """bf16 memory: sent + residual == accumulated (in bf16); a restored state continues bitwise."""
     gen = torch.Generator().manual_seed(18)
     steps = [[torch.randn(48, 64, generator=gen).to(wire), torch.randn(1024, generator=gen).to(wire)] for _ in range(4)]
-    cfg = DGCConfig(enabled=True, density=0.05, residual_dtype="bfloat16")
+    cfg = DGCConfig(enabled=True, momentum_correction=True, density=0.05, residual_dtype="bfloat16")
     sp = DGCSparsifier(cfg)
     outs = []
     for s, grads in enumerate(steps):
