@@ -95,8 +95,9 @@ class ZenConfig(_Section):
     """Index encoding of ZEN's pull: ``"auto"`` (cheapest per partition), ``"bitmap"`` (hash
     bitmap), ``"coo"``, ``"dense"``. Default auto."""
     exchange_impl: str = "p2p"
-    """Transport of variable-size exchanges: ``"p2p"`` (receives posted first; faster on shaped
-    links) or ``"a2a"`` (one ``all_to_all_single``). Default p2p."""
+    """Transport of variable-size exchanges: ``"p2p"`` (one ``batch_isend_irecv`` per exchange,
+    NCCL-safe; 1.3–2.2× faster than a2a at 16–64 MiB per rank on 1 Gbit/s links) or ``"a2a"`` (one
+    ``all_to_all_single`` with split sizes). Every rank must use the same (checked). Default p2p."""
     async_sync: bool = True
     """DDP hook: synchronize buckets on a communication thread while the backward pass goes on
     (results bitwise equal to the blocking path); false synchronizes inside the hook. Default true."""

@@ -48,7 +48,10 @@ def test_recipe_with_deepspeed_launcher_then_torchrun_resume(tmp_path):
     with open(os.path.join(out, "train_log.jsonl")) as f:
         log = [json.loads(line) for line in f]
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5]
-    assert all(r["bytes_sent"] < r["dense_bytes"] for r in log)
+    # ``auto`` minimizes time, not bytes: at 2 ranks on the configured 10 Gbit/s, dense may rightly win
+    # for this tiny model, so ZEN never sends more than dense, and the summary says why it chose.
+    assert all(r["bytes_sent"] <= r["dense_bytes"] for r in log)
+    assert "candidates" in first and "auto:" in first
     assert [r["step"] for r in log if "eval_loss" in r] == [2, 3, 4, 5]
     with open(os.path.join(out, "zen_stats.jsonl")) as f:
         stats = [json.loads(line) for line in f]

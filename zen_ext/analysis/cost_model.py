@@ -650,8 +650,9 @@ class Refinement:
     offset catches what scales with nothing the model counts (Python and allocator work per phase,
     per-message costs of the transport above the probe's latency), which dominates small syncs; the
     slope catches rates that differ from the micro-benchmark's. The wire phases of a scheme are fitted
-    together (``"wire"``: the α–β time plus the computation inside them). One observation gives a pure
-    ratio.
+    together (``"wire"``: the α–β time plus the computation inside them). Observations of one input
+    size give an offset (an excess) or a ratio below 1 (a shortfall), never a ratio above 1 that
+    larger syncs would inherit.
 
     Every observation also feeds two shared fits (scheme ``"*"``): ``"wire"`` and ``"compute"`` (all
     computing phases). A scheme's phase that was never measured uses them, so a planner that runs one
@@ -728,8 +729,14 @@ def _line(st: Sequence[float]) -> tuple[float, float]:
             return slope, offset
         if slope < 0:
             return 0.0, sy / w
-    # One distinct input (or a negative offset): a line through the origin.
-    return (sxy / sxx if sxx > 0 else 1.0), 0.0
+    # One distinct input (or a negative offset). A measured excess is taken as an offset, not a ratio:
+    # the first syncs are often small and dominated by fixed per-call costs, and a ratio learned there
+    # would multiply every larger sync's prediction (a 4 KB all-reduce taking 10x its α–β time made a
+    # 4 MB one predict 50x too long). A measured shortfall scales down (a slower-than-real model).
+    mx, my = sx / w, sy / w
+    if my >= mx:
+        return 1.0, my - mx
+    return (my / mx if mx > 0 else 1.0), 0.0
 
 
 def _line_at_mean(st: Sequence[float]) -> float:

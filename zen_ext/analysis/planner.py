@@ -349,6 +349,9 @@ class AutoScheme(SyncScheme):
             return cal
         bw, lat = self._fixed
         probe = comm.size > 1 and (bw is None or lat is None)
+        # Calibration traffic is control traffic, like the agreement gathers: the byte counters report
+        # what gradients cost, so they are restored (in place: SimWorld holds the same object) below.
+        saved_stats = comm.stats.snapshot()
         # Step 1: link probe (best of a few all-reduces of two sizes).
         small_s = big_s = 0.0
         if probe:
@@ -373,6 +376,8 @@ class AutoScheme(SyncScheme):
         cal = _Calibration(cm.Network(bw if bw is not None else 10.0, lat if lat is not None else 50.0), rates,
                            measured_link=probe)
         self._calib[comm.rank] = cal
+        for key, value in saved_stats.as_dict().items():
+            setattr(comm.stats, key, value)
         if comm.rank == 0:
             logger.info("auto: calibrated: link %.3g Gbit/s, %.3g us (%s); compute %s", cal.network.bandwidth_gbps,
                         cal.network.latency_us, "probe" if probe else "configured",
