@@ -390,7 +390,7 @@ sys.path.insert(0, os.environ["ZEN_ROOT"])
 from zen_ext.engines.ddp import register_zen_hook
 dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0, world_size=1)
 model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)), bucket_cap_mb=0.0001)
-state = register_zen_hook(model, {"stats": {"summary": False}})
+state = register_zen_hook(model, {"stats": {"summary": False}, "async_sync": True})
 assert state.worker is not None
 model(torch.randn(4, 8)).sum().backward()
 print("trained", flush=True)

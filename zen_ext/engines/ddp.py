@@ -2,7 +2,7 @@
 to enable DGC and our synchronization scheme", with 128 MB buckets).
 
 DDP fuses gradients into flat buckets (``bucket_cap_mb``) and hands each bucket to the hook as soon as
-its gradients are ready. With ``zen.async_sync`` (the default) the hook only enqueues the bucket and
+its gradients are ready. With ``zen.async_sync`` (off by default; see its config docstring) the hook only enqueues the bucket and
 returns a pending future: a communication worker (one thread per process group, FIFO, so every rank
 runs the buckets in the same order) synchronizes it while autograd computes the gradients of the
 earlier layers, and completes the future; DDP waits for all futures at the end of the backward pass.
@@ -513,7 +513,7 @@ def _close_at_exit(ref) -> None:
 def zen_comm_hook(state: ZenHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: synchronize the bucket with ZEN and return its data-parallel mean.
 
-    With ``zen.async_sync`` (default) the bucket goes to the process group's communication worker and
+    With ``zen.async_sync`` on the bucket goes to the process group's communication worker and
     the future completes when it is synchronized, while autograd goes on with the earlier layers
     (ZEN's exchanges are variable-size sequences, not one async collective, so a thread runs them).
     Otherwise the reduction runs inside the hook and the future is already complete, as in
@@ -552,7 +552,7 @@ def register_zen_hook(ddp_model, cfg: "ZenConfig | dict | None" = None, *, tp_gr
         tp_group, guard_group, guard_nonfinite, optimizer: see ``ZenHookState.build`` (pass the
             optimizer so that DGC's momentum correction is chosen from it).
 
-    ``zen.async_sync`` (default) synchronizes buckets on the communication worker while the backward
+    ``zen.async_sync`` (when on) synchronizes buckets on the communication worker while the backward
     pass goes on, except with ``find_unused_parameters=True`` or a tensor-parallel group, where other
     collectives share the groups during the backward pass (then the hook blocks, as before). Keep the
     main thread off the data-parallel group's collectives between ``forward`` and the end of
