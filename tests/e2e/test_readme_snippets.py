@@ -306,7 +306,10 @@ def test_deepspeed_initialize_block(name, tmp_path):
     results, out = _run_python(name, tmp_path)
     for r in results:
         assert r["zen"] and r["scheme"] == "auto" and r["steps"] == 6 and r["calls"] >= 6
-        assert 0 < r["totals"]["bytes_sent"] < r["totals"]["dense_bytes"], out[-4000:]
+        # ``auto`` minimizes time: on 2 local ranks (a measured ~10 Gbit/s link) dense may rightly win
+        # for this tiny model, so ZEN never sends more than dense, and the summary says why it chose.
+        assert 0 < r["totals"]["bytes_sent"] <= r["totals"]["dense_bytes"], out[-4000:]
+        assert "candidates" in out, out[-4000:]
         assert r["momentum_correction"] is False  # AdamW: chosen, not applied twice
     assert out.count("zen_ext: ZEN on DeepSpeed ZeRO-1 (dp=2") == 1  # the start-up line, rank 0 only
     assert "momentum_correction=false (chosen: AdamW keeps its own moments" in out

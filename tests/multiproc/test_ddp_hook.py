@@ -364,14 +364,14 @@ def _async_fallbacks(rank, world):
 
     groups = [dist.new_group([r]) for r in range(world)]  # every rank creates every group
     unused = DDP(TinyLM(), bucket_cap_mb=0.002, find_unused_parameters=True)
-    s1 = register_zen_hook(unused, {})
+    s1 = register_zen_hook(unused, {"async_sync": True})
     _, losses = _train(unused, 2, rank, world)
     # A TP group of one rank is ignored (no TP); build directly with a real 2-rank "TP" group instead.
     from zen_ext.engines.ddp import ZenHookState
 
-    s2 = ZenHookState.build(TinyLM(), {}, dp_group=groups[rank], tp_group=dist.group.WORLD)
+    s2 = ZenHookState.build(TinyLM(), {"async_sync": True}, dp_group=groups[rank], tp_group=dist.group.WORLD)
     plain = DDP(TinyLM(), bucket_cap_mb=0.002)
-    s3 = register_zen_hook(plain, {})
+    s3 = register_zen_hook(plain, {"async_sync": True})
     out = (s1.worker is None, s2.worker is None, s3.worker is not None, len(losses))
     for s in (s1, s2, s3):
         s.close()
