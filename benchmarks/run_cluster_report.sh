@@ -43,7 +43,7 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
 PY=${NETLAB_PYTHON:-$ROOT/.venv/bin/python}
-WORK=${WORK:-/tmp/zen_cluster}
+WORK=${WORK:-${TMPDIR:-/tmp}/zen_cluster}
 export WORK  # results record scratch paths as $WORK/... (benchmarks/cluster_common.py portable_path)
 RATES_4=${RATES_4:-${RATES:-"1gbit"}}
 RATES_8=${RATES_8:-"100mbit"}

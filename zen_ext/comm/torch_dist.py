@@ -124,24 +124,11 @@ class TorchCommunicator(Communicator):
         return recv
 
     def _all_gather_v(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Header (size + signature, one all-gather), check, then one batch of point-to-point ops."""
-        if self.size == 1:
-            self._verify_signatures([self._sig_word])
-            return [t]
-        dev = self.device
-        mine = self._header([t.numel(), self._sig_word])
-        heads = torch.empty(2 * self.size, dtype=torch.int64, device=dev)
-        _all_gather_single(heads, mine, group=self.group)
-        head = heads.view(self.size, 2).tolist()
-        self._verify_signatures([h[1] for h in head])
-        staged = t.to(dev) if t.device != dev else t
-        out = [torch.empty(h[0], dtype=t.dtype, device=dev) for h in head]
-        others = [j for j in range(self.size) if j != self.rank]
-        self._batch_p2p({j: staged for j in others}, {j: out[j] for j in others})
-        if t.device != dev:
-            out = [o.to(t.device) for o in out]
-        out[self.rank] = t
-        return out
+        """The started gather (header, check, one batch of point-to-point ops), drained."""
+        handle = self._all_gather_v_start(t)
+        for _ in handle.as_completed():
+            pass
+        return handle.parts
 
     def _all_gather_v_start(self, t: torch.Tensor) -> GatherHandle:
         """``_all_gather_v`` whose payload requests are waited per peer, as the consumer reads them.

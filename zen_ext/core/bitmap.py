@@ -18,7 +18,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+_BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}  # per device, built once (no copy per call)
+
+
+def _bit_weights(device: torch.device) -> torch.Tensor:
+    w = _BIT_WEIGHTS.get(device)
+    if w is None:
+        w = _BIT_WEIGHTS[device] = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=device)
+    return w
 
 
 def bitmap_bytes(num_bits: int) -> int:
@@ -32,7 +39,7 @@ def encode_bitmap(mask_M: torch.Tensor) -> torch.Tensor:
     m = mask_M.numel()
     padded = torch.zeros(bitmap_bytes(m) * 8, dtype=torch.uint8, device=mask_M.device)
     padded[:m] = mask_M.to(torch.uint8)
-    return (padded.view(-1, 8) * _BIT_WEIGHTS.to(mask_M.device)).sum(1, dtype=torch.uint8)
+    return (padded.view(-1, 8) * _bit_weights(mask_M.device)).sum(1, dtype=torch.uint8)
 
 
 def decode_bitmap(bitmap_B: torch.Tensor, num_bits: int) -> torch.Tensor:
@@ -40,5 +47,5 @@ def decode_bitmap(bitmap_B: torch.Tensor, num_bits: int) -> torch.Tensor:
     if bitmap_B.device.type == "cpu":
         bits_np = np.unpackbits(bitmap_B.numpy(), count=num_bits, bitorder="little")
         return torch.from_numpy(np.flatnonzero(bits_np))
-    bits = (bitmap_B.unsqueeze(1) & _BIT_WEIGHTS.to(bitmap_B.device)).ne(0).view(-1)[:num_bits]
+    bits = (bitmap_B.unsqueeze(1) & _bit_weights(bitmap_B.device)).ne(0).view(-1)[:num_bits]
     return bits.nonzero().flatten()

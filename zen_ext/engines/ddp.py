@@ -42,7 +42,7 @@ from ..compress import classify_parameters
 from ..config import ZenConfig, resolve_dgc_defaults
 from ..core.synchronizer import GradSlice, Synchronizer, resize_warning
 from ._buckets import BucketReducer, locate_slices
-from .stats import StepStats, report_summary, startup_line
+from .stats import StepStats, append_planner_reasons, report_summary, startup_line
 
 log = logging.getLogger(__name__)
 
@@ -445,13 +445,7 @@ class ZenHookState:
         totals = [None] * dist.get_world_size()
         dist.all_gather_object(totals, self.stats.totals)
         text = report_summary(self.stats, self.cfg, totals, self.rank, f"DDP hook dp={self.dp_size}", print_it)
-        explain = getattr(self.sync.scheme, "explain", None)  # ``auto``: why each slice runs its scheme
-        if explain is not None:
-            why = explain()
-            text += "\n" + why
-            if (self.cfg.stats.summary if print_it is None else print_it) and self.rank == 0:
-                print(why, flush=True)
-        return text
+        return append_planner_reasons(text, self.sync.scheme, self.cfg, self.rank, print_it)
 
     def close(self) -> None:
         """End of training: release what the hook holds, in the order process shutdown needs.

@@ -42,7 +42,7 @@ from ..config import (SECTION, ZenConfig, check_deepspeed_settings, load_json_co
                       resolve_dgc_defaults)
 from ..core.synchronizer import Synchronizer, resize_warning
 from ._buckets import BucketReducer, NodeShardedReduce, locate_slices, maybe_node_sharding
-from .stats import StepStats, report_summary, startup_line
+from .stats import StepStats, append_planner_reasons, report_summary, startup_line
 
 log = logging.getLogger(__name__)
 
@@ -446,13 +446,7 @@ class ZenDeepSpeed:
         totals = _all_gather_object(dist, self.stats.totals)
         text = report_summary(self.stats, self.cfg, totals, self.rank,
                               f"ZeRO-{self.stage} hierarchical={self.hierarchical}", print_it)
-        explain = getattr(self.sync.scheme, "explain", None)  # ``auto``: why each slice runs its scheme
-        if explain is not None:
-            why = explain()
-            text += "\n" + why
-            if (self.cfg.stats.summary if print_it is None else print_it) and self.rank == 0:
-                print(why, flush=True)
-        return text
+        return append_planner_reasons(text, self.sync.scheme, self.cfg, self.rank, print_it)
 
     def close(self) -> None:
         self.stats.close()

@@ -203,3 +203,15 @@ def report_summary(stats, cfg, totals_by_rank: list[dict], rank: int, engine_lin
     if (cfg.stats.summary if print_it is None else print_it) and rank == 0:
         print(text, flush=True)
     return text
+
+
+def append_planner_reasons(text: str, scheme, cfg, rank: int, print_it: bool | None) -> str:
+    """Add ``auto``'s per-slice reasons (``scheme.explain()``) to a summary; rank 0 prints them when the
+    summary is printed. Other schemes have no reasons: ``text`` is returned as it is."""
+    explain = getattr(scheme, "explain", None)
+    if explain is None:
+        return text
+    why = explain()
+    if (cfg.stats.summary if print_it is None else print_it) and rank == 0:
+        print(why, flush=True)
+    return text + "\n" + why
