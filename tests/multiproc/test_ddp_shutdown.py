@@ -86,7 +86,10 @@ dist.destroy_process_group()
 
 
 def run_script(tmp_dir: str, runs: int) -> list[tuple[int, str]]:
-    """Run the plain-DDP script ``runs`` times with torchrun; returns (exit code, output tail) per run."""
+    """Run the plain-DDP script ``runs`` times with torchrun; returns (exit code, whole output) per run.
+
+    The whole output, not a tail: torchrun's failure report after an abort is longer than 2 KB and
+    would push the child's own "terminate called" line out of a tail."""
     import pathlib
 
     path = pathlib.Path(tmp_dir) / "ddp_script.py"
@@ -97,7 +100,7 @@ def run_script(tmp_dir: str, runs: int) -> list[tuple[int, str]]:
         proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
                                "--master_port", str(free_port()), str(path)], cwd=tmp_dir, env=env,
                               capture_output=True, text=True, timeout=300)
-        out.append((proc.returncode, (proc.stdout + proc.stderr)[-2000:]))
+        out.append((proc.returncode, proc.stdout + proc.stderr))
     return out
 
 
@@ -106,10 +109,11 @@ def test_plain_ddp_script_runs_through_torchrun(tmp_path):
     """One run of the README-style script: summary printed, exit 0. (The exit abort that torch's DDP
     on gloo shows in ~1 run in 30–60, with or without ZEN, is measured by the stress mode below, not
     asserted here: ``python -m tests.multiproc.test_ddp_shutdown --runs 40``.)"""
-    ((code, tail),) = run_script(str(tmp_path), 1)
-    assert "ZEN gradient synchronization summary (2 ranks, 3 optimizer steps)" in tail or code != 0, tail
+    ((code, output),) = run_script(str(tmp_path), 1)
+    # An abort's SIGTERM to the other rank can drop its unflushed stdout: the summary is checked on exit 0.
+    assert "ZEN gradient synchronization summary (2 ranks, 3 optimizer steps)" in output or code != 0, output[-3000:]
     if code != 0:
-        assert "terminate called without an active exception" in tail, tail  # only torch's known exit abort
+        assert "terminate called without an active exception" in output, output[-3000:]
         pytest.xfail("torch DDP + gloo aborted at exit (known, torch's; docs/colossalai.md: Ending a run)")
 
 
@@ -125,4 +129,4 @@ if __name__ == "__main__":  # the shutdown stress of issue 14, item 6
     bad = [(i, c) for i, (c, _) in enumerate(res) if c != 0]
     print(f"{len(bad)} of {args.runs} runs exited non-zero: {bad}")
     for i, _ in bad:
-        print(f"--- run {i} ---\n{res[i][1][-800:]}")
+        print(f"--- run {i} ---\n{res[i][1][-4000:]}")
