@@ -104,6 +104,26 @@ def test_dense_tensor_input():
         assert torch.equal(out, sum(dense_inputs))
 
 
+@pytest.mark.parametrize("scheme", ["zen", "zen_coo"])
+def test_out_may_be_the_input_gradient(scheme):
+    """The result written into the very tensor that holds the rank's gradient (what the engines do with
+    their buckets): zen zeroes ``out`` while the pull travels, after the input was consumed."""
+    g = torch.Generator().manual_seed(4)
+    dense_inputs = [torch.randint(-3, 4, (3001,), generator=g).float() * (torch.rand(3001, generator=g) < 0.1)
+                    for _ in range(5)]
+    expected = sum(dense_inputs)
+    zen = build_scheme(scheme)
+
+    def fn(c, x):
+        mine = x.clone()
+        res = zen.sync(c, mine, out=mine)
+        assert res.data_ptr() == mine.data_ptr()
+        return mine
+
+    for got in SimWorld(5).run(fn, dense_inputs):
+        assert torch.equal(got, expected)
+
+
 def test_above_2_pow_24_elements():
     # fp32 cannot represent every index above 2^24: indices must never travel as floats.
     numel = 2**24 + 1001

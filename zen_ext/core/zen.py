@@ -48,23 +48,20 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _pull_as_arrived(comm: Communicator, msg: torch.Tensor):
-    """Yield ``(server, message)`` of the pull as each message is complete.
+def _start_pull(comm: Communicator, msg: torch.Tensor):
+    """Start the pull; returns an iterator of ``(server, message)`` as each message is complete.
 
     With a communicator that offers ``all_gather_v_start(t)`` (returning a handle whose
-    ``as_completed()`` yields ``(rank, tensor)`` as each peer's message lands), the caller decodes a
-    partition while the others are still on the wire. The blocking ``all_gather_v`` fallback yields
-    them after the whole collective; the own message (no wire) comes first either way.
+    ``as_completed()`` yields ``(rank, tensor)`` as each peer's message lands), the messages are on
+    the wire when this returns, and the caller decodes a partition while the others still travel.
+    The blocking ``all_gather_v`` fallback has them all on return; the own message (no wire) comes
+    first either way.
     """
     start = getattr(comm, "all_gather_v_start", None)
-    if start is None:
-        pulled = comm.all_gather_v(msg)
-        yield comm.rank, pulled[comm.rank]
-        for i, buf in enumerate(pulled):
-            if i != comm.rank:
-                yield i, buf
-        return
-    yield from start(msg).as_completed()
+    if start is not None:
+        return start(msg).as_completed()
+    pulled = comm.all_gather_v(msg)
+    return iter([(comm.rank, pulled[comm.rank])] + [(i, b) for i, b in enumerate(pulled) if i != comm.rank])
 
 
 def pull_costs(count: int, part_size: int, idx_bytes: int, val_bytes: int) -> dict[int, int]:
@@ -193,23 +190,25 @@ class ZenScheme(SyncScheme):
         t["pull_s"] = time.perf_counter() - t0
 
         # Step 5: decode every server's partition straight into the result (the caller's buffer when
-        # given): zero it, then each message's values land at P⁻¹(p·n + i) (zen_ext::decode_pull_ reads
-        # the header itself: no host read). Partitions are decoded in the order they arrive.
+        # given): zero it while the pull is on the wire (the input was consumed in step 1, so the
+        # caller's buffer may be the gradient itself), then each message's values land at
+        # P⁻¹(p·n + i) (zen_ext::decode_pull_ reads the header itself: no host read). Partitions are
+        # decoded in the order they arrive.
+        t_pull = time.perf_counter()
+        arrived = _start_pull(comm, msg)
         t0 = time.perf_counter()
         res = out if out is not None else torch.empty(numel * width, dtype=dtype, device=device)
         res.zero_()
         rows = res.view(numel, width) if width > 1 else res
         keys = part.keys_on(device)
         zero_s, loop_decode_s = time.perf_counter() - t0, 0.0
-        t_pull = time.perf_counter()
-        for i, buf in _pull_as_arrived(comm, msg):
+        for i, buf in arrived:
             t0 = time.perf_counter()
             ops.decode_pull_(rows, buf, i, n, keys, isz)
             loop_decode_s += time.perf_counter() - t0
         # pull_s: encoding plus waiting for messages; decode_s: zeroing plus decoding.
-        t["pull_s"] += time.perf_counter() - t_pull - loop_decode_s
-        decode_s = zero_s + loop_decode_s
-        t["decode_s"] = decode_s
+        t["pull_s"] += time.perf_counter() - t_pull - zero_s - loop_decode_s
+        t["decode_s"] = zero_s + loop_decode_s
         if timings is not None:
             timings.update(t)
             timings["pull_format"] = _FMT_NAMES[fmt]
