@@ -65,6 +65,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .. import ops
 from ..core.types import SparseGrad
 from ..core.wire import pack, view_as
 from .base import (
@@ -282,7 +283,8 @@ class DGCSparsifier(Sparsifier):
         # Step 1: an overflowed (fp16) gradient must reach the engine as such and never the memory.
         # A 2-norm (one vectorized read, reused by clipping) is non-finite if any entry is; only then
         # look element-wise, since huge finite values may overflow the norm too.
-        norm_T = torch.stack(torch._foreach_norm(flats, 2, dtype=torch.float32))
+        # (fp32 norms; fp64 gradients keep fp64, which torch will not narrow.)
+        norm_T = torch.stack(torch._foreach_norm(flats, 2, dtype=torch.float64 if wire == torch.float64 else torch.float32))
         if not bool(torch.isfinite(norm_T).all()):
             cat = torch.cat(flats)
             bad = (~torch.isfinite(cat)).nonzero().flatten()
@@ -296,6 +298,15 @@ class DGCSparsifier(Sparsifier):
         if self.loss_scale is not None and id(R) not in self._journal:
             self._journal[id(R)] = (R, U, R.clone(), U.clone() if U is not None else None)
         gs = flats
+        # The one-pass path (CPU op): the velocity update is deferred into the candidate selection,
+        # and the thresholds are sampled from R + the pending update at the sample positions.
+        span = (_one_span(flats, total) if cfg.threshold != "exact" and cfg.clip_norm is None and mdt == wire
+                and wire in (torch.float32, torch.float64) and ops.has_dgc_select_op(R) else None)
+        if span is not None:
+            thr_U, pos_K = self._sampled_thresholds(R, lay, cfg.density_at(self.state.step), tp_comm,
+                                                    torch.finfo(mdt).smallest_normal * torch.finfo(mdt).eps,
+                                                    pending=(U, span))
+            return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total)
         if cfg.clip_norm is not None:
             limit = cfg.clip_norm / math.sqrt(self.dp_size)
             scale_T = (limit / (norm_T + 1e-6)).clamp(max=1.0)
@@ -323,6 +334,11 @@ class DGCSparsifier(Sparsifier):
             pos_K = lay.select(R, thr_U).view(-1).nonzero().flatten()  # one host synchronization
         else:
             thr_U, pos_K = self._sampled_thresholds(R, lay, density, tp_comm, tiny)
+        return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total)
+
+    def _finish(self, R, U, lay: "_Layout", thr_U, pos_K, wire, mdt, total: int) -> SparseGrad:
+        """Step 5 of ``compress``: record the thresholds, send, keep the error, mask the momentum."""
+        cfg = self.config
         self.state.set_per_unit(list(lay.names), "threshold", thr_U, lay.unit_of_T)
 
         # Step 5: send v clamped to the wire dtype's finite range (an fp16 value past 65504 would turn
@@ -347,7 +363,7 @@ class DGCSparsifier(Sparsifier):
 
     # --- thresholds ---------------------------------------------------------------------------------
     def _sampled_thresholds(self, R: torch.Tensor, lay: "_Layout", density: float, tp_comm,
-                            tiny: float) -> tuple[torch.Tensor, torch.Tensor]:
+                            tiny: float, pending: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-unit thresholds keeping about ``density`` of each unit, and the positions they select.
 
         1. Sample: strided positions per unit (offset moves with the step), gathered in one indexing.
@@ -357,10 +373,20 @@ class DGCSparsifier(Sparsifier):
         4. Search among the candidates only: counts at any threshold ``≥ t_low`` are exact there, so
            the passes of the search cost ``O(candidates)``, not ``O(bucket)``. A unit whose candidates
            are fewer than the band keeps ``t_low`` (all its candidates).
+
+        With ``pending = (U, g)`` the velocity update has not run yet: the samples are taken from
+        ``R + update`` (the same roundings as the update), and step 3 is ``dgc_accumulate_select_``,
+        which applies the update and selects the candidates in one pass.
         """
         # Step 1: samples, one gather for the whole bucket.
         pos_S, ns_U = lay.sample_positions(density, self.config.sample_fraction, self.state.step)
-        samples = torch.nan_to_num(R[pos_S.to(R.device, non_blocking=True)].abs(), nan=0.0)
+        pos_S = pos_S.to(R.device, non_blocking=True)
+        if pending is None:
+            samples = torch.nan_to_num(R[pos_S].abs(), nan=0.0)
+        else:
+            U, g = pending
+            delta = g[pos_S] if U is None else U[pos_S] * self.config.momentum + g[pos_S]
+            samples = torch.nan_to_num((R[pos_S] + delta).abs(), nan=0.0)
         numel_U = list(lay.unit_numels)
         # Step 2: pool and sort per unit.
         tp = tp_comm is not None and tp_comm.size > 1
@@ -373,7 +399,11 @@ class DGCSparsifier(Sparsifier):
         search = _ThresholdSearch(sorted_S, ns_U, k_U, numel_U)
         # Step 3: candidates at t_low, one pass over the bucket.
         t_low = search.at_rank(search.rank * CANDIDATE_FACTOR).clamp(min=tiny)
-        pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
+        if pending is None:
+            pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
+        else:
+            pos_C = ops.dgc_accumulate_select_(R, pending[0], pending[1], self.config.momentum, t_low.to(R.dtype),
+                                               lay.unit_ends_N)
         abs_C = R[pos_C].abs()
         unit_C = torch.searchsorted(lay.unit_ends_N, pos_C, right=True)
         # Step 4: search among the candidates (counts are global under TP: every TP rank moves alike).
@@ -404,6 +434,19 @@ class DGCSparsifier(Sparsifier):
         k_U = [max(1, math.ceil(density * n)) for n in numel_U]
         at = np.cumsum([0] + numel_U[:-1]) + np.array(k_U) - 1
         return sorted_N[torch.from_numpy(at).to(R.device, non_blocking=True)]
+
+
+def _one_span(flats: Sequence[torch.Tensor], total: int) -> torch.Tensor | None:
+    """``flats`` as one flat view when they lie back to back in one storage (the Synchronizer's usual
+    bucket layout), else None. Pointer checks only: no tensor op per gradient."""
+    f0 = flats[0]
+    es, at = f0.element_size(), f0.data_ptr()
+    base = f0.untyped_storage().data_ptr()
+    for f in flats:
+        if not f.is_contiguous() or f.data_ptr() != at or f.untyped_storage().data_ptr() != base:
+            return None
+        at += f.numel() * es
+    return f0 if len(flats) == 1 else f0.as_strided((total,), (1,), f0.storage_offset())
 
 
 def memory_dtype(wire: torch.dtype, residual_dtype: str) -> torch.dtype:

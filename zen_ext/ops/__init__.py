@@ -31,7 +31,7 @@ if os.environ.get("ZEN_DISABLE_CPP_OP", "0") != "1":
 
 __all__ = [
     "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
-    "aggregate_push", "encode_pull", "decode_pull_",
+    "aggregate_push", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
 ]
 
 # Fake (meta) kernels: shapes only, so torch.compile / FakeTensor tracing can see through the ops.
@@ -173,3 +173,31 @@ def decode_pull_(
         torch.ops.zen_ext.decode_pull_(out, msg, part, num_parts, keys_R, idx_bytes)
     else:
         _reference.decode_pull_(out, msg, part, num_parts, keys_R, idx_bytes)
+
+
+_DGC_OP: dict[str, bool] = {}
+
+
+def has_dgc_select_op(t: torch.Tensor) -> bool:
+    """Whether ``dgc_accumulate_select_`` has a kernel for ``t``'s device (CPU builds only, so far)."""
+    if not HAVE_CPP_OP:
+        return False
+    dev = t.device.type
+    got = _DGC_OP.get(dev)
+    if got is None:
+        got = hasattr(torch.ops.zen_ext, "dgc_accumulate_select_") and torch._C._dispatch_has_kernel_for_dispatch_key(
+            "zen_ext::dgc_accumulate_select_", dev.upper())
+        _DGC_OP[dev] = got
+    return got
+
+
+def dgc_accumulate_select_(
+    R: torch.Tensor, U: torch.Tensor | None, g: torch.Tensor, momentum: float, thr_T: torch.Tensor, ends_T: torch.Tensor
+) -> torch.Tensor:
+    """DGC's velocity update and candidate selection in one pass over the bucket.
+
+    ``U = U·momentum + g`` (when ``U`` is given), ``R += U`` (or ``g``), and the ascending positions
+    where ``|R| ≥ thr`` of the element's run (runs end at ``ends_T``). Callers check
+    ``has_dgc_select_op`` first; the torch path of ``zen_ext.compress.dgc`` is its oracle.
+    """
+    return torch.ops.zen_ext.dgc_accumulate_select_(R, U, g, momentum, thr_T, ends_T)
