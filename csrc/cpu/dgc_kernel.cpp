@@ -13,31 +13,47 @@
 namespace zen_ext {
 namespace {
 
-// R (and U) flat over the bucket; g the gradient over the same elements; thr_T one threshold per run
-// of elements, run t covering [ends_T[t-1], ends_T[t]). With U defined: U = U·momentum + g, R += U;
-// else R += g. Returns the int64 positions where |R| ≥ thr (as `R >= t || R <= -t`), ascending.
-at::Tensor dgc_accumulate_select_cpu(const at::Tensor& R, const c10::optional<at::Tensor>& U_opt,
-                                     const at::Tensor& g, double momentum, const at::Tensor& thr_T,
-                                     const at::Tensor& ends_T) {
+// Global end offset of every tensor of a list of contiguous 1-D CPU tensors of one dtype.
+std::vector<int64_t> list_ends(at::TensorList g_T, at::ScalarType dtype, const char* op) {
+  std::vector<int64_t> ends;
+  int64_t at = 0;
+  for (const auto& g : g_T) {
+    TORCH_CHECK(g.device().is_cpu() && g.is_contiguous() && g.scalar_type() == dtype, op,
+                ": every gradient must be a contiguous CPU tensor of ", dtype, ", got ", g.scalar_type(), " on ",
+                g.device());
+    at += g.numel();
+    ends.push_back(at);
+  }
+  return ends;
+}
+
+// R (and U) flat over the bucket; g_T the gradients in bucket order (their concatenation is R's
+// length); thr_U one threshold per run of elements, run u covering [ends_U[u-1], ends_U[u]). With U
+// defined: U = U·momentum + g, R += U; else R += g. Returns the int64 positions where |R| ≥ thr (as
+// `R >= t || R <= -t`, the torch path's two compares), ascending.
+at::Tensor dgc_accumulate_select_cpu(const at::Tensor& R, const c10::optional<at::Tensor>& U_opt, at::TensorList g_T,
+                                     double momentum, const at::Tensor& thr_U, const at::Tensor& ends_U) {
   const bool has_u = U_opt.has_value() && U_opt->defined();
   TORCH_CHECK(R.device().is_cpu() && R.dim() == 1 && R.is_contiguous(),
               "dgc_accumulate_select_: R must be a contiguous 1-D CPU tensor, got shape ", R.sizes());
-  TORCH_CHECK(g.device().is_cpu() && g.is_contiguous() && g.numel() == R.numel() && g.scalar_type() == R.scalar_type(),
-              "dgc_accumulate_select_: g must be a contiguous CPU tensor of R's ", R.numel(), " ", R.scalar_type(),
-              " elements, got ", g.numel(), " ", g.scalar_type());
+  const auto gends = list_ends(g_T, R.scalar_type(), "dgc_accumulate_select_");
+  const int64_t N = R.numel();
+  TORCH_CHECK(!gends.empty() && gends.back() == N, "dgc_accumulate_select_: the gradients hold ",
+              gends.empty() ? 0 : gends.back(), " elements, R ", N);
   if (has_u) {
     const auto& U = *U_opt;
-    TORCH_CHECK(U.device().is_cpu() && U.is_contiguous() && U.numel() == R.numel() && U.scalar_type() == R.scalar_type(),
+    TORCH_CHECK(U.device().is_cpu() && U.is_contiguous() && U.numel() == N && U.scalar_type() == R.scalar_type(),
                 "dgc_accumulate_select_: U must be a contiguous CPU tensor like R");
   }
-  TORCH_CHECK(thr_T.scalar_type() == R.scalar_type() && ends_T.scalar_type() == at::kLong &&
-                  thr_T.dim() == 1 && ends_T.dim() == 1 && thr_T.numel() == ends_T.numel() && thr_T.numel() >= 1,
-              "dgc_accumulate_select_: thr_T (R's dtype) and ends_T (int64) must be 1-D of one length >= 1");
-  auto thr = thr_T.contiguous();
-  auto ends = ends_T.contiguous();
-  const int64_t T = ends.numel(), N = R.numel();
+  TORCH_CHECK(thr_U.scalar_type() == R.scalar_type() && ends_U.scalar_type() == at::kLong && thr_U.dim() == 1 &&
+                  ends_U.dim() == 1 && thr_U.numel() == ends_U.numel() && thr_U.numel() >= 1,
+              "dgc_accumulate_select_: thr_U (R's dtype) and ends_U (int64) must be 1-D of one length >= 1");
+  auto thr = thr_U.cpu().contiguous();
+  auto ends = ends_U.cpu().contiguous();
+  const int64_t T = ends.numel(), G = int64_t(gends.size());
   const int64_t* ep = ends.data_ptr<int64_t>();
-  TORCH_CHECK(ep[T - 1] == N, "dgc_accumulate_select_: ends_T must end at numel (", N, "), got ", ep[T - 1]);
+  const int64_t* gp_end = gends.data();
+  TORCH_CHECK(ep[T - 1] == N, "dgc_accumulate_select_: ends_U must end at numel (", N, "), got ", ep[T - 1]);
   // Chunks of a fixed size, each collecting its own positions, concatenated in chunk order: the
   // result is ascending for any thread count.
   constexpr int64_t kChunk = int64_t(1) << 16;
@@ -45,7 +61,6 @@ at::Tensor dgc_accumulate_select_cpu(const at::Tensor& R, const c10::optional<at
   std::vector<std::vector<int64_t>> found(size_t(std::max<int64_t>(chunks, 1)));
   AT_DISPATCH_FLOATING_TYPES(R.scalar_type(), "dgc_accumulate_select_", [&] {
     scalar_t* rp = R.data_ptr<scalar_t>();
-    const scalar_t* gp = g.data_ptr<scalar_t>();
     scalar_t* up = has_u ? U_opt->data_ptr<scalar_t>() : nullptr;
     const scalar_t* tp = thr.data_ptr<scalar_t>();
     const scalar_t m = scalar_t(momentum);
@@ -53,26 +68,30 @@ at::Tensor dgc_accumulate_select_cpu(const at::Tensor& R, const c10::optional<at
       for (int64_t c = cb; c < ce; ++c) {
         const int64_t lo = c * kChunk, hi = std::min(N, lo + kChunk);
         auto& out = found[size_t(c)];
-        int64_t t = std::upper_bound(ep, ep + T, lo) - ep;  // the run holding element lo
+        int64_t t = std::upper_bound(ep, ep + T, lo) - ep;            // the run holding element lo
+        int64_t q = std::upper_bound(gp_end, gp_end + G, lo) - gp_end;  // the gradient holding it
         int64_t i = lo;
         while (i < hi) {
-          const int64_t stop = std::min(hi, ep[t]);
+          while (ep[t] <= i) ++t;
+          while (gp_end[q] <= i) ++q;
+          const int64_t stop = std::min({hi, ep[t], gp_end[q]});
           const scalar_t th = tp[t];
+          // g of element i is gq[i]: the gradient's data shifted by its global start.
+          const scalar_t* gq = g_T[q].data_ptr<scalar_t>() - (gp_end[q] - g_T[q].numel());
           for (; i < stop; ++i) {
             scalar_t r;
             if (up) {
               // Two roundings, as U.mul_(m) then U.add_(g) make them: the ISO C++ build (-std=c++20)
               // does not contract them into a fused multiply-add.
-              const scalar_t u = up[i] * m + gp[i];
+              const scalar_t u = up[i] * m + gq[i];
               up[i] = u;
               r = rp[i] + u;
             } else {
-              r = rp[i] + gp[i];
+              r = rp[i] + gq[i];
             }
             rp[i] = r;
             if (r >= th || r <= -th) out.push_back(i);
           }
-          ++t;
         }
       }
     });
@@ -88,8 +107,33 @@ at::Tensor dgc_accumulate_select_cpu(const at::Tensor& R, const c10::optional<at
   return pos;
 }
 
+// Values of the concatenation of g_T at the global positions pos (int64, any order).
+at::Tensor gather_list_cpu(at::TensorList g_T, const at::Tensor& pos) {
+  TORCH_CHECK(!g_T.empty(), "gather_list: needs at least one tensor");
+  const auto gends = list_ends(g_T, g_T[0].scalar_type(), "gather_list");
+  TORCH_CHECK(pos.device().is_cpu() && pos.scalar_type() == at::kLong && pos.dim() == 1,
+              "gather_list: pos must be a 1-D int64 CPU tensor");
+  auto p = pos.contiguous();
+  const int64_t K = p.numel(), N = gends.back(), G = int64_t(gends.size());
+  const int64_t* pp = p.data_ptr<int64_t>();
+  auto out = at::empty({K}, g_T[0].options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g_T[0].scalar_type(), "gather_list", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t i = pp[j];
+      TORCH_CHECK(i >= 0 && i < N, "gather_list: position ", i, " outside [0, ", N, ")");
+      const int64_t q = std::upper_bound(gends.data(), gends.data() + G, i) - gends.data();
+      op[j] = g_T[q].data_ptr<scalar_t>()[i - (gends[q] - g_T[q].numel())];
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(zen_ext, CPU, m) { m.impl("dgc_accumulate_select_", &dgc_accumulate_select_cpu); }
+TORCH_LIBRARY_IMPL(zen_ext, CPU, m) {
+  m.impl("dgc_accumulate_select_", &dgc_accumulate_select_cpu);
+  m.impl("gather_list", &gather_list_cpu);
+}
 
 }  // namespace zen_ext

@@ -605,7 +605,8 @@ def test_bf16_residual_conserves_and_round_trips(wire):
 @pytest.mark.parametrize("momentum_correction", [False, True])
 @pytest.mark.parametrize("selection", ["per_bucket", "per_tensor"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_one_pass_select_equals_the_torch_path(monkeypatch, momentum_correction, selection, dtype):
+@pytest.mark.parametrize("gaps", [False, True])
+def test_one_pass_select_equals_the_torch_path(monkeypatch, momentum_correction, selection, dtype, gaps):
     """``dgc_accumulate_select_`` (velocity update + candidate selection in one pass) sends the same
     positions and values and leaves the same residual and momentum, bit for bit, as the torch path."""
     cfg = dict(density=0.02, min_numel=1, momentum_correction=momentum_correction, selection=selection)
@@ -624,7 +625,9 @@ def test_one_pass_select_equals_the_torch_path(monkeypatch, momentum_correction,
         sent = []
         for bucket in steps:
             flat = bucket.clone()
-            views = [flat[:70001], flat[70001:140002], flat[140002:]]  # back to back: one span
+            views = [flat[:70001], flat[70001:140002], flat[140002:]]  # back to back in one bucket
+            if gaps:  # apart, as DGC tensors with dense norms between them are
+                views = [flat[:69001], flat[70001:140002].clone(), flat[140010:]]
             sg = sp.compress([NamedGrad(f"p{i}", v) for i, v in enumerate(views)])
             sent.append((sg.indices.clone(), sg.values.clone()))
             sp.end_step()

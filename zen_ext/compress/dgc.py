@@ -300,12 +300,11 @@ class DGCSparsifier(Sparsifier):
         gs = flats
         # The one-pass path (CPU op): the velocity update is deferred into the candidate selection,
         # and the thresholds are sampled from R + the pending update at the sample positions.
-        span = (_one_span(flats, total) if cfg.threshold != "exact" and cfg.clip_norm is None and mdt == wire
-                and wire in (torch.float32, torch.float64) and ops.has_dgc_select_op(R) else None)
-        if span is not None:
+        if (cfg.threshold != "exact" and cfg.clip_norm is None and mdt == wire and wire in (torch.float32, torch.float64)
+                and ops.has_dgc_select_op(R) and all(f.is_contiguous() for f in flats)):
             thr_U, pos_K = self._sampled_thresholds(R, lay, cfg.density_at(self.state.step), tp_comm,
                                                     torch.finfo(mdt).smallest_normal * torch.finfo(mdt).eps,
-                                                    pending=(U, span))
+                                                    pending=(U, list(flats)))
             return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total)
         if cfg.clip_norm is not None:
             limit = cfg.clip_norm / math.sqrt(self.dp_size)
@@ -384,8 +383,9 @@ class DGCSparsifier(Sparsifier):
         if pending is None:
             samples = torch.nan_to_num(R[pos_S].abs(), nan=0.0)
         else:
-            U, g = pending
-            delta = g[pos_S] if U is None else U[pos_S] * self.config.momentum + g[pos_S]
+            U, g_T = pending
+            g_S = ops.gather_list(g_T, pos_S)
+            delta = g_S if U is None else U[pos_S] * self.config.momentum + g_S
             samples = torch.nan_to_num((R[pos_S] + delta).abs(), nan=0.0)
         numel_U = list(lay.unit_numels)
         # Step 2: pool and sort per unit.
@@ -434,19 +434,6 @@ class DGCSparsifier(Sparsifier):
         k_U = [max(1, math.ceil(density * n)) for n in numel_U]
         at = np.cumsum([0] + numel_U[:-1]) + np.array(k_U) - 1
         return sorted_N[torch.from_numpy(at).to(R.device, non_blocking=True)]
-
-
-def _one_span(flats: Sequence[torch.Tensor], total: int) -> torch.Tensor | None:
-    """``flats`` as one flat view when they lie back to back in one storage (the Synchronizer's usual
-    bucket layout), else None. Pointer checks only: no tensor op per gradient."""
-    f0 = flats[0]
-    es, at = f0.element_size(), f0.data_ptr()
-    base = f0.untyped_storage().data_ptr()
-    for f in flats:
-        if not f.is_contiguous() or f.data_ptr() != at or f.untyped_storage().data_ptr() != base:
-            return None
-        at += f.numel() * es
-    return f0 if len(flats) == 1 else f0.as_strided((total,), (1,), f0.storage_offset())
 
 
 def memory_dtype(wire: torch.dtype, residual_dtype: str) -> torch.dtype:

@@ -32,6 +32,7 @@ if os.environ.get("ZEN_DISABLE_CPP_OP", "0") != "1":
 __all__ = [
     "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
     "aggregate_push", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
+    "gather_list",
 ]
 
 # Fake (meta) kernels: shapes only, so torch.compile / FakeTensor tracing can see through the ops.
@@ -192,12 +193,19 @@ def has_dgc_select_op(t: torch.Tensor) -> bool:
 
 
 def dgc_accumulate_select_(
-    R: torch.Tensor, U: torch.Tensor | None, g: torch.Tensor, momentum: float, thr_T: torch.Tensor, ends_T: torch.Tensor
+    R: torch.Tensor, U: torch.Tensor | None, g_T: list[torch.Tensor], momentum: float, thr_U: torch.Tensor,
+    ends_U: torch.Tensor,
 ) -> torch.Tensor:
     """DGC's velocity update and candidate selection in one pass over the bucket.
 
-    ``U = U·momentum + g`` (when ``U`` is given), ``R += U`` (or ``g``), and the ascending positions
-    where ``|R| ≥ thr`` of the element's run (runs end at ``ends_T``). Callers check
-    ``has_dgc_select_op`` first; the torch path of ``zen_ext.compress.dgc`` is its oracle.
+    ``U = U·momentum + g`` (when ``U`` is given), ``R += U`` (or ``g``), ``g`` the concatenation of the
+    contiguous gradients ``g_T`` (never built), and the ascending positions where ``|R| ≥ thr`` of the
+    element's run (runs end at ``ends_U``). Callers check ``has_dgc_select_op`` first; the torch path
+    of ``zen_ext.compress.dgc`` is its oracle.
     """
-    return torch.ops.zen_ext.dgc_accumulate_select_(R, U, g, momentum, thr_T, ends_T)
+    return torch.ops.zen_ext.dgc_accumulate_select_(R, U, g_T, momentum, thr_U, ends_U)
+
+
+def gather_list(g_T: list[torch.Tensor], pos: torch.Tensor) -> torch.Tensor:
+    """Values of the concatenation of the contiguous tensors ``g_T`` at int64 positions ``pos``."""
+    return torch.ops.zen_ext.gather_list(g_T, pos)
