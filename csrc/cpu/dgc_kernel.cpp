@@ -119,11 +119,20 @@ at::Tensor gather_list_cpu(at::TensorList g_T, const at::Tensor& pos) {
   auto out = at::empty({K}, g_T[0].options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, g_T[0].scalar_type(), "gather_list", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
+    // Base pointer of each tensor shifted by its global start, so element i of the concatenation is
+    // base[q][i]; positions usually come ascending (strided samples): the tensor is found by walking
+    // forward, by binary search otherwise.
+    std::vector<const scalar_t*> base(static_cast<size_t>(G), nullptr);
+    for (int64_t q = 0; q < G; ++q) base[size_t(q)] = g_T[q].data_ptr<scalar_t>() - (gends[q] - g_T[q].numel());
+    int64_t q = 0;
     for (int64_t j = 0; j < K; ++j) {
       const int64_t i = pp[j];
       TORCH_CHECK(i >= 0 && i < N, "gather_list: position ", i, " outside [0, ", N, ")");
-      const int64_t q = std::upper_bound(gends.data(), gends.data() + G, i) - gends.data();
-      op[j] = g_T[q].data_ptr<scalar_t>()[i - (gends[q] - g_T[q].numel())];
+      if (i >= gends[q] || (q > 0 && i < gends[q - 1])) {
+        q = i >= gends[q] && q + 1 < G && i < gends[q + 1] ? q + 1
+                                                            : std::upper_bound(gends.data(), gends.data() + G, i) - gends.data();
+      }
+      op[j] = base[size_t(q)][i];
     }
   });
   return out;
