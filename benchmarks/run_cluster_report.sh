@@ -86,6 +86,31 @@ trap teardown EXIT
 trap 'exit 130' INT TERM
 NETLAB_QUIET=1 "$ROOT/launch/netlab/netlab.sh" down || true
 
+# Each stage run goes into $RES/cluster_run.json with its time window, commit and the load seen in it;
+# a stage re-run alone replaces only its own entry (called by `report`, and at the end of a run without it).
+merge_stages() {
+  "$PY" - "$WORK/loadavg.txt" "$WORK/stages.txt" "$RES/cluster_run.json" "$HOSTS" "4: $RATES_4; 8: $RATES_8; 16: $RATES_16" <<'EOF'
+import datetime, json, os, platform, statistics, subprocess, sys
+load_path, stages_path, out, hosts, rates = sys.argv[1:6]
+samples = [tuple(float(x) for x in line.split()[:2]) for line in open(load_path) if line.strip()]
+commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+utc = lambda t: datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+run = json.load(open(out)) if os.path.isfile(out) else {}
+stages = run.get("stages", {})
+for line in open(stages_path):
+    name, t0, t1 = line.split()
+    t0, t1 = float(t0), float(t1)
+    loads = [v for t, v in samples if t0 <= t <= t1]
+    stages[name] = dict(started=utc(t0), duration_s=int(t1 - t0), commit=commit, loadavg=loads,
+                        loadavg_summary=(f"min {min(loads):.1f}, median {statistics.median(loads):.1f}, "
+                                         f"max {max(loads):.1f}") if loads else "not sampled")
+run = dict(stages=stages, machine=f"{platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}",
+           lab=f"{'/'.join(hosts.split())} network namespaces behind a bridge, tbf per host and direction "
+               f"(rates by host count: {rates}), MTU 1500, gloo over TCP (launch/netlab)")
+json.dump(run, open(out, "w"), indent=1)
+EOF
+}
+
 TRACES="$WORK/traces"
 WORKLOADS=(trace_dgc1="$TRACES/dgc1" trace_dgc5="$TRACES/dgc5" trace_natural="$TRACES/natural")
 SYNTH=(synth_dgc1="$WORK/workloads/synth_dgc1" synth_dgc5="$WORK/workloads/synth_dgc5"
@@ -193,29 +218,12 @@ if has overlap; then
 fi
 
 if has report; then
-  "$PY" - "$WORK/loadavg.txt" "$WORK/stages.txt" "$RES/cluster_run.json" "$HOSTS" "4: $RATES_4; 8: $RATES_8; 16: $RATES_16" <<'EOF'
-import datetime, json, os, platform, statistics, subprocess, sys
-load_path, stages_path, out, hosts, rates = sys.argv[1:6]
-samples = [tuple(float(x) for x in line.split()[:2]) for line in open(load_path) if line.strip()]
-commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-utc = lambda t: datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-run = json.load(open(out)) if os.path.isfile(out) else {}
-stages = run.get("stages", {})
-for line in open(stages_path):
-    name, t0, t1 = line.split()
-    t0, t1 = float(t0), float(t1)
-    loads = [v for t, v in samples if t0 <= t <= t1]
-    stages[name] = dict(started=utc(t0), duration_s=int(t1 - t0), commit=commit, loadavg=loads,
-                        loadavg_summary=(f"min {min(loads):.1f}, median {statistics.median(loads):.1f}, "
-                                         f"max {max(loads):.1f}") if loads else "not sampled")
-run = dict(stages=stages, machine=f"{platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}",
-           lab=f"{'/'.join(hosts.split())} network namespaces behind a bridge, tbf per host and direction "
-               f"(rates by host count: {rates}), MTU 1500, gloo over TCP (launch/netlab)")
-json.dump(run, open(out, "w"), indent=1)
-EOF
+  merge_stages
   log "report: cost model vs the measured runs (calibration by 4 concurrent ranks)"
   timeout 300 "$PY" benchmarks/cluster_model_eval.py --results "$RES" --ranks 4 >/dev/null
   log "report"
   "$PY" benchmarks/cluster_report.py --results "$RES" >/dev/null
   log "done: $RES/cluster_report.md"
 fi
+
+has report || merge_stages
