@@ -221,6 +221,33 @@ def scale_section(rows: list[dict]) -> list[str]:
 
 
 # --- end to end --------------------------------------------------------------------------------------
+def _e2e_reading(rows: list[dict]) -> list[str]:
+    """Per lab size, what bounds ZEN's end-to-end ratio: the rest of the step caps it at
+    dense step / rest, and ZEN's own sync (DGC included) against the link-rate time of its bytes."""
+    out = []
+    for r in rows:
+        if r["config"] != "zen_dgc1" or r.get("sync_s_med") is None:
+            continue
+        dense = next((d for d in rows if d["config"] == "dense" and d["rate"] == r["rate"]
+                      and d.get("n", 4) == r.get("n", 4)), None)
+        if dense is None:
+            continue
+        rest = r["step_s_med"] - r["sync_s_med"]
+        # The link rate as dense's own: its all-reduce bound over the bytes it sends per step.
+        link_s = (r["bytes_sent_per_step"] * dense["dense_allreduce_bound_s"] / dense["bytes_sent_per_step"]
+                  if r.get("bytes_sent_per_step") and dense.get("dense_allreduce_bound_s")
+                  and dense.get("bytes_sent_per_step") else None)
+        dgc = r.get("compress_s_med")
+        out.append(
+            f"- {r.get('n', 4)} hosts, `zen_dgc1`: {dense['step_s_med'] / r['step_s_med']:.2f}× dense. The rest of "
+            f"the step ({rest:.3f} s, the ranks' own compute on shared cores) alone caps the ratio at "
+            f"{dense['step_s_med'] / rest:.2f}×; ZEN's sync is {r['sync_s_med']:.3f} s"
+            + (f", of which DGC {dgc:.3f} s" if dgc is not None else "")
+            + (f", against {1e3 * link_s:.0f} ms for its bytes at the link rate" if link_s else "")
+            + " (CPU-bound: the sync's computation runs on the same shared cores).")
+    return [""] + out if out else []
+
+
 def e2e_section(rows: list[dict], out_dir: str) -> tuple[list[str], dict]:
     rows = _latest(rows, ("n", "rate", "config"))
     if not rows:
@@ -252,6 +279,7 @@ def e2e_section(rows: list[dict], out_dir: str) -> tuple[list[str], dict]:
               "gradient reduction (its own statistics: DGC compression, hashing and all communication), for dense "
               "the link-rate bound of DeepSpeed's ring all-reduce; `rest of the step` = step − sync: forward, "
               "backward and optimizer, with 4 ranks sharing the machine's cores."]
+    lines += _e2e_reading(rows)
     try:
         import matplotlib
 

@@ -99,9 +99,11 @@ class ZenConfig(_Section):
     NCCL-safe; 1.3–2.2× faster than a2a at 16–64 MiB per rank on 1 Gbit/s links) or ``"a2a"`` (one
     ``all_to_all_single`` with split sizes). Every rank must use the same (checked). Default p2p."""
     async_sync: bool = False
-    """DDP hook: synchronize buckets on a communication thread while the backward pass goes on
-    (results bitwise equal to the blocking path); false synchronizes inside the hook. Default false:
-    on the 2-core emulated lab it measured 0.93-1.04x the blocking step time (the thread competes with
+    """DDP hook: synchronize buckets on a communication thread while the backward pass goes on;
+    DeepSpeed: pipeline the ZEN buckets of each engine bucket on that thread (compress bucket k + 1
+    while k is on the wire; without node sharding or a TP group). Results bitwise equal to the
+    blocking path; false synchronizes in turn on the training thread. Default false: on the 2-core
+    emulated lab the DDP hook measured 0.93-1.04x the blocking step time (the thread competes with
     autograd for the cores), and its CUDA stream path has not run on a GPU yet; turn it on where
     communication dominates and measure (benchmarks/bench_overlap.py)."""
     bucket_cap_mb: float = 128.0

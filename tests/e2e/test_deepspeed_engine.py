@@ -100,6 +100,20 @@ def _lossless_worker(rank, world):
                      "dense_w": _weights(dense), "zen_w": _weights(zen), "calls": zen.zen.override_calls,
                      "totals": zen.zen.totals, "optimizer": type(zen.optimizer).__name__,
                      "last": zen.zen.stats.last}
+    # zen.async_sync: the ZEN buckets of each engine bucket pipelined over the communication worker
+    # (bucket_cap_mb 0.05 re-buckets every engine bucket into several), DGC on: bitwise the blocking run.
+    out["async"] = {}
+    for stage in (0, 1, 2):
+        batches = _batches(rank, 3, seed=5)
+        zen_cfg = {"scheme": "zen", "bucket_cap_mb": 0.05, "dgc": {"enabled": True, "min_numel": 1024}}
+        blocking = _engine(_ds_config(stage, zen=dict(zen_cfg)))
+        piped = _engine(_ds_config(stage, zen=dict(zen_cfg, async_sync=True)))
+        out["async"][stage] = {"blocking": _train(blocking, batches), "async": _train(piped, batches),
+                               "blocking_w": _weights(blocking), "async_w": _weights(piped),
+                               "worker": piped.zen.worker is not None,
+                               "buckets": piped.zen.stats.last.get("buckets")}
+        piped.zen.close()
+        out["async"][stage]["released"] = piped.zen.worker is None
     # The override must be what reduces: put DeepSpeed's own method back, as a DeepSpeed release that
     # moved the reduction would, and the step must fail loudly.
     engine = _engine(_ds_config(0, zen={}))
@@ -115,6 +129,16 @@ def _lossless_worker(rank, world):
 @pytest.fixture(scope="module")
 def lossless():
     return run_workers(_lossless_worker, 2, timeout_s=600)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_async_sync_pipelines_buckets_bitwise(lossless, stage):
+    for r in lossless:
+        got = r["async"][stage]
+        assert got["worker"] and got["released"]
+        assert got["buckets"] and got["buckets"] > 1, got["buckets"]
+        assert got["async"] == got["blocking"]
+        assert torch.equal(got["async_w"], got["blocking_w"])
 
 
 @pytest.mark.parametrize("name", [c[0] for c in LOSSLESS_CASES])

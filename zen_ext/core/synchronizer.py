@@ -94,6 +94,21 @@ class _Plan:
     ends_S: torch.Tensor | None = None  # concat end of each DGC slice
 
 
+@dataclasses.dataclass
+class _Prepared:
+    """One bucket between ``Synchronizer.prepare_flat`` and ``finish_flat``."""
+
+    flat: torch.Tensor
+    flat_N: torch.Tensor
+    out_N: torch.Tensor
+    plan: "_Plan"
+    op: str
+    dense_buf: torch.Tensor | None = None
+    natural: list = dataclasses.field(default_factory=list)
+    dgc: tuple | None = None
+    local_s: float = 0.0
+
+
 class Synchronizer:
     """Reduce flat gradient buckets over ``dp_comm`` with natural sparsity, DGC and a sync scheme.
 
@@ -182,14 +197,25 @@ class Synchronizer:
             ValueError: bad slices (overlap, out of range, unknown name, shape ≠ numel) or op.
             RuntimeError: ranks disagree on the bucket layout or configuration.
         """
+        return self.finish_flat(self.prepare_flat(flat, slices, op, out))
+
+    def prepare_flat(
+        self, flat: torch.Tensor, slices: list[GradSlice], op: str = "mean", out: torch.Tensor | None = None
+    ) -> "_Prepared":
+        """The local half of ``sync_flat``: plan, and every read of ``flat`` (dense gather, natural and
+        DGC compression, DGC memory updates). No data-parallel collective unless the layout is new (its
+        agreement); DGC's thresholds use the TP group. ``finish_flat`` does the rest.
+
+        A caller may run ``finish_flat`` of one bucket on another thread while it prepares the next
+        (``BucketReducer`` with a communication worker), once every bucket's layout is planned
+        (``plan_flat``): then only ``finish_flat`` talks to the data-parallel group.
+        """
         t_start = time.perf_counter()
         check_op(op)
         if not flat.is_contiguous():
             raise ValueError("sync_flat needs a contiguous bucket")
         flat_N = flat.reshape(-1)
-        dp, n = self.dp_comm, self.dp_comm.size
         st = self._stats
-        dp_before = dp.stats.snapshot()
         tp_before = self.tp_comm.stats.snapshot() if self.tp_comm is not None else None
 
         # Step 1: plan.
@@ -202,33 +228,21 @@ class Synchronizer:
             out_N = out.reshape(-1)
         else:
             out_N = torch.empty_like(flat_N)
+        prep = _Prepared(flat=flat, flat_N=flat_N, out_N=out_N, plan=plan, op=op)
 
-        # Step 2: one dense all-reduce for everything routed dense.
+        # Step 2 (local part): the dense ranges gathered into one buffer.
         if plan.dense_ranges:
-            views = [NamedGrad("", flat_N[s:e]) for s, e in plan.dense_ranges]
-            buf = self._dense.compress(views)
-            dp.all_reduce(buf)
-            if op == "mean":
-                buf.div_(n)
-            at = 0
-            for s, e in plan.dense_ranges:
-                out_N[s:e] = buf[at : at + e - s]
-                at += e - s
-            self._count("dense", buf.numel(), buf.numel())
-            st["schemes"].add("dense")
+            prep.dense_buf = self._dense.compress([NamedGrad("", flat_N[s:e]) for s, e in plan.dense_ranges])
 
-        # Step 3: natural slices, one scheme call each (row widths differ).
+        # Step 3 (local part): each natural slice's non-zero rows.
         for s in plan.natural:
             t0 = time.perf_counter()
-            sg = self._natural.compress([NamedGrad(s.name, flat_N[s.offset : s.offset + s.numel].view(s.shape))])
+            prep.natural.append(
+                (s, self._natural.compress([NamedGrad(s.name, flat_N[s.offset : s.offset + s.numel].view(s.shape))])))
             st["compress_s"] += time.perf_counter() - t0
-            timings: dict = {}
-            self.scheme.sync(dp, sg, op, timings=timings, key=f"{s.name}:natural",
-                             out=out_N[s.offset : s.offset + s.numel])
-            self._note_scheme(timings)
-            self._count("natural", s.numel, sg.nnz * sg.row_width)
 
-        # Step 4: all DGC slices of the bucket fused into one SparseGrad over the bucket's indices.
+        # Step 4 (local part): all DGC slices of the bucket compressed into one SparseGrad over the
+        # bucket's indices.
         if plan.dgc:
             t0 = time.perf_counter()
             grads = [NamedGrad(s.state_key, flat_N[s.offset : s.offset + s.numel]) for s in plan.dgc]
@@ -244,7 +258,53 @@ class Synchronizer:
                 grad = SparseGrad(idx_K, sg.values, hi - lo)
             else:
                 grad = SparseGrad(sg.indices, sg.values, sg.numel)
+            prep.dgc = (grad, tiled, lo, hi, sg.numel, sg.nnz)
             st["compress_s"] += time.perf_counter() - t0
+        if tp_before is not None:
+            t = self.tp_comm.stats - tp_before
+            st["tp_bytes_sent"] += t.bytes_sent
+            st["tp_bytes_recv"] += t.bytes_recv
+        prep.local_s = time.perf_counter() - t_start
+        return prep
+
+    def plan_flat(self, flat: torch.Tensor, slices: list[GradSlice], op: str = "mean") -> None:
+        """Plan (and on a new layout, agree) ``flat``'s layout now, as ``sync_flat`` would first."""
+        check_op(op)
+        self._plan_for(flat.reshape(-1), slices, op)
+
+    def finish_flat(self, prep: "_Prepared") -> torch.Tensor:
+        """The communicating half of ``sync_flat``: the dense all-reduce, the natural and DGC scheme
+        calls, written into the prepared output; returns it in ``flat``'s shape."""
+        t_start = time.perf_counter()
+        dp, n = self.dp_comm, self.dp_comm.size
+        st = self._stats
+        dp_before = dp.stats.snapshot()
+        plan, op, out_N = prep.plan, prep.op, prep.out_N
+
+        # Step 2: one dense all-reduce for everything routed dense.
+        if prep.dense_buf is not None:
+            buf = prep.dense_buf
+            dp.all_reduce(buf)
+            if op == "mean":
+                buf.div_(n)
+            at = 0
+            for s, e in plan.dense_ranges:
+                out_N[s:e] = buf[at : at + e - s]
+                at += e - s
+            self._count("dense", buf.numel(), buf.numel())
+            st["schemes"].add("dense")
+
+        # Step 3: natural slices, one scheme call each (row widths differ).
+        for s, sg in prep.natural:
+            timings: dict = {}
+            self.scheme.sync(dp, sg, op, timings=timings, key=f"{s.name}:natural",
+                             out=out_N[s.offset : s.offset + s.numel])
+            self._note_scheme(timings)
+            self._count("natural", s.numel, sg.nnz * sg.row_width)
+
+        # Step 4: one scheme call for the bucket's DGC slices.
+        if prep.dgc is not None:
+            grad, tiled, lo, hi, numel, nnz = prep.dgc
             timings = {}
             if tiled:
                 self.scheme.sync(dp, grad, op, timings=timings, key=plan.dgc_key, out=out_N[lo:hi])
@@ -255,21 +315,17 @@ class Synchronizer:
                     out_N[s.offset : s.offset + s.numel] = res[at : at + s.numel]
                     at += s.numel
             self._note_scheme(timings)
-            self._count("dgc", sg.numel, sg.nnz)
+            self._count("dgc", numel, nnz)
 
         # Stats of this call.
         st["buckets"] += 1
         d = dp.stats - dp_before
         st["bytes_sent"] += d.bytes_sent
         st["bytes_recv"] += d.bytes_recv
-        if tp_before is not None:
-            t = self.tp_comm.stats - tp_before
-            st["tp_bytes_sent"] += t.bytes_sent
-            st["tp_bytes_recv"] += t.bytes_recv
         if n > 1:
-            st["dense_bytes_sent"] += 2 * (n - 1) * flat_N.numel() * flat_N.element_size() // n
-        st["sync_s"] += time.perf_counter() - t_start
-        return out_N.view_as(flat)
+            st["dense_bytes_sent"] += 2 * (n - 1) * prep.flat_N.numel() * prep.flat_N.element_size() // n
+        st["sync_s"] += prep.local_s + time.perf_counter() - t_start
+        return out_N.view_as(prep.flat)
 
     def set_grad_scale(self, scale: float) -> None:
         """The loss scale the next gradients carry (fp16): DGC rescales its memory when it changes and

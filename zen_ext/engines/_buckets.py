@@ -446,11 +446,18 @@ class BucketReducer:
             loss scaler sees the overflow everywhere and skips the step (a sparsifier would
             otherwise drop NaN/Inf that fall under its threshold), and no residual memory is
             polluted.
+        worker: a communication worker (``zen_ext.engines.ddp.CommWorker``, ``zen.async_sync``) or
+            None. With it, an engine bucket that re-buckets into several ZEN buckets is pipelined:
+            the worker synchronizes bucket ``k`` (the data-parallel collectives, in bucket order)
+            while this thread compresses bucket ``k + 1`` (DGC, natural rows). Used without node
+            sharding and without a TP group (whose collectives DGC's thresholds need on this thread);
+            results are bitwise equal to the sequential path.
     """
 
     def __init__(self, sync, *, cap_bytes: int, dp_size: int, node: "NodeShardedReduce | None" = None,
-                 tp_comm=None, tp_shared: frozenset[str] = frozenset(), guard_comm=None) -> None:
+                 tp_comm=None, tp_shared: frozenset[str] = frozenset(), guard_comm=None, worker=None) -> None:
         self.sync = sync
+        self.worker = worker if node is None and not (tp_comm is not None and tp_comm.size > 1) else None
         self.cap_bytes = cap_bytes
         self.dp_size = dp_size
         self.node = node
@@ -471,7 +478,7 @@ class BucketReducer:
         1. Guard: agree whether any rank holds a non-finite gradient; if so, NaN-fill and stop.
         2. Re-bucket to ``cap_bytes`` at parameter boundaries (TP-shared parameters alone).
         3. Reduce each bucket: TP-shared rows split across TP ranks, the rest by node shards or
-           directly through the Synchronizer.
+           directly through the Synchronizer (pipelined over the worker when there is one).
         """
         self.calls += 1
         st = self._stats
@@ -492,7 +499,11 @@ class BucketReducer:
                 return
         # Step 2: re-bucket.
         cap = max(1, self.cap_bytes // flat_N.element_size())
-        for a, b, members in split_to_cap(flat_N.numel(), slices, cap, self.tp_shared):
+        chunks = list(split_to_cap(flat_N.numel(), slices, cap, self.tp_shared))
+        if self.worker is not None and len(chunks) > 1:
+            self._reduce_pipelined(flat_N, chunks, op)
+            return
+        for a, b, members in chunks:
             chunk = flat_N[a:b]
             # Step 3: reduce.
             if len(members) == 1 and members[0].name in self.tp_shared:
@@ -501,6 +512,44 @@ class BucketReducer:
                 out = self._reduce_dp(chunk, members, op)
             if out.data_ptr() != chunk.data_ptr():  # the direct path already wrote into the chunk
                 chunk.copy_(out)
+
+    def _reduce_pipelined(self, flat_N: torch.Tensor, chunks: list, op: str) -> None:
+        """Step 3 with the worker: compress bucket ``k + 1`` here while the worker synchronizes ``k``.
+
+        1. Plan every bucket first: a new layout's agreement is a data-parallel collective, and from
+           step 2 on only the worker talks to the data-parallel group (one FIFO: bucket order, the
+           same on every rank).
+        2. Per bucket: prepare (all reads of the bucket, DGC memory) here, then hand the
+           communicating half to the worker; its result lands in the bucket itself.
+        3. Wait for every handed-over bucket, also when a later prepare failed (no job outlives the
+           call), and re-raise the first failure.
+        """
+        # Step 1: plans.
+        for a, b, members in chunks:
+            self.sync.plan_flat(flat_N[a:b], list(members), op)
+        # Step 2: prepare here, finish on the worker.
+        pending = []
+        try:
+            for a, b, members in chunks:
+                chunk = flat_N[a:b]
+                nat = [s for s in members if self.sync.param_kinds.get(s.name) == "natural" and len(s.shape) >= 2]
+                if nat:
+                    self._stats["natural_local_rows"] += sum(_nonzero_rows(chunk, s) for s in nat)
+                prep = self.sync.prepare_flat(chunk, list(members), op, out=chunk)
+                pending.append((self.worker.submit(lambda prep=prep: self.sync.finish_flat(prep), [chunk]), chunk, nat))
+        finally:
+            # Step 3: drain.
+            first = None
+            for fut, chunk, nat in pending:
+                try:
+                    out = fut.wait()
+                except BaseException as e:  # noqa: BLE001 - every job is waited for; the first error wins
+                    first = first or e
+                    continue
+                if nat:
+                    self._stats["natural_union_rows"] += sum(_nonzero_rows(out, s) for s in nat)
+            if first is not None:
+                raise first
 
     def _reduce_dp(self, chunk: torch.Tensor, members: list[GradSlice], op: str) -> torch.Tensor:
         nat = [s for s in members if self.sync.param_kinds.get(s.name) == "natural" and len(s.shape) >= 2]

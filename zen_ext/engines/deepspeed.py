@@ -318,8 +318,21 @@ class ZenDeepSpeed:
         tp_shared = frozenset(n for n, p in engine.module.named_parameters()
                               if kinds.get(n) == "natural" and p.dim() == 2 and not is_model_parallel_parameter(p))
         guard = TorchCommunicator(None) if engine.fp16_enabled() else None
+        # zen.async_sync: pipeline the ZEN buckets of each engine bucket over a communication worker
+        # (compress bucket k + 1 while k is on the wire); not with node sharding or a TP group, whose
+        # collectives the compression itself needs.
+        self.worker = None
+        if cfg.async_sync and node is None and self.tp_comm is None:
+            from .ddp import CommWorker
+
+            self.worker = CommWorker.acquire(sync_comm.group, engine.device)
+        elif cfg.async_sync and self.rank == 0:
+            log.info("zen: zen.async_sync does not pipeline buckets with %s (their collectives run on the "
+                     "training thread); buckets are synchronized in turn",
+                     "node sharding" if node is not None else "a tensor-parallel group")
         self.reducer = BucketReducer(self.sync, cap_bytes=cfg.bucket_cap_bytes, dp_size=len(self.dp_ranks),
-                                     node=node, tp_comm=self.tp_comm, tp_shared=tp_shared, guard_comm=guard)
+                                     node=node, tp_comm=self.tp_comm, tp_shared=tp_shared, guard_comm=guard,
+                                     worker=self.worker)
         self.stats = StepStats(self.rank, cfg.stats.jsonl_path, getattr(engine, "monitor", None))
         self.hierarchical = node is not None
 
@@ -449,7 +462,12 @@ class ZenDeepSpeed:
         return append_planner_reasons(text, self.sync.scheme, self.cfg, self.rank, print_it)
 
     def close(self) -> None:
+        """Flush the statistics and release the communication worker (idempotent)."""
         self.stats.close()
+        worker, self.worker = getattr(self, "worker", None), None
+        if worker is not None:
+            worker.release()
+            self.reducer.worker = None
 
     # --- checkpoints --------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
