@@ -128,21 +128,25 @@ def hash_partition(
     return _reference.hash_partition(idx_K, numel, num_parts, keys_R)
 
 
-_PULL_OP_DEVICES: dict[str, bool] = {}
+_KERNELS: dict[tuple[str, str], bool] = {}
+
+
+def _has_kernel(op: str, t: torch.Tensor) -> bool:
+    """Whether ``zen_ext::op`` has a kernel for ``t``'s device type. Ops added after hash_partition may
+    be missing from an older ``_C`` (or a build without CUDA); then the caller's fallback runs. Cached
+    per (op, device type): one dispatcher query each."""
+    if not HAVE_CPP_OP:
+        return False
+    key = (op, t.device.type)
+    got = _KERNELS.get(key)
+    if got is None:
+        got = _KERNELS[key] = hasattr(torch.ops.zen_ext, op) and torch._C._dispatch_has_kernel_for_dispatch_key(
+            f"zen_ext::{op}", key[1].upper())
+    return got
 
 
 def _use_pull_op(t: torch.Tensor) -> bool:
-    # The pull ops came after hash_partition: a _C built before them (or without CUDA) has no kernel
-    # for them, and the reference runs instead. Cached per device type: one dispatcher query each.
-    if not HAVE_CPP_OP:
-        return False
-    dev = t.device.type
-    got = _PULL_OP_DEVICES.get(dev)
-    if got is None:
-        got = hasattr(torch.ops.zen_ext, "decode_pull_") and torch._C._dispatch_has_kernel_for_dispatch_key(
-            "zen_ext::decode_pull_", dev.upper())
-        _PULL_OP_DEVICES[dev] = got
-    return got
+    return _has_kernel("decode_pull_", t)
 
 
 def aggregate_push(
@@ -176,20 +180,9 @@ def decode_pull_(
         _reference.decode_pull_(out, msg, part, num_parts, keys_R, idx_bytes)
 
 
-_DGC_OP: dict[str, bool] = {}
-
-
 def has_dgc_select_op(t: torch.Tensor) -> bool:
     """Whether ``dgc_accumulate_select_`` has a kernel for ``t``'s device (CPU builds only, so far)."""
-    if not HAVE_CPP_OP:
-        return False
-    dev = t.device.type
-    got = _DGC_OP.get(dev)
-    if got is None:
-        got = hasattr(torch.ops.zen_ext, "dgc_accumulate_select_") and torch._C._dispatch_has_kernel_for_dispatch_key(
-            "zen_ext::dgc_accumulate_select_", dev.upper())
-        _DGC_OP[dev] = got
-    return got
+    return _has_kernel("dgc_accumulate_select_", t)
 
 
 def dgc_accumulate_select_(
