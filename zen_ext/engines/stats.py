@@ -175,7 +175,8 @@ def startup_line(engine_line: str, cfg, kinds: dict[str, str], numels: dict[str,
         if numels:
             text += f" ({_count(sum(numels.get(n, 0) for n in names))} elements)"
         parts.append(text)
-    line = (f"zen_ext: ZEN on {engine_line}: scheme={cfg.scheme}, buckets {cfg.bucket_cap_mb:g} MB | "
+    line = (f"zen_ext: ZEN on {engine_line}: scheme={cfg.scheme}, buckets {cfg.bucket_cap_mb:g} MB"
+            + (", async_sync" if cfg.async_sync else "") + " | "
             + ", ".join(parts or ["no trainable parameters"]))
     return line + (f" | dgc {dgc_note}" if dgc_note else "")
 
