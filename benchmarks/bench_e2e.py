@@ -12,7 +12,9 @@ once per configuration and repeat. The configurations differ only in the DeepSpe
 * ``zen_dgc1`` / ``zen_dgc5``: ``{"scheme": "zen", "dgc": {"enabled": true, "density": 0.01 / 0.05}}``
   (DGC on every parameter of ≥ ``dgc.min_numel`` elements, the embedding included);
 * ``zen_natural``: ``{"scheme": "zen"}`` with natural sparsity only: the untied embedding's non-zero
-  rows go through ZEN, everything else through the dense all-reduce (lossless: same losses as dense).
+  rows go through ZEN, everything else through the dense all-reduce (lossless: same losses as dense);
+* ``zen_dgc1_b8`` / ``zen_dgc1_b8_async``: DGC 1 % with 8 MB ZEN buckets, in turn / pipelined with
+  ``zen.async_sync`` (not in the default list; benchmarks/results/deepspeed_pipeline.md).
 
 Every run starts from the same weights and sees the same batches (same seed), so the loss curves are
 comparable step by step. Repeats are interleaved (each repeat runs every configuration, in a rotated
@@ -47,6 +49,13 @@ CONFIGS = {
                                                   "natural": {"enabled": False}}),
     "zen_dgc5": dict(describe="zen, DGC 5 %", zen={"scheme": "zen", "dgc": {"enabled": True, "density": 0.05},
                                                   "natural": {"enabled": False}}),
+    # zen.async_sync under DeepSpeed: 8 MB ZEN buckets so the engine bucket re-buckets into several,
+    # pipelined (compress k + 1 while k is on the wire) vs the same buckets in turn.
+    "zen_dgc1_b8": dict(describe="zen, DGC 1 %, 8 MB buckets", zen={
+        "scheme": "zen", "bucket_cap_mb": 8, "dgc": {"enabled": True, "density": 0.01}, "natural": {"enabled": False}}),
+    "zen_dgc1_b8_async": dict(describe="zen, DGC 1 %, 8 MB buckets pipelined", zen={
+        "scheme": "zen", "bucket_cap_mb": 8, "async_sync": True, "dgc": {"enabled": True, "density": 0.01},
+        "natural": {"enabled": False}}),
     "zen_natural": dict(describe="zen, embedding rows (rest dense)",
                         zen={"scheme": "zen", "natural": {"enabled": True}, "dgc": {"enabled": False}}),
 }
