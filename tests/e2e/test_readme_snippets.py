@@ -324,7 +324,10 @@ def test_hf_trainer_block_with_scheme_auto(tmp_path):
     results, out = _run_python("hf-trainer", tmp_path)
     for r in results:
         assert r["zen"] and r["scheme"] == "auto" and r["steps"] == 20 and r["calls"] >= 20
-        assert 0 < r["totals"]["bytes_sent"] < r["totals"]["dense_bytes"]
+        # ``auto`` minimizes measured time: where the probed link is fast (CI's loopback), dense may
+        # rightly win for this tiny model, so ZEN never sends more than dense and says why it chose.
+        assert 0 < r["totals"]["bytes_sent"] <= r["totals"]["dense_bytes"], out[-4000:]
+        assert "candidates" in out, out[-4000:]
     assert "ZEN gradient synchronization summary (2 ranks, 20 optimizer steps)" in out
 
 
