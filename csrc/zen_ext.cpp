@@ -29,11 +29,11 @@ TORCH_LIBRARY(zen_ext, m) {
   // Write server part's pulled message into out (numel rows) at the global indices P^-1(p*n + part).
   m.def("decode_pull_(Tensor(a!) out, Tensor msg, int part, int num_parts, Tensor keys, int idx_bytes) -> ()");
   // DGC's velocity update and candidate selection in one pass: U = U*momentum + g (when U is given),
-  // R += U (or g), g the concatenation of g_T; returns the ascending int64 positions where |R| >= the
-  // threshold of the element's run (runs end at ends_U). CPU only: elsewhere the torch path of
-  // zen_ext/compress/dgc.py runs.
+  // R += U (or g), g the concatenation of g_T; returns the candidates where |R| >= the threshold of the
+  // element's run (runs end at ends_U), ascending: int64 positions, R's values there, int64 runs. CPU
+  // only: elsewhere the torch path of zen_ext/compress/dgc.py runs.
   m.def("dgc_accumulate_select_(Tensor(a!) R, Tensor(b!)? U, Tensor[] g_T, float momentum, Tensor thr_U, "
-        "Tensor ends_U) -> Tensor");
+        "Tensor ends_U) -> (Tensor, Tensor, Tensor)");
   // Values of the concatenation of g_T at int64 positions pos, without the concatenation.
   m.def("gather_list(Tensor[] g_T, Tensor pos) -> Tensor");
 }

@@ -1,14 +1,21 @@
 // CPU kernel of DGC's accumulate-and-select pass (zen_ext::dgc_accumulate_select_): the velocity update
 // and the candidate selection of the sampled threshold search in one pass over the bucket, where the
-// torch path makes four (add, two compares, nonzero). Bit-identical to that path
-// (zen_ext/compress/dgc.py, ``_fused_accumulate_select`` is its caller and its test oracle is the torch path).
+// torch path makes four (add, two compares, nonzero), and the candidates' values with their positions
+// (no gather from the bucket afterwards). Bit-identical to that path (zen_ext/compress/dgc.py,
+// ``DGCSparsifier._sampled_thresholds`` is its caller; tests/ops/test_dgc_ops.py and
+// tests/unit/test_dgc.py hold it to the torch path).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <tuple>
 #include <vector>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 namespace zen_ext {
 namespace {
@@ -27,12 +34,86 @@ std::vector<int64_t> list_ends(at::TensorList g_T, at::ScalarType dtype, const c
   return ends;
 }
 
+// The candidates one chunk of the pass found: position, value of R there, and its run.
+template <typename scalar_t>
+struct Found {
+  std::vector<int64_t> pos, run;
+  std::vector<scalar_t> val;
+  void add(int64_t i, scalar_t v, int64_t t) {
+    pos.push_back(i);
+    val.push_back(v);
+    run.push_back(t);
+  }
+};
+
+// Elements [i, stop) of one run and one gradient: the update and the compare, scalar. Two roundings
+// for the momentum (as U.mul_(m) then U.add_(g) make them): the ISO C++ build (-std=c++20) does not
+// contract them into a fused multiply-add.
+template <typename scalar_t>
+inline void accumulate_select_scalar(scalar_t* rp, scalar_t* up, const scalar_t* gq, scalar_t m, scalar_t th,
+                                     int64_t i, int64_t stop, int64_t t, Found<scalar_t>& out) {
+  for (; i < stop; ++i) {
+    scalar_t r;
+    if (up) {
+      const scalar_t u = up[i] * m + gq[i];
+      up[i] = u;
+      r = rp[i] + u;
+    } else {
+      r = rp[i] + gq[i];
+    }
+    rp[i] = r;
+    if (r >= th || r <= -th) out.add(i, r, t);
+  }
+}
+
+#if defined(__SSE2__)
+// fp32 with SSE2 (every x86-64 CPU): 16 elements per step, the compares packed into a 16-bit mask
+// that is walked with count-trailing-zeros only where it is non-zero. The scalar loop spends ~2.5
+// cycles an element on its data-dependent branch (24 ms vs 11 ms for a plain in-place add over 21 M
+// elements on this CPU); this one runs at the add's speed (13.6 ms). Same IEEE operations, same order:
+// bit-identical to the scalar loop.
+inline void accumulate_select_run(float* rp, float* up, const float* gq, float m, float th, int64_t i,
+                                  int64_t stop, int64_t t, Found<float>& out) {
+  const __m128 hi = _mm_set1_ps(th), lo = _mm_set1_ps(-th), mv = _mm_set1_ps(m);
+  for (; i + 16 <= stop; i += 16) {
+    unsigned bits = 0;
+    for (int k = 0; k < 4; ++k) {
+      const int64_t j = i + 4 * k;
+      __m128 r;
+      if (up) {
+        const __m128 u = _mm_add_ps(_mm_mul_ps(_mm_loadu_ps(up + j), mv), _mm_loadu_ps(gq + j));
+        _mm_storeu_ps(up + j, u);
+        r = _mm_add_ps(_mm_loadu_ps(rp + j), u);
+      } else {
+        r = _mm_add_ps(_mm_loadu_ps(rp + j), _mm_loadu_ps(gq + j));
+      }
+      _mm_storeu_ps(rp + j, r);
+      bits |= unsigned(_mm_movemask_ps(_mm_or_ps(_mm_cmpge_ps(r, hi), _mm_cmple_ps(r, lo)))) << (4 * k);
+    }
+    while (bits) {
+      const int b = __builtin_ctz(bits);
+      bits &= bits - 1;
+      out.add(i + b, rp[i + b], t);
+    }
+  }
+  accumulate_select_scalar(rp, up, gq, m, th, i, stop, t, out);
+}
+#endif
+
+template <typename scalar_t>
+inline void accumulate_select_run(scalar_t* rp, scalar_t* up, const scalar_t* gq, scalar_t m, scalar_t th,
+                                  int64_t i, int64_t stop, int64_t t, Found<scalar_t>& out) {
+  accumulate_select_scalar(rp, up, gq, m, th, i, stop, t, out);
+}
+
 // R (and U) flat over the bucket; g_T the gradients in bucket order (their concatenation is R's
 // length); thr_U one threshold per run of elements, run u covering [ends_U[u-1], ends_U[u]). With U
-// defined: U = U·momentum + g, R += U; else R += g. Returns the int64 positions where |R| ≥ thr (as
-// `R >= t || R <= -t`, the torch path's two compares), ascending.
-at::Tensor dgc_accumulate_select_cpu(const at::Tensor& R, const c10::optional<at::Tensor>& U_opt, at::TensorList g_T,
-                                     double momentum, const at::Tensor& thr_U, const at::Tensor& ends_U) {
+// defined: U = U·momentum + g, R += U; else R += g. Returns the candidates where |R| >= thr (as
+// `R >= t || R <= -t`, the torch path's two compares), ascending: their int64 positions, the values
+// of R there (so the caller gathers nothing from the bucket) and the int64 run of each.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select_cpu(
+    const at::Tensor& R, const c10::optional<at::Tensor>& U_opt, at::TensorList g_T, double momentum,
+    const at::Tensor& thr_U, const at::Tensor& ends_U) {
   const bool has_u = U_opt.has_value() && U_opt->defined();
   TORCH_CHECK(R.device().is_cpu() && R.dim() == 1 && R.is_contiguous(),
               "dgc_accumulate_select_: R must be a contiguous 1-D CPU tensor, got shape ", R.sizes());
@@ -54,12 +135,13 @@ at::Tensor dgc_accumulate_select_cpu(const at::Tensor& R, const c10::optional<at
   const int64_t* ep = ends.data_ptr<int64_t>();
   const int64_t* gp_end = gends.data();
   TORCH_CHECK(ep[T - 1] == N, "dgc_accumulate_select_: ends_U must end at numel (", N, "), got ", ep[T - 1]);
-  // Chunks of a fixed size, each collecting its own positions, concatenated in chunk order: the
+  // Chunks of a fixed size, each collecting its own candidates, concatenated in chunk order: the
   // result is ascending for any thread count.
   constexpr int64_t kChunk = int64_t(1) << 16;
   const int64_t chunks = (N + kChunk - 1) / kChunk;
-  std::vector<std::vector<int64_t>> found(size_t(std::max<int64_t>(chunks, 1)));
+  at::Tensor pos, val, run;
   AT_DISPATCH_FLOATING_TYPES(R.scalar_type(), "dgc_accumulate_select_", [&] {
+    std::vector<Found<scalar_t>> found(size_t(std::max<int64_t>(chunks, 1)));
     scalar_t* rp = R.data_ptr<scalar_t>();
     scalar_t* up = has_u ? U_opt->data_ptr<scalar_t>() : nullptr;
     const scalar_t* tp = thr.data_ptr<scalar_t>();
@@ -75,36 +157,31 @@ at::Tensor dgc_accumulate_select_cpu(const at::Tensor& R, const c10::optional<at
           while (ep[t] <= i) ++t;
           while (gp_end[q] <= i) ++q;
           const int64_t stop = std::min({hi, ep[t], gp_end[q]});
-          const scalar_t th = tp[t];
           // g of element i is gq[i]: the gradient's data shifted by its global start.
           const scalar_t* gq = g_T[q].data_ptr<scalar_t>() - (gp_end[q] - g_T[q].numel());
-          for (; i < stop; ++i) {
-            scalar_t r;
-            if (up) {
-              // Two roundings, as U.mul_(m) then U.add_(g) make them: the ISO C++ build (-std=c++20)
-              // does not contract them into a fused multiply-add.
-              const scalar_t u = up[i] * m + gq[i];
-              up[i] = u;
-              r = rp[i] + u;
-            } else {
-              r = rp[i] + gq[i];
-            }
-            rp[i] = r;
-            if (r >= th || r <= -th) out.push_back(i);
-          }
+          accumulate_select_run(rp, up, gq, m, tp[t], i, stop, t, out);
+          i = stop;
         }
       }
     });
+    int64_t total = 0;
+    for (const auto& f : found) total += int64_t(f.pos.size());
+    pos = at::empty({total}, at::TensorOptions().dtype(at::kLong));
+    run = at::empty({total}, at::TensorOptions().dtype(at::kLong));
+    val = at::empty({total}, R.options());
+    int64_t* pp = pos.data_ptr<int64_t>();
+    int64_t* rq = run.data_ptr<int64_t>();
+    scalar_t* vp = val.data_ptr<scalar_t>();
+    for (const auto& f : found) {
+      std::copy(f.pos.begin(), f.pos.end(), pp);
+      std::copy(f.run.begin(), f.run.end(), rq);
+      std::copy(f.val.begin(), f.val.end(), vp);
+      pp += f.pos.size();
+      rq += f.run.size();
+      vp += f.val.size();
+    }
   });
-  int64_t total = 0;
-  for (const auto& f : found) total += int64_t(f.size());
-  auto pos = at::empty({total}, at::TensorOptions().dtype(at::kLong));
-  int64_t* pp = pos.data_ptr<int64_t>();
-  for (const auto& f : found) {
-    std::copy(f.begin(), f.end(), pp);
-    pp += f.size();
-  }
-  return pos;
+  return {pos, val, run};
 }
 
 // Values of the concatenation of g_T at the global positions pos (int64, any order).

@@ -42,20 +42,49 @@ def test_equals_torch_across_tensor_and_unit_boundaries(dtype, momentum):
     want_R, want_U, want_pos = _reference(R, U, torch.cat(g_T), momentum or 0.0, thr_U, ends_U)
     got_U = None if U is None else U.clone()
     got_R = R.clone()
-    pos = ops.dgc_accumulate_select_(got_R, got_U, g_T, momentum or 0.0, thr_U, ends_U)
+    pos, val, run = ops.dgc_accumulate_select_(got_R, got_U, g_T, momentum or 0.0, thr_U, ends_U)
     assert torch.equal(pos, want_pos) and pos[0] == 0 and pos[-1] == N - 1
     assert torch.equal(got_R, want_R)
+    assert val.dtype == dtype and torch.equal(val, want_R[want_pos])  # the values: nothing to gather after
+    assert torch.equal(run, torch.searchsorted(ends_U, want_pos, right=True))
     if U is not None:
         assert torch.equal(got_U, want_U)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("momentum", [None, 0.5])
+def test_ties_specials_and_every_lane(dtype, momentum):
+    """|R| exactly at the threshold (kept), NaN (never a candidate), ±inf (kept), in every lane of the
+    fp32 op's 16-element step and in its scalar tail (runs of odd lengths)."""
+    g = torch.Generator().manual_seed(7)
+    N = 16 * 40 + 13
+    R = torch.zeros(N, dtype=dtype)
+    U = torch.zeros(N, dtype=dtype) if momentum is not None else None
+    grad = torch.randn(N, generator=g, dtype=dtype) * 0.1
+    grad[torch.arange(0, N, 17)] = 2.0  # hits walk through every lane: 17 is coprime with 16
+    grad[torch.arange(5, N, 29)] = -2.0
+    grad[100], grad[101], grad[102], grad[N - 1] = float("nan"), float("inf"), -float("inf"), -2.0
+    ends_U = torch.tensor([9, 300, 301, N], dtype=torch.int64)
+    thr_U = torch.tensor([2.0, 2.0, 0.01, 2.0], dtype=dtype)  # |2.0| == threshold: selected
+    g_T = list(grad.split([9, 290, 300, N - 599]))
+    want_R, want_U, want_pos = _reference(R, U, grad, momentum or 0.0, thr_U, ends_U)
+    got_U = None if U is None else U.clone()
+    pos, val, run = ops.dgc_accumulate_select_(R, got_U, g_T, momentum or 0.0, thr_U, ends_U)
+    assert torch.equal(pos, want_pos) and 100 not in pos.tolist() and {101, 102, N - 1} <= set(pos.tolist())
+    assert torch.equal(R.nan_to_num(), want_R.nan_to_num()) and R.isnan().equal(want_R.isnan())
+    assert torch.equal(val, want_R[want_pos]) and torch.equal(run, torch.searchsorted(ends_U, want_pos, right=True))
+    if U is not None:
+        assert torch.equal(got_U.nan_to_num(), want_U.nan_to_num())
+
+
 def test_empty_bucket_and_no_candidates():
     R = torch.zeros(0)
-    assert ops.dgc_accumulate_select_(R, None, [torch.zeros(0)], 0.0, torch.ones(1), torch.zeros(1, dtype=torch.int64)).numel() == 0
+    got = ops.dgc_accumulate_select_(R, None, [torch.zeros(0)], 0.0, torch.ones(1), torch.zeros(1, dtype=torch.int64))
+    assert [t.numel() for t in got] == [0, 0, 0]
     R = torch.zeros(1000)
-    pos = ops.dgc_accumulate_select_(R, None, [torch.full((1000,), 1e-3)], 0.0, torch.ones(1),
-                                     torch.tensor([1000]))
-    assert pos.numel() == 0 and torch.all(R == 1e-3)
+    pos, val, run = ops.dgc_accumulate_select_(R, None, [torch.full((1000,), 1e-3)], 0.0, torch.ones(1),
+                                               torch.tensor([1000]))
+    assert pos.numel() == val.numel() == run.numel() == 0 and torch.all(R == 1e-3)
 
 
 def test_bad_input_raises_and_writes_nothing():

@@ -188,13 +188,14 @@ def has_dgc_select_op(t: torch.Tensor) -> bool:
 def dgc_accumulate_select_(
     R: torch.Tensor, U: torch.Tensor | None, g_T: list[torch.Tensor], momentum: float, thr_U: torch.Tensor,
     ends_U: torch.Tensor,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DGC's velocity update and candidate selection in one pass over the bucket.
 
     ``U = U·momentum + g`` (when ``U`` is given), ``R += U`` (or ``g``), ``g`` the concatenation of the
-    contiguous gradients ``g_T`` (never built), and the ascending positions where ``|R| ≥ thr`` of the
-    element's run (runs end at ``ends_U``). Callers check ``has_dgc_select_op`` first; the torch path
-    of ``zen_ext.compress.dgc`` is its oracle.
+    contiguous gradients ``g_T`` (never built), and the candidates where ``|R| ≥ thr`` of the
+    element's run (runs end at ``ends_U``), ascending: ``(positions int64, R's values there, runs
+    int64)``, so the caller gathers nothing from the bucket. Callers check ``has_dgc_select_op``
+    first; the torch path of ``zen_ext.compress.dgc`` is its oracle.
     """
     return torch.ops.zen_ext.dgc_accumulate_select_(R, U, g_T, momentum, thr_U, ends_U)
 
