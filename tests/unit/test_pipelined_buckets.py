@@ -122,3 +122,43 @@ def test_a_failing_bucket_reaches_the_caller_and_every_job_is_waited_for():
 
     # After the first failure the worker fails every later job fast (no collective its peers miss).
     assert SimWorld(1).run(fn) == [1]
+
+
+def test_every_prepared_tensor_is_handed_to_the_worker():
+    """On CUDA the worker's stream reads what ``prepare_flat`` allocated on the caller's stream, so the
+    reducer passes all of it to ``submit`` (``record_stream``): the dense buffer, the natural rows and
+    the DGC entries of every ZEN bucket, besides the bucket itself."""
+
+    class RecordingWorker(CommWorker):
+        def submit(self, fn, tensors=()):
+            handed.append({t.data_ptr() for t in tensors if t.numel()})
+            seen.append(fn.__defaults__[0])  # the _Prepared the job finishes
+            return super().submit(fn, tensors)
+
+    handed, seen = [], []
+
+    def fn(comm):
+        sync = Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC, natural={})
+        worker = RecordingWorker(torch.device("cpu"), name="zen-test-record")
+        try:
+            BucketReducer(sync, cap_bytes=CAP_BYTES, dp_size=1, worker=worker).reduce_(
+                bucket_inputs(1, seed=5)[0].clone(), SLICES, "mean")
+        finally:
+            worker.close()
+
+    SimWorld(1).run(fn)
+    assert len(seen) > 1
+    kinds = set()
+    for ptrs, prep in zip(handed, seen):
+        want = [prep.flat, prep.out_N]
+        if prep.dense_buf is not None:
+            want.append(prep.dense_buf)
+            kinds.add("dense")
+        for _, sg in prep.natural:
+            want += [sg.indices, sg.values]
+            kinds.add("natural")
+        if prep.dgc is not None:
+            want += [prep.dgc[0].indices, prep.dgc[0].values]
+            kinds.add("dgc")
+        assert {t.data_ptr() for t in want if t.numel()} <= ptrs
+    assert kinds == {"dense", "natural", "dgc"}

@@ -108,6 +108,27 @@ class _Prepared:
     dgc: tuple | None = None
     local_s: float = 0.0
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor this bucket holds (the dense buffer, natural rows, DGC entries, the views).
+
+        A caller that finishes the bucket on another CUDA stream marks these as used there
+        (``record_stream``): they were allocated on the preparing stream, and the caching allocator
+        would otherwise hand their memory out again while the other stream still reads it.
+        """
+        found: list[torch.Tensor] = []
+
+        def walk(x) -> None:
+            if isinstance(x, torch.Tensor):
+                found.append(x)
+            elif isinstance(x, (list, tuple)):
+                for y in x:
+                    walk(y)
+            elif isinstance(x, SparseGrad):
+                found.extend((x.indices, x.values))
+
+        walk([self.flat, self.flat_N, self.out_N, self.dense_buf, self.natural, self.dgc])
+        return found
+
 
 class Synchronizer:
     """Reduce flat gradient buckets over ``dp_comm`` with natural sparsity, DGC and a sync scheme.

@@ -536,7 +536,9 @@ class BucketReducer:
                 if nat:
                     self._stats["natural_local_rows"] += sum(_nonzero_rows(chunk, s) for s in nat)
                 prep = self.sync.prepare_flat(chunk, list(members), op, out=chunk)
-                pending.append((self.worker.submit(lambda prep=prep: self.sync.finish_flat(prep), [chunk]), chunk, nat))
+                # CUDA: the prepared tensors come from this stream and are read on the worker's.
+                job = self.worker.submit(lambda prep=prep: self.sync.finish_flat(prep), [chunk, *prep.tensors()])
+                pending.append((job, chunk, nat))
         finally:
             # Step 3: drain.
             first = None
