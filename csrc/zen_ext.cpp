@@ -22,6 +22,10 @@ TORCH_LIBRARY(zen_ext, m) {
   m.def(
       "aggregate_push(Tensor[] payloads, int part_size, int width, ScalarType dtype, int idx_bytes) -> "
       "(Tensor, Tensor, Tensor)");
+  // aggregate_push into caller-owned, reused buffers (zeroed by the op); returns count [1]. CPU only:
+  // it spares the page faults of a fresh part_size buffer per call.
+  m.def("aggregate_push_into(Tensor(a!) acc, Tensor(b!) words, Tensor[] payloads, int width, ScalarType dtype, "
+        "int idx_bytes) -> Tensor");
   // The pull message [format, count | body] of an aggregate, values divided by divisor and cast to dtype.
   m.def(
       "encode_pull(Tensor acc, Tensor words, int count, int fmt, int divisor, ScalarType dtype, int idx_bytes) "

@@ -75,6 +75,36 @@ def test_aggregate_and_encode_match_reference(dtype, idx_dtype, case):
             assert torch.equal(msg, ref), (fmt, divisor)
 
 
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_aggregate_into_reused_buffers_equals_aggregate(dtype):
+    """``aggregate_push_into`` on one workspace reused across every case, largest first, then smaller
+    views of it full of the previous case's sums: zeroed by the op, equal to ``aggregate_push``."""
+    adt = _reference.acc_dtype(dtype)
+    big_acc = torch.full((1000 * 4,), float("nan"), dtype=adt)
+    big_words = torch.full((16,), -1, dtype=torch.int64)
+    for case in sorted(range(len(CASES)), key=lambda c: -CASES[c][0] * CASES[c][1]):
+        m, width, ranks, k, dense = CASES[case]
+        pl = _payloads(m, width, dtype, torch.int32, ranks, k, seed=case, dense_ranks=dense)
+        acc, words = big_acc[: m * width].view(m, width), big_words[: (m + 63) // 64]
+        count = ops.aggregate_push_into(acc, words, pl, width, dtype, 4)
+        r_acc, r_words, r_count = torch.ops.zen_ext.aggregate_push(pl, m, width, dtype, 4)
+        assert torch.equal(acc, r_acc) and torch.equal(words, r_words) and torch.equal(count, r_count), case
+
+
+@needs_op
+def test_aggregate_into_refuses_wrong_buffers():
+    pl = _payloads(100, 1, torch.float32, torch.int32, 2, 10, seed=1)
+    with pytest.raises(RuntimeError, match=r"acc must be a contiguous \[part_size, 1\] CPU tensor of Float"):
+        ops.aggregate_push_into(torch.zeros(100, 1, dtype=torch.float64), torch.zeros(2, dtype=torch.int64), pl,
+                                1, torch.float32, 4)
+    with pytest.raises(RuntimeError, match="words must hold 2 contiguous int64 words"):
+        ops.aggregate_push_into(torch.zeros(100, 1), torch.zeros(3, dtype=torch.int64), pl, 1, torch.float32, 4)
+    with pytest.raises(RuntimeError, match=r"position 100 outside \[0, 100\)"):
+        ops.aggregate_push_into(torch.zeros(100, 1), torch.zeros(2, dtype=torch.int64),
+                                [pack(torch.tensor([100], dtype=torch.int32), torch.ones(1))], 1, torch.float32, 4)
+
+
 def _round_trip(numel, n, width, dtype, idt, fmt_of, seed, use_op):
     """Every rank's entries pushed to their servers, aggregated, encoded and decoded; vs index_add_."""
     g = torch.Generator().manual_seed(seed)

@@ -253,3 +253,19 @@ def test_reference_path_without_the_cpp_op(monkeypatch):
     for a, b in zip(with_op, without):
         assert torch.equal(a, b)
     assert [s.as_dict() for s in w_op.stats] == [s.as_dict() for s in w_ref.stats]
+
+
+def test_one_scheme_object_shared_by_ranks_and_reused_across_sizes():
+    """The server's aggregation buffer is a workspace kept between calls (per thread): one scheme
+    object shared by every SimWorld rank (threads), a large bucket, then smaller ones whose views
+    hold the previous call's sums, then a row-form one, stay equal to the dense sum."""
+    zen = build_scheme("zen", pull_format="coo")
+    for numel, nnz, width in [(50_000, 3000, 1), (4099, 200, 1), (1000, 900, 1), (300, 40, 3)]:
+        inputs = int_inputs(4, numel, nnz, seed=numel, width=width)
+        got = SimWorld(4).run(lambda c, x: zen.sync(c, x, op="sum"), inputs)
+        expected = sum(x.to_dense() for x in inputs)
+        for g in got:
+            assert torch.equal(g.view_as(expected), expected), (numel, width)
+    import pickle
+
+    assert isinstance(pickle.loads(pickle.dumps(zen)), ZenScheme)  # the workspace does not travel

@@ -24,6 +24,7 @@ Legend: ``_K`` non-zeros, ``_P`` partitions, ``_M`` one partition's index-set si
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -177,7 +178,11 @@ class ZenScheme(SyncScheme):
         # the pull message's size depends on it.
         t0 = time.perf_counter()
         m = part.part_size(rank)
-        acc, words, count_1 = ops.aggregate_push(recv, m, width, dtype, isz)
+        if ops.has_aggregate_into_op(sg.values):
+            acc, words = self._workspace(m, width, dtype, device)
+            count_1 = ops.aggregate_push_into(acc, words, recv, width, dtype, isz)
+        else:
+            acc, words, count_1 = ops.aggregate_push(recv, m, width, dtype, isz)
         count = int(count_1)
         t["aggregate_s"] = time.perf_counter() - t0
 
@@ -213,6 +218,30 @@ class ZenScheme(SyncScheme):
             timings.update(t)
             timings["pull_format"] = _FMT_NAMES[fmt]
         return res
+
+    def _workspace(self, m: int, width: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The server's compact buffer and bitmap words for a partition of ``m`` rows, as views of
+        buffers kept between calls (CPU: a fresh one per call is a new mapping whose page faults cost
+        more than the aggregation). Per thread: SimWorld ranks and communication workers may share
+        one scheme object. Grows to the largest partition seen; holds about bucket/n elements."""
+        tls = self.__dict__.get("_tls") or self.__dict__.setdefault("_tls", threading.local())
+        ws = getattr(tls, "ws", None)
+        if ws is None:
+            ws = tls.ws = {}
+        adt = _acc_dtype(dtype)
+        key = (device, adt)
+        nw = (m + 63) // 64
+        acc, words = ws.get(key, (None, None))
+        if acc is None or acc.numel() < m * width or words.numel() < nw:
+            acc = torch.empty(max(m * width, 1), dtype=adt, device=device)
+            words = torch.empty(max(nw, 1), dtype=torch.int64, device=device)
+            ws[key] = (acc, words)
+        return acc[: m * width].view(m, width), words[:nw]
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_tls", None)  # the workspace stays with the process and thread that made it
+        return state
 
     def _choose_format(self, count: int, part_size: int, isz: int, vsz: int) -> int:
         if self.pull_format != "auto":

@@ -31,7 +31,7 @@ if os.environ.get("ZEN_DISABLE_CPP_OP", "0") != "1":
 
 __all__ = [
     "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
-    "aggregate_push", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
+    "aggregate_push", "aggregate_push_into", "has_aggregate_into_op", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
     "gather_list",
 ]
 
@@ -53,6 +53,10 @@ if HAVE_CPP_OP:
         acc = torch.empty((part_size, width), dtype=_reference.acc_dtype(dtype), device=device)
         words = torch.empty(_reference.num_words(part_size), dtype=torch.int64, device=device)
         return acc, words, torch.empty(1, dtype=torch.int64, device=device)
+
+    @torch.library.register_fake("zen_ext::aggregate_push_into")
+    def _aggregate_push_into_fake(acc, words, payloads, width, dtype, idx_bytes):
+        return torch.empty(1, dtype=torch.int64, device=acc.device)
 
     @torch.library.register_fake("zen_ext::encode_pull")
     def _encode_pull_fake(acc, words, count, fmt, divisor, dtype, idx_bytes):
@@ -158,6 +162,22 @@ def aggregate_push(
     if payloads and _use_pull_op(payloads[0]):
         return torch.ops.zen_ext.aggregate_push(payloads, part_size, width, dtype, idx_bytes)
     return _reference.aggregate_push(list(payloads), part_size, width, dtype, idx_bytes)
+
+
+def has_aggregate_into_op(t: torch.Tensor) -> bool:
+    """Whether ``aggregate_push_into`` has a kernel for ``t``'s device (CPU builds only: on CUDA the
+    caching allocator already reuses the buffers that it spares)."""
+    return _has_kernel("aggregate_push_into", t)
+
+
+def aggregate_push_into(
+    acc: torch.Tensor, words: torch.Tensor, payloads: list[torch.Tensor], width: int, dtype: torch.dtype,
+    idx_bytes: int,
+) -> torch.Tensor:
+    """``aggregate_push`` into caller-owned buffers (``acc [part_size, width]`` of the accumulation dtype,
+    ``words`` the bitmap's int64 words), zeroed by the op; returns ``count [1]``. Callers check
+    ``has_aggregate_into_op`` first."""
+    return torch.ops.zen_ext.aggregate_push_into(acc, words, payloads, width, dtype, idx_bytes)
 
 
 def encode_pull(
