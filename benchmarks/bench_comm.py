@@ -22,7 +22,9 @@ the link-rate bound ``max over ranks of max(sent, received) / goodput`` and its 
 model's time for the measured traffic (``cost_model.modeled_time_s``) and the planner's prediction
 from a sparsity profile (``cost_model.predict_time_s``), per-phase seconds (median over repeats of
 the slowest rank), and the machine's CPU (ours vs foreign). Every scheme's result is checked against
-``dense`` on the first round (max |difference|), so a fast wrong scheme cannot win.
+``dense`` on the first round (max |difference|), so a fast wrong scheme cannot win. Results are
+written into one preallocated buffer per slice (``out=``, as the engines pass their bucket; before
+2026-11-25 every sync made a fresh result, ``--fresh-result``).
 """
 
 from __future__ import annotations
@@ -160,11 +162,19 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
     net = cm.Network(bandwidth_gbps=lab.goodput * 8 / 1e9, latency_us=a.latency_us) if lab.goodput else None
     preds = _predictions(step, n, list(schemes), net) if rank == 0 else {}
 
+    # Results land in one buffer per slice, reused by every scheme and repeat, as the engines pass
+    # their bucket (``out=``); ``--fresh-result`` gives every sync a new tensor instead (on the CPU a
+    # new mapping whose page faults every scheme then pays).
+    outs_buf = {} if a.fresh_result else {
+        key: torch.empty(g.dense_numel, dtype=g.values.dtype) for key, g in mine.items()}
+
     def sync_all(scheme, timings: dict | None = None) -> list[torch.Tensor]:
         outs = []
         for key, g in (mine_dense if scheme.name == "dense" else mine).items():
             t: dict = {}
-            outs.append(scheme.sync(comm, g, key=key, timings=t))
+            res = scheme.sync(comm, g, key=key, timings=t, out=outs_buf.get(key))
+            # The warm-up round (no timings) compares the results afterwards: keep copies.
+            outs.append(res.clone() if outs_buf and timings is None else res)
             if timings is not None:
                 for k, v in t.items():
                     if isinstance(v, float):
@@ -299,6 +309,8 @@ def main(argv=None) -> int:
     pr.add_argument("--quiet-level", type=float, default=0.2)
     pr.add_argument("--out", default=None, help="append JSON lines here (rank 0)")
     pr.add_argument("--tag", default="")
+    pr.add_argument("--fresh-result", action="store_true",
+                    help="a new result tensor per sync instead of one reused buffer per slice (out=)")
     a = p.parse_args(argv)
     if a.cmd == "prepare":
         return cmd_prepare(a)

@@ -8,9 +8,11 @@ Usage::
 
 1. Buckets of LLM-shaped DGC tensors (a decoder layer at hidden 640: q/o 640×640, GQA k/v 160×640,
    gate/up/down 1728×640): ``large`` = 7 layers (49 tensors, 30.4 M elements, 122 MB fp32) and
-   ``small`` = 2 layers (14 tensors, 8.7 M elements, 35 MB), passed as flat views of one bucket,
-   as the Synchronizer does. Gaussian gradients, a new draw per step; default DGC config at
-   ``--density`` (momentum correction and masking on).
+   ``small`` = 2 layers (14 tensors, 8.7 M elements, 35 MB), and ``bench`` = the DGC tensors of the
+   end-to-end bench model (benchmarks/configs/llama-bench.json: 30 tensors, 21 M elements, 84 MB),
+   passed as flat views of one bucket, as the Synchronizer does. Gaussian gradients, a new draw per
+   step; default DGC config at ``--density`` (momentum correction and masking on;
+   ``--momentum-correction off`` as zen_ext chooses under AdamW).
 2. Time: after one warm-up step, ``--reps`` steps, each timed together with ``8 ×`` one out-of-place
    add over the same bucket, interleaved, so that both see the same machine load: ``bucket + other``
    (a new tensor, as eager PyTorch does; on the CPU every tensor over 64 KiB is a fresh mapping, so
@@ -43,7 +45,10 @@ from zen_ext.compress import DGCConfig, NamedGrad  # noqa: E402
 from zen_ext.compress import dgc as dgc_new  # noqa: E402
 
 LAYER = [(640, 640), (160, 640), (160, 640), (640, 640), (1728, 640), (1728, 640), (640, 1728)]
-BUCKETS = {"large": 7, "small": 2}
+# The DGC tensors of benchmarks/configs/llama-bench.json (the end-to-end bench model, 21 M elements):
+# embedding and untied head 8192 x 512, 4 decoder layers at hidden 512, intermediate 1376.
+BENCH_LAYER = [(512, 512)] * 4 + [(1376, 512), (1376, 512), (512, 1376)]
+BUCKETS = {"large": LAYER * 7, "small": LAYER * 2, "bench": [(8192, 512)] + BENCH_LAYER * 4 + [(8192, 512)]}
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -59,8 +64,8 @@ def load_impl(old_src: str | None):
     return mod
 
 
-def make_bucket(layers: int, dtype: torch.dtype, device: str, seed: int) -> tuple[torch.Tensor, list[int]]:
-    numels = [r * c for _ in range(layers) for r, c in LAYER]
+def make_bucket(shapes: list, dtype: torch.dtype, device: str, seed: int) -> tuple[torch.Tensor, list[int]]:
+    numels = [r * c for r, c in shapes]
     gen = torch.Generator(device=device).manual_seed(seed)
     return torch.randn(sum(numels), generator=gen, device=device).to(dtype), numels
 
@@ -71,6 +76,8 @@ def grads_of(bucket: torch.Tensor, numels: list[int]) -> list[NamedGrad]:
 
 def sparsifier(mod, args, dtype_name: str):
     extra = {"residual_dtype": args.residual_dtype} if args.residual_dtype != "float32" else {}
+    if args.momentum_correction == "off":
+        extra["momentum_correction"] = False
     cfg = mod.DGCConfig(enabled=True, density=args.density, threshold=args.threshold, **extra) \
         if mod is not dgc_new else DGCConfig(enabled=True, density=args.density, threshold=args.threshold, **extra)
     return mod.DGCSparsifier(cfg)
@@ -165,6 +172,8 @@ def main() -> None:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--threshold", default="sampled")
     ap.add_argument("--residual-dtype", default="float32")
+    ap.add_argument("--momentum-correction", choices=["on", "off"], default="on",
+                    help="off: DGC without its momentum (what zen_ext chooses under Adam-family optimizers)")
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--memory", action="store_true", help="measure transient memory instead of time")
