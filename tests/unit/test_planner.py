@@ -324,7 +324,7 @@ def test_compute_model_counts_each_schemes_work():
 
 def test_auto_measures_close_candidates_before_its_choice_is_final():
     """A candidate the model favours but that runs slower than predicted is not kept: every candidate
-    predicted within 1.5x of the best runs once (profiling goes on meanwhile), then the choice is
+    predicted within 1.5x of the best runs twice (profiling goes on meanwhile), then the choice is
     taken on the refined predictions. Here ``zen`` and ``zen_coo`` are predicted alike (no bitmap at
     this density) and ``zen`` is made to report a slow decode; results stay exact throughout."""
     from zen_ext.analysis.planner import EXPLORE_MARGIN
@@ -343,13 +343,16 @@ def test_auto_measures_close_candidates_before_its_choice_is_final():
 
     zen._sync = slow_zen
     ran = []
-    for _ in range(4):
+    for _ in range(6):
         step = []
         outs = SimWorld(4).run(lambda c, x: _sync_and_note(auto, c, x, step), inputs)
         ran.append(step[0])
         assert all(torch.equal(o, expected) for o in outs)
-    # Both close candidates ran once (the best prediction first), then the measured faster one holds.
-    assert sorted(ran[:2]) == ["zen", "zen_coo"] and ran[2:] == ["zen_coo", "zen_coo"], ran
+    # Both close candidates ran twice in a row (the first run of each is cold and not learnt from), the
+    # best prediction first; then the measured faster one holds.
+    assert ran[:4] in (["zen", "zen", "zen_coo", "zen_coo"], ["zen_coo", "zen_coo", "zen", "zen"]), ran
+    assert ran[4:] == ["zen_coo", "zen_coo"], ran
+    assert auto.settled("g")
     name, reason = auto.last_choice("g")
     assert name == "zen_coo" and "measuring" not in reason
     assert EXPLORE_MARGIN == 1.5

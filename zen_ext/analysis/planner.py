@@ -24,11 +24,12 @@ Per slice ``key``:
   ``sample_budget`` entries, from which density and γ at 2, 4, …, n are estimated), every candidate's
   time is predicted, and the candidate with the lowest mean prediction over the profiled syncs wins;
 * measured, not only predicted: before the choice is final, every candidate predicted within
-  ``EXPLORE_MARGIN`` (1.5×) of the best that has never run on this rank runs once (fastest-predicted
-  first; profiling goes on meanwhile), and its phase times refine its own predictions — the model's
-  error differs between schemes, and a choice from predictions alone could be 2–4× slower than the
-  best (4-rank lab on 2 cores). The first syncs of a run thus cost at most one sync per close
-  candidate (the fits are per scheme, so later slices rarely need any);
+  ``EXPLORE_MARGIN`` (1.5×) of the best runs twice (fastest-predicted first; profiling goes on
+  meanwhile): its first run on a rank is cold (caches, first-touch buffers) and is not learnt from,
+  the second refines its own predictions — the model's error differs between schemes, and a choice
+  from predictions alone could be 2–4× slower than the best (4-rank lab on 2 cores). This costs at
+  most two syncs per close candidate in a run (run counts are per scheme, so later slices rarely
+  need any);
 * every sync runs the current winner — all candidates are lossless, so profiling syncs also return the
   exact aggregate;
 * the choice is computed from all-gathered data, hence the same everywhere, and then checked: the
@@ -189,6 +190,8 @@ class AutoScheme(SyncScheme):
         # Per rank (one instance may serve every simulated rank of a SimWorld).
         self._calib: dict[int, _Calibration] = {}
         self._refine: dict[int, cm.Refinement] = {}
+        # Syncs each candidate has run, per rank (the same on every rank: all run the same choices).
+        self._runs: dict[int, dict[str, int]] = {}
 
     @staticmethod
     def valid_candidates() -> list[str]:
@@ -256,7 +259,8 @@ class AutoScheme(SyncScheme):
             slices.setdefault(key, {})[rank] = st.state()
         return {"version": _STATE_VERSION, "options": self.options(), "slices": slices,
                 "calibration": {r: c.state() for r, c in self._calib.items()},
-                "refinement": {r: ref.state() for r, ref in self._refine.items()}}
+                "refinement": {r: ref.state() for r, ref in self._refine.items()},
+                "runs": {r: dict(v) for r, v in self._runs.items()}}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore ``state_dict()``: the next syncs continue where the saved run was.
@@ -274,6 +278,8 @@ class AutoScheme(SyncScheme):
         self._states = {(key, int(rank)): _SliceState.from_state(st)
                         for key, per_rank in sd["slices"].items() for rank, st in per_rank.items()}
         self._calib = {int(r): _Calibration.from_state(c) for r, c in sd["calibration"].items()}
+        # Absent in states saved before 2026-11-25: the close candidates are measured again.
+        self._runs = {int(r): {k: int(v) for k, v in runs.items()} for r, runs in sd.get("runs", {}).items()}
         self._refine = {}
         for r, st in sd["refinement"].items():
             self._refine[int(r)] = cm.Refinement()
@@ -322,7 +328,8 @@ class AutoScheme(SyncScheme):
             st.profiled += 1
             # Step 3: decide (or measure a close candidate first) and agree.
             choice, reason = self._decide(st, profile, cal)
-            probe_c = self._unmeasured_close(preds, refine, choice) if self.model == "compute" else None
+            probe_c = (self._unmeasured_close(preds, choice, self._runs.get(comm.rank, {}))
+                       if self.model == "compute" else None)
             if probe_c is not None:
                 reason = (f"measuring {probe_c} before the choice is final: predicted {preds[probe_c] * 1e3:.3f} ms"
                           f"{'' if probe_c == choice else f', within {EXPLORE_MARGIN:g}x of the best ({choice})'}"
@@ -343,10 +350,13 @@ class AutoScheme(SyncScheme):
             st.since_decision += 1
             if self.reprofile_every and st.since_decision >= self.reprofile_every:
                 st.profiled, st.predictions = 0, []  # the next sync of this slice profiles again
-        # Step 4: run the choice, learn from its phase times.
+        # Step 4: run the choice, learn from its phase times (not from a scheme's first run on this
+        # rank: cold caches, first-touch workspaces and new connection sizes made it 2x slower in the lab).
         phases: dict = {}
         out = self._schemes[st.choice]._sync(comm, grad, op, phases, key, out)
-        if self.model == "compute" and st.work is not None and comm.rank in self._calib:
+        runs = self._runs.setdefault(comm.rank, {})
+        runs[st.choice] = runs.get(st.choice, 0) + 1
+        if self.model == "compute" and st.work is not None and comm.rank in self._calib and runs[st.choice] > 1:
             cal = self._calib[comm.rank]
             c = st.choice
             predicted = cm.predict_phases_s(c, st.work, st.wire, cal.network.alpha_s, cal.rates,
@@ -433,19 +443,20 @@ class AutoScheme(SyncScheme):
         )
         return profile, [g[1] for g in gathered]
 
-    def _unmeasured_close(self, preds: dict[str, float], refine: "cm.Refinement", best: str) -> str | None:
+    def _unmeasured_close(self, preds: dict[str, float], best: str, runs: dict[str, int]) -> str | None:
         """The candidate to measure before deciding, or None: the fastest-predicted candidate within
-        ``EXPLORE_MARGIN`` of the best prediction that has no fit of its own yet (the model's error
-        differs between schemes: a 4-rank lab on 2 cores measured SparCML at 2.7x its prediction and
-        ZEN at 0.85x, so predictions alone picked a scheme 2-4x slower than the best). Derived from the
-        agreed predictions and the merged fits: the same on every rank."""
+        ``EXPLORE_MARGIN`` of the best prediction that has not run twice yet (its first run is not
+        learnt from; the second refines its own predictions). The model's error differs between
+        schemes: a 4-rank lab on 2 cores measured SparCML at 2.7x its prediction and ZEN at 0.85x, so
+        predictions alone picked a scheme 2-4x slower than the best. Derived from the agreed
+        predictions and run counts (every rank runs the same choices): the same on every rank."""
         close = sorted((c for c in self.candidates if preds[c] <= EXPLORE_MARGIN * preds[best]),
                        key=lambda c: (preds[c], _priority(c)))
         if len(close) < 2:  # nothing to compare with: the prediction stands
             return None
-        if best not in refine.fits:
+        if runs.get(best, 0) < 2:
             return best
-        return next((c for c in close if c not in refine.fits), None)
+        return next((c for c in close if runs.get(c, 0) < 2), None)
 
     def _decide(self, st: _SliceState, profile: cm.SparsityProfile, cal: _Calibration) -> tuple[str, str]:
         mean = _mean_predictions(st, self.candidates)
