@@ -364,3 +364,19 @@ def _sync_and_note(auto, comm, x, note):
     if comm.rank == 0:
         note.append(t["scheme"])
     return out
+
+
+def test_refinement_merge_takes_the_slowest_rank_whole():
+    """Waiting moves between phases from rank to rank: rank 1 decodes slowly, and rank 0 waits for it
+    in the exchange. Each rank's sync takes about 0.12 s; the merged fits must predict the slower
+    rank's whole sync, not the 0.18 s that per-phase maxima of different ranks add up to."""
+    pred = {"hash_s": 0.01, "decode_s": 0.01, "push_s": 0.01, "pull_s": 0.01}
+    waits = cm.Refinement()
+    waits.observe("zen", pred, {"hash_s": 0.01, "decode_s": 0.01, "push_s": 0.09, "pull_s": 0.01})
+    decodes = cm.Refinement()
+    decodes.observe("zen", pred, {"hash_s": 0.01, "decode_s": 0.08, "push_s": 0.01, "pull_s": 0.01})
+    merged = cm.Refinement()
+    merged.merge_max([waits.state(), decodes.state()])
+    total = sum(merged.apply("zen", k, 0.01) for k in ("hash_s", "decode_s")) + merged.apply("zen", "wire", 0.02)
+    assert total == pytest.approx(0.12)  # rank 0's whole sync (0.12 s against rank 1's 0.11 s)
+    assert merged.apply("zen", "decode_s", 0.01) == pytest.approx(0.01)
