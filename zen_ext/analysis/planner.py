@@ -23,9 +23,10 @@ Per slice ``key``:
   all-gathers a small summary of its gradient (3·n counts and an h0-sampled index set of at most
   ``sample_budget`` entries, from which density and γ at 2, 4, …, n are estimated), every candidate's
   time is predicted, and the candidate with the lowest mean prediction over the profiled syncs wins;
-* measured, not only predicted: before the choice is final, every candidate predicted within
-  ``EXPLORE_MARGIN`` (1.5×) of the best runs twice (fastest-predicted first; profiling goes on
-  meanwhile): its first run on a rank is cold (caches, first-touch buffers) and is not learnt from,
+* measured, not only predicted: before the choice is final, every candidate that the calibrated
+  model (before refinement) puts within ``EXPLORE_MARGIN`` (1.5×) of its best runs twice (fastest
+  first; profiling goes on meanwhile): its first run on a rank is cold (caches, first-touch
+  buffers) and is not learnt from,
   the second refines its own predictions — the model's error differs between schemes, and a choice
   from predictions alone could be 2–4× slower than the best (4-rank lab on 2 cores). This costs at
   most two syncs per close candidate in a run (run counts are per scheme, so later slices rarely
