@@ -85,10 +85,13 @@ class _SliceState:
     # The latest profile's model inputs of the chosen scheme (refinement compares real syncs with them).
     work: "cm.WorkCounts | None" = None
     wire: "cm.Wire | None" = None
+    # The last profiling sync measured a candidate: its predictions predate that measurement.
+    stale: bool = False
 
     def state(self) -> dict:
         return {"profiled": self.profiled, "predictions": [dict(p) for p in self.predictions],
                 "since_decision": self.since_decision, "choice": self.choice, "reason": self.reason,
+                "stale": self.stale,
                 "work": dataclasses.asdict(self.work) if self.work is not None else None,
                 "wire": dataclasses.asdict(self.wire) if self.wire is not None else None}
 
@@ -97,7 +100,7 @@ class _SliceState:
         return cls(profiled=int(st["profiled"]), predictions=[dict(p) for p in st["predictions"]],
                    since_decision=int(st["since_decision"]), choice=st["choice"], reason=st["reason"],
                    work=cm.WorkCounts(**st["work"]) if st.get("work") else None,
-                   wire=cm.Wire(**st["wire"]) if st.get("wire") else None)
+                   wire=cm.Wire(**st["wire"]) if st.get("wire") else None, stale=bool(st.get("stale", False)))
 
 
 @dataclass
@@ -248,7 +251,8 @@ class AutoScheme(SyncScheme):
         for (key, rank), st in sorted(self._states.items()):
             if rank != (ranks[0] if ranks else 0) or st.choice is None:
                 continue
-            lines.append(f"auto[{key}] -> {st.choice}: " + _candidates_text(st, self.candidates))
+            measuring = " (measuring it; the choice is not final yet)" if st.stale else ""
+            lines.append(f"auto[{key}] -> {st.choice}{measuring}: " + _candidates_text(st, self.candidates))
         return "\n".join(lines) if lines else "auto: no slice synchronized yet"
 
     # --- checkpoints ---------------------------------------------------------------------------------
@@ -327,7 +331,9 @@ class AutoScheme(SyncScheme):
                             cm.predict_total_s(c, work, wires[c], cal.network.alpha_s, cal.rates, opts, refine))
                 if self.model == "compute":
                     raw[c] = cm.predict_total_s(c, work, wires[c], cal.network.alpha_s, cal.rates, opts)
-            st.predictions.append(preds)
+            # After a measuring sync only predictions refined by it count (the log shows the latest).
+            st.predictions = [preds] if st.stale else [*st.predictions, preds]
+            st.stale = False
             st.profiled += 1
             # Step 3: decide (or measure a close candidate first) and agree.
             choice, reason = self._decide(st, profile, cal)
@@ -340,7 +346,7 @@ class AutoScheme(SyncScheme):
                 choice = probe_c
                 # Keep profiling, and decide on predictions refined by this measurement only.
                 st.profiled = min(st.profiled, self.profile_steps - 1)
-                st.predictions = []
+                st.stale = True
             self._agree(comm, key, choice)
             if comm.rank == 0 and (choice != st.choice or st.profiled == self.profile_steps):
                 logger.info("auto[%s] -> %s: %s | %s", key, choice, reason, _candidates_text_of(
