@@ -331,7 +331,7 @@ class DGCSparsifier(Sparsifier):
         if cfg.threshold == "exact":
             thr_U = self._exact_thresholds(R, lay, density, tp_comm).clamp(min=tiny)
             pos_K = lay.select(R, thr_U).view(-1).nonzero().flatten()  # one host synchronization
-            v_K = R[pos_K]
+            v_K = R.index_select(0, pos_K)
         else:
             thr_U, pos_K, v_K = self._sampled_thresholds(R, lay, density, tp_comm, tiny)
         return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total, v_K)
@@ -407,7 +407,7 @@ class DGCSparsifier(Sparsifier):
         t_low = search.at_rank(search.rank * CANDIDATE_FACTOR).clamp(min=tiny)
         if pending is None:
             pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
-            v_C = R[pos_C]
+            v_C = R.index_select(0, pos_C)
             unit_C = torch.searchsorted(lay.unit_ends_N, pos_C, right=True)
         else:  # the op returns the candidates' values and units too: no gather from the bucket
             pos_C, v_C, unit_C = ops.dgc_accumulate_select_(R, pending[0], pending[1], self.config.momentum,
