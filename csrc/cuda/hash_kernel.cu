@@ -35,7 +35,7 @@ void check_inputs(const char* op, const at::Tensor& idx, int64_t numel, const at
   TORCH_CHECK(idx.is_cuda(), op, ": idx must be a CUDA tensor, got ", idx.device());
   TORCH_CHECK(idx.scalar_type() == at::kLong, op, ": idx must be int64, got ", idx.scalar_type());
   TORCH_CHECK(idx.dim() == 1, op, ": idx must be 1-D, got ", idx.dim(), "-D");
-  TORCH_CHECK(numel >= 0, op, ": numel must be >= 0, got ", numel);
+  TORCH_CHECK(numel >= 0 && uint64_t(numel) <= kMaxNumel, op, ": numel must be in [0, 2^62], got ", numel);
   TORCH_CHECK(keys.scalar_type() == at::kLong && keys.dim() == 1 && keys.numel() == kNumRounds, op,
               ": keys must be an int64 tensor of ", kNumRounds, " round keys, got ", keys.scalar_type(),
               " of shape ", keys.sizes());

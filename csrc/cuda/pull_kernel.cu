@@ -55,7 +55,7 @@ __global__ void add_dense_kernel(const uint8_t* __restrict__ p, int64_t total, a
 __global__ void fill_words_kernel(int64_t* __restrict__ words, int64_t m) {
   const int64_t nw = num_words(m);
   for (int64_t w = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; w < nw; w += int64_t(gridDim.x) * blockDim.x) {
-    const int rem = int(m - 64 * w);
+    const int64_t rem = m - 64 * w;  // int64: a partition of > 2^31 rows would wrap an int
     words[w] = rem >= 64 ? int64_t(~0ull) : int64_t((1ull << rem) - 1);
   }
 }
@@ -105,6 +105,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_push_cuda(at::TensorLis
     for (const auto& buf : payloads) {
       TORCH_CHECK(buf.is_cuda() && buf.scalar_type() == at::kByte && buf.dim() == 1 && buf.is_contiguous(),
                   "aggregate_push payloads must be contiguous 1-D uint8 CUDA tensors");
+      TORCH_CHECK(buf.device() == payloads[0].device(), "aggregate_push: payloads on ", buf.device(), " and ",
+                  payloads[0].device(), " must share one device");
       const int64_t nbytes = buf.numel();
       if (nbytes == 0) continue;
       if (m > 0 && nbytes == m * vsz) {
@@ -129,9 +131,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_push_cuda(at::TensorLis
                                                                    counters.data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  // The count is read by the caller anyway (it sizes the pull message); positions outside the
-  // partition were skipped and counted in counters[1], which zen.py may check with the same read.
-  return {acc, words, counters.narrow(0, 0, 1)};
+  // [count, positions outside the partition]: the caller reads the count anyway (it sizes the pull
+  // message) and checks the second word in the same read (ops.read_aggregate_count), so a malformed
+  // payload fails as it does on the CPU, where the op raises, without a host synchronization of its own.
+  return {acc, words, counters};
 }
 
 // ---- encode_pull ---------------------------------------------------------------------------------
@@ -178,6 +181,9 @@ __global__ void encode_kernel(const acc_t* __restrict__ acc, const int64_t* __re
         if (idx_bytes == 4) store<int32_t>(idx_out + k * 4, int32_t(pos));
         else store<int64_t>(idx_out + k * 8, pos);
       }
+      // Rows past count would land past the message (count is the caller's, popcount(words) the truth;
+      // the CPU op raises on a mismatch, here nothing is written out of bounds).
+      if (k >= count) break;
       put_row<scalar_t, acc_t>(acc, pos, width, divisor, val_out, k++);
     }
   }
@@ -193,6 +199,8 @@ at::Tensor encode_pull_cuda(const at::Tensor& acc, const at::Tensor& words, int6
   const int64_t m = acc.size(0), width = acc.size(1), nw = num_words(m);
   TORCH_CHECK(words.scalar_type() == at::kLong && words.numel() == nw && words.is_contiguous(),
               "encode_pull: words must hold ", nw, " int64 words");
+  TORCH_CHECK(words.device() == acc.device(), "encode_pull: words (", words.device(), ") must be on acc's device (",
+              acc.device(), ")");
   TORCH_CHECK(count >= 0 && count <= m, "encode_pull: count (", count, ") must be in [0, ", m, "]");
   const int64_t vsz = at::elementSize(dtype) * width;
   auto msg = at::empty({kHeaderBytes + index_bytes(fmt, count, m, idx_bytes) + value_rows(fmt, count, m) * vsz},
@@ -277,6 +285,9 @@ void decode_pull_cuda(const at::Tensor& out, const at::Tensor& msg, int64_t part
   const int64_t nbytes = msg.numel();
   if (nbytes == 0) return;
   TORCH_CHECK(nbytes >= kHeaderBytes, "decode_pull_: message of ", nbytes, " bytes has no header");
+  TORCH_CHECK(msg.device() == out.device(), "decode_pull_: msg (", msg.device(), ") must be on out's device (",
+              out.device(), ")");
+  TORCH_CHECK(uint64_t(out.size(0)) <= kMaxNumel, "decode_pull_: numel must be <= 2^62, got ", out.size(0));
   const c10::cuda::CUDAGuard guard(out.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t numel = out.size(0), width = out.dim() == 2 ? out.size(1) : 1;

@@ -383,6 +383,22 @@ def test_async_sync_falls_back_where_other_collectives_share_the_groups():
         assert unused_blocking and tp_blocking and plain_async and steps == 2
 
 
+def test_backward_collectives_name_sync_batchnorm_and_unused_parameters():
+    """SyncBatchNorm's backward all-reduces on the training thread, as DDP's used-parameter map does with
+    find_unused_parameters: the worker would race them, so register_zen_hook keeps async off. (A DDP
+    of SyncBatchNorm needs GPU modules, so the check is called on what it reads.)"""
+    from types import SimpleNamespace
+
+    from zen_ext.engines.ddp import _backward_collectives
+
+    bn = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.SyncBatchNorm(8), torch.nn.SyncBatchNorm(8))
+    why = _backward_collectives(SimpleNamespace(module=bn, find_unused_parameters=False))
+    assert why.startswith("SyncBatchNorm layers (1 and 1 more"), why
+    why = _backward_collectives(SimpleNamespace(module=TinyLM(), find_unused_parameters=True))
+    assert why.startswith("find_unused_parameters=True"), why
+    assert _backward_collectives(SimpleNamespace(module=TinyLM(), find_unused_parameters=False)) is None
+
+
 _EXIT_SCRIPT = r"""
 import os, sys, tempfile, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP

@@ -201,6 +201,15 @@ def test_fake_kernels_give_shapes():
         assert msg.shape == (16 + 24 + 5 * 2 * 2,)
 
 
+def test_read_aggregate_count_raises_on_skipped_positions():
+    """The CUDA op skips pushed positions outside the partition and counts them in a second word
+    (raising there would need a host read of its own); reading the count raises as the CPU op does."""
+    assert ops.read_aggregate_count(torch.tensor([7])) == 7
+    assert ops.read_aggregate_count(torch.tensor([7, 0])) == 7
+    with pytest.raises(RuntimeError, match="2 pushed position"):
+        ops.read_aggregate_count(torch.tensor([7, 2]))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or not ops.HAVE_CPP_OP
                     or not torch._C._dispatch_has_kernel_for_dispatch_key("zen_ext::decode_pull_", "CUDA"),
                     reason="needs a GPU and zen_ext._C built with CUDA")
@@ -213,7 +222,8 @@ def test_cuda_ops_match_cpu(dtype):
             continue
         acc, words, count = torch.ops.zen_ext.aggregate_push(pl, m, width, dtype, 4)
         g_acc, g_words, g_count = torch.ops.zen_ext.aggregate_push([p.cuda() for p in pl], m, width, dtype, 4)
-        assert torch.equal(g_words.cpu(), words) and torch.equal(g_count.cpu(), count)
+        # CUDA counts [count, positions outside the partition]: none here.
+        assert torch.equal(g_words.cpu(), words) and g_count.tolist() == [int(count), 0]
         torch.testing.assert_close(g_acc.cpu(), acc)  # atomics: order of additions differs
         for fmt in (0, 1, 2):
             msg = torch.ops.zen_ext.encode_pull(acc, words, int(count), fmt, 3, dtype, 4)

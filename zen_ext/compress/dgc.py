@@ -398,11 +398,12 @@ class DGCSparsifier(Sparsifier):
         tp = tp_comm is not None and tp_comm.size > 1
         if tp:
             samples, unit_S, ns_U, numel_U = _gather_units(samples, ns_U, numel_U, tp_comm)
-        else:
-            unit_S = torch.from_numpy(np.repeat(np.arange(lay.units), ns_U)).to(R.device, non_blocking=True)
-        sorted_S = _sort_per_unit(samples, unit_S)
         k_U = [max(1, math.ceil(density * n)) for n in numel_U]
-        search = _ThresholdSearch(sorted_S, ns_U, k_U, numel_U)
+        consts = lay.search_constants(ns_U, k_U, numel_U, R.device)
+        if not tp:
+            unit_S = consts.unit_S
+        sorted_S = _sort_per_unit(samples, unit_S)
+        search = _ThresholdSearch(sorted_S, consts)
         # Step 3: candidates at t_low, one pass over the bucket.
         t_low = search.at_rank(search.rank * CANDIDATE_FACTOR).clamp(min=tiny)
         if pending is None:
@@ -478,6 +479,24 @@ class _Layout:
         self.starts_U = torch.tensor(ends - np.array(bpu), dtype=torch.int64, device=device)
         self.unit_ends_N = torch.tensor(np.cumsum(self.unit_numels), dtype=torch.int64, device=device)
         self._samples: tuple | None = None
+        self._search_constants: dict[tuple, _SearchConstants] = {}
+
+    def search_constants(self, ns_U: list[int], k_U: list[int], numel_U: list[int], device) -> "_SearchConstants":
+        """The threshold search's per-unit device tensors, cached by the unit sizes (the same every
+        step at a fixed density): a tensor built from a host list on a GPU is a blocking copy, one host
+        synchronization each, and a bucket needs five."""
+        key = (tuple(ns_U), tuple(k_U), tuple(numel_U), str(device))
+        c = self._search_constants.get(key)
+        if c is None:
+            if len(self._search_constants) >= 64:  # a density warm-up schedule moves k_U for a while
+                self._search_constants.clear()
+            f64 = dict(dtype=torch.float64, device=device)
+            first = [min(max(1.0, k * ns / n), ns) for k, ns, n in zip(k_U, ns_U, numel_U)]
+            c = self._search_constants[key] = _SearchConstants(
+                start_U=torch.tensor(np.cumsum([0] + list(ns_U[:-1])), dtype=torch.int64, device=device),
+                ns_U=torch.tensor(ns_U, **f64), k_U=torch.tensor(k_U, **f64), first_U=torch.tensor(first, **f64),
+                unit_S=torch.from_numpy(np.repeat(np.arange(len(ns_U)), ns_U)).to(device))
+        return c
 
     def select(self, R: torch.Tensor, thr_U: torch.Tensor) -> torch.Tensor:
         """``|R| ≥ thr`` of each element's unit, as a bool ``[nblk, blk]`` (two compares, no abs copy)."""
@@ -542,6 +561,19 @@ def _sort_per_unit(vals: torch.Tensor, unit_ids: torch.Tensor) -> torch.Tensor:
     return v[by_unit]
 
 
+@dataclass(frozen=True)
+class _SearchConstants:
+    """Per-unit device tensors of ``_ThresholdSearch`` (``_Layout.search_constants``): first sample of
+    each unit, samples, elements to keep and first probe's rank per unit (float64), and the unit of
+    every sample."""
+
+    start_U: torch.Tensor
+    ns_U: torch.Tensor
+    k_U: torch.Tensor
+    first_U: torch.Tensor
+    unit_S: torch.Tensor
+
+
 class _ThresholdSearch:
     """Find per-unit thresholds whose counts lie in ``REFINE_BAND·k``, on device tensors ``[U]`` only.
 
@@ -553,20 +585,15 @@ class _ThresholdSearch:
 
     Args:
         sorted_S: the samples sorted by unit, descending within each unit.
-        ns_U: samples per unit; k_U: elements to keep per unit; numel_U: elements per unit.
+        consts: the units' sample counts, elements to keep and first ranks, on ``sorted_S``'s device.
     """
 
-    def __init__(self, sorted_S: torch.Tensor, ns_U: list[int], k_U: list[int], numel_U: list[int]) -> None:
-        dev = sorted_S.device
-        f64 = dict(dtype=torch.float64, device=dev)
+    def __init__(self, sorted_S: torch.Tensor, consts: _SearchConstants) -> None:
         self.sorted_S = sorted_S
-        self.start_U = torch.tensor(np.cumsum([0] + ns_U[:-1]), dtype=torch.int64, device=dev)
-        self.ns_U = torch.tensor(ns_U, **f64)
-        self.k_U = torch.tensor(k_U, **f64)
-        first = [min(max(1.0, k * ns / n), ns) for k, ns, n in zip(k_U, ns_U, numel_U)]
-        self.rank = torch.tensor(first, **f64)
+        self.start_U, self.ns_U, self.k_U = consts.start_U, consts.ns_U, consts.k_U
+        self.rank = consts.first_U
         self.thr = self.at_rank(self.rank)
-        self.done = torch.zeros(len(ns_U), dtype=torch.bool, device=dev)
+        self.done = torch.zeros(self.ns_U.shape[0], dtype=torch.bool, device=sorted_S.device)
         # Closest probe with too many selected (highest such threshold) and with too few (lowest).
         self.has_over, self.t_over, self.c_over = self.done.clone(), torch.zeros_like(self.rank), torch.zeros_like(self.rank)
         self.has_under, self.t_under, self.c_under = self.done.clone(), torch.zeros_like(self.rank), torch.zeros_like(self.rank)
@@ -612,12 +639,13 @@ def _gather_units(vals: torch.Tensor, n_U: list[int], numel_U: list[int],
     header = torch.tensor([u, *numel_U, *n_U], dtype=torch.int64, device=device)
     parts = tp_comm.all_gather_v(pack(header, vals))
     pooled, unit_ids, totals, counts = [], [], [0] * u, [0] * u
-    for r, buf in enumerate(parts):
-        u_r = int(view_as(buf, 0, 1, torch.int64))
+    # Two host reads in all, whatever the TP size: every rank's unit count, then every rank's sizes.
+    for r, u_r in enumerate(torch.cat([view_as(buf, 0, 1, torch.int64) for buf in parts]).tolist()):
         if u_r != u:
             raise RuntimeError(f"zen.dgc: TP rank {r} has {u_r} selection units but TP rank {tp_comm.rank} "
                                f"has {u}; every TP rank must compress the same parameters in the same buckets")
-        meta = view_as(buf, 8, 2 * u, torch.int64).tolist()
+    metas = torch.cat([view_as(buf, 8, 2 * u, torch.int64) for buf in parts]).view(len(parts), 2 * u).tolist()
+    for buf, meta in zip(parts, metas):
         pooled.append(view_as(buf, 8 * (1 + 2 * u), sum(meta[u:]), dtype))
         unit_ids.append(np.repeat(np.arange(u), meta[u:]))
         for j in range(u):

@@ -25,7 +25,6 @@ Legend: ``_K`` non-zeros, ``_P`` partitions, ``_M`` one partition's index-set si
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 
@@ -34,6 +33,7 @@ from .. import ops
 from .bitmap import bitmap_bytes
 from .hashing import HashConfig, HashPartitioner
 from .scheme import SyncScheme, register_scheme
+from .timing import PhaseTimer
 from .types import SparseGrad, as_sparse, index_dtype
 from .wire import pack
 
@@ -135,7 +135,6 @@ class ZenScheme(SyncScheme):
         5. Decode: every rank maps positions back to indices with ``P⁻¹`` and writes the dense result
            into ``out`` (when given; else a new tensor), each server's message as soon as it is there.
         """
-        t = {}
         sg = as_sparse(grad)
         n, rank, numel = comm.size, comm.rank, sg.numel
         dtype, device = sg.values.dtype, sg.values.device
@@ -145,16 +144,18 @@ class ZenScheme(SyncScheme):
         isz, vsz = torch.empty(0, dtype=idt).element_size(), sg.values.element_size() * width
         row_shape = tuple(sg.values.shape[1:])
         part = self.partitioner(numel, n)
+        # CUDA events on a GPU (perf_counter would time only the launches of the asynchronous phases,
+        # and auto's compute model learns from these times); perf_counter on the CPU.
+        timer = PhaseTimer(device, enabled=timings is not None)
 
         # Step 1: partition.
-        t0 = time.perf_counter()
+        timer.start("hash_s")
         counts_P, order_K, pos_K, _ = part.partition(sg.indices)
         vals_K = sg.values[order_K]
         pos_K = pos_K.to(idt)
-        t["hash_s"] = time.perf_counter() - t0
 
         # Step 2: push.
-        t0 = time.perf_counter()
+        timer.start("push_s")
         bounds = counts_P.cumsum(0).tolist()
         starts = [0] + bounds[:-1]
         send = []
@@ -171,51 +172,47 @@ class ZenScheme(SyncScheme):
             else:
                 send.append(pack(pos_K[s:e], vals_K[s:e]))
         recv = comm.exchange_v(send)
-        t["push_s"] = time.perf_counter() - t0
 
         # Step 3: aggregate into the compact buffer of this server's index set, the touched bitmap
         # set in the same pass (zen_ext::aggregate_push). The count is the one host read of this step:
         # the pull message's size depends on it.
-        t0 = time.perf_counter()
+        timer.start("aggregate_s")
         m = part.part_size(rank)
         if ops.has_aggregate_into_op(sg.values):
             acc, words = self._workspace(m, width, dtype, device)
             count_1 = ops.aggregate_push_into(acc, words, recv, width, dtype, isz)
         else:
             acc, words, count_1 = ops.aggregate_push(recv, m, width, dtype, isz)
-        count = int(count_1)
-        t["aggregate_s"] = time.perf_counter() - t0
+        count = ops.read_aggregate_count(count_1)
 
         # Step 4: pull, in the cheapest format for this partition's aggregated count; the message
         # ([format, count | body], csrc/pull_format.h) is written in one pass, mean's division included.
-        t0 = time.perf_counter()
+        timer.start("pull_s")
         fmt = self._choose_format(count, m, isz, vsz)
         msg = ops.encode_pull(acc, words, count, fmt, n if op == "mean" else 1, dtype, isz)
         del acc, words
-        t["pull_s"] = time.perf_counter() - t0
 
         # Step 5: decode every server's partition straight into the result (the caller's buffer when
         # given): zero it while the pull is on the wire (the input was consumed in step 1, so the
         # caller's buffer may be the gradient itself), then each message's values land at
         # P⁻¹(p·n + i) (zen_ext::decode_pull_ reads the header itself: no host read). Partitions are
-        # decoded in the order they arrive.
-        t_pull = time.perf_counter()
-        arrived = _start_pull(comm, msg)
-        t0 = time.perf_counter()
+        # decoded in the order they arrive. Phases: pull_s = encoding plus waiting for messages,
+        # decode_s = zeroing plus decoding.
+        arrived = iter(_start_pull(comm, msg))
+        timer.start("decode_s")
         res = out if out is not None else torch.empty(numel * width, dtype=dtype, device=device)
         res.zero_()
         rows = res.view(numel, width) if width > 1 else res
         keys = part.keys_on(device)
-        zero_s, loop_decode_s = time.perf_counter() - t0, 0.0
-        for i, buf in arrived:
-            t0 = time.perf_counter()
-            ops.decode_pull_(rows, buf, i, n, keys, isz)
-            loop_decode_s += time.perf_counter() - t0
-        # pull_s: encoding plus waiting for messages; decode_s: zeroing plus decoding.
-        t["pull_s"] += time.perf_counter() - t_pull - zero_s - loop_decode_s
-        t["decode_s"] = zero_s + loop_decode_s
+        while True:
+            timer.start("pull_s")
+            item = next(arrived, None)
+            if item is None:
+                break
+            timer.start("decode_s")
+            ops.decode_pull_(rows, item[1], item[0], n, keys, isz)
+        timer.write_into(timings)
         if timings is not None:
-            timings.update(t)
             timings["pull_format"] = _FMT_NAMES[fmt]
         return res
 

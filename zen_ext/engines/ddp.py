@@ -89,6 +89,8 @@ class CommWorker:
 
     def __init__(self, device: torch.device, name: str = "zen-comm") -> None:
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._num_threads = torch.get_num_threads()
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -196,6 +198,10 @@ class CommWorker:
 
     def _run(self) -> None:
         torch.set_num_threads(self._num_threads)
+        if self._stream is not None:
+            # A new thread's current device is cuda:0: entering and leaving a stream context there would
+            # create a context on GPU 0 from every rank of the node (~0.5 GiB each).
+            torch.cuda.set_device(self.device)
         while True:
             item = self._queue.get()
             if item is self._STOP:
@@ -570,14 +576,27 @@ def register_zen_hook(ddp_model, cfg: "ZenConfig | dict | None" = None, *, tp_gr
                          "DDP's all-reduce")
     state = ZenHookState.build(ddp_model.module, cfg, dp_group=ddp_model.process_group, tp_group=tp_group,
                                guard_group=guard_group, guard_nonfinite=guard_nonfinite, optimizer=optimizer)
-    if state.worker is not None and getattr(ddp_model, "find_unused_parameters", False):
-        # DDP all-reduces its used-parameter map on the data-parallel group from the autograd thread
-        # once the last bucket is marked ready, possibly while the worker still synchronizes buckets
-        # on that group: the two would reach the ranks in different orders.
+    why = _backward_collectives(ddp_model) if state.worker is not None else None
+    if why is not None:
+        # The backward pass itself runs a collective on the training thread, possibly while the worker
+        # still synchronizes buckets: the two would reach the ranks in different orders (NCCL: a hang).
         if state.rank == 0:
-            log.info("zen: zen.async_sync is off with find_unused_parameters=True (DDP's own all-reduce of the "
-                     "used-parameter map shares the group); buckets synchronize inside the hook")
+            log.info("zen: zen.async_sync is off with %s; buckets synchronize inside the hook", why)
         state.worker.release()
         state.worker = None
     ddp_model.register_comm_hook(state, zen_comm_hook)
     return state
+
+
+def _backward_collectives(ddp_model) -> str | None:
+    """Why the backward pass of ``ddp_model`` issues collectives of its own on the training thread
+    (then a communication worker would race them), or None. DDP with ``find_unused_parameters``
+    all-reduces its used-parameter map once the last bucket is ready; ``SyncBatchNorm``'s backward
+    all-reduces its statistics' gradients (on the data-parallel group by default)."""
+    if getattr(ddp_model, "find_unused_parameters", False):
+        return "find_unused_parameters=True (DDP's own all-reduce of the used-parameter map shares the group)"
+    sync_bn = [n for n, m in ddp_model.module.named_modules() if isinstance(m, torch.nn.SyncBatchNorm)]
+    if sync_bn:
+        return (f"SyncBatchNorm layers ({sync_bn[0]}{' and %d more' % (len(sync_bn) - 1) if len(sync_bn) > 1 else ''}: "
+                "their backward all-reduces statistics during the backward pass)")
+    return None

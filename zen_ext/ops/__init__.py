@@ -31,7 +31,7 @@ if os.environ.get("ZEN_DISABLE_CPP_OP", "0") != "1":
 
 __all__ = [
     "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
-    "aggregate_push", "aggregate_push_into", "has_aggregate_into_op", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
+    "aggregate_push", "aggregate_push_into", "read_aggregate_count", "has_aggregate_into_op", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
     "gather_list",
 ]
 
@@ -52,7 +52,8 @@ if HAVE_CPP_OP:
         device = payloads[0].device if payloads else torch.device("cpu")
         acc = torch.empty((part_size, width), dtype=_reference.acc_dtype(dtype), device=device)
         words = torch.empty(_reference.num_words(part_size), dtype=torch.int64, device=device)
-        return acc, words, torch.empty(1, dtype=torch.int64, device=device)
+        # CUDA: [count, positions outside the partition] (read_aggregate_count); CPU: [count].
+        return acc, words, torch.empty(1 if device.type == "cpu" else 2, dtype=torch.int64, device=device)
 
     @torch.library.register_fake("zen_ext::aggregate_push_into")
     def _aggregate_push_into_fake(acc, words, payloads, width, dtype, idx_bytes):
@@ -157,11 +158,24 @@ def aggregate_push(
     payloads: list[torch.Tensor], part_size: int, width: int, dtype: torch.dtype, idx_bytes: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ZEN server side: sum pushed uint8 payloads (dense partition, or ``[positions | rows]``) into the
-    compact buffer in one pass; returns ``(acc [part_size, width], words, count [1])``, ``words`` the
-    touched bitmap as int64 words (wire format: ``csrc/pull_format.h``)."""
+    compact buffer in one pass; returns ``(acc [part_size, width], words, count)``, ``words`` the
+    touched bitmap as int64 words (wire format: ``csrc/pull_format.h``). ``count`` is ``[count]`` where
+    the op raises on a position outside the partition (CPU, reference) and ``[count, outside]`` on CUDA,
+    where raising would cost a host synchronization of its own: read it with ``read_aggregate_count``."""
     if payloads and _use_pull_op(payloads[0]):
         return torch.ops.zen_ext.aggregate_push(payloads, part_size, width, dtype, idx_bytes)
     return _reference.aggregate_push(list(payloads), part_size, width, dtype, idx_bytes)
+
+
+def read_aggregate_count(count: torch.Tensor) -> int:
+    """The aggregated count from ``aggregate_push``'s or ``aggregate_push_into``'s count tensor, in one
+    host read; raises where the CUDA op skipped pushed positions outside the partition (a payload
+    that does not match this server's layout), as the CPU op does when it meets one."""
+    words = count.tolist()
+    if len(words) > 1 and words[1]:
+        raise RuntimeError(f"aggregate_push: {words[1]} pushed position(s) lie outside this server's partition "
+                           "(a payload that does not match the agreed layout)")
+    return int(words[0])
 
 
 def has_aggregate_into_op(t: torch.Tensor) -> bool:
