@@ -6,7 +6,7 @@ Usage (``benchmarks/run_cluster_report.sh`` runs it)::
 
 Runs ``recipes/finetune_llm.py`` itself, one process per emulated host (``launch/netlab/launch.sh``),
 once per configuration and repeat. The configurations differ only in the DeepSpeed config's
-``"zen"`` section (ZeRO-0, AdamW, micro-batch ``--micro-batch`` × ``--seq-len`` tokens per rank):
+``"zen"`` section (ZeRO-0 unless a configuration names other ZeRO settings, AdamW, micro-batch ``--micro-batch`` × ``--seq-len`` tokens per rank):
 
 * ``dense``: no section, DeepSpeed's own gradient all-reduce;
 * ``zen_dgc1`` / ``zen_dgc5``: ``{"scheme": "zen", "dgc": {"enabled": true, "density": 0.01 / 0.05}}``
@@ -14,7 +14,10 @@ once per configuration and repeat. The configurations differ only in the DeepSpe
 * ``zen_natural``: ``{"scheme": "zen"}`` with natural sparsity only: the untied embedding's non-zero
   rows go through ZEN, everything else through the dense all-reduce (lossless: same losses as dense);
 * ``zen_dgc1_b8`` / ``zen_dgc1_b8_async``: DGC 1 % with 8 MB ZEN buckets, in turn / pipelined with
-  ``zen.async_sync`` (not in the default list; benchmarks/results/deepspeed_pipeline.md).
+  ``zen.async_sync`` (not in the default list; benchmarks/results/deepspeed_pipeline.md);
+* ``zen_dgc1_z2`` / ``zen_dgc1_z2_async``: DGC 1 % under ZeRO-2 with ``overlap_comm`` and 2 M-element
+  IPG buckets, reduced in turn / handed whole to the communication worker while the backward pass
+  goes on (not in the default list; the same results file).
 
 Every run starts from the same weights and sees the same batches (same seed), so the loss curves are
 comparable step by step. Repeats are interleaved (each repeat runs every configuration, in a rotated
@@ -43,6 +46,7 @@ from cluster_common import append_jsonl, goodput_bytes_per_s, mmm, portable_path
 
 DEFAULT_MODEL = os.path.join(ROOT, "benchmarks", "configs", "llama-bench.json")
 RECIPE = os.path.join(ROOT, "recipes", "finetune_llm.py")
+_Z2_OVERLAP = {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 2_000_000}
 CONFIGS = {
     "dense": dict(describe="DeepSpeed all-reduce", zen=None),
     "zen_dgc1": dict(describe="zen, DGC 1 %", zen={"scheme": "zen", "dgc": {"enabled": True, "density": 0.01},
@@ -56,6 +60,14 @@ CONFIGS = {
     "zen_dgc1_b8_async": dict(describe="zen, DGC 1 %, 8 MB buckets pipelined", zen={
         "scheme": "zen", "bucket_cap_mb": 8, "async_sync": True, "dgc": {"enabled": True, "density": 0.01},
         "natural": {"enabled": False}}),
+    # zen.async_sync under ZeRO-2 overlap_comm: the worker takes whole IPG buckets (2 M elements, about
+    # ten per step of the bench model) while the backward pass fills the other buffer, vs in turn.
+    "zen_dgc1_z2": dict(describe="zen, DGC 1 %, ZeRO-2 overlap_comm, IPG buckets in turn", zero=_Z2_OVERLAP, zen={
+        "scheme": "zen", "dgc": {"enabled": True, "density": 0.01}, "natural": {"enabled": False}}),
+    "zen_dgc1_z2_async": dict(describe="zen, DGC 1 %, ZeRO-2 overlap_comm, IPG buckets on the worker",
+                              zero=_Z2_OVERLAP, zen={"scheme": "zen", "async_sync": True,
+                                                     "dgc": {"enabled": True, "density": 0.01},
+                                                     "natural": {"enabled": False}}),
     "zen_natural": dict(describe="zen, embedding rows (rest dense)",
                         zen={"scheme": "zen", "natural": {"enabled": True}, "dgc": {"enabled": False}}),
 }
@@ -65,7 +77,7 @@ def ds_config(name: str, a) -> dict:
     """The DeepSpeed config of one configuration (the recipe's format, ``configs/demo_ds.json``)."""
     cfg = {"train_micro_batch_size_per_gpu": a.micro_batch, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": a.lr, "torch_adam": True}},
-           "zero_optimization": {"stage": 0}, "steps_per_print": 10**9}
+           "zero_optimization": dict(CONFIGS[name].get("zero", {"stage": 0})), "steps_per_print": 10**9}
     zen = CONFIGS[name]["zen"]
     if zen is not None:
         cfg["zen"] = {**zen, "stats": {"summary": False}}

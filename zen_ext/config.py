@@ -103,7 +103,9 @@ class ZenConfig(_Section):
     async_sync: bool = False
     """DDP hook: synchronize buckets on a communication thread while the backward pass goes on;
     DeepSpeed: pipeline the ZEN buckets of each engine bucket on that thread (compress bucket k + 1
-    while k is on the wire; without node sharding or a TP group). Results bitwise equal to the
+    while k is on the wire; without node sharding or a TP group), and with ZeRO-1/2
+    ``overlap_comm`` hand it whole IPG buckets, reduced and copied into the gradient partition
+    while the backward pass fills the other IPG buffer. Results bitwise equal to the
     blocking path; false synchronizes in turn on the training thread. Default false: on the 2-core
     emulated lab the DDP hook measured 0.93-1.04x the blocking step time (the thread competes with
     autograd for the cores), and its CUDA stream path has not run on a GPU yet; turn it on where

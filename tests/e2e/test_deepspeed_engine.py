@@ -11,6 +11,7 @@ Two process launches serve all tests (module fixtures), because starting DeepSpe
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -23,10 +24,10 @@ VOCAB, MICRO, SEQ = 1000, 2, 32
 
 
 # --- worker side ---------------------------------------------------------------------------------------
-def _ds_config(stage=0, dtype="fp32", zen=None, ga=1, **extra):
+def _ds_config(stage=0, dtype="fp32", zen=None, ga=1, zero=None, **extra):
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": ga,
            "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "torch_adam": True}},
-           "zero_optimization": {"stage": stage}, "steps_per_print": 10**6, **extra}
+           "zero_optimization": {"stage": stage, **(zero or {})}, "steps_per_print": 10**6, **extra}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif dtype == "bf16_optimizer":  # bf16 + ZeRO-1 + fp32 accumulation builds BF16_Optimizer
@@ -114,6 +115,39 @@ def _lossless_worker(rank, world):
                                "buckets": piped.zen.stats.last.get("buckets")}
         piped.zen.close()
         out["async"][stage]["released"] = piped.zen.worker is None
+    # ZeRO overlap_comm + zen.async_sync: whole IPG buckets go to the worker while the backward pass
+    # fills the other IPG buffer. 20000-element IPG buckets: several per layer, and the 64000-element
+    # embedding and head take DeepSpeed's oversized-parameter path (blocking, after a drain).
+    out["async_ipg"] = {}
+    for stage in (1, 2):
+        batches = _batches(rank, 3, seed=6)
+        zen_cfg = {"scheme": "zen", "bucket_cap_mb": 0.05, "dgc": {"enabled": True, "min_numel": 1024}}
+        zero = {"overlap_comm": True, "reduce_bucket_size": 20000}
+        blocking = _engine(_ds_config(stage, zen=dict(zen_cfg), zero=zero))
+        piped = _engine(_ds_config(stage, zen=dict(zen_cfg, async_sync=True), zero=zero))
+        # Proof of overlap: the worker holds each bucket 50 ms longer, and the training thread's
+        # gradient hooks record when the backward pass produced each gradient.
+        windows, grad_times = [], []
+        finish = piped.zen._finish_ipg
+
+        def slow_finish(*a, finish=finish, windows=windows):
+            t0 = time.perf_counter()
+            time.sleep(0.05)
+            res = finish(*a)
+            windows.append((t0, time.perf_counter()))
+            return res
+
+        piped.zen._finish_ipg = slow_finish
+        for p in piped.module.parameters():
+            p.register_hook(lambda g, ts=grad_times: ts.append(time.perf_counter()))
+        out["async_ipg"][stage] = {"blocking": _train(blocking, batches), "async": _train(piped, batches),
+                                   "blocking_w": _weights(blocking), "async_w": _weights(piped),
+                                   "ipg_buckets": piped.zen.async_ipg_buckets, "off": piped.zen.async_ipg_off,
+                                   "blocking_off": blocking.zen.async_ipg_off,
+                                   "overlapped": sum(1 for t in grad_times if any(a < t < b for a, b in windows)),
+                                   "windows": len(windows),
+                                   "step_ipg": piped.zen.stats.last.get("async_ipg_buckets")}
+        piped.zen.close()
     # The override must be what reduces: put DeepSpeed's own method back, as a DeepSpeed release that
     # moved the reduction would, and the step must fail loudly.
     engine = _engine(_ds_config(0, zen={}))
@@ -137,6 +171,20 @@ def test_async_sync_pipelines_buckets_bitwise(lossless, stage):
         got = r["async"][stage]
         assert got["worker"] and got["released"]
         assert got["buckets"] and got["buckets"] > 1, got["buckets"]
+        assert got["async"] == got["blocking"]
+        assert torch.equal(got["async_w"], got["blocking_w"])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_async_sync_overlaps_zero_ipg_buckets_with_the_backward_pass(lossless, stage):
+    """ZeRO overlap_comm + zen.async_sync: the worker takes whole IPG buckets, gradients of earlier
+    layers are computed while a bucket is being reduced, and the run is bitwise the blocking one."""
+    for r in lossless:
+        got = r["async_ipg"][stage]
+        assert got["off"] is None and got["blocking_off"] == "zen.async_sync is off"
+        assert got["ipg_buckets"] >= 6 and got["windows"] == got["ipg_buckets"], got
+        assert got["step_ipg"] == got["ipg_buckets"] // 3, got  # per step in the statistics (3 steps)
+        assert got["overlapped"] >= 1, got
         assert got["async"] == got["blocking"]
         assert torch.equal(got["async_w"], got["blocking_w"])
 

@@ -472,8 +472,12 @@ class BucketReducer:
         return {"reduce_calls": 0, "dense_bytes": 0, "intra_bytes_sent": 0, "tp_share_bytes_sent": 0,
                 "nonfinite_steps": 0, "natural_local_rows": 0, "natural_union_rows": 0}
 
-    def reduce_(self, flat: torch.Tensor, slices: Sequence[GradSlice], op: str) -> None:
+    def reduce_(self, flat: torch.Tensor, slices: Sequence[GradSlice], op: str, *, pipelined: bool = True) -> None:
         """Replace ``flat`` (this rank's bucket) by its reduction over the data-parallel group.
+
+        ``pipelined=False`` reduces the ZEN buckets in turn on the calling thread even with a worker:
+        a job that already runs on the worker (DeepSpeed's asynchronous IPG path) must not wait on
+        jobs queued behind itself.
 
         1. Guard: agree whether any rank holds a non-finite gradient; if so, NaN-fill and stop.
         2. Re-bucket to ``cap_bytes`` at parameter boundaries (TP-shared parameters alone).
@@ -500,7 +504,7 @@ class BucketReducer:
         # Step 2: re-bucket.
         cap = max(1, self.cap_bytes // flat_N.element_size())
         chunks = list(split_to_cap(flat_N.numel(), slices, cap, self.tp_shared))
-        if self.worker is not None and len(chunks) > 1:
+        if pipelined and self.worker is not None and len(chunks) > 1:
             self._reduce_pipelined(flat_N, chunks, op)
             return
         for a, b, members in chunks:

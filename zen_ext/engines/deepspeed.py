@@ -16,6 +16,11 @@ the ZeRO optimizer: ZeRO 1, 2  ``engine.optimizer.gradient_reduction_w_predivide
                                and ``contiguous_gradients`` true
 =============================  ===================================================  =================
 
+With ``zen.async_sync`` and ZeRO's ``overlap_comm`` (two IPG buffers), ``engine.optimizer.reduce_ipg_grads``
+is replaced too: a full IPG bucket goes to the communication worker, which reduces it and runs
+DeepSpeed's per-parameter copy into the gradient partition, while the backward pass fills the other
+buffer (``ZenDeepSpeed._reduce_ipg_async``).
+
 Both overrides keep DeepSpeed's semantics: values travel in ``communication_data_type``, the result is
 the data-parallel mean (or sum with ``gradient_allreduce_op: "sum"``), and groups other than the
 data-parallel one (MoE expert groups) go to the original method. ``engine.step`` is wrapped to end
@@ -333,6 +338,19 @@ class ZenDeepSpeed:
         self.reducer = BucketReducer(self.sync, cap_bytes=cfg.bucket_cap_bytes, dp_size=len(self.dp_ranks),
                                      node=node, tp_comm=self.tp_comm, tp_shared=tp_shared, guard_comm=guard,
                                      worker=self.worker)
+        # With ZeRO's overlap_comm the backward pass fills one IPG buffer while the other is reduced:
+        # the worker then takes whole IPG buckets, and the backward pass goes on (_reduce_ipg_async).
+        self.async_ipg_off = self._async_ipg_off_reason()
+        self.async_ipg_buckets = 0
+        self._ipg_last_job = None
+        self._ipg_at_last_step = 0
+        if self.worker is not None and self.zero_reduces and self.rank == 0:
+            if self.async_ipg_off is None:
+                log.info("zen: ZeRO overlap_comm with zen.async_sync: each full IPG bucket goes to the communication "
+                         "worker while the backward pass fills the other IPG buffer")
+            else:
+                log.info("zen: ZeRO IPG buckets are reduced on the training thread (%s); zen.async_sync pipelines "
+                         "the ZEN buckets inside each of them", self.async_ipg_off)
         self.stats = StepStats(self.rank, cfg.stats.jsonl_path, getattr(engine, "monitor", None))
         self.hierarchical = node is not None
 
@@ -365,6 +383,9 @@ class ZenDeepSpeed:
         if self.zero_reduces:
             self._orig_reduction = eng.optimizer.gradient_reduction_w_predivide
             eng.optimizer.gradient_reduction_w_predivide = self._gradient_reduction_w_predivide
+            if self.async_ipg_off is None:
+                self._orig_reduce_ipg = eng.optimizer.reduce_ipg_grads
+                eng.optimizer.reduce_ipg_grads = self._reduce_ipg_async
         else:
             self._orig_allreduce_bucket = eng.allreduce_bucket
             eng.allreduce_bucket = self._allreduce_bucket
@@ -396,7 +417,7 @@ class ZenDeepSpeed:
         named = [(self.names[id(opt.bit16_groups[i][j])], g) for (i, j, _), g in zip(bucket.params, bucket.grads)]
         return self._reduce(tensor, locate_slices([tensor], named), communication_data_type)
 
-    def _reduce(self, flat, slices, comm_dtype) -> torch.Tensor:
+    def _reduce(self, flat, slices, comm_dtype, pipelined: bool = True) -> torch.Tensor:
         """Reduce ``flat`` in place, with values travelling in ``comm_dtype``; returns the comm tensor."""
         t0 = time.perf_counter()
         self.override_calls += 1
@@ -404,11 +425,112 @@ class ZenDeepSpeed:
         scale = getattr(self.engine.optimizer, "loss_scale", None) if self.engine.fp16_enabled() else None
         if scale is not None:  # DGC memory follows the fp16 loss scale (docs/sparsifiers.md)
             self.sync.set_grad_scale(scale)
-        self.reducer.reduce_(work, slices, self.op)
+        self.reducer.reduce_(work, slices, self.op, pipelined=pipelined)
         if work is not flat:
             flat.copy_(work)
         self.stats.add(reduce_s=time.perf_counter() - t0)
         return work
+
+    # --- ZeRO overlap_comm: whole IPG buckets on the worker -------------------------------------------------
+    def _async_ipg_off_reason(self) -> str | None:
+        """Why the ZeRO IPG buckets cannot be handed to the worker whole, or None when they can.
+
+        The hand-over needs DeepSpeed's double IPG buffer (``overlap_comm`` with contiguous gradients:
+        the backward pass fills one buffer while the other is reduced) and the per-parameter copy into
+        the gradient partition (``copy_grads_in_partition``), which the worker runs after the reduction;
+        CPU offload and fp32 gradient accumulation of bf16 parameters copy through other paths.
+        """
+        opt = self.engine.optimizer
+        if self.worker is None or not self.zero_reduces:
+            return "zen.async_sync is off" if self.worker is None else "not a ZeRO-1/2 optimizer"
+        if not getattr(opt, "overlap_comm", False):
+            return "zero_optimization.overlap_comm is false (one IPG buffer)"
+        if not getattr(opt, "contiguous_gradients", False):
+            return "zero_optimization.contiguous_gradients is false"
+        if getattr(opt, "cpu_offload", False):
+            return "ZeRO CPU offload"
+        if getattr(opt, "zenflow", False):
+            return "ZenFlow"
+        use_compact = getattr(opt, "_use_compact_grad_partition_buffer", None)
+        if use_compact is not None and any(use_compact(i) for i in range(len(opt.bit16_groups))):
+            return "fp32 gradient accumulation of 16-bit parameters (compact gradient partitions)"
+        missing = [a for a in ("ipg_buckets", "params_already_reduced", "is_param_in_current_partition",
+                               "copy_grads_in_partition", "clear_grad_attribute", "extra_large_param_to_reduce",
+                               "reduce_ipg_grads", "partition_gradients") if not hasattr(opt, a)]
+        if missing:
+            return f"this DeepSpeed's ZeRO optimizer lacks {', '.join(missing)}"
+        return None
+
+    def _reduce_ipg_async(self, comm_dtype=None):
+        """ZeRO ``reduce_ipg_grads`` with ``overlap_comm`` and ``zen.async_sync``: the worker reduces the
+        full IPG bucket and copies it into the gradient partition while the backward pass fills the
+        other IPG buffer.
+
+        1. A bucket that holds one oversized parameter (reduced from its own gradient, not the IPG
+           buffer) goes DeepSpeed's blocking way, after the worker drained.
+        2. Snapshot the bucket on this thread: its view of the IPG buffer, its parameters and their
+           slices; mark them reduced and clear the bucket, as DeepSpeed does after reducing it (the
+           backward pass refills it next).
+        3. Hand the worker the reduction, then DeepSpeed's own per-parameter copy into the partition
+           (``copy_grads_in_partition``) or release of a gradient outside it, in bucket order: the
+           order and the operations of the blocking path, so results are bitwise equal.
+        4. Wait for the job before it: its IPG buffer is the one the backward pass fills next. At the
+           epilogue (no ``comm_dtype``) wait for every job, since the optimizer step reads them all.
+        """
+        from deepspeed.runtime.torch_autocast import sort_dtypes
+
+        opt = self.engine.optimizer
+        dtypes = sort_dtypes(list(opt.ipg_buckets.keys())) if comm_dtype is None else [comm_dtype]
+        for dt in dtypes:
+            bucket = opt.ipg_buckets[dt]
+            # Step 1: an oversized parameter.
+            if dt in opt.extra_large_param_to_reduce:
+                self._wait_ipg_jobs()
+                self._orig_reduce_ipg(comm_dtype=dt)
+                continue
+            if not bucket.params:
+                bucket.clear()
+                continue
+            # Step 2: snapshot, bookkeeping.
+            flat = bucket.buffer[bucket.index].narrow(0, 0, bucket.elements)
+            members = [(opt.bit16_groups[i][j], i, pid) for i, j, pid in bucket.params]
+            named = [(self.names[id(p)], g) for (p, _, _), g in zip(members, bucket.grads)]
+            slices = locate_slices([flat], named)
+            for p, _, pid in members:
+                if opt.params_already_reduced[pid]:
+                    raise RuntimeError(f"zen: parameter {self.names[id(p)]} was handed to the gradient reduction "
+                                       "twice in one step (DeepSpeed supports one reduction per parameter)")
+                opt.params_already_reduced[pid] = True
+            bucket.clear()
+            # Step 3: the worker reduces and copies.
+            self.async_ipg_buckets += 1
+            job = self.worker.submit(functools.partial(self._finish_ipg, flat, slices, dt, members), [flat])
+            # Step 4: the previous bucket's buffer is refilled next.
+            prev, self._ipg_last_job = self._ipg_last_job, job
+            if prev is not None:
+                prev.wait()
+        if comm_dtype is None:
+            self._wait_ipg_jobs()
+
+    def _finish_ipg(self, flat, slices, comm_dtype, members) -> torch.Tensor:
+        """The worker's half of ``_reduce_ipg_async``: reduce ``flat`` in place (its ZEN buckets in turn:
+        this already runs on the worker), then DeepSpeed's per-parameter step of ``reduce_ipg_grads``."""
+        opt = self.engine.optimizer
+        self._reduce(flat, slices, comm_dtype, pipelined=False)
+        for p, group_idx, pid in members:
+            mine = opt.is_param_in_current_partition[pid]
+            if opt.partition_gradients and not mine:
+                opt.clear_grad_attribute(p)  # ZeRO-2: another rank owns this gradient
+            elif mine:
+                opt.copy_grads_in_partition(p, group_idx)
+        return flat
+
+    def _wait_ipg_jobs(self) -> None:
+        """Wait for every IPG bucket handed to the worker (FIFO: the last one implies the others);
+        re-raises a job's failure (CUDA: the current stream then waits on the worker's)."""
+        job, self._ipg_last_job = self._ipg_last_job, None
+        if job is not None:
+            job.wait()
 
     def _named_grads(self):
         """(name, gradient) of every parameter, where the bucket's tensors may live."""
@@ -440,6 +562,9 @@ class ZenDeepSpeed:
         self._calls_at_last_step = self.override_calls
         self.sync.end_step()
         rec = self.reducer.pop_stats()
+        if self.async_ipg_off is None:
+            rec["async_ipg_buckets"] = self.async_ipg_buckets - self._ipg_at_last_step
+            self._ipg_at_last_step = self.async_ipg_buckets
         return self.stats.end_step(self.engine.global_steps, rec, getattr(self.engine, "global_samples", None))
 
     def annotate(self, **values) -> None:
@@ -466,6 +591,7 @@ class ZenDeepSpeed:
         self.stats.close()
         worker, self.worker = getattr(self, "worker", None), None
         if worker is not None:
+            self._ipg_last_job = None  # release() drains the queue, its jobs included
             worker.release()
             self.reducer.worker = None
 
