@@ -1,0 +1,57 @@
+"""Host synchronizations per engine bucket are bounded by a constant independent of the ranks.
+
+``test_zen_host_syncs`` bounds one ``zen`` call; this counts a whole ``Synchronizer.sync_flat`` of a
+bucket that holds every kind of slice (natural embedding rows, DGC tensors, dense ones), as the
+engines call it, with DGC on its GPU path (threshold passes run blind: no early-stop flag reads).
+A read that grew with the ranks (a per-peer ``.item()``) or with the tensors of the bucket would
+stall a GPU stream once per peer or per tensor; the counts must be equal at n = 4 and n = 16.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zen_ext.compress.dgc as dgc_module
+from tests.unit.test_synchronizer import DGC, KINDS, NUMEL, SLICES, bucket_inputs
+from tests.unit.test_zen_host_syncs import SyncCounter
+from zen_ext import SimWorld, build_scheme
+from zen_ext.core.synchronizer import Synchronizer
+
+MAX_SYNCS_PER_BUCKET = 12
+"""What a bucket costs today, in steady state: the natural rows' detection, DGC's finiteness check,
+candidates and selection, and two zen calls (natural rows, DGC slices) of 3 reads each. The first
+sync of a layout also agrees it across ranks (an object gather, once per layout)."""
+
+
+def _counts(n, scheme, dgc_selection="per_tensor"):
+    steps = [bucket_inputs(n, seed=31 * n + s) for s in range(3)]
+
+    def fn(comm):
+        sync = Synchronizer(dp_comm=comm, scheme=build_scheme(scheme), param_kinds=KINDS,
+                            dgc=dict(DGC, selection=dgc_selection), natural={})
+        per_step = []
+        for inputs in steps:
+            flat = inputs[comm.rank].clone()
+            with SyncCounter() as c:
+                sync.sync_flat(flat, SLICES, "mean", out=flat)
+            per_step.append(c.calls)
+            sync.end_step()
+        return per_step
+
+    return SimWorld(n).run(fn)
+
+
+@pytest.mark.parametrize("scheme", ["zen", "zen_coo"])
+@pytest.mark.parametrize("dgc_selection", ["per_tensor", "per_bucket"])
+def test_bucket_host_syncs_bounded_and_independent_of_n(monkeypatch, scheme, dgc_selection):
+    monkeypatch.setattr(dgc_module, "FREE_HOST_READ_DEVICES", ())  # the GPU path of DGC
+    per_n = {}
+    for n in (4, 16):
+        got = _counts(n, scheme, dgc_selection)
+        # Steady state: the first step also agrees the bucket's layout (once per layout).
+        steady = {len(calls) for per_step in got for calls in per_step[1:]}
+        assert max(steady) <= MAX_SYNCS_PER_BUCKET, got[0][1]
+        per_n[n] = max(steady)
+    assert per_n[4] == per_n[16], per_n
+    assert NUMEL > 0 and per_n[4] > 0  # the counter saw the bucket at all
