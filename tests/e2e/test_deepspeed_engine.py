@@ -148,6 +148,25 @@ def _lossless_worker(rank, world):
                                    "windows": len(windows),
                                    "step_ipg": piped.zen.stats.last.get("async_ipg_buckets")}
         piped.zen.close()
+    # A failing IPG bucket on the worker reaches the training thread (every rank fails in its second
+    # bucket before any collective of it, so nobody waits), and later buckets fail fast.
+    failing = _engine(_ds_config(2, zen={"scheme": "zen", "async_sync": True},
+                                 zero={"overlap_comm": True, "reduce_bucket_size": 20000}))
+    finish, calls = failing.zen._finish_ipg, []
+
+    def broken(*a, finish=finish, calls=calls):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError(f"broken IPG bucket on rank {rank}")
+        return finish(*a)
+
+    failing.zen._finish_ipg = broken
+    try:
+        _train(failing, _batches(rank, 1))
+        out["ipg_failure"] = None
+    except Exception as exc:  # noqa: BLE001 - the test inspects what reached the training thread
+        out["ipg_failure"] = f"{type(exc).__name__}: {exc}"
+    failing.zen.close()
     # The override must be what reduces: put DeepSpeed's own method back, as a DeepSpeed release that
     # moved the reduction would, and the step must fail loudly.
     engine = _engine(_ds_config(0, zen={}))
@@ -187,6 +206,11 @@ def test_async_sync_overlaps_zero_ipg_buckets_with_the_backward_pass(lossless, s
         assert got["overlapped"] >= 1, got
         assert got["async"] == got["blocking"]
         assert torch.equal(got["async_w"], got["blocking_w"])
+
+
+def test_async_ipg_failure_reaches_the_training_thread(lossless):
+    for rank, r in enumerate(lossless):
+        assert r["ipg_failure"] == f"ValueError: broken IPG bucket on rank {rank}", r["ipg_failure"]
 
 
 @pytest.mark.parametrize("name", [c[0] for c in LOSSLESS_CASES])
