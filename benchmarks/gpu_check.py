@@ -13,7 +13,9 @@ Single GPU (default) — each part is a row of the markdown report (``--out``, d
    sum, every rank's result identical, equal to the same run on the CPU.
 4. ``deepspeed``: the DeepSpeed engine on CUDA, world size 1 over NCCL: ZeRO 0, 1 and 2 with
    ``overlap_comm``, bf16 and fp16, ZEN attached with natural sparsity only; losses equal to dense
-   DeepSpeed's.
+   DeepSpeed's; at ZeRO 1/2 also with ``zen.async_sync`` (whole IPG buckets reduced on the
+   communication worker's CUDA stream while the backward pass goes on): losses equal again, and the
+   worker took the buckets.
 5. ``gloo``: two processes sharing the GPU over gloo, CUDA gradients, under the NCCL guard; every
    scheme equal to ``all_reduce``; host synchronizations and peak GPU memory per synchronized bucket.
 
@@ -387,13 +389,15 @@ def check_deepspeed(rep: Report, steps: int = 3) -> None:
     g = torch.Generator().manual_seed(0)
     batches = [torch.randint(0, 1000, (2, 32), generator=g) for _ in range(steps)]
 
-    def train(stage, dtype, zen):
+    def train(stage, dtype, zen, async_sync=False):
+        # 20000-element IPG buckets: several per step, the 64000-element embedding and head oversized.
         cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
                "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "torch_adam": True}},
-               "zero_optimization": {"stage": stage, "overlap_comm": True}, "steps_per_print": 10**6,
+               "zero_optimization": {"stage": stage, "overlap_comm": True, "reduce_bucket_size": 20000},
+               "steps_per_print": 10**6,
                dtype: {"enabled": True, **({"initial_scale_power": 8} if dtype == "fp16" else {})}}
         if zen:
-            cfg["zen"] = {"scheme": "zen", "bucket_cap_mb": 0.05}
+            cfg["zen"] = {"scheme": "zen", "bucket_cap_mb": 0.05, "async_sync": async_sync}
         engine, *_ = zds.initialize(model=build_model(model_cfg, seed=0), config=cfg)
         losses = []
         for x in batches:
@@ -402,7 +406,11 @@ def check_deepspeed(rep: Report, steps: int = 3) -> None:
             engine.backward(loss)
             engine.step()
             losses.append(loss.float().item())
-        calls = getattr(getattr(engine, "zen", None), "override_calls", None)
+        z = getattr(engine, "zen", None)
+        calls = getattr(z, "override_calls", None)
+        if async_sync:
+            calls = (calls, z.async_ipg_buckets, z.async_ipg_off)
+            z.close()
         return losses, calls
 
     for stage, dtype in DS_CASES:
@@ -412,6 +420,12 @@ def check_deepspeed(rep: Report, steps: int = 3) -> None:
             zen, calls = train(stage, dtype, True)
             rep.add("deepspeed", f"{name}: ZEN (natural only) losses equal dense DeepSpeed's", zen == dense,
                     f"dense {[round(v, 4) for v in dense]}, zen {[round(v, 4) for v in zen]}, ZEN reductions {calls}")
+            if stage in (1, 2):
+                piped, (calls, ipg, off) = train(stage, dtype, True, async_sync=True)
+                rep.add("deepspeed", f"{name} + zen.async_sync: IPG buckets on the worker's stream, losses equal "
+                        "dense DeepSpeed's", piped == dense and ipg > 0 and off is None,
+                        f"zen async {[round(v, 4) for v in piped]}, IPG buckets on the worker {ipg}, "
+                        f"ZEN reductions {calls}, off reason {off}")
         except Exception as exc:  # noqa: BLE001
             rep.add("deepspeed", name, False, f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300])
 
