@@ -441,8 +441,12 @@ class ZenDeepSpeed:
         CPU offload and fp32 gradient accumulation of bf16 parameters copy through other paths.
         """
         opt = self.engine.optimizer
-        if self.worker is None or not self.zero_reduces:
-            return "zen.async_sync is off" if self.worker is None else "not a ZeRO-1/2 optimizer"
+        if not self.cfg.async_sync:
+            return "zen.async_sync is off"
+        if self.worker is None:
+            return "no communication worker (node sharding or a tensor-parallel group)"
+        if not self.zero_reduces:
+            return "not a ZeRO-1/2 optimizer"
         if not getattr(opt, "overlap_comm", False):
             return "zero_optimization.overlap_comm is false (one IPG buffer)"
         if not getattr(opt, "contiguous_gradients", False):
