@@ -412,10 +412,14 @@ class ZenDeepSpeed:
         """ZeRO-1/2: reduce the flat IPG bucket in place; return it in the communication dtype."""
         if tensor.numel() == 0:
             return tensor
+        bucket = self.engine.optimizer.ipg_buckets[communication_data_type]
+        return self._reduce(tensor, self._ipg_slices(tensor, bucket), communication_data_type)
+
+    def _ipg_slices(self, flat, bucket) -> list:
+        """Where each parameter of a ZeRO IPG bucket lies in ``flat`` (the bucket's reduced tensor)."""
         opt = self.engine.optimizer
-        bucket = opt.ipg_buckets[communication_data_type]
         named = [(self.names[id(opt.bit16_groups[i][j])], g) for (i, j, _), g in zip(bucket.params, bucket.grads)]
-        return self._reduce(tensor, locate_slices([tensor], named), communication_data_type)
+        return locate_slices([flat], named)
 
     def _reduce(self, flat, slices, comm_dtype, pipelined: bool = True) -> torch.Tensor:
         """Reduce ``flat`` in place, with values travelling in ``comm_dtype``; returns the comm tensor."""
@@ -498,8 +502,7 @@ class ZenDeepSpeed:
             # Step 2: snapshot, bookkeeping.
             flat = bucket.buffer[bucket.index].narrow(0, 0, bucket.elements)
             members = [(opt.bit16_groups[i][j], i, pid) for i, j, pid in bucket.params]
-            named = [(self.names[id(p)], g) for (p, _, _), g in zip(members, bucket.grads)]
-            slices = locate_slices([flat], named)
+            slices = self._ipg_slices(flat, bucket)
             for p, _, pid in members:
                 if opt.params_already_reduced[pid]:
                     raise RuntimeError(f"zen: parameter {self.names[id(p)]} was handed to the gradient reduction "
