@@ -55,7 +55,8 @@ def _edge_indices(numel: int, K: int, seed: int) -> torch.Tensor:
 
 # Up to 2^62: above it the reference's int64 arithmetic overflows (the C++ op works in uint64); see
 # docs/kernels.md "Known limits".
-LARGE_NUMELS = [2, 3, 5, 17, 1000, 4097, 2**24 + 1, 2**31 - 1, 2**31, 2**31 + 5, 2**32 + 1, 2**40 + 7, 2**62]
+# 2^32: the largest domain of the CPU op's 32-bit vectorized path; 2^32 + 1: the first of the 64-bit one.
+LARGE_NUMELS = [2, 3, 5, 17, 1000, 4097, 2**24 + 1, 2**31 - 1, 2**31, 2**31 + 5, 2**32, 2**32 + 1, 2**40 + 7, 2**62]
 
 
 @needs_op
@@ -123,7 +124,10 @@ PARTITION_CASES = [
     (1000, 7, 1000),
     (4097, 16, 5000),
     (100, 200, 50),
+    (2**24 + 1, 6, 40000),  # several 512-index runs and parallel_for grains
     (2**31 + 5, 5, 1000),
+    (2**32, 6, 2000),  # the last domain of the 32-bit path (positions and parts by 32-bit division)
+    (2**32 + 1, 3, 2000),
     (2**40 + 7, 128, 3000),
 ]
 
