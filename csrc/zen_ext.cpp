@@ -32,6 +32,9 @@ TORCH_LIBRARY(zen_ext, m) {
       "-> Tensor");
   // Write server part's pulled message into out (numel rows) at the global indices P^-1(p*n + part).
   m.def("decode_pull_(Tensor(a!) out, Tensor msg, int part, int num_parts, Tensor keys, int idx_bytes) -> ()");
+  // Zero a contiguous tensor with the C library's memset (CPU only): for buffers larger than the cache
+  // it writes with streaming stores, without reading the lines first as torch's vectorized fill does.
+  m.def("zero_(Tensor(a!) t) -> ()");
   // DGC's velocity update and candidate selection in one pass: U = U*momentum + g (when U is given),
   // R += U (or g), g the concatenation of g_T; returns the candidates where |R| >= the threshold of the
   // element's run (runs end at ends_U), ascending: int64 positions, R's values there, int64 runs. CPU

@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "../pull_format.h"
@@ -35,6 +36,18 @@ void check_bytes(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kByte && t.dim() == 1 && t.is_contiguous(), what,
               " must be a contiguous 1-D uint8 CPU tensor, got ", t.scalar_type(), " of shape ", t.sizes(), " on ",
               t.device());
+}
+
+// The C library's memset (large sizes: streaming stores, no read of the old lines) in chunks over the
+// intra-op threads; 0 is the all-zero bit pattern of every dtype the ops use.
+void zero_cpu(const at::Tensor& t) {
+  if (!t.is_contiguous()) {
+    at::Tensor(t).zero_();
+    return;
+  }
+  uint8_t* p = static_cast<uint8_t*>(t.data_ptr());
+  const int64_t nbytes = int64_t(t.numel()) * int64_t(t.element_size());
+  at::parallel_for(0, nbytes, int64_t(1) << 22, [&](int64_t b, int64_t e) { std::memset(p + b, 0, size_t(e - b)); });
 }
 
 constexpr int64_t kMaxBatch = 512;
@@ -200,8 +213,8 @@ at::Tensor aggregate_push_into_cpu(at::Tensor acc, at::Tensor words, at::TensorL
   TORCH_CHECK(words.device().is_cpu() && words.scalar_type() == at::kLong && words.is_contiguous() &&
                   words.numel() == num_words(acc.size(0)),
               "aggregate_push_into: words must hold ", num_words(acc.size(0)), " contiguous int64 words");
-  acc.zero_();
-  words.zero_();
+  zero_cpu(acc);
+  zero_cpu(words);
   const int64_t count = aggregate_into(acc, words, payloads, width, dtype, idx_bytes);
   return at::full({1}, count, at::TensorOptions().dtype(at::kLong));
 }
@@ -362,6 +375,10 @@ TORCH_LIBRARY_IMPL(zen_ext, CPU, m) {
   m.impl("aggregate_push_into", &aggregate_push_into_cpu);
   m.impl("encode_pull", &encode_pull_cpu);
   m.impl("decode_pull_", &decode_pull_cpu);
+  m.impl("zero_", [](const at::Tensor& t) {
+    TORCH_CHECK(t.device().is_cpu(), "zero_: t must be a CPU tensor, got ", t.device());
+    zero_cpu(t);
+  });
 }
 
 }  // namespace zen_ext

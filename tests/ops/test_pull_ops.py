@@ -247,3 +247,21 @@ def test_cuda_ops_match_cpu(dtype):
                 msg = torch.ops.zen_ext.encode_pull(acc, words, int(count), fmt_of(part), 1, dtype, 4)
                 torch.ops.zen_ext.decode_pull_(out, msg.cuda(), part, n, KEYS.cuda(), 4)
             assert torch.equal(out.cpu(), want)
+
+
+@needs_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64])
+@pytest.mark.parametrize("numel", [0, 1, 1001, (3 << 20) + 7])  # the last: several 4 MiB memset chunks
+def test_zero_op_zeroes_every_element_and_nothing_beside(dtype, numel):
+    base = torch.full((numel + 2,), 3, dtype=dtype)
+    view = base[1:-1]  # contiguous, not at the allocation's start
+    assert ops.zero_(view) is view
+    assert int((view != 0).sum()) == 0
+    assert base[0] == 3 and base[-1] == 3
+
+
+@needs_op
+def test_zero_op_on_a_strided_view():
+    base = torch.full((6, 8), 5.0)
+    ops.zero_(base[:, ::2])
+    assert torch.equal(base[:, ::2], torch.zeros(6, 4)) and torch.equal(base[:, 1::2], torch.full((6, 4), 5.0))

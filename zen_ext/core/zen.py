@@ -201,7 +201,7 @@ class ZenScheme(SyncScheme):
         arrived = iter(_start_pull(comm, msg))
         timer.start("decode_s")
         res = out if out is not None else torch.empty(numel * width, dtype=dtype, device=device)
-        res.zero_()
+        ops.zero_(res)
         rows = res.view(numel, width) if width > 1 else res
         keys = part.keys_on(device)
         while True:

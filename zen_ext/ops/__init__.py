@@ -214,6 +214,15 @@ def decode_pull_(
         _reference.decode_pull_(out, msg, part, num_parts, keys_R, idx_bytes)
 
 
+def zero_(t: torch.Tensor) -> torch.Tensor:
+    """``t.zero_()``; on the CPU with the C library's memset, whose streaming stores skip reading the
+    old lines (zen's 80 MiB result: 1.2 ms against 4.4 ms for ``torch.zero_`` on one core)."""
+    if t.is_contiguous() and _has_kernel("zero_", t):
+        torch.ops.zen_ext.zero_(t)
+        return t
+    return t.zero_()
+
+
 def has_dgc_select_op(t: torch.Tensor) -> bool:
     """Whether ``dgc_accumulate_select_`` has a kernel for ``t``'s device (CPU builds only, so far)."""
     return _has_kernel("dgc_accumulate_select_", t)
