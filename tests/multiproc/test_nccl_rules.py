@@ -91,12 +91,17 @@ def _signature_worker(rank, world_size, repeats):
     for name in available_schemes():
         scheme = build_scheme(name)
         msgs = []
+        numel = 104 if rank == 0 else 107
+        # The caller's buffer (an engine bucket: the gradient itself) is untouched by a refused call.
+        bucket = torch.full((numel,), 7.0)
         for _ in range(repeats):
             try:
-                res = scheme.sync(comm, _grad(rank, 104 if rank == 0 else 107))
+                res = scheme.sync(comm, _grad(rank, numel), out=bucket)
                 msgs.append(f"no error, result of numel {res.numel()}")
             except RuntimeError as exc:
                 msgs.append(str(exc))
+        if not torch.equal(bucket, torch.full((numel,), 7.0)):
+            msgs.append("a refused call wrote into the caller's buffer")
         for what, grad, op in (("dtype", _grad(rank, 50, torch.float32 if rank else torch.bfloat16), "sum"),
                                ("op", _grad(rank, 50), "sum" if rank else "mean")):
             try:
