@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zen_ext import SimWorld, SparseGrad, build_scheme
+from zen_ext import SimWorld, SparseGrad, available_schemes, build_scheme
 from zen_ext.core.agsparse import decode_coo, encode_coo
 
 BASELINES = ["agsparse", "sparcml", "omnireduce", "sparse_ps"]
@@ -232,3 +232,31 @@ def test_schemes_are_registered_and_lossless():
     for name in BASELINES:
         assert name in available_schemes()
         assert build_scheme(name).lossless
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("scheme", sorted(available_schemes()))
+def test_out_may_be_the_input_gradient_for_every_scheme(scheme, op, dtype):
+    """The result written into the tensor that holds the rank's own gradient (the engines' buckets):
+    every scheme consumes its input before it writes the result (fp32: AGsparse and Sparse PS sum
+    straight into ``out``; bf16: AGsparse sums in fp32 and copies)."""
+    g = torch.Generator().manual_seed(11)
+    n, numel = 5, 3001
+    dense_inputs = [(torch.randint(-3, 4, (numel,), generator=g) * (torch.rand(numel, generator=g) < 0.1)).to(dtype)
+                    for _ in range(n)]
+    dense_inputs[1].zero_()  # an empty rank
+    dense_inputs[2][0], dense_inputs[2][-1] = 1, 2  # index 0 and the last index
+    expected = sum(x.double() for x in dense_inputs)
+    if op == "mean":
+        expected = expected / n
+    built = build_scheme(scheme)
+
+    def fn(c, x):
+        mine = x.clone()
+        res = built.sync(c, mine, op=op, out=mine)
+        assert res.data_ptr() == mine.data_ptr()
+        return mine
+
+    for got in SimWorld(n).run(fn, dense_inputs):
+        torch.testing.assert_close(got.double(), expected.to(dtype).double(), rtol=0, atol=0.01 if op == "mean" else 0)

@@ -594,8 +594,11 @@ def compute_work(scheme: str, w: WorkCounts, options: dict | None = None) -> dic
     if scheme == "dense":
         return {"comm_s": {"fill_s_per_byte": dense_out}}
     if scheme == "agsparse":
+        # fp32/fp64 sum straight into the result (zeroed once); half types zero an fp32 accumulator,
+        # then cast it into the result.
+        result_fill = N * W * vb if ab == vb else N * W * (2 * ab + vb)
         return {"encode_s": {"fill_s_per_byte": K * (ib + W * vb)},
-                "aggregate_s": {"fill_s_per_byte": N * W * (2 * ab + vb) + S * 8,
+                "aggregate_s": {"fill_s_per_byte": result_fill + S * 8,
                                 "scatter_s_per_elem": S * W}}
     if scheme in ("zen", "zen_coo"):
         per_server = S / n

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import ops
 from ..comm.base import Communicator
 from .agsparse import decode_coo, encode_coo, finish
 from .scheme import SyncScheme, register_scheme
@@ -36,7 +37,8 @@ def range_size(numel: int, n: int) -> int:
 
 
 def range_push_pull(
-    comm: Communicator, idx_K: torch.Tensor, val_K: torch.Tensor, numel: int, timer: PhaseTimer
+    comm: Communicator, idx_K: torch.Tensor, val_K: torch.Tensor, numel: int, timer: PhaseTimer,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Push entries to the owners of their contiguous ranges, aggregate, pull every aggregate back.
 
@@ -46,6 +48,8 @@ def range_push_pull(
         val_K: their values, ``[K]`` or ``[K, W...]``.
         numel: size of the index space.
         timer: records the phases (``partition_s``, ``push_s``, ``aggregate_s``, ``pull_s``, ``decode_s``).
+        out: if given, the result is written into it (``numel·W`` elements of the gradient dtype; the
+            inputs are consumed by then, so it may be the gradient itself).
 
     Returns:
         The sum over ranks as ``[numel, W...]`` in the gradient dtype (each owner sums in fp32 for half
@@ -88,7 +92,10 @@ def range_push_pull(
 
     # Step 5: decode every owner's range into the dense result.
     timer.start("decode_s")
-    out = torch.zeros((numel,) + row_shape, dtype=dtype, device=device)
+    if out is not None:
+        out = ops.zero_(out).view((numel,) + row_shape)
+    else:
+        out = torch.zeros((numel,) + row_shape, dtype=dtype, device=device)
     for j, buf in enumerate(pulled):
         if buf.numel():
             off, vals = decode_coo(buf, numel, row_shape, dtype)
@@ -117,7 +124,9 @@ class SparsePSScheme(SyncScheme):
         """
         sg = as_sparse(grad)
         timer = PhaseTimer(sg.values.device, enabled=timings is not None)
-        out = range_push_pull(comm, sg.indices, sg.values, sg.numel, timer)
-        out = finish(out, sg.values.dtype, op, comm.size)
+        # The result goes straight into the caller's buffer when there is one (no result-sized
+        # temporary and copy, as in zen), so the comparison with zen is like for like.
+        res = finish(range_push_pull(comm, sg.indices, sg.values, sg.numel, timer, out), sg.values.dtype, op,
+                     comm.size)
         timer.write_into(timings)
-        return out
+        return out if out is not None else res
