@@ -280,6 +280,21 @@ def test_auto_measures_the_link_when_not_configured():
     assert autos[0]._calib[0].network == cm.Network(2.5, 7.0) and not autos[0]._calib[0].measured_link
 
 
+def test_refinement_does_not_flatten_a_much_larger_sync():
+    """Wire fits learnt on syncs of about the same size whose measured times do not follow the
+    prediction (a slope near 0): a 40x larger prediction keeps at least its own size."""
+    ref = cm.Refinement()
+    for x, y in ((0.025, 0.042), (0.028, 0.038), (0.026, 0.041), (0.027, 0.039)):
+        ref.observe("zen", {"push_s": x / 2, "pull_s": x / 2}, {"push_s": y / 2, "pull_s": y / 2})
+    assert ref.apply("zen", "wire", 0.0265) == pytest.approx(0.040, abs=0.002)  # inside: the fit
+    assert ref.apply("dense", "wire", 1.1) >= 1.1  # the shared fit, far outside: not 40 ms
+    # A measured shortfall still scales a larger sync down, by the ratio at the fit's mean.
+    short = cm.Refinement()
+    for x in (0.02, 0.03):
+        short.observe("zen", {"decode_s": x}, {"decode_s": 0.5 * x})
+    assert short.apply("zen", "decode_s", 1.0) == pytest.approx(0.5)
+
+
 def test_refinement_fits_measured_phase_times():
     ref = cm.Refinement()
     assert ref.apply("zen", "decode_s", 0.1) == 0.1  # nothing measured yet

@@ -673,14 +673,22 @@ class Refinement:
     fits: dict[str, dict[str, list[float]]] = field(default_factory=dict)
 
     def apply(self, scheme: str, phase: str, predicted_s: float) -> float:
-        """The refined prediction of one phase (or ``"wire"``) of ``scheme``."""
+        """The refined prediction of one phase (or ``"wire"``) of ``scheme``.
+
+        Never below the prediction scaled by the fit's ratio at its mean input (capped at 1): a line
+        fitted on syncs of similar size can be nearly flat (a slope near 0 and the mean as offset), and
+        extrapolated to a much larger sync it predicted the size of the small ones (the shared wire fit
+        of 25–30 ms ZEN/AGsparse syncs put a 1.1 s dense all-reduce at 40 ms, and ``auto`` ran dense).
+        """
         st = self.fits.get(scheme, {}).get(phase)
         if st is None:
             st = self.fits.get(SHARED, {}).get("wire" if phase == "wire" else "compute")
         if st is None:
             return predicted_s
         slope, offset = _line(st)
-        return slope * predicted_s + offset
+        mx = st[1] / st[0] if st[0] > 0 else 0.0
+        floor = predicted_s * min(1.0, (slope * mx + offset) / mx) if mx > 0 else 0.0
+        return max(slope * predicted_s + offset, floor)
 
     def observe(self, scheme: str, predicted: dict[str, float], measured: dict) -> None:
         """Fold one sync's ``timings`` (phase → seconds) into the fits of ``scheme``.
