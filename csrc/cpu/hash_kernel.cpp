@@ -8,6 +8,7 @@
 #include <torch/torch.h>
 
 #include "../hashing.h"
+#include "feistel32.h"
 
 namespace zen_ext {
 namespace {
@@ -29,41 +30,52 @@ void check_idx(const at::Tensor& idx, int64_t numel) {
   TORCH_CHECK(numel >= 0 && uint64_t(numel) <= kMaxNumel, "numel must be in [0, 2^62], got ", numel);
 }
 
-// One pass of the forward Feistel network over x[0, count) for domains of at most 32 bits: lanes are
-// independent and branch-free, so the compiler vectorizes it (AVX2 clone picked at load time where the
-// CPU has it). Bit-identical to feistel(x, keys, bits, false) of csrc/hashing.h; the inverse is
-// feistel_inv32 in pull_kernel.cpp.
-__attribute__((target_clones("avx2", "default"))) void feistel_fwd32(uint32_t* x, int64_t count,
-                                                                        const FeistelKeys& keys, int bits) {
+// One pass of the Feistel network over x[0, count) for domains of at most 32 bits, bit-identical to
+// feistel(x, keys, bits, Inverse) of csrc/hashing.h. The inverse is the forward network on the
+// swapped halves with the keys and widths in reverse order, so one loop serves both. Lanes are
+// independent and branch-free: the compiler vectorizes the loop inside each clone below.
+template <bool Inverse>
+__attribute__((always_inline)) inline void feistel32_pass(uint32_t* x, int64_t count, const FeistelKeys& keys,
+                                                          int bits) {
   const int wl = bits - bits / 2, wr = bits / 2;
   const uint32_t mask_l = uint32_t((uint64_t(1) << wl) - 1), mask_r = uint32_t((uint64_t(1) << wr) - 1);
-  const uint32_t k0 = keys.k[0], k1 = keys.k[1], k2 = keys.k[2], k3 = keys.k[3];
+  // Round r's key and the width of its round function.
+  const uint32_t k0 = keys.k[Inverse ? 3 : 0], k1 = keys.k[Inverse ? 2 : 1], k2 = keys.k[Inverse ? 1 : 2],
+                 k3 = keys.k[Inverse ? 0 : 3];
+  const uint32_t m0 = Inverse ? mask_r : mask_l, m1 = Inverse ? mask_l : mask_r;
   for (int64_t j = 0; j < count; ++j) {
-    // Rounds 0..3; the round function's width alternates wl, wr, wl, wr.
-    uint32_t left = x[j] >> wr, right = x[j] & mask_r;
-    uint32_t nr = left ^ (fmix32(right ^ k0) & mask_l);
-    left = right, right = nr;
-    nr = left ^ (fmix32(right ^ k1) & mask_r);
-    left = right, right = nr;
-    nr = left ^ (fmix32(right ^ k2) & mask_l);
-    left = right, right = nr;
-    nr = left ^ (fmix32(right ^ k3) & mask_r);
-    left = right, right = nr;
-    x[j] = (left << wr) | right;
+    const uint32_t hi = x[j] >> wr, lo = x[j] & mask_r;
+    uint32_t left = Inverse ? lo : hi, right = Inverse ? hi : lo;
+    uint32_t next = left ^ (fmix32(right ^ k0) & m0);
+    left = right, right = next;
+    next = left ^ (fmix32(right ^ k1) & m1);
+    left = right, right = next;
+    next = left ^ (fmix32(right ^ k2) & m0);
+    left = right, right = next;
+    next = left ^ (fmix32(right ^ k3) & m1);
+    left = right, right = next;
+    x[j] = Inverse ? (right << wr) | left : (left << wr) | right;
   }
 }
 
-constexpr int64_t kBatch = 512;
+// The AVX2 clone is picked at load time where the CPU has it.
+__attribute__((target_clones("avx2", "default"))) void feistel_fwd32(uint32_t* x, int64_t count,
+                                                                        const FeistelKeys& keys, int bits) {
+  feistel32_pass<false>(x, count, keys, bits);
+}
 
-// P(src[j]) into y[j] for one run of at most kBatch indices of a domain of at most 32 bits, every
-// src[j] in [0, numel): the Feistel rounds vectorized, then cycle walking re-vectorized on the
-// compacted lanes that left [0, numel) (about 1 − numel / 2^bits of them).
-void permute_run32(const int64_t* src, int64_t count, uint64_t numel, const FeistelKeys& keys, int bits,
-                   uint32_t* y) {
-  for (int64_t j = 0; j < count; ++j) y[j] = uint32_t(src[j]);
-  feistel_fwd32(y, count, keys, bits);
-  uint32_t walk[kBatch];
-  int32_t lane[kBatch];
+__attribute__((target_clones("avx2", "default"))) void feistel_inv32(uint32_t* x, int64_t count,
+                                                                        const FeistelKeys& keys, int bits) {
+  feistel32_pass<true>(x, count, keys, bits);
+}
+
+}  // namespace
+
+void permute_run32(uint32_t* y, int64_t count, uint64_t numel, const FeistelKeys& keys, int bits, bool inverse) {
+  auto rounds = inverse ? feistel_inv32 : feistel_fwd32;
+  rounds(y, count, keys, bits);
+  uint32_t walk[kFeistelRun];
+  int32_t lane[kFeistelRun];
   int64_t todo = 0;
   for (int64_t j = 0; j < count; ++j) {
     walk[todo] = y[j];
@@ -71,7 +83,7 @@ void permute_run32(const int64_t* src, int64_t count, uint64_t numel, const Feis
     todo += y[j] >= numel;
   }
   while (todo) {
-    feistel_fwd32(walk, todo, keys, bits);
+    rounds(walk, todo, keys, bits);
     int64_t left = 0;
     for (int64_t q = 0; q < todo; ++q) {
       y[lane[q]] = walk[q];
@@ -82,6 +94,8 @@ void permute_run32(const int64_t* src, int64_t count, uint64_t numel, const Feis
     todo = left;
   }
 }
+
+namespace {
 
 // Whether every src[j] lies in [0, numel) (cycle walking only returns into [0, numel) for inputs that
 // start there: checked, never loop forever).
@@ -103,10 +117,11 @@ at::Tensor permute_cpu(const at::Tensor& idx, int64_t numel, const at::Tensor& k
   const bool fast = !inverse && bits <= 32 && numel > 1;
   at::parallel_for(0, in.numel(), 1 << 14, [&](int64_t b, int64_t e) {
     if (fast) {
-      uint32_t y[kBatch];
-      for (int64_t s = b; s < e; s += kBatch) {
-        const int64_t c = std::min(kBatch, e - s);
-        permute_run32(src + s, c, uint64_t(numel), k, bits, y);
+      uint32_t y[kFeistelRun];
+      for (int64_t s = b; s < e; s += kFeistelRun) {
+        const int64_t c = std::min(kFeistelRun, e - s);
+        for (int64_t j = 0; j < c; ++j) y[j] = uint32_t(src[s + j]);
+        permute_run32(y, c, uint64_t(numel), k, bits, /*inverse=*/false);
         for (int64_t j = 0; j < c; ++j) dst[s + j] = int64_t(y[j]);
       }
       return;

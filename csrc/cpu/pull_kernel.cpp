@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "../pull_format.h"
+#include "feistel32.h"
 
 namespace zen_ext {
 namespace {
@@ -50,30 +51,7 @@ void zero_cpu(const at::Tensor& t) {
   at::parallel_for(0, nbytes, int64_t(1) << 22, [&](int64_t b, int64_t e) { std::memset(p + b, 0, size_t(e - b)); });
 }
 
-constexpr int64_t kMaxBatch = 512;
-
-// One pass of the inverse Feistel network over x[0, count) for domains of at most 32 bits (numel <=
-// 2^32): lanes are independent and branch-free, so the compiler vectorizes it (AVX2 clone picked at
-// load time where the CPU has it). Bit-identical to feistel(x, keys, bits, true) of csrc/hashing.h.
-__attribute__((target_clones("avx2", "default"))) void feistel_inv32(uint32_t* x, int64_t count,
-                                                                        const FeistelKeys& keys, int bits) {
-  const int wl = bits - bits / 2, wr = bits / 2;
-  const uint32_t mask_l = uint32_t((uint64_t(1) << wl) - 1), mask_r = uint32_t((uint64_t(1) << wr) - 1);
-  const uint32_t k0 = keys.k[0], k1 = keys.k[1], k2 = keys.k[2], k3 = keys.k[3];
-  for (int64_t j = 0; j < count; ++j) {
-    // Rounds 3..0 of the inverse; the widths alternate wr, wl, wr, wl and end where they started.
-    uint32_t left = x[j] >> wr, right = x[j] & mask_r;
-    uint32_t nl = right ^ (fmix32(left ^ k3) & mask_r);
-    right = left, left = nl;
-    nl = right ^ (fmix32(left ^ k2) & mask_l);
-    right = left, left = nl;
-    nl = right ^ (fmix32(left ^ k1) & mask_r);
-    right = left, left = nl;
-    nl = right ^ (fmix32(left ^ k0) & mask_l);
-    right = left, left = nl;
-    x[j] = (left << wr) | right;
-  }
-}
+constexpr int64_t kMaxBatch = kFeistelRun;
 
 // Global indices of a run of positions, P⁻¹(p·n + part), into g[0, count): batched and vectorized
 // while the domain fits 32 bits, then cycle walking for the few lanes that left [0, numel).
@@ -84,31 +62,8 @@ void global_indices(const int64_t* pos, int64_t count, int64_t part, int64_t n, 
     return;
   }
   for (int64_t j = 0; j < count; ++j) scratch[j] = uint32_t(pos[j] * n + part);
-  feistel_inv32(scratch, count, keys, bits);
-  // Cycle walking, vectorized too: the lanes outside [0, numel) (about 1 − numel / 2^bits of them)
-  // are compacted and walked again until none is left.
-  uint32_t walk[kMaxBatch];
-  int32_t lane[kMaxBatch];
-  int64_t todo = 0;
-  for (int64_t j = 0; j < count; ++j) {
-    const uint32_t y = scratch[j];
-    g[j] = int64_t(y);
-    walk[todo] = y;
-    lane[todo] = int32_t(j);
-    todo += y >= numel;
-  }
-  while (todo) {
-    feistel_inv32(walk, todo, keys, bits);
-    int64_t left = 0;
-    for (int64_t q = 0; q < todo; ++q) {
-      const uint32_t y = walk[q];
-      g[lane[q]] = int64_t(y);
-      walk[left] = y;
-      lane[left] = lane[q];
-      left += y >= numel;
-    }
-    todo = left;
-  }
+  permute_run32(scratch, count, numel, keys, bits, /*inverse=*/true);
+  for (int64_t j = 0; j < count; ++j) g[j] = int64_t(scratch[j]);
 }
 
 constexpr int64_t kBatch = kMaxBatch;
