@@ -237,7 +237,7 @@ def decode_compare(step, n: int, reps: int, seed: int = 0) -> dict:
         old_in.append((encode_bitmap(mask), vals))
         acc, words, count = ops.aggregate_push([torch.cat([p.to(torch.int32).view(torch.uint8), vals.view(torch.uint8)])],
                                                m, 1, torch.float32, 4)
-        new_in.append(ops.encode_pull(acc, words, int(count), _reference.FMT_BITMAP, 1, torch.float32, 4))
+        new_in.append(ops.encode_pull(acc, words, ops.read_aggregate_count(count), _reference.FMT_BITMAP, 1, torch.float32, 4))
     out = torch.empty(numel)
     keys = part.keys_on("cpu")
 

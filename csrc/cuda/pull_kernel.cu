@@ -144,12 +144,32 @@ __global__ void word_popcount_kernel(const int64_t* __restrict__ words, int64_t 
     pc[w] = popcount64(uint64_t(words[w]));
 }
 
+// One value of the message, stored with the value's own width at its natural alignment. The value
+// rows start at 16 + 4·count (COO, int32 positions), 16 + 8·count, 16 + 8·words or 16 bytes into a
+// message that the caching allocator aligns to 512, so 2- and 4-byte values are always aligned: a
+// single st.global.u16 / .u32 of the converted bits. Why not memcpy into the byte buffer, as the CPU
+// op does: on sm_90 with CUDA 13.0 the byte-wise stores nvcc emitted for a 2-byte memcpy of a
+// converted Half/BFloat16 wrote the saturated uint8 of the fp32 value into the low byte (3.0 ->
+// 0x4203), so every bf16/fp16 message was lossy (issue 20). 8-byte values can sit at 4 mod 8 after
+// an odd count of int32 positions: they keep the byte copy (no conversion involved).
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void put_value(uint8_t* p, acc_t v) {
+  if constexpr (sizeof(scalar_t) == 2) {
+    const scalar_t h(static_cast<float>(v));  // c10::Half / c10::BFloat16: round to nearest even
+    *reinterpret_cast<uint16_t*>(p) = h.x;
+  } else if constexpr (sizeof(scalar_t) == 4) {
+    *reinterpret_cast<scalar_t*>(p) = static_cast<scalar_t>(v);
+  } else {
+    store<scalar_t>(p, static_cast<scalar_t>(v));
+  }
+}
+
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ void put_row(const acc_t* acc, int64_t row, int64_t width, int64_t divisor,
                                         uint8_t* val_out, int64_t at_row) {
   for (int64_t c = 0; c < width; ++c) {
     const acc_t v = divisor == 1 ? acc[row * width + c] : acc[row * width + c] / acc_t(divisor);
-    store<scalar_t>(val_out + (at_row * width + c) * int64_t(sizeof(scalar_t)), scalar_t(v));
+    put_value<scalar_t, acc_t>(val_out + (at_row * width + c) * int64_t(sizeof(scalar_t)), v);
   }
 }
 
@@ -173,17 +193,18 @@ __global__ void encode_kernel(const acc_t* __restrict__ acc, const int64_t* __re
   }
   for (int64_t w = t0; w < nw; w += stride) {
     const uint64_t bits0 = uint64_t(words[w]);
-    if (fmt == kFmtBitmap) store<uint64_t>(idx_out + 8 * w, bits0);
+    if (fmt == kFmtBitmap) *reinterpret_cast<uint64_t*>(idx_out + 8 * w) = bits0;  // 8-aligned
     int64_t k = incl_pc[w] - popcount64(bits0);
     for (uint64_t b = bits0; b; b &= b - 1) {
       const int64_t pos = w * 64 + ctz64(b);
-      if (fmt == kFmtCoo) {
-        if (idx_bytes == 4) store<int32_t>(idx_out + k * 4, int32_t(pos));
-        else store<int64_t>(idx_out + k * 8, pos);
-      }
-      // Rows past count would land past the message (count is the caller's, popcount(words) the truth;
-      // the CPU op raises on a mismatch, here nothing is written out of bounds).
+      // Entries past count would land past their region (count is the caller's, popcount(words) the
+      // truth; the CPU op raises on a mismatch, here nothing is written out of bounds): checked before
+      // the position is written, whose slot at k == count is the first value's.
       if (k >= count) break;
+      if (fmt == kFmtCoo) {  // aligned: positions start 16 bytes into the message
+        if (idx_bytes == 4) *reinterpret_cast<int32_t*>(idx_out + k * 4) = int32_t(pos);
+        else *reinterpret_cast<int64_t*>(idx_out + k * 8) = pos;
+      }
       put_row<scalar_t, acc_t>(acc, pos, width, divisor, val_out, k++);
     }
   }
@@ -205,6 +226,9 @@ at::Tensor encode_pull_cuda(const at::Tensor& acc, const at::Tensor& words, int6
   const int64_t vsz = at::elementSize(dtype) * width;
   auto msg = at::empty({kHeaderBytes + index_bytes(fmt, count, m, idx_bytes) + value_rows(fmt, count, m) * vsz},
                        acc.options().dtype(at::kByte));
+  // put_value stores 2- and 4-byte values and the positions with their own width: they need the
+  // message's start aligned (the caching allocator gives 512; a host check, no synchronization).
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(msg.data_ptr()) % 16 == 0, "encode_pull: message buffer not 16-byte aligned");
   auto pc = at::empty({std::max<int64_t>(nw, 1)}, words.options());
   if (fmt != kFmtDense && nw) {
     word_popcount_kernel<<<blocks_for(nw), kThreads, 0, stream>>>(words.data_ptr<int64_t>(), nw, pc.data_ptr<int64_t>());

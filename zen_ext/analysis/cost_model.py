@@ -512,7 +512,7 @@ def calibrate_compute(device: "torch.device | str" = "cpu", elems: int = 1 << 22
     pos = torch.unique(idx[: max(1, elems // 4096)]).to(torch.int32)
     payload = torch.cat([pos.view(torch.uint8), torch.ones(pos.numel(), device=device).view(torch.uint8)])
     acc, words, count = ops.aggregate_push([payload], elems, 1, torch.float32, 4)
-    msg = ops.encode_pull(acc, words, int(count), ops._reference.FMT_BITMAP, 1, torch.float32, 4)
+    msg = ops.encode_pull(acc, words, ops.read_aggregate_count(count), ops._reference.FMT_BITMAP, 1, torch.float32, 4)
     keys = HashPartitioner(elems, 1, 0).keys_on(device)
     rates = [
         # Step 1: zeros (4 B written per element) + a cast copy (4 B read, 2 B written).

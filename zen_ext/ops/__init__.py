@@ -32,7 +32,7 @@ if os.environ.get("ZEN_DISABLE_CPP_OP", "0") != "1":
 __all__ = [
     "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
     "aggregate_push", "aggregate_push_into", "read_aggregate_count", "has_aggregate_into_op", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
-    "gather_list",
+    "gather_list", "emulate_cuda_layout",
 ]
 
 # Fake (meta) kernels: shapes only, so torch.compile / FakeTensor tracing can see through the ops.
@@ -127,10 +127,15 @@ def hash_partition(
     partition then follows the hash slots. On the CPU the grouping is a stable counting sort.
     """
     if _use_op(idx_K):
-        return torch.ops.zen_ext.hash_partition(
+        out = torch.ops.zen_ext.hash_partition(
             idx_K, numel, num_parts, keys_R, num_rehash, parallel_factor, serial_factor
         )
-    return _reference.hash_partition(idx_K, numel, num_parts, keys_R)
+    else:
+        out = _reference.hash_partition(idx_K, numel, num_parts, keys_R)
+    if _EMULATE_CUDA_LAYOUT and idx_K.device.type == "cpu":
+        counts_P, order_K, pos_K, stats = out
+        out = (counts_P, *_cuda_partition_order(counts_P, order_K, pos_K), stats)
+    return out
 
 
 _KERNELS: dict[tuple[str, str], bool] = {}
@@ -154,6 +159,51 @@ def _use_pull_op(t: torch.Tensor) -> bool:
     return _has_kernel("decode_pull_", t)
 
 
+# --- the CUDA ops' output conventions, emulated on the CPU ----------------------------------------------
+# Where a CUDA op's output differs from the CPU op's in layout or order, the Python side reads it through
+# one accessor (``read_aggregate_count``) or must not depend on it (the order inside a partition). Tests
+# run the CPU path with the CUDA conventions forced (``emulate_cuda_layout``), so a reader that only
+# knows the CPU layout fails in CI, not first on a GPU (issue 20: ``auto``'s calibration read the count
+# with ``int()``).
+_EMULATE_CUDA_LAYOUT = False
+
+
+class emulate_cuda_layout:
+    """Context manager: CPU ops return their outputs in the CUDA kernels' conventions.
+
+    1. ``aggregate_push``: count as ``[count, outside]`` (CUDA does not raise on a position outside the
+       partition; the reader does), and no ``aggregate_push_into`` (CUDA has none).
+    2. ``hash_partition``: entries inside each partition in reverse order (CUDA: hash-slot order, not
+       the CPU's stable order); counts and the (entry, position) pairs of a partition are unchanged.
+    """
+
+    def __enter__(self):
+        global _EMULATE_CUDA_LAYOUT
+        self._prev, _EMULATE_CUDA_LAYOUT = _EMULATE_CUDA_LAYOUT, True
+        return self
+
+    def __exit__(self, *exc):
+        global _EMULATE_CUDA_LAYOUT
+        _EMULATE_CUDA_LAYOUT = self._prev
+        return False
+
+
+def _cuda_count_layout(count_1: torch.Tensor) -> torch.Tensor:
+    """``[count]`` -> ``[count, outside = 0]``, the CUDA op's layout (``read_aggregate_count``)."""
+    return torch.cat([count_1.reshape(1), count_1.new_zeros(1)])
+
+
+def _cuda_partition_order(counts_P: torch.Tensor, order_K: torch.Tensor, pos_K: torch.Tensor):
+    """Reverse the entries inside every partition: any order the CUDA hash slots may produce is valid."""
+    k = order_K.numel()
+    if k < 2:
+        return order_K, pos_K
+    part_K = torch.repeat_interleave(torch.arange(counts_P.numel(), device=order_K.device), counts_P.to(torch.int64))
+    key = part_K * k + (k - 1 - torch.arange(k, device=order_K.device))
+    perm = torch.argsort(key)
+    return order_K[perm], pos_K[perm]
+
+
 def aggregate_push(
     payloads: list[torch.Tensor], part_size: int, width: int, dtype: torch.dtype, idx_bytes: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -163,8 +213,12 @@ def aggregate_push(
     the op raises on a position outside the partition (CPU, reference) and ``[count, outside]`` on CUDA,
     where raising would cost a host synchronization of its own: read it with ``read_aggregate_count``."""
     if payloads and _use_pull_op(payloads[0]):
-        return torch.ops.zen_ext.aggregate_push(payloads, part_size, width, dtype, idx_bytes)
-    return _reference.aggregate_push(list(payloads), part_size, width, dtype, idx_bytes)
+        acc, words, count = torch.ops.zen_ext.aggregate_push(payloads, part_size, width, dtype, idx_bytes)
+    else:
+        acc, words, count = _reference.aggregate_push(list(payloads), part_size, width, dtype, idx_bytes)
+    if _EMULATE_CUDA_LAYOUT and count.numel() == 1:
+        count = _cuda_count_layout(count)
+    return acc, words, count
 
 
 def read_aggregate_count(count: torch.Tensor) -> int:
@@ -181,7 +235,7 @@ def read_aggregate_count(count: torch.Tensor) -> int:
 def has_aggregate_into_op(t: torch.Tensor) -> bool:
     """Whether ``aggregate_push_into`` has a kernel for ``t``'s device (CPU builds only: on CUDA the
     caching allocator already reuses the buffers that it spares)."""
-    return _has_kernel("aggregate_push_into", t)
+    return not _EMULATE_CUDA_LAYOUT and _has_kernel("aggregate_push_into", t)
 
 
 def aggregate_push_into(
