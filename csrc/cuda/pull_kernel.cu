@@ -183,9 +183,9 @@ __global__ void encode_kernel(const acc_t* __restrict__ acc, const int64_t* __re
   const int64_t nw = num_words(m);
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t t0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  if (t0 == 0) {
-    store<int64_t>(msg, fmt);
-    store<int64_t>(msg + 8, count);
+  if (t0 == 0) {  // the header: two aligned int64 (encode_pull_cuda checks the message's alignment)
+    reinterpret_cast<int64_t*>(msg)[0] = fmt;
+    reinterpret_cast<int64_t*>(msg)[1] = count;
   }
   if (fmt == kFmtDense) {
     for (int64_t r = t0; r < m; r += stride) put_row<scalar_t, acc_t>(acc, r, width, divisor, val_out, r);
