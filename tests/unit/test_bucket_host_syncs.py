@@ -18,10 +18,12 @@ from tests.unit.test_zen_host_syncs import SyncCounter
 from zen_ext import SimWorld, build_scheme
 from zen_ext.core.synchronizer import Synchronizer
 
-MAX_SYNCS_PER_BUCKET = 12
+MAX_SYNCS_PER_BUCKET = 10
 """What a bucket costs today, in steady state: the natural rows' detection, DGC's finiteness check,
-candidates and selection, and two zen calls (natural rows, DGC slices) of 3 reads each. The first
-sync of a layout also agrees it across ranks (an object gather, once per layout)."""
+candidates and selection, and two zen calls (natural rows, DGC slices) of 2 reads each (partition
+counts, aggregated count); the SparseGrads the Synchronizer builds skip the index-range read (in
+range by construction). The first sync of a layout also agrees it across ranks (an object gather,
+once per layout)."""
 
 
 def _counts(n, scheme, dgc_selection="per_tensor"):

@@ -276,9 +276,9 @@ class Synchronizer:
             if tiled:
                 # Concatenation order = bucket order: the DGC indices already are offsets into the span.
                 idx_K = sg.indices if in_order else self._to_bucket(plan, sg.indices) - lo
-                grad = SparseGrad(idx_K, sg.values, hi - lo)
+                grad = SparseGrad(idx_K, sg.values, hi - lo, in_range=True)  # DGC's positions in the span
             else:
-                grad = SparseGrad(sg.indices, sg.values, sg.numel)
+                grad = SparseGrad(sg.indices, sg.values, sg.numel, in_range=True)
             prep.dgc = (grad, tiled, lo, hi, sg.numel, sg.nnz)
             st["compress_s"] += time.perf_counter() - t0
         if tp_before is not None:

@@ -5,7 +5,7 @@ Legend: ``_N`` dense length, ``_K`` non-zeros.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,9 @@ class SparseGrad:
     indices: torch.Tensor  # idx_K, int64
     values: torch.Tensor  # val_K or val_KW
     numel: int
+    in_range: bool = field(default=False, compare=False, repr=False)
+    """True when the indices lie in ``[0, numel)`` by construction (``nonzero`` of a ``numel``-long
+    tensor, a compressor's positions): ``check_range`` then skips its host synchronization."""
 
     def __post_init__(self) -> None:
         if self.indices.dim() != 1 or self.values.dim() not in (1, 2):
@@ -62,14 +65,14 @@ class SparseGrad:
         """The non-zero rows of a 2-D gradient (row form)."""
         rows = grad_RW.reshape(grad_RW.shape[0], -1)
         idx = rows.ne(0).any(1).nonzero().flatten()
-        return cls(idx, rows[idx], rows.shape[0])
+        return cls(idx, rows[idx], rows.shape[0], in_range=True)
 
     @classmethod
     def from_dense(cls, grad_N: torch.Tensor) -> "SparseGrad":
         """The non-zeros of a dense tensor (flattened)."""
         flat = grad_N.reshape(-1)
         idx = flat.nonzero().flatten()
-        return cls(idx, flat[idx], flat.numel())
+        return cls(idx, flat[idx], flat.numel(), in_range=True)
 
     def to_dense(self) -> torch.Tensor:
         """Scatter-add into a dense flat tensor of ``dense_numel`` (duplicates summed)."""
@@ -80,12 +83,13 @@ class SparseGrad:
         return out.reshape(-1)
 
     def check_range(self, where: str = "SparseGrad") -> None:
-        """Raise ValueError when an index falls outside ``[0, numel)`` (one host synchronization).
+        """Raise ValueError when an index falls outside ``[0, numel)`` (one host synchronization,
+        skipped where ``in_range`` says the indices are in range by construction).
 
         Args:
             where: who checks (e.g. ``"scheme 'zen'"``), named first in the error.
         """
-        if self.nnz:
+        if self.nnz and not self.in_range:
             lo, hi = torch.aminmax(self.indices)
             lo, hi = torch.stack([lo, hi]).tolist()
             if lo < 0 or hi >= self.numel:
