@@ -338,3 +338,22 @@ def progress_bar(rank: int, start: int, steps: int):
             bar.close()
 
     return update
+
+
+# --- configuration errors: one line, once --------------------------------------------------------------
+class ConfigError(Exception):
+    """A bad configuration, found before training starts (the message is the validator's one line)."""
+
+
+def exit_on_config_error(main, *args):
+    """Run a recipe's ``main``; a ``ConfigError`` is printed once, by rank 0, as its one line, and every
+    rank exits with status 2. ``ZEN_DEBUG=1`` re-raises it with the full traceback."""
+    try:
+        return main(*args)
+    except ConfigError as exc:
+        if os.environ.get("ZEN_DEBUG", "0") == "1":
+            raise
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"zen_ext: configuration error: {exc} (ZEN_DEBUG=1 shows the traceback)", file=sys.stderr,
+                  flush=True)
+        sys.exit(2)

@@ -45,7 +45,13 @@ def load_ds_config(args) -> dict:
     """The DeepSpeed config, with ZEN's statistics file defaulted into the output directory."""
     from zen_ext.config import load_json_config
 
+    from zen_ext.config import ZenConfig
+
     ds = copy.deepcopy(load_json_config(args.deepspeed_config))
+    try:  # validated again inside initialize; here it fails before processes, data and model exist
+        ZenConfig.from_ds_config(ds)
+    except (ValueError, TypeError) as exc:
+        raise common.ConfigError(str(exc)) from exc
     zen = ds.get("zen")
     if isinstance(zen, dict) and zen.get("enabled", True):
         stats = zen.setdefault("stats", {})
@@ -131,7 +137,7 @@ def main(argv=None) -> list[dict]:
 
 
 if __name__ == "__main__":
-    main()
+    common.exit_on_config_error(main)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -28,6 +28,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from ._keys import unknown_keys_message
 from .compress import DGCConfig, NaturalConfig
 
 SUPPORTED_ZERO_STAGES = (0, 1, 2)
@@ -383,7 +384,7 @@ def _from_dict(cls, data, path: str):
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(data) - set(names))
     if unknown:
-        raise ValueError(f"{path} got unknown key(s) {unknown}; valid keys are {sorted(names)}")
+        raise ValueError(unknown_keys_message(path, unknown, names))
     hints = typing.get_type_hints(cls)
     kwargs = {}
     for name, value in data.items():

@@ -50,6 +50,7 @@ def test_plugin_kwargs_errors():
     with pytest.raises(ValueError) as info:
         ColossalAIConfig.from_json(_hybrid(tp_sise=2))
     assert re.fullmatch(r"plugin_kwargs got unknown key\(s\) \['tp_sise'\] for plugin 'hybrid_parallel'; "
+                        r"did you mean 'tp_size' for 'tp_sise'\? "
                         r"valid keys are \[.*'tp_size'.*\]", str(info.value))
     assert "'ddp_bucket_cap_mb'" not in str(info.value)  # owned by zen.bucket_cap_mb
     _raises(ValueError, "plugin_kwargs.ddp_bucket_cap_mb (25) must not be set: zen.bucket_cap_mb (128.0) sets the "
@@ -98,7 +99,7 @@ def test_zen_section_errors_are_the_deepspeed_ones():
     _raises(ValueError, "zen.bucket_cap_mb (0) must be in (0, 1048576]", {"zen": {"bucket_cap_mb": 0}})
     with pytest.raises(ValueError, match=r"^zen.dgc.density \(2\.0\) must "):
         ColossalAIConfig.from_json({"zen": {"dgc": {"density": 2.0}}})
-    with pytest.raises(ValueError, match=r"^zen got unknown key\(s\) \['sheme'\]; valid keys are "):
+    with pytest.raises(ValueError, match=r"^zen got unknown key\(s\) \['sheme'\]; did you mean 'scheme' for 'sheme'\? valid keys are "):
         ColossalAIConfig.from_json({"zen": {"sheme": "zen"}})
 
 

@@ -59,14 +59,14 @@ def test_from_ds_config_reads_path_and_dict(tmp_path):
 
 @pytest.mark.parametrize("section, exc, text", [
     ({"sceme": "zen"}, ValueError,
-     "zen got unknown key(s) ['sceme']; valid keys are ['async_sync', 'bucket_cap_mb', 'dgc', 'enabled', 'exchange_impl', "
+     "zen got unknown key(s) ['sceme']; did you mean 'scheme' for 'sceme'? valid keys are ['async_sync', 'bucket_cap_mb', 'dgc', 'enabled', 'exchange_impl', "
      "'hierarchical', 'natural', 'planner', 'pull_format', 'scheme', 'seed', 'stats']"),
     ({"dgc": {"densty": 0.1}}, ValueError,
-     "zen.dgc got unknown key(s) ['densty']; valid keys are ['clip_norm', 'density', 'enabled', 'min_numel', "
+     "zen.dgc got unknown key(s) ['densty']; did you mean 'density' for 'densty'? valid keys are ['clip_norm', 'density', 'enabled', 'min_numel', "
      "'momentum', 'momentum_correction', 'momentum_masking', 'residual_dtype', 'sample_fraction', 'selection', 'threshold', "
      "'warmup_start_density', 'warmup_steps']"),
     ({"planner": {"bandwith_gbps": 1}}, ValueError,
-     "zen.planner got unknown key(s) ['bandwith_gbps']; valid keys are ['bandwidth_gbps', 'latency_us', "
+     "zen.planner got unknown key(s) ['bandwith_gbps']; did you mean 'bandwidth_gbps' for 'bandwith_gbps'? valid keys are ['bandwidth_gbps', 'latency_us', "
      "'profile_steps', 'reprofile_every']"),
     ({"stats": {"path": "x"}}, ValueError,
      "zen.stats got unknown key(s) ['path']; valid keys are ['jsonl_path', 'summary']"),

@@ -19,6 +19,7 @@ from typing import ClassVar, Sequence, TypeVar
 
 import torch
 
+from .._keys import unknown_keys_message
 from ..core.types import SparseGrad
 
 KINDS = ("natural", "dgc", "dense")
@@ -75,7 +76,7 @@ def config_from_dict(cls: type[C], values: "dict | C | None", section: str) -> C
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(values) - set(names))
     if unknown:
-        raise ValueError(f"zen.{section} got unknown key(s) {unknown}; valid keys are {sorted(names)}")
+        raise ValueError(unknown_keys_message(f"zen.{section}", unknown, names))
     return cls(**values)
 
 

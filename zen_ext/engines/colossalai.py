@@ -46,6 +46,7 @@ from colossalai.accelerator import get_accelerator
 from colossalai.booster import Booster
 from colossalai.booster.plugin import HybridParallelPlugin, TorchDDPPlugin
 
+from .._keys import unknown_keys_message
 from ..config import ZenConfig, load_json_config
 from .colossalai_compat import apply_cpu_patches
 from .colossalai_policies import policy_for
@@ -99,8 +100,8 @@ def check_plugin_kwargs(plugin: str, kwargs: dict, *, zen: ZenConfig, world_size
     valid = [p for p in inspect.signature(_BASES[plugin].__init__).parameters if p != "self"] + list(_ADDED[plugin])
     unknown = sorted(set(kwargs) - set(valid))
     if unknown:
-        raise ValueError(f"plugin_kwargs got unknown key(s) {unknown} for plugin {plugin!r}; valid keys are "
-                         f"{sorted(set(valid) - set(_OWNED[plugin]))}")
+        raise ValueError(unknown_keys_message("plugin_kwargs", unknown, set(valid) - set(_OWNED[plugin]),
+                                              f" for plugin {plugin!r}"))
     for key, owner in _OWNED[plugin].items():
         if key in kwargs:
             raise ValueError(f"plugin_kwargs.{key} ({kwargs[key]!r}) must not be set: {owner} "
@@ -305,7 +306,7 @@ class ColossalAIConfig:
             raise TypeError(f"ColossalAI config ({d!r}) must be a JSON object")
         unknown = sorted(set(d) - set(CONFIG_KEYS))
         if unknown:
-            raise ValueError(f"ColossalAI config got unknown key(s) {unknown}; valid keys are {sorted(CONFIG_KEYS)}")
+            raise ValueError(unknown_keys_message("ColossalAI config", unknown, CONFIG_KEYS))
         zen = ZenConfig.from_json_section(d["zen"]) if "zen" in d else ZenConfig(enabled=False)
         plugin = d.get("plugin", "torch_ddp")
         kwargs = d.get("plugin_kwargs", {})

@@ -449,7 +449,7 @@ class ZenHookState:
         """Gather every rank's totals (a collective over the default group: call it on all ranks) and
         return the summary text; rank 0 prints it when ``zen.stats.summary`` is on."""
         totals = [None] * dist.get_world_size()
-        dist.all_gather_object(totals, self.stats.totals)
+        dist.all_gather_object(totals, {**self.stats.totals, "losses": self.stats.losses})
         text = report_summary(self.stats, self.cfg, totals, self.rank, f"DDP hook dp={self.dp_size}", print_it)
         return append_planner_reasons(text, self.sync.scheme, self.cfg, self.rank, print_it)
 

@@ -588,7 +588,7 @@ class ZenDeepSpeed:
         rank 0 prints it when ``zen.stats.summary`` is on."""
         import torch.distributed as dist
 
-        totals = _all_gather_object(dist, self.stats.totals)
+        totals = _all_gather_object(dist, {**self.stats.totals, "losses": self.stats.losses})
         text = report_summary(self.stats, self.cfg, totals, self.rank,
                               f"ZeRO-{self.stage} hierarchical={self.hierarchical}", print_it)
         return append_planner_reasons(text, self.sync.scheme, self.cfg, self.rank, print_it)

@@ -36,11 +36,12 @@ def sparkline(values: list[float], width: int = 60) -> str:
 
 
 def format_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
+    """Bytes in binary units (KiB, MiB, ...: powers of 1024), the unit system every zen_ext summary uses."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1024
-    return f"{n:.1f} TB"
+    return f"{n:.1f} TiB"
 
 
 class StepStats:
@@ -64,7 +65,7 @@ class StepStats:
         self.totals: dict = {k: 0 for k in self._TOTALS}
         self.steps = 0
         self.losses: list[float] = []
-        self.schemes: Counter = Counter()
+        self.schemes: Counter = Counter()  # (gradient slice, scheme) -> steps
         self._file = None
         if rank == 0 and jsonl_path:
             os.makedirs(os.path.dirname(os.path.abspath(jsonl_path)), exist_ok=True)
@@ -87,14 +88,15 @@ class StepStats:
         for k in self._TOTALS:
             if isinstance(rec.get(k), (int, float)):
                 self.totals[k] += rec[k]
+        # One count per gradient slice and step, so that the counts add up to steps x slices.
         for key in ("scheme", "schemes"):
             chosen = rec.get(key)
             if isinstance(chosen, str):
-                self.schemes[chosen] += 1
+                self.schemes[("all", chosen)] += 1
             elif isinstance(chosen, dict):
-                self.schemes.update({str(v): 1 for v in chosen.values()})
+                self.schemes.update((str(k), str(v)) for k, v in chosen.items())
             elif isinstance(chosen, (list, tuple)):
-                self.schemes.update(map(str, chosen))
+                self.schemes.update(("bucket", str(v)) for v in chosen)
         if isinstance(rec.get("loss"), (int, float)):
             self.losses.append(float(rec["loss"]))
         self.steps += 1
@@ -144,9 +146,9 @@ def summarize(totals_by_rank: list[dict], steps: int, schemes: Counter, losses: 
     lines.append(f"  sync time:       {sync:.2f} s total on the slowest rank "
                  f"({1e3 * sync / max(steps, 1):.1f} ms per step)")
     if schemes:
-        lines.append("  scheme choices:  " + ", ".join(f"{k} x{v}" for k, v in schemes.most_common()))
+        lines.extend(scheme_lines(schemes))
     if losses:
-        lines.append(f"  loss:            {losses[0]:.4f} -> {losses[-1]:.4f}   {sparkline(losses)}")
+        lines.append(f"  train loss:      {losses[0]:.4f} -> {losses[-1]:.4f}   {sparkline(losses)}  (mean over ranks)")
     lines.append("=" * 72)
     return "\n".join(lines)
 
@@ -188,6 +190,35 @@ def _count(n: int) -> str:
     return str(n)
 
 
+def scheme_lines(schemes: Counter, most: int = 6) -> list[str]:
+    """``scheme choices`` lines: per gradient slice, each scheme with the steps it ran (the counts of a
+    slice add up to its synchronized steps); the ``most`` busiest slices, the rest summed."""
+    by_slice: dict[str, Counter] = {}
+    for key, steps in schemes.items():
+        slice_name, scheme = key if isinstance(key, tuple) else ("all", key)
+        by_slice.setdefault(slice_name, Counter())[scheme] += steps
+    order = sorted(by_slice, key=lambda k: (-sum(by_slice[k].values()), k))
+    lines = ["  scheme choices:  (gradient slice -> scheme x steps)"]
+    for name in order[:most]:
+        lines.append(f"    {name} -> " + ", ".join(f"{sch} x{v}" for sch, v in by_slice[name].most_common()))
+    if len(order) > most:
+        rest = Counter()
+        for name in order[most:]:
+            rest.update(by_slice[name])
+        lines.append(f"    {len(order) - most} more slices -> " + ", ".join(f"{sch} x{v}" for sch, v in rest.most_common()))
+    return lines
+
+
+def mean_losses(totals_by_rank: list[dict], fallback: list[float]) -> list[float]:
+    """Per-step train loss averaged over the ranks (each rank's ``losses`` as gathered with its totals),
+    the value the recipes log; ``fallback`` (this rank's) where the ranks did not send theirs."""
+    per_rank = [t.get("losses") for t in totals_by_rank]
+    if not per_rank or any(not isinstance(p, list) for p in per_rank):
+        return fallback
+    steps = min(len(p) for p in per_rank)
+    return [sum(p[i] for p in per_rank) / len(per_rank) for i in range(steps)]
+
+
 def report_summary(stats, cfg, totals_by_rank: list[dict], rank: int, engine_line: str,
                    print_it: bool | None = None) -> str:
     """The summary text both adapters end a run with; rank 0 prints it when ``zen.stats.summary`` is on.
@@ -200,7 +231,8 @@ def report_summary(stats, cfg, totals_by_rank: list[dict], rank: int, engine_lin
     """
     config_line = (f"scheme={cfg.scheme} dgc={'on' if cfg.dgc.enabled else 'off'} "
                    f"natural={'on' if cfg.natural.enabled else 'off'} {engine_line}")
-    text = summarize(totals_by_rank, stats.steps, stats.schemes, stats.losses, config_line)
+    text = summarize(totals_by_rank, stats.steps, stats.schemes, mean_losses(totals_by_rank, stats.losses),
+                     config_line)
     if (cfg.stats.summary if print_it is None else print_it) and rank == 0:
         print(text, flush=True)
     return text
