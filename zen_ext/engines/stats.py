@@ -96,7 +96,7 @@ class StepStats:
             elif isinstance(chosen, dict):
                 self.schemes.update((str(k), str(v)) for k, v in chosen.items())
             elif isinstance(chosen, (list, tuple)):
-                self.schemes.update(("bucket", str(v)) for v in chosen)
+                self.schemes.update(("bucket", str(v)) for v in chosen)  # schemes a bucket's parts ran
         if isinstance(rec.get("loss"), (int, float)):
             self.losses.append(float(rec["loss"]))
         self.steps += 1
@@ -198,7 +198,7 @@ def scheme_lines(schemes: Counter, most: int = 6) -> list[str]:
         slice_name, scheme = key if isinstance(key, tuple) else ("all", key)
         by_slice.setdefault(slice_name, Counter())[scheme] += steps
     order = sorted(by_slice, key=lambda k: (-sum(by_slice[k].values()), k))
-    lines = ["  scheme choices:  (gradient slice -> scheme x steps)"]
+    lines = ["  scheme choices:  (gradient slice, or bucket where the engine reports buckets -> scheme x steps it ran)"]
     for name in order[:most]:
         lines.append(f"    {name} -> " + ", ".join(f"{sch} x{v}" for sch, v in by_slice[name].most_common()))
     if len(order) > most:
