@@ -147,8 +147,11 @@ def main(argv=None) -> list[dict]:
 
     args = parse_args(argv)
     # Step 1: processes and config (validated before anything heavy runs).
-    cfg = ColossalAIConfig.from_json(args.config)
-    train = TrainSettings.from_dict(cfg.train)
+    try:
+        cfg = ColossalAIConfig.from_json(args.config)
+        train = TrainSettings.from_dict(cfg.train)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        raise common.ConfigError(str(exc)) from exc
     if cfg.zen.enabled and cfg.zen.stats.jsonl_path is None:
         cfg.zen.stats.jsonl_path = os.path.join(args.output_dir, "zen_stats.jsonl")
     if not dist.is_initialized():
@@ -229,11 +232,11 @@ def _no_sync(booster, model, optimizer, skip: bool):
 
 
 if __name__ == "__main__":
-    main()
+    common.exit_on_config_error(main)
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    # DDP + gloo can abort at interpreter exit (shared/research/feasibility.md §3a).
+    # DDP + gloo can abort at interpreter exit (gloo's pairs are torn down after the interpreter's state).
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

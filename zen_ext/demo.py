@@ -5,8 +5,17 @@ processes through the ``deepspeed`` launcher, with DGC top-5 % on the dense weig
 embedding-row sparsity and ``scheme: "auto"`` (configs/demo_ds.json). The text is real and already
 on the machine: the Python reference documentation that ships inside CPython (``pydoc_data``); the
 tokenizer is a byte-level BPE trained on it with HF ``tokenizers`` and cached in the output
-directory. Nothing is downloaded. It ends with the recipe's summary (loss curve, bytes sent against
-a dense all-reduce, the schemes the planner chose) and writes ``loss.png`` next to it.
+directory. Nothing is downloaded. It prints, in order:
+
+1. the ZEN run: the recipe's summary (loss curve, bytes sent against a dense all-reduce, the schemes
+   the planner chose) and its eval losses; ``loss.png`` next to them;
+2. with ``--dense``, the dense DeepSpeed baseline (same model, data and seed), then one table of both
+   runs side by side (eval and train loss and the gap, bytes per rank, tokens/s, wall time) and one
+   plot of both loss curves (``compare.png``);
+3. ``auto``'s cost-model prediction for the same gradients at 8 and 16 hosts on 1 and 10 Gbit/s links
+   (``analysis/at_scale.py``), labelled as a prediction: where ZEN would win.
+
+DeepSpeed's launcher log lines that say nothing to a demo user are hidden (``--verbose`` shows them).
 
 Ranks run with ``OMP_NUM_THREADS=1`` and ``DS_ACCELERATOR=cpu``. The first DeepSpeed run on a
 machine JIT-compiles its shared-memory comm op (about 30–80 s, then cached).
@@ -32,7 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", default=os.path.join(ROOT, "configs", "demo_ds.json"), help="DeepSpeed config")
     p.add_argument("--output_dir", default=os.path.join(ROOT, "runs", "demo"))
     p.add_argument("--dense", action="store_true", help="also run the dense baseline (configs/demo_ds_dense.json) "
-                   "and compare the losses")
+                   "and compare the two runs side by side (losses, bytes, speed, one plot)")
+    p.add_argument("--verbose", action="store_true", help="show the launcher command and DeepSpeed's launcher log lines")
     return p.parse_args(argv)
 
 
@@ -53,8 +63,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_recipe(config: str, output_dir: str, steps: int, nproc: int) -> dict:
-    """Launch recipes/finetune_llm.py with the ``deepspeed`` launcher; returns its summary.json."""
+# Launcher lines that say nothing a demo user needs, or that are untrue on a CPU machine: DeepSpeed's
+# launcher logs its plan at INFO (world info, ranks, CUDA_VISIBLE_DEVICES even without GPUs), and the
+# engine asks WarmupLR for a learning rate before its first step (harmless: the scheduler starts at
+# step 1). Hidden from the demo's output unless --verbose; the run itself is untouched.
+HARMLESS = ("[launch.py:", "[runner.py:", "Unable to find hostfile", "Setting CUDA_VISIBLE_DEVICES",
+            "Attempting to get learning rate from scheduler before it has started",
+            "deepspeed_shm_comm_op built successfully")
+
+
+def _rel(path: str) -> str:
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else path
+
+
+def run_recipe(config: str, output_dir: str, steps: int, nproc: int, verbose: bool = False) -> dict:
+    """Launch recipes/finetune_llm.py with the ``deepspeed`` launcher; returns its summary.json plus the
+    per-step records (``records``) and the run's wall time (``wall_s``)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     cmd = [*_launcher(), "--num_gpus", str(nproc), "--master_port", str(_free_port()),
@@ -62,10 +87,101 @@ def run_recipe(config: str, output_dir: str, steps: int, nproc: int) -> dict:
            "--model", os.path.join(ROOT, "configs", "models", "llama-tiny-untied.json"), "--data", "pydoc",
            "--tokenizer", "train", "--vocab_size", "1024", "--seq_len", "128", "--steps", str(steps),
            "--eval_every", str(max(1, steps // 4)), "--output_dir", output_dir]
-    print("$ " + " ".join(cmd), flush=True)
-    subprocess.run(cmd, env=env, cwd=ROOT, check=True)
+    if verbose:
+        print("$ " + " ".join(cmd), flush=True)
+    t0 = time.time()
+    # stdout through the filter (log lines); stderr (the progress bar) straight to the terminal.
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True, bufsize=1)
+    hidden = 0
+    for line in proc.stdout:
+        if not verbose and any(h in line for h in HARMLESS):
+            hidden += 1
+            continue
+        print(line, end="", flush=True)
+    if proc.wait() != 0:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
     with open(os.path.join(output_dir, "summary.json")) as f:
-        return json.load(f)
+        out = json.load(f)
+    with open(os.path.join(output_dir, "train_log.jsonl")) as f:
+        out["records"] = [json.loads(line) for line in f if line.strip()]
+    out["wall_s"] = time.time() - t0
+    out["hidden_lines"] = hidden
+    return out
+
+
+def compare(zen: dict, dense: dict) -> str:
+    """The side-by-side table of a ZEN run and the dense baseline (same model, data, steps, seed)."""
+    def median(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if xs else float("nan")
+
+    ze, de = zen["eval"][-1][1], dense["eval"][-1][1]
+    zf = zen["final"]
+    ranks = zen.get("nproc", 2)
+    rows = [
+        ("final eval loss", f"{ze:.4f}", f"{de:.4f}", f"{(ze - de) / de:+.1%}"),
+        ("final train loss (mean over ranks)", f"{zen['losses'][-1]:.4f}", f"{dense['losses'][-1]:.4f}",
+         f"{(zen['losses'][-1] - dense['losses'][-1]) / dense['losses'][-1]:+.1%}"),
+        ("gradient bytes sent per rank", f"{zf.get('bytes_sent', 0) / 2**20:.1f} MiB",
+         f"{zf.get('dense_bytes', 0) / 2**20:.1f} MiB",
+         f"{zf.get('bytes_sent', 0) / max(zf.get('dense_bytes', 1), 1):.1%} of dense"),
+        ("median tokens/s (all ranks)", f"{median([r['tokens_per_s'] for r in zen['records']]):,.0f}",
+         f"{median([r['tokens_per_s'] for r in dense['records']]):,.0f}", ""),
+        ("wall time of the run", f"{zen['wall_s']:.0f} s", f"{dense['wall_s']:.0f} s", ""),
+    ]
+    w = max(len(r[0]) for r in rows)
+    lines = [f"ZEN (DGC 5 % + natural, auto) vs dense DeepSpeed, {len(zen['losses'])} steps, {ranks} ranks:",
+             f"  {'':<{w}}  {'ZEN':>12}  {'dense':>12}  {'ZEN vs dense':>14}"]
+    lines += [f"  {a:<{w}}  {b:>12}  {c:>12}  {d:>14}" for a, b, c, d in rows]
+    lines.append("  (dense bytes: a ring all-reduce of the same gradients. The eval-loss gap is DGC's: with natural "
+                 "sparsity alone ZEN equals dense bit for bit.)")
+    return "\n".join(lines)
+
+
+def plot_both(zen: dict, dense: dict, path: str) -> bool:
+    """One figure: train and eval loss of both runs against steps. False when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for run, name, color in ((zen, "ZEN (DGC 5 % + natural, auto)", "tab:blue"), (dense, "dense DeepSpeed", "tab:gray")):
+        steps = [r["step"] for r in run["records"]]
+        ax.plot(steps, run["losses"], color=color, alpha=0.6, lw=1, label=f"{name}: train")
+        if run["eval"]:
+            ax.plot(*zip(*run["eval"]), "o-", color=color, lw=2, label=f"{name}: eval")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def at_scale(output_dir: str) -> str | None:
+    """``auto``'s cost-model prediction for this run's gradients at 8 and 16 hosts (analysis/at_scale.py)."""
+    from zen_ext.analysis import cost_model as cm
+    from zen_ext.analysis.at_scale import format_predictions, predict_at_scale
+
+    path = os.path.join(output_dir, "zen_stats.jsonl")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        lines = [line for line in f if line.strip()]
+    if not lines:
+        return None
+    record = json.loads(lines[-1])
+    with open(os.path.join(ROOT, "configs", "models", "llama-tiny-untied.json")) as f:
+        width = json.load(f)["hidden_size"]
+    with open(os.path.join(ROOT, "configs", "demo_ds.json")) as f:
+        tokens = json.load(f)["train_micro_batch_size_per_gpu"] * 128  # --seq_len 128
+    preds = predict_at_scale(record, row_width=width, tokens_per_rank=tokens, rates=cm.calibrate_compute("cpu"))
+    return format_predictions(preds)
 
 
 def main(argv=None) -> int:
@@ -76,17 +192,37 @@ def main(argv=None) -> int:
     for name in ("train_log.jsonl", "zen_stats.jsonl"):
         if os.path.exists(os.path.join(args.output_dir, name)):
             os.remove(os.path.join(args.output_dir, name))
-    zen = run_recipe(args.config, args.output_dir, args.steps, args.nproc)
-    print(f"\nDemo finished in {time.time() - t0:.0f} s. Outputs in {args.output_dir}: summary.json, "
-          f"loss.png, train_log.jsonl (per step), zen_stats.jsonl (ZEN per step), checkpoints/")
+    # Step 1: the ZEN run.
+    print(f"[1/{3 if args.dense else 2}] ZEN run ({_rel(args.config)}, {args.nproc} processes, {args.steps} steps) "
+          f"-> {_rel(args.output_dir)}", flush=True)
+    zen = run_recipe(args.config, args.output_dir, args.steps, args.nproc, args.verbose)
+    zen["nproc"] = args.nproc
+    print(f"ZEN run finished in {zen['wall_s']:.0f} s: {_rel(args.output_dir)}/ holds summary.json, loss.png, "
+          "train_log.jsonl (per step), zen_stats.jsonl (ZEN per step), checkpoints/"
+          + (f"; {zen['hidden_lines']} DeepSpeed launcher log lines hidden (--verbose shows them)"
+             if zen["hidden_lines"] else ""), flush=True)
     if zen["eval"]:
-        print("eval loss: " + "  ".join(f"step {s}: {v:.4f}" for s, v in zen["eval"]))
+        print("eval loss: " + "  ".join(f"step {s}: {v:.4f}" for s, v in zen["eval"]), flush=True)
+    # Step 2: the dense baseline and the comparison.
+    outputs = [_rel(args.output_dir)]
     if args.dense:
         dense_dir = args.output_dir.rstrip("/") + "_dense"
         shutil.rmtree(dense_dir, ignore_errors=True)
-        base = run_recipe(os.path.join(ROOT, "configs", "demo_ds_dense.json"), dense_dir, args.steps, args.nproc)
-        print(f"final train loss: zen {zen['losses'][-1]:.4f}  dense {base['losses'][-1]:.4f}; final eval loss: "
-              f"zen {zen['eval'][-1][1]:.4f}  dense {base['eval'][-1][1]:.4f}")
+        dense_cfg = os.path.join(ROOT, "configs", "demo_ds_dense.json")
+        print(f"\n[2/3] dense DeepSpeed baseline ({_rel(dense_cfg)}, same model, data and seed) -> {_rel(dense_dir)}",
+              flush=True)
+        base = run_recipe(dense_cfg, dense_dir, args.steps, args.nproc, args.verbose)
+        print("\n" + compare(zen, base), flush=True)
+        png = os.path.join(args.output_dir, "compare.png")
+        if plot_both(zen, base, png):
+            print(f"  loss curves of both runs: {_rel(png)}", flush=True)
+            outputs.append(_rel(png))
+        outputs.append(_rel(dense_dir))
+    # Step 3: where ZEN would win, by the model.
+    print(f"\n[{3 if args.dense else 2}/{3 if args.dense else 2}] ", end="", flush=True)
+    text = at_scale(args.output_dir)
+    print(text or "no zen_stats.jsonl: no prediction", flush=True)
+    print(f"\nDemo finished in {time.time() - t0:.0f} s. Outputs: {', '.join(outputs)}", flush=True)
     return 0
 
 

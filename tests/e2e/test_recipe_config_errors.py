@@ -40,3 +40,18 @@ def test_unknown_key_is_one_line_on_rank_0_and_every_rank_exits_2(tmp_path, rank
 def test_debug_flag_shows_the_traceback(tmp_path):
     p = _run(tmp_path, 0, debug=True)
     assert p.returncode != 0 and "Traceback" in p.stderr and "densty" in p.stderr
+
+
+def test_colossalai_recipe_reports_a_typo_once(tmp_path):
+    cfg = json.load(open(os.path.join(ROOT, "configs", "colossalai_ddp_demo.json")))
+    cfg["zen"]["sheme"] = cfg["zen"].pop("scheme", "zen")
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(cfg))
+    env = dict(os.environ, RANK="0", ZEN_DEBUG="0", PYTHONPATH=ROOT)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "finetune_llm_colossalai.py"), "--config",
+                        str(path), "--output_dir", str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "Traceback" not in p.stderr
+    lines = [line for line in p.stderr.splitlines() if "configuration error" in line]
+    assert len(lines) == 1 and "did you mean 'scheme' for 'sheme'?" in lines[0], p.stderr[-2000:]

@@ -137,14 +137,51 @@ def test_pull_kernels_compile(tmp_path):
     if not shutil.which("nm") or not shutil.which("c++filt") or not shutil.which("g++"):
         pytest.skip("binutils (nm, c++filt) and g++ are needed for the symbol check")
     obj = tmp_path / "pull_kernel.o"
-    proc = _nvcc(["-c", PULL_CU, "-o", str(obj), *_torch_nvcc_flags(), *GENCODE, "-Xptxas", "-v"])
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    proc = _nvcc(["-c", PULL_CU, "-o", str(obj), *_torch_nvcc_flags(), *GENCODE, "-Xptxas", "-v", "-keep",
+                  "-keep-dir", str(keep)])
     entries = _ptxas_entries(proc.stderr)
     for kernel in PULL_KERNELS:
         assert kernel in entries, f"ptxas compiled no {kernel}: {entries}"
     # Every value dtype of the dispatch (fp32, fp64, fp16, bf16) has its encode kernel.
     for tag in ("IffE", "IddE", "IN3c104HalfEfE", "IN3c108BFloat16EfE"):
         assert f"encode_kernel{tag}" in entries, f"encode_kernel not instantiated for {tag}: {entries}"
+    # No byte store of a converted half value (the pattern ptxas miscompiles: issue 20).
+    ptx = "\n".join(open(f).read() for f in glob.glob(str(keep / "*.ptx")))
+    assert "encode_kernel" in ptx, "nvcc -keep left no PTX"
+    assert _byte_stores_of_converted_halves(ptx) == [], "encode_pull stores a converted bf16/fp16 value byte-wise"
     _check_object_links(obj)
+
+
+def _byte_stores_of_converted_halves(ptx: str) -> list[str]:
+    """``st.*.u8`` instructions whose source register holds a ``cvt.rn.{f16,bf16}.f32`` result.
+
+    ptxas (CUDA 13.0, sm_90) compiles such a store as a numeric float-to-uint8 conversion
+    (``F2I.U8.F16.TRUNC``) instead of storing the low byte of the half's bits: a bf16/fp16 value written
+    through ``memcpy`` into a byte buffer lost its low byte (docs/gpu.md, tests/ops/store16_repro.cu).
+    """
+    bad = []
+    for body in re.split(r"\n\.(?:visible \.)?entry ", ptx)[1:]:
+        halves = set(re.findall(r"cvt\.rn\.b?f16\.f32\s+(%rs\d+)", body))
+        bad += [m.group(0) for m in re.finditer(r"st\.\w+\.u8\s+\[[^\]]+\],\s*(%rs\d+)", body) if m.group(1) in halves]
+    return bad
+
+
+def test_byte_store_detector_finds_the_miscompiled_pattern(tmp_path):
+    """The detector above flags the reproducer's memcpy and byte-loop variants, not its aligned store."""
+    ptx = tmp_path / "store16.ptx"
+    _nvcc(["-O3", "-arch=sm_90", "-ptx", "-o", str(ptx), os.path.join(ROOT, "tests", "ops", "store16_repro.cu")],
+          timeout_s=300)
+    text = ptx.read_text()
+    per_kernel = {}
+    for body in re.split(r"\n\.(?:visible \.)?entry ", text)[1:]:
+        name = body.split("(", 1)[0]
+        per_kernel[name] = _byte_stores_of_converted_halves("\n.entry " + body)
+    variant = {name: int(re.search(r"ILi(\d)E", name).group(1)) for name in per_kernel}
+    assert len(per_kernel) == 6, per_kernel
+    for name, bad in per_kernel.items():
+        assert bool(bad) == (variant[name] != 1), (name, bad)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ def test_config_defaults_match_the_documented_keys():
     ({"enabled": "yes"}, TypeError, "zen.dgc.enabled ('yes') must be a bool"),
     ({"warmup_steps": 2.5}, TypeError, "zen.dgc.warmup_steps (2.5) must be an int"),
     ({"density": "0.1"}, TypeError, "zen.dgc.density ('0.1') must be a number"),
-    ({"densty": 0.1}, ValueError, "zen.dgc got unknown key(s) ['densty']; valid keys are ["),
+    ({"densty": 0.1}, ValueError, "zen.dgc got unknown key(s) ['densty']; did you mean 'density' for 'densty'? valid keys are ["),
 ])
 def test_config_errors_name_field_value_and_rule(values, exc, text):
     with pytest.raises(exc) as info:

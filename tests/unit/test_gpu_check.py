@@ -57,3 +57,15 @@ def test_grouping_comparison_can_fail():
     ok, why = gpu_check.compare_grouping((torch.tensor([1, 2]), torch.tensor([0, 1, 2]), torch.tensor([5, 6, 7])),
                                          (counts, torch.tensor([0, 1, 2]), torch.tensor([5, 6, 7])), 3)
     assert not ok and "counts differ" in why
+
+
+def test_gpu_bench_cpu_smoke(tmp_path):
+    """benchmarks/bench_gpu.py (issue 23's GPU benchmark) runs end to end at small sizes on the CPU."""
+    import bench_gpu
+
+    out = tmp_path / "gpu_bench.md"
+    assert bench_gpu.main(["--device", "cpu", "--small", "--reps", "1", "--out", str(out)]) == 0
+    text = out.read_text()
+    for heading in ("## 1. DGC per bucket", "## 2. ZEN vs AGsparse", "## 3. Hashing"):
+        assert heading in text
+    assert text.count("| large |") == 2 and text.count("| bench |") == 2 and "| 16 | 5% |" in text

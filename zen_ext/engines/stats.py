@@ -212,8 +212,8 @@ def scheme_lines(schemes: Counter, most: int = 6) -> list[str]:
 def mean_losses(totals_by_rank: list[dict], fallback: list[float]) -> list[float]:
     """Per-step train loss averaged over the ranks (each rank's ``losses`` as gathered with its totals),
     the value the recipes log; ``fallback`` (this rank's) where the ranks did not send theirs."""
-    per_rank = [t.get("losses") for t in totals_by_rank]
-    if not per_rank or any(not isinstance(p, list) for p in per_rank):
+    per_rank = [p for p in (t.get("losses") for t in totals_by_rank) if isinstance(p, list) and p]
+    if not per_rank:  # no rank annotated losses (or an older peer sent none)
         return fallback
     steps = min(len(p) for p in per_rank)
     return [sum(p[i] for p in per_rank) / len(per_rank) for i in range(steps)]

@@ -1,0 +1,231 @@
+"""GPU cost of DGC and ZEN, each as a ratio to a baseline measured in the same run (issue 23, item 4).
+
+Usage (on a GPU machine, after the extension is built; ~1 minute)::
+
+    python benchmarks/bench_gpu.py --out benchmarks/results/gpu_bench.md
+    python benchmarks/bench_gpu.py --device cpu --small      # the CPU smoke run that CI does
+
+1. DGC per bucket (``bench_dgc.py``'s ``large`` and ``bench`` buckets, fp32 and bf16, AdamW settings:
+   momentum correction off): time of one compression (CUDA events, after warm-up) against 8 memory
+   passes over the bucket (``torch.add(bucket, other, out=buf)`` eight times, timed interleaved);
+   kernel launches (profiler), host synchronizations (``torch.cuda.set_sync_debug_mode``) and transient
+   memory (peak allocated above the start, in multiples of the bucket) of one compression.
+2. ZEN per rank against AGsparse on the same input, in SimWorld on one GPU (n = 8 and 16, 50 M elements,
+   1 % and 5 % per rank): GPU busy time (sum of the profiled kernels) per rank, and against one memory
+   pass over the rank's result (a write of ``numel`` elements).
+3. Hashing (``hash_partition``) at the paper's scale, 214 M elements at 5.2 %: median time.
+
+Each figure is min / median / max over ``--reps`` repeats; ratios are taken per repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from bench_dgc import BUCKETS, grads_of, make_bucket  # noqa: E402
+
+from zen_ext import SimWorld, SparseGrad, build_scheme, ops  # noqa: E402
+from zen_ext.compress import DGCConfig  # noqa: E402
+from zen_ext.compress import dgc as dgc_mod  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--small", action="store_true", help="small sizes (the CPU smoke run)")
+    p.add_argument("--reps", type=int, default=10, help="timed repeats per case (default 10)")
+    p.add_argument("--out", default=None, help="markdown report (default: print only)")
+    a = p.parse_args(argv)
+    if a.reps < 1:
+        p.error(f"--reps ({a.reps}) must be >= 1")
+    return a
+
+
+# --- timing helpers -----------------------------------------------------------------------------------------
+class Timer:
+    """Seconds of a callable: CUDA events on a GPU, perf_counter on the CPU."""
+
+    def __init__(self, device: str) -> None:
+        self.cuda = device == "cuda"
+
+    def __call__(self, fn) -> float:
+        if self.cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def mmm(xs: list[float], scale: float = 1.0, fmt: str = "{:.2f}") -> str:
+    return "/".join(fmt.format(v * scale) for v in (min(xs), statistics.median(xs), max(xs)))
+
+
+def kernels_and_busy_s(fn, device: str) -> tuple[int, float]:
+    """Kernel launches (and copies) of one call, and the GPU time they took (profiler)."""
+    if device != "cuda":
+        return 0, 0.0
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kern = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return len(kern), sum(e.time_range.elapsed_us() for e in kern) / 1e6
+
+
+def host_syncs(fn, device: str) -> int:
+    if device != "cuda":
+        return 0
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message).lower() for w in got)
+
+
+# --- 1. DGC per bucket ---------------------------------------------------------------------------------------
+def bench_dgc(device: str, reps: int, small: bool) -> list[str]:
+    timer = Timer(device)
+    rows = ["| bucket | dtype | tensors | MiB | DGC ms (min/med/max) | 8 passes ms | DGC / 8 passes | launches | "
+            "host syncs | transient × bucket |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for name in ("large", "bench"):
+        shapes = BUCKETS[name] if not small else BUCKETS[name][:5]
+        for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            bucket, numels = make_bucket(shapes if not small else [(s[0] // 8, s[1] // 8) for s in shapes], dtype,
+                                         device, 0)
+            sp = dgc_mod.DGCSparsifier(DGCConfig(enabled=True, density=0.01, momentum_correction=False))
+            other, buf = torch.randn_like(bucket), torch.empty_like(bucket)
+            step = [0]
+
+            def compress():
+                step[0] += 1
+                sp.state.step = step[0]
+                sp.compress(grads_of(bucket, numels))
+
+            def passes():
+                for _ in range(8):
+                    torch.add(bucket, other, out=buf)
+
+            for _ in range(3):
+                compress()
+                passes()
+            t_dgc, t_pass, ratio = [], [], []
+            for _ in range(reps):
+                a, b = timer(compress), timer(passes)
+                t_dgc.append(a)
+                t_pass.append(b)
+                ratio.append(a / b)
+            launches, _ = kernels_and_busy_s(compress, device)
+            syncs = host_syncs(compress, device)
+            if device == "cuda":
+                torch.cuda.synchronize()
+                base = torch.cuda.memory_allocated()
+                torch.cuda.reset_peak_memory_stats()
+                compress()
+                transient = (torch.cuda.max_memory_allocated() - base) / (bucket.numel() * bucket.element_size())
+            else:
+                transient = float("nan")
+            rows.append(f"| {name} | {dtype_name} | {len(numels)} | {bucket.numel() * bucket.element_size() / 2**20:.1f} | "
+                        f"{mmm(t_dgc, 1e3)} | {mmm(t_pass, 1e3)} | {mmm(ratio, 1, '{:.1f}')}× | {launches} | {syncs} | "
+                        f"{transient:.2f} |")
+    return rows
+
+
+# --- 2. ZEN vs AGsparse per rank -------------------------------------------------------------------------
+def bench_zen(device: str, reps: int, small: bool) -> list[str]:
+    numel = 50_000_000 if not small else 200_000
+    rows = ["| n | density | ZEN GPU ms per rank | AGsparse GPU ms per rank | ZEN / AGsparse | one pass over the "
+            "result ms | ZEN / pass | ZEN kernels per rank |", "|---|---|---|---|---|---|---|---|"]
+    timer = Timer(device)
+    for n in (8, 16):
+        for density in (0.01, 0.05):
+            g = torch.Generator(device=device).manual_seed(n)
+            k = int(numel * density)
+            inputs = []
+            for _ in range(n):
+                idx = torch.randint(0, numel, (k,), device=device, generator=g).unique()
+                inputs.append(SparseGrad(idx, torch.randn(idx.numel(), device=device, generator=g), numel))
+            outs = [torch.empty(numel, device=device) for _ in range(n)]
+            per = {}
+            for name in ("zen", "agsparse"):
+                sch = [build_scheme(name) for _ in range(n)]
+
+                def run():
+                    SimWorld(n, device=device).run(lambda c, x: sch[c.rank].sync(c, x, out=outs[c.rank]), inputs)
+
+                run()
+                busy, kernels = [], 0
+                for _ in range(max(1, reps // 3)):
+                    kernels, b = kernels_and_busy_s(run, device)
+                    busy.append(b / n)
+                if device != "cuda":  # no profiler: wall time of all ranks, per rank
+                    busy = [timer(run) / n for _ in range(max(1, reps // 3))]
+                per[name] = (busy, kernels / n)
+            pass_s = [timer(lambda: outs[0].fill_(1.0)) for _ in range(reps)]
+            z, a = per["zen"][0], per["agsparse"][0]
+            rows.append(f"| {n} | {density:.0%} | {mmm(z, 1e3)} | {mmm(a, 1e3)} | "
+                        f"{statistics.median(z) / statistics.median(a):.2f}× | {mmm(pass_s, 1e3, '{:.3f}')} | "
+                        f"{statistics.median(z) / statistics.median(pass_s):.1f}× | {per['zen'][1]:.0f} |")
+    return rows
+
+
+# --- 3. hashing at the paper's scale ----------------------------------------------------------------------
+def bench_hash(device: str, reps: int, small: bool) -> list[str]:
+    numel = 214_000_000 if not small else 2_000_000
+    k = int(numel * 0.052)
+    g = torch.Generator(device=device).manual_seed(0)
+    idx = torch.randint(0, numel, (k,), device=device, generator=g)
+    keys = ops.derive_keys(77).to(device)
+    timer = Timer(device)
+    for _ in range(3):
+        ops.hash_partition(idx, numel, 16, keys)
+    t = [timer(lambda: ops.hash_partition(idx, numel, 16, keys)) for _ in range(reps)]
+    return [f"hash_partition, {numel:,} elements at 5.2 % ({k:,} indices), 16 partitions: {mmm(t, 1e3)} ms "
+            "(min/median/max; the paper: 6 ms on a V100)"]
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        print("bench_gpu: no CUDA GPU is visible; --device cpu runs the smoke version", file=sys.stderr)
+        return 2
+    env = (f"{torch.cuda.get_device_name()} " if a.device == "cuda" else "CPU ") + \
+        f"torch {torch.__version__}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; reps {a.reps}"
+    parts = [f"# GPU cost of DGC and ZEN ({a.device})", "", env, "",
+             "## 1. DGC per bucket vs 8 memory passes over it (density 1 %, momentum correction off)", ""]
+    parts += bench_dgc(a.device, a.reps, a.small)
+    parts += ["", "## 2. ZEN vs AGsparse, GPU time per rank (SimWorld on one device, same input)", ""]
+    parts += bench_zen(a.device, a.reps, a.small)
+    parts += ["", "## 3. Hashing", ""] + bench_hash(a.device, a.reps, a.small)
+    text = "\n".join(parts) + "\n"
+    print(text, flush=True)
+    if a.out:
+        os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+        with open(a.out, "w") as f:
+            f.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
