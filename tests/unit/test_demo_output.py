@@ -53,3 +53,17 @@ def test_at_scale_reads_the_last_stats_record(tmp_path):
     text = demo.at_scale(str(tmp_path))
     assert text is not None and "DGC tensors (top-k)" in text
     assert demo.at_scale(os.path.join(str(tmp_path), "nowhere")) is None
+
+
+def test_readme_sample_has_the_demo_s_own_lines_in_order():
+    """The README's sample output shows what demo.main prints today, in the order it prints it."""
+    readme = open(os.path.join(demo.ROOT, "README.md")).read()
+    start = readme.index("<!-- snippet: demo-output (output) -->")
+    block = readme[start:readme.index("```", readme.index("```", start) + 3)]
+    marks = ["ZEN gradient synchronization summary (", "  train loss:", "ZEN run finished in ", "eval loss: step ",
+             "[2/2] Model prediction, not a measurement", "Demo finished in "]
+    at = [block.find(m) for m in marks]
+    assert all(i >= 0 for i in at) and at == sorted(at), dict(zip(marks, at))
+    src = open(demo.__file__).read()
+    for m in ("ZEN run finished in ", "eval loss: ", "Demo finished in "):
+        assert m in src

@@ -637,13 +637,13 @@ class ZenDeepSpeed:
                 tag = f.read().strip()
         path = self._state_path(load_dir, tag)
         first = os.path.join(load_dir, str(tag), STATE_DIRNAME, "rank00000.pt")
-        mine = torch.load(path, map_location="cpu", weights_only=False) if os.path.isfile(path) else None
+        mine = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else None
         if mine is not None and mine.get("dp_size") == len(self.dp_ranks):
             self.load_state_dict(mine)
         elif os.path.isfile(first):
             # A resize: every rank takes the shared part (step counter, planner) from rank 0's file, so
             # all ranks resume alike (a rank without a file of its own would otherwise restart at step 0).
-            sd = torch.load(first, map_location="cpu", weights_only=False)
+            sd = torch.load(first, map_location="cpu", weights_only=True)
             why = (("" if mine is not None else f"no ZEN state was saved for rank {self.rank}, and ")
                    + f"the checkpoint was saved with dp_size {sd.get('dp_size')}, now {len(self.dp_ranks)}")
             self.load_state_dict(sd, why=why)
