@@ -34,3 +34,10 @@ def test_train_loss_is_the_mean_over_ranks():
 def test_sizes_are_binary_units():
     assert format_bytes(124_008_132) == "118.3 MiB"
     assert format_bytes(1023) == "1023 B" and format_bytes(2048) == "2.0 KiB"
+
+
+def test_the_synchronizer_s_slice_record_wins_over_its_scheme_list():
+    st = StepStats(rank=1)
+    st.annotate(schemes=["dense", "sparcml"], slice_schemes={"dense slices": "dense", "w:dgc": "sparcml"})
+    st.end_step(1)
+    assert st.schemes == {("dense slices", "dense"): 1, ("w:dgc", "sparcml"): 1}

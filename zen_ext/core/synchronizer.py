@@ -314,13 +314,14 @@ class Synchronizer:
                 at += e - s
             self._count("dense", buf.numel(), buf.numel())
             st["schemes"].add("dense")
+            st["slice_schemes"]["dense slices"] = "dense"
 
         # Step 3: natural slices, one scheme call each (row widths differ).
         for s, sg in prep.natural:
             timings: dict = {}
             self.scheme.sync(dp, sg, op, timings=timings, key=f"{s.name}:natural",
                              out=out_N[s.offset : s.offset + s.numel])
-            self._note_scheme(timings)
+            self._note_scheme(timings, f"{s.name}:natural")
             self._count("natural", s.numel, sg.nnz * sg.row_width)
 
         # Step 4: one scheme call for the bucket's DGC slices.
@@ -335,7 +336,7 @@ class Synchronizer:
                 for s in plan.dgc:  # concatenation order
                     out_N[s.offset : s.offset + s.numel] = res[at : at + s.numel]
                     at += s.numel
-            self._note_scheme(timings)
+            self._note_scheme(timings, plan.dgc_key or "dgc")
             self._count("dgc", numel, nnz)
 
         # Stats of this call.
@@ -411,7 +412,8 @@ class Synchronizer:
             ``buckets``; ``bytes_sent``/``bytes_recv`` over the DP group and ``tp_bytes_sent``/
             ``tp_bytes_recv`` over the TP group (per this rank); ``dense_bytes_sent``: what a ring
             all-reduce of the same buckets would send; ``numel``, ``nnz`` and ``density`` per kind
-            (elements sent / elements); ``schemes``: sorted names used; ``sync_s``, ``compress_s``,
+            (elements sent / elements); ``schemes``: sorted names used; ``slice_schemes``: the scheme
+            each part ran (natural slice, the DGC slices, the dense slices); ``sync_s``, ``compress_s``,
             ``hash_s``: seconds.
         """
         st = self._stats
@@ -424,16 +426,18 @@ class Synchronizer:
     @staticmethod
     def _empty_stats() -> dict:
         return {"buckets": 0, "bytes_sent": 0, "bytes_recv": 0, "tp_bytes_sent": 0, "tp_bytes_recv": 0,
-                "dense_bytes_sent": 0, "numel": {}, "nnz": {}, "schemes": set(), "sync_s": 0.0,
+                "dense_bytes_sent": 0, "numel": {}, "nnz": {}, "schemes": set(), "slice_schemes": {}, "sync_s": 0.0,
                 "compress_s": 0.0, "hash_s": 0.0}
 
     def _count(self, kind: str, numel: int, nnz: int) -> None:
         self._stats["numel"][kind] = self._stats["numel"].get(kind, 0) + numel
         self._stats["nnz"][kind] = self._stats["nnz"].get(kind, 0) + nnz
 
-    def _note_scheme(self, timings: dict) -> None:
+    def _note_scheme(self, timings: dict, key: str) -> None:
         # A planner scheme reports what it chose under "scheme"; the others are their own name.
-        self._stats["schemes"].add(str(timings.get("scheme", self.scheme.name)))
+        chosen = str(timings.get("scheme", self.scheme.name))
+        self._stats["schemes"].add(chosen)
+        self._stats["slice_schemes"][key] = chosen
         self._stats["hash_s"] += timings.get("hash_s", 0.0)
 
     # --- planning -----------------------------------------------------------------------------------

@@ -89,7 +89,8 @@ class StepStats:
             if isinstance(rec.get(k), (int, float)):
                 self.totals[k] += rec[k]
         # One count per gradient slice and step, so that the counts add up to steps x slices.
-        for key in ("scheme", "schemes"):
+        # The Synchronizer's per-part record names the slices; the plain list only the schemes.
+        for key in ("slice_schemes",) if isinstance(rec.get("slice_schemes"), dict) else ("scheme", "schemes"):
             chosen = rec.get(key)
             if isinstance(chosen, str):
                 self.schemes[("all", chosen)] += 1
@@ -198,7 +199,7 @@ def scheme_lines(schemes: Counter, most: int = 6) -> list[str]:
         slice_name, scheme = key if isinstance(key, tuple) else ("all", key)
         by_slice.setdefault(slice_name, Counter())[scheme] += steps
     order = sorted(by_slice, key=lambda k: (-sum(by_slice[k].values()), k))
-    lines = ["  scheme choices:  (gradient slice, or bucket where the engine reports buckets -> scheme x steps it ran)"]
+    lines = ["  scheme choices:  (gradient slice -> scheme x steps it ran)"]
     for name in order[:most]:
         lines.append(f"    {name} -> " + ", ".join(f"{sch} x{v}" for sch, v in by_slice[name].most_common()))
     if len(order) > most:
