@@ -106,7 +106,24 @@ def run_recipe(config: str, output_dir: str, steps: int, nproc: int, verbose: bo
         out["records"] = [json.loads(line) for line in f if line.strip()]
     out["wall_s"] = time.time() - t0
     out["hidden_lines"] = hidden
+    stats = os.path.join(output_dir, "zen_stats.jsonl")
+    if os.path.exists(stats):  # ZEN's own sync timer, per step on rank 0 (a dense run has none)
+        with open(stats) as f:
+            out["sync_s"] = sum(json.loads(line).get("sync_s", 0.0) for line in f if line.strip())
     return out
+
+
+def steps_to_reach(evals: list, target: float) -> float | None:
+    """The step at which an eval-loss curve first reaches ``target``, interpolated linearly between eval
+    points (from step 0 at the first point's loss); None when it never does."""
+    prev_s, prev_v = None, None
+    for s, v in evals:
+        if v <= target:
+            if prev_s is None or prev_v == v:
+                return float(s)
+            return prev_s + (s - prev_s) * (prev_v - target) / (prev_v - v)
+        prev_s, prev_v = s, v
+    return None
 
 
 def compare(zen: dict, dense: dict) -> str:
@@ -125,6 +142,8 @@ def compare(zen: dict, dense: dict) -> str:
         ("gradient bytes sent per rank", f"{zf.get('bytes_sent', 0) / 2**20:.1f} MiB",
          f"{zf.get('dense_bytes', 0) / 2**20:.1f} MiB",
          f"{zf.get('bytes_sent', 0) / max(zf.get('dense_bytes', 1), 1):.1%} of dense"),
+        ("gradient sync time, whole run (rank 0)", f"{zen.get('sync_s', float('nan')):.1f} s",
+         "not timed", ""),
         ("median tokens/s (all ranks)", f"{median([r['tokens_per_s'] for r in zen['records']]):,.0f}",
          f"{median([r['tokens_per_s'] for r in dense['records']]):,.0f}", ""),
         ("wall time of the run", f"{zen['wall_s']:.0f} s", f"{dense['wall_s']:.0f} s", ""),
@@ -133,8 +152,14 @@ def compare(zen: dict, dense: dict) -> str:
     lines = [f"ZEN (DGC 5 % + natural, auto) vs dense DeepSpeed, {len(zen['losses'])} steps, {ranks} ranks:",
              f"  {'':<{w}}  {'ZEN':>12}  {'dense':>12}  {'ZEN vs dense':>14}"]
     lines += [f"  {a:<{w}}  {b:>12}  {c:>12}  {d:>14}" for a, b, c, d in rows]
-    lines.append("  (dense bytes: a ring all-reduce of the same gradients. The eval-loss gap is DGC's: with natural "
-                 "sparsity alone ZEN equals dense bit for bit.)")
+    # Time to quality (issue 21): when does dense reach the quality ZEN ends with?
+    reach = steps_to_reach(dense["eval"], ze)
+    steps = len(zen["losses"])
+    if reach is not None and reach < steps:
+        lines.append(f"  steps to ZEN's final eval loss: dense gets there at step ~{reach:.0f} of {steps}, so at these "
+                     f"settings ZEN needs ~{steps / reach:.2f}x the steps for the same quality")
+    lines.append("  (dense bytes: a ring all-reduce of the same gradients; DeepSpeed does not time its own all-reduce. "
+                 "The eval-loss gap is DGC's: with natural sparsity alone ZEN equals dense bit for bit.)")
     return "\n".join(lines)
 
 

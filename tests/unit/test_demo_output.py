@@ -20,12 +20,12 @@ def _run(losses, evals, tps, sent, dense, wall):
 
 
 def test_comparison_table_has_both_runs_and_the_gaps(tmp_path):
-    zen = _run([7.0, 4.2], [[2, 4.4]], [100.0, 300.0], 50 * 2**20, 100 * 2**20, 40.0)
+    zen = {**_run([7.0, 4.2], [[2, 4.4]], [100.0, 300.0], 50 * 2**20, 100 * 2**20, 40.0), "sync_s": 12.5}
     dense = _run([7.0, 4.0], [[2, 4.0]], [200.0, 200.0], 0, 0, 30.0)
     text = demo.compare(zen, dense)
     assert "final eval loss" in text and "4.4000" in text and "4.0000" in text and "+10.0%" in text
     assert "50.0 MiB" in text and "100.0 MiB" in text and "50.0% of dense" in text
-    assert "40 s" in text and "30 s" in text
+    assert "40 s" in text and "30 s" in text and "12.5 s" in text
     pytest.importorskip("matplotlib")
     png = tmp_path / "c.png"
     assert demo.plot_both(zen, dense, str(png)) and png.stat().st_size > 1000
@@ -67,3 +67,13 @@ def test_readme_sample_has_the_demo_s_own_lines_in_order():
     src = open(demo.__file__).read()
     for m in ("ZEN run finished in ", "eval loss: ", "Demo finished in "):
         assert m in src
+
+
+def test_steps_to_reach_interpolates_between_eval_points():
+    evals = [[50, 5.0], [100, 4.0], [150, 3.5], [200, 3.0]]
+    assert demo.steps_to_reach(evals, 4.0) == 100
+    assert demo.steps_to_reach(evals, 3.75) == 125
+    assert demo.steps_to_reach(evals, 2.0) is None
+    zen = _run([7.0] * 200, [[200, 3.75]], [1.0] * 200, 1, 2, 1.0)
+    dense = _run([7.0] * 200, evals, [1.0] * 200, 1, 2, 1.0)
+    assert "dense gets there at step ~125 of 200" in demo.compare(zen, dense) and "~1.60x the steps" in demo.compare(zen, dense)
