@@ -21,10 +21,10 @@ Single GPU (default) — each part is a row of the markdown report (``--out``, d
    full precision) bitwise equal to dense DeepSpeed's; at ZeRO 1/2 also with ``zen.async_sync``. With
    DGC (lossy by design) the lossless schemes must agree with each other: ``zen`` and ``auto`` equal
    to DGC with the ``dense`` scheme.
-4b. ``ddp``: torch DDP on CUDA, world size 1 over NCCL, with ZEN's comm hook (what ColossalAI's
+5. ``ddp``: torch DDP on CUDA, world size 1 over NCCL, with ZEN's comm hook (what ColossalAI's
    ``ZenTorchDDPPlugin`` registers), fp32/bf16/fp16 parameters, ``zen`` and ``auto``: losses equal to
    plain DDP's. Then ColossalAI's Booster with ``ZenTorchDDPPlugin`` when ColossalAI is installed.
-5. ``gloo``: two processes sharing the GPU over gloo, CUDA gradients, under the NCCL guard; every
+6. ``gloo``: two processes sharing the GPU over gloo, CUDA gradients, under the NCCL guard; every
    scheme (``auto`` included) equal to ``all_reduce``; host synchronizations per synchronized bucket,
    with the Python line of each, and peak GPU memory per bucket.
 
@@ -33,8 +33,9 @@ Single GPU (default) — each part is a row of the markdown report (``--out``, d
 both exchange transports, against ``all_reduce``, plus the Synchronizer; host synchronizations and
 peak memory per bucket; rank 0 writes ``benchmarks/results/gpu_check_multi.md``.
 
-Without a GPU it exits with status 2 at once. ``--device cpu`` runs the CPU half of parts 2, 3 and 5
-(and part 1 as C++ op vs reference) at small sizes: that is what CI runs (tests/unit/test_gpu_check.py).
+Without a GPU it exits with status 2 at once. ``--device cpu`` runs the CPU half of parts 2, 3 and 6
+(and parts 0 and 1 as C++ op vs reference) at small sizes: that is what CI runs
+(tests/unit/test_gpu_check.py).
 """
 
 from __future__ import annotations
@@ -595,7 +596,7 @@ def check_deepspeed(rep: Report, steps: int = 3) -> None:
             rep.add("deepspeed", f"ZeRO-1 {dtype} DGC", False, f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300])
 
 
-# --- part 4b: torch DDP (ColossalAI's TorchDDP plugin) on CUDA, world size 1 -------------------------------
+# --- part 5: torch DDP (ColossalAI's TorchDDP plugin) on CUDA, world size 1 -------------------------------
 def check_ddp(rep: Report, steps: int = 3) -> None:
     """ZEN's DDP comm hook against plain DDP on one GPU over NCCL, then ColossalAI's Booster plugin."""
     import torch
@@ -681,7 +682,7 @@ def check_ddp(rep: Report, steps: int = 3) -> None:
         rep.add("ddp", "ColossalAI Booster", False, f"{type(exc).__name__}: {exc}".replace("\n", " ")[:300])
 
 
-# --- part 5: processes sharing the GPU over gloo, and per-bucket costs ------------------------------------
+# --- part 6: processes sharing the GPU over gloo, and per-bucket costs ------------------------------------
 def _gloo_worker(rank, world_size, device):
     import torch
     import torch.distributed as dist
