@@ -36,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON config, optionally with a \"zen\" section")
     common.add_run_args(p, default_output_dir="runs/deepspeed")
+    p.add_argument("--save_model", default=None, help="save the final model and tokenizer here with save_pretrained "
+                   "(a later run fine-tunes from it: --model DIR --tokenizer DIR)")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     return p.parse_args(argv)
 
@@ -80,6 +82,9 @@ def main(argv=None) -> list[dict]:
     model = common.build_model(args.model, seed=args.seed, vocab_size=vocab)
     engine, _, _, _ = zen_ext.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     zen = getattr(engine, "zen", None)
+    if args.save_model and engine.zero_optimization_stage() >= 3:
+        raise common.ConfigError(f"--save_model ({args.save_model}) needs ZeRO stage 0, 1 or 2: ZeRO-3 partitions "
+                                 "the parameters across ranks")
     dp_group = engine.data_parallel_group  # with AutoTP: the replicas; TP ranks of one replica share batches
     dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
     ckpt_dir = os.path.join(args.output_dir, "checkpoints")
@@ -126,11 +131,15 @@ def main(argv=None) -> list[dict]:
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             engine.save_checkpoint(ckpt_dir, tag=f"step{step}")
 
-    # Step 4: summary.
+    # Step 4: summary, and the final model where asked (ZeRO-1/2 keep full parameters on every rank).
     text = zen.summary() if zen is not None else None
     if rank == 0:
         log_file.close()
         common.write_outputs(args.output_dir, records, text)
+        if args.save_model:
+            engine.module.save_pretrained(args.save_model, safe_serialization=True)
+            tokenizer.save_pretrained(args.save_model)
+            print(f"deepspeed recipe: final model and tokenizer saved to {args.save_model}", flush=True)
     if zen is not None:
         zen.close()
     return records
