@@ -226,6 +226,8 @@ def add_run_args(p, default_output_dir: str) -> None:
     p.add_argument("--eval_fraction", type=float, default=0.05, help="share of packed blocks held out for eval")
     p.add_argument("--save_every", type=int, default=0, help="checkpoint every N steps (0: only at the end)")
     p.add_argument("--max_docs", type=int, default=0, help="use only the first N documents (0: all)")
+    p.add_argument("--data_part", default="all", choices=("all", "first", "second"),
+                   help="the first or the second half of the documents (pretrain on one, fine-tune on the other)")
     p.add_argument("--seed", type=int, default=0, help="model initialization and data order")
     p.add_argument("--output_dir", default=default_output_dir)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
@@ -234,6 +236,9 @@ def add_run_args(p, default_output_dir: str) -> None:
 def prepare_data(args, rank: int):
     """Texts → tokenizer (trained once, on rank 0, cached in output_dir) → packed train/eval blocks."""
     texts = load_texts(args.data)
+    half = len(texts) // 2
+    part = getattr(args, "data_part", "all")
+    texts = texts[:half] if part == "first" else texts[half:] if part == "second" else texts
     if args.max_docs:
         texts = texts[: args.max_docs]
     if rank == 0:
