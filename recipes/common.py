@@ -233,14 +233,17 @@ def add_run_args(p, default_output_dir: str) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
 
 
+def select_texts(texts: list[str], part: str = "all", max_docs: int = 0) -> list[str]:
+    """The documents a run uses: all, or the first or second half (``--data_part``: pretrain on one,
+    fine-tune on the other), then at most ``max_docs`` of them."""
+    half = len(texts) // 2
+    texts = texts[:half] if part == "first" else texts[half:] if part == "second" else texts
+    return texts[:max_docs] if max_docs else texts
+
+
 def prepare_data(args, rank: int):
     """Texts → tokenizer (trained once, on rank 0, cached in output_dir) → packed train/eval blocks."""
-    texts = load_texts(args.data)
-    half = len(texts) // 2
-    part = getattr(args, "data_part", "all")
-    texts = texts[:half] if part == "first" else texts[half:] if part == "second" else texts
-    if args.max_docs:
-        texts = texts[: args.max_docs]
+    texts = select_texts(load_texts(args.data), getattr(args, "data_part", "all"), args.max_docs)
     if rank == 0:
         tokenizer = build_tokenizer(args.tokenizer, texts, args.output_dir, args.vocab_size)
     dist.barrier()
