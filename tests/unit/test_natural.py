@@ -76,6 +76,22 @@ def test_classify_with_sparsifiers_disabled():
     assert nat_off["embed.weight"] == "dgc" and nat_off["pos.weight"] == "dense"  # 16·32 < 600
 
 
+def test_classify_dense_params_keeps_matching_parameters_dense():
+    """``dgc.dense_params`` routes matching names dense (e.g. the output layer); the rest is unchanged."""
+    dgc = {"enabled": True, "min_numel": 512}
+    base = classify_parameters(TinyLM(tied=False), natural={}, dgc=dgc, log=False)
+    kept = classify_parameters(TinyLM(tied=False), natural={}, dgc=dict(dgc, dense_params=["^head\\."]), log=False)
+    assert base["head.weight"] == "dgc" and kept["head.weight"] == "dense"
+    assert {k: v for k, v in kept.items() if k != "head.weight"} == {k: v for k, v in base.items() if k != "head.weight"}
+    # A pattern that matches an embedding does not take it off its natural path: naturally sparse is lossless.
+    assert classify_parameters(TinyLM(tied=False), natural={}, dgc=dict(dgc, dense_params=["embed"]),
+                               log=False)["embed.weight"] == "natural"
+    with pytest.raises(ValueError, match=r"zen.dgc.dense_params \('\['\) must be a valid regular expression"):
+        classify_parameters(TinyLM(tied=False), natural={}, dgc=dict(dgc, dense_params=["["]), log=False)
+    with pytest.raises(TypeError, match=r"zen.dgc.dense_params \('head'\) must be a list"):
+        classify_parameters(TinyLM(tied=False), natural={}, dgc=dict(dgc, dense_params="head"), log=False)
+
+
 class VocabParallelEmbedding1D(nn.Module):
     """Shaped like ColossalAI's vocab-parallel shard: not an nn.Embedding, own [rows, width] weight."""
 

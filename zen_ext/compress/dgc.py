@@ -58,6 +58,7 @@ Legend: ``_N`` elements of one gradient, ``_K`` selected, ``_S`` samples, ``_U``
 from __future__ import annotations
 
 import math
+import re
 import zlib
 from dataclasses import dataclass
 from typing import Sequence
@@ -131,6 +132,9 @@ class DGCConfig:
     """Density at step 0 of the warm-up, in [density, 1] (DGC's schedule starts at 0.25)."""
     min_numel: int = 1024
     """Parameters with fewer elements (and all 1-D ones) go dense: their top-k saves nothing."""
+    dense_params: tuple[str, ...] = ()
+    """Regular expressions (``re.search`` on the parameter name): matching parameters stay dense,
+    e.g. ``["lm_head"]`` for the output layer. Empty (default): routing by shape and size only."""
     residual_dtype: str = "float32"
     """dtype of the residual and momentum: ``"float32"`` (8 bytes per parameter with momentum
     correction) or ``"bfloat16"`` (4 bytes; the accumulation then rounds to 8 mantissa bits).
@@ -170,6 +174,18 @@ class DGCConfig:
                              f"zen.dgc.density ({self.density!r}), because warm-up sends more, not less")
         if self.min_numel < 0:
             raise ValueError(f"zen.dgc.min_numel ({self.min_numel!r}) must be >= 0")
+        if isinstance(self.dense_params, str) or not isinstance(self.dense_params, (list, tuple)):
+            raise TypeError(f"zen.dgc.dense_params ({self.dense_params!r}) must be a list of regular expressions")
+        for pattern in self.dense_params:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise ValueError(f"zen.dgc.dense_params ({pattern!r}) must be a valid regular expression: {e}") from None
+        object.__setattr__(self, "dense_params", tuple(self.dense_params))  # JSON gives a list; keep it hashable
+
+    def keeps_dense(self, name: str) -> bool:
+        """Whether ``dense_params`` routes the parameter ``name`` to the dense path."""
+        return any(re.search(p, name) for p in self.dense_params)
 
     @classmethod
     def from_dict(cls, values: "dict | DGCConfig | None") -> "DGCConfig":

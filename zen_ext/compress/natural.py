@@ -112,8 +112,9 @@ def classify_parameters(
     1. Find embedding weights and which of them are tied: the same Parameter object is also the
        weight of a non-embedding module (e.g. the LM head) or HF's ``get_output_embeddings()``.
     2. Untied embeddings → ``"natural"`` if ``natural`` is enabled.
-    3. Every other parameter (tied embeddings included): 1-D or fewer than ``dgc.min_numel``
-       elements → ``"dense"``; otherwise ``"dgc"`` if DGC is enabled, else ``"dense"``. Under tensor
+    3. Every other parameter (tied embeddings included): 1-D, fewer than ``dgc.min_numel``
+       elements or matching ``dgc.dense_params`` → ``"dense"``; otherwise ``"dgc"`` if DGC is
+       enabled, else ``"dense"``. Under tensor
        parallelism the size is that of the parameter's *largest shard over the TP group* (one
        gathered fact, the same on every TP rank), never the local shard's: with uneven AutoTP shards
        a local size would route a parameter to DGC on one TP rank and dense on another, and DGC's
@@ -169,7 +170,8 @@ def classify_parameters(
             kinds[name] = "natural"
             continue
         # Step 3: the rest by shape and size (the largest TP shard's size).
-        if p.dim() <= 1 or numel_of[name] < dgc_cfg.min_numel or not dgc_cfg.enabled:
+        if (p.dim() <= 1 or numel_of[name] < dgc_cfg.min_numel or not dgc_cfg.enabled
+                or dgc_cfg.keeps_dense(name)):
             kinds[name] = "dense"
         else:
             kinds[name] = "dgc"
