@@ -289,6 +289,56 @@ def check_ops(rep: Report, device: str) -> None:
                     "; ".join(bad[:4]) + (f" (+{len(bad) - 4} more)" if len(bad) > 4 else "") if bad else
                     f"{checked} messages byte-equal (widths 1/4, int32/int64 positions, COO/bitmap/dense, sum/mean)")
 
+    # Step 3: DGC's threshold search (one kernel per bucket) on the device against the C++ CPU op;
+    # ``device="cpu"``: the CPU op against the torch loop, its oracle.
+    check_dgc_search(rep, device)
+
+
+def check_dgc_search(rep: Report, device: str) -> None:
+    """``dgc_threshold_search`` per memory dtype, on buckets of equal, tiny and many units: thresholds
+    and keep masks equal, bit for bit."""
+    import math
+
+    import torch
+
+    import zen_ext.compress.dgc as dgc
+    from zen_ext import ops
+
+    if not ops.has_dgc_search_op(torch.zeros(1)) or (device == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key(
+            "zen_ext::dgc_threshold_search", "CUDA")):
+        rep.add("ops", "dgc_threshold_search built", False, "zen_ext._C lacks the op on this device: rebuild (launch/setup.sh)")
+        return
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        bad, checked = [], 0
+        for sizes, density in (([4096] * 7, 0.01), ([1, 64, 5000, 65536, 3, 20000], 0.05), ([8192, 24576, 1024] * 20, 0.02)):
+            g = torch.Generator().manual_seed(len(sizes))
+            lay = dgc._Layout(tuple(f"p{i}" for i in range(len(sizes))), tuple(sizes), True, "cpu")
+            R = torch.cat([torch.randn(n, generator=g, dtype=torch.float64) ** 3 * 10.0 ** (i % 5 - 2)
+                           for i, n in enumerate(sizes)]).to(dtype)
+            pos_S, ns_U = lay.sample_positions(density, 0.01, 7, "cpu")
+            consts = lay.search_constants(ns_U, [max(1, math.ceil(density * n)) for n in sizes], list(sizes), "cpu")
+            sorted_S = dgc._sort_per_unit(R.index_select(0, pos_S).abs(), consts.unit_S)
+            tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+            t_low = dgc._at_rank(sorted_S, consts, consts.first_U * dgc.CANDIDATE_FACTOR).clamp(min=tiny)
+            pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
+            v_C, unit_C = R.index_select(0, pos_C), torch.searchsorted(lay.unit_ends_N, pos_C, right=True)
+            args = (sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U, v_C, unit_C, t_low)
+            try:
+                if device == "cuda":
+                    want = ops.dgc_threshold_search(*args, dgc.REFINE_PASSES)
+                    got = ops.dgc_threshold_search(*(a.to(device) for a in args), dgc.REFINE_PASSES)
+                else:
+                    want = dgc.DGCSparsifier._search_loop(sorted_S, consts, v_C, unit_C, t_low, None, lay)
+                    got = ops.dgc_threshold_search(*args, dgc.REFINE_PASSES)
+                if not (torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])):
+                    bad.append(f"{len(sizes)} units: thresholds or keep mask differ")
+                checked += 1
+            except Exception as exc:  # noqa: BLE001 — a row of the report
+                bad.append(f"{len(sizes)} units: {type(exc).__name__}: {str(exc)[:120]}")
+        rep.add("ops", f"dgc_threshold_search {str(dtype)[6:]} equal to the "
+                + ("C++ CPU op" if device == "cuda" else "torch loop"), not bad,
+                "; ".join(bad) or f"{checked} buckets (7 equal, 6 mixed-size, 60 units): thresholds and masks equal")
+
 
 # --- part 1: the hashing op -------------------------------------------------------------------------------
 def hash_indices(numel: int, density: float, seed: int = 0):

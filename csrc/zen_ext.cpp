@@ -41,6 +41,12 @@ TORCH_LIBRARY(zen_ext, m) {
   // only: elsewhere the torch path of zen_ext/compress/dgc.py runs.
   m.def("dgc_accumulate_select_(Tensor(a!) R, Tensor(b!)? U, Tensor[] g_T, float momentum, Tensor thr_U, "
         "Tensor ends_U) -> (Tensor, Tensor, Tensor)");
+  // DGC's sampled threshold search, every refinement pass of every unit in one op: per unit u, the samples
+  // sorted_S[start_U[u] : start_U[u] + ns_U[u]] (descending), k_U[u] elements to keep, the first probe's
+  // sample rank first_U[u], the lower bound t_low_U[u], and the candidates v_C (R's values; unit_C
+  // ascending). Returns (thr_U, keep_C = |v_C| >= thr_U[unit_C]); logic in csrc/dgc_search.h.
+  m.def("dgc_threshold_search(Tensor sorted_S, Tensor start_U, Tensor ns_U, Tensor k_U, Tensor first_U, Tensor v_C, "
+        "Tensor unit_C, Tensor t_low_U, int passes) -> (Tensor, Tensor)");
   // Values of the concatenation of g_T at int64 positions pos, without the concatenation.
   m.def("gather_list(Tensor[] g_T, Tensor pos) -> Tensor");
 }

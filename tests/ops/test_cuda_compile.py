@@ -39,6 +39,7 @@ KERNEL_CU = os.path.join(ROOT, "csrc", "cuda", "hash_kernel.cu")
 PULL_CU = os.path.join(ROOT, "csrc", "cuda", "pull_kernel.cu")
 PULL_KERNELS = ("add_dense_kernel", "fill_words_kernel", "add_coo_kernel", "popcount_total_kernel",
                 "word_popcount_kernel", "encode_kernel", "msg_word_popcount_kernel", "decode_kernel")
+SEARCH_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_search.cu")
 HARNESS_CU = os.path.join(ROOT, "tests", "ops", "hash_kernel_harness.cu")
 # One architecture keeps the check quick; sm_80 (A100) is the oldest the paper-class GPUs need.
 GENCODE = ["-gencode", "arch=compute_80,code=sm_80"]
@@ -151,6 +152,19 @@ def test_pull_kernels_compile(tmp_path):
     ptx = "\n".join(open(f).read() for f in glob.glob(str(keep / "*.ptx")))
     assert "encode_kernel" in ptx, "nvcc -keep left no PTX"
     assert _byte_stores_of_converted_halves(ptx) == [], "encode_pull stores a converted bf16/fp16 value byte-wise"
+    _check_object_links(obj)
+
+
+@pytest.mark.timeout(1200)
+def test_dgc_search_kernel_compiles(tmp_path):
+    """``csrc/cuda/dgc_search.cu`` (dgc_threshold_search) compiles and links, one kernel per memory dtype."""
+    if not shutil.which("nm") or not shutil.which("c++filt") or not shutil.which("g++"):
+        pytest.skip("binutils (nm, c++filt) and g++ are needed for the symbol check")
+    obj = tmp_path / "dgc_search.o"
+    proc = _nvcc(["-c", SEARCH_CU, "-o", str(obj), *_torch_nvcc_flags(), *GENCODE, "-Xptxas", "-v"])
+    entries = _ptxas_entries(proc.stderr)
+    for tag in ("IfE", "IdE", "IN3c108BFloat16EE", "IN3c104HalfEE"):
+        assert f"threshold_search_kernel{tag}" in entries, f"threshold_search_kernel not instantiated for {tag}: {entries}"
     _check_object_links(obj)
 
 

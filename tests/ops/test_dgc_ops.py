@@ -4,6 +4,8 @@ positions in any order, and the errors that bad input raises before anything is 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -108,3 +110,83 @@ def test_gather_list_any_order_and_range_check():
     assert torch.equal(ops.gather_list(g_T, asc), cat[asc])
     with pytest.raises(RuntimeError, match=r"position 63 outside \[0, 63\)"):
         ops.gather_list(g_T, torch.tensor([1, 63]))
+
+
+# --- zen_ext::dgc_threshold_search against the torch search loop (its oracle) -------------------------
+def _search_case(dtype, unit_sizes, density, seed, spread=True):
+    """A bucket's samples, constants and candidates as ``DGCSparsifier._sampled_thresholds`` builds them."""
+    import zen_ext.compress.dgc as dgc
+
+    g = torch.Generator().manual_seed(seed)
+    lay = dgc._Layout(tuple(f"p{i}" for i in range(len(unit_sizes))), tuple(unit_sizes), True, "cpu")
+    # Units of very different scales (and heavy tails), as a bucket's layers are.
+    R = torch.cat([torch.randn(n, generator=g, dtype=torch.float64) ** 3 * (10.0 ** (i % 5 - 2) if spread else 1.0)
+                   for i, n in enumerate(unit_sizes)]).to(dtype)
+    pos_S, ns_U = lay.sample_positions(density, 0.01, seed, "cpu")
+    samples = R.index_select(0, pos_S).abs()
+    k_U = [max(1, math.ceil(density * n)) for n in unit_sizes]
+    consts = lay.search_constants(ns_U, k_U, list(unit_sizes), "cpu")
+    sorted_S = dgc._sort_per_unit(samples, consts.unit_S)
+    tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+    t_low = dgc._at_rank(sorted_S, consts, consts.first_U * dgc.CANDIDATE_FACTOR).clamp(min=tiny)
+    pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
+    v_C = R.index_select(0, pos_C)
+    unit_C = torch.searchsorted(lay.unit_ends_N, pos_C, right=True)
+    return lay, consts, sorted_S, v_C, unit_C, t_low
+
+
+@pytest.mark.skipif(not ops.has_dgc_search_op(torch.zeros(1)), reason="needs dgc_threshold_search in the C++ op")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("unit_sizes, density", [
+    ([4096] * 7, 0.01),                                   # equal units
+    ([1, 64, 5000, 65536, 3, 20000], 0.05),                # tiny units (every sample, k = 1) and large ones
+    ([262144], 0.001),                                     # one unit (per_bucket selection)
+    ([8192, 8192 * 3, 1024] * 20, 0.02),                   # many units
+])
+@pytest.mark.parametrize("passes", [0, 1, 4])
+def test_search_op_equals_the_torch_loop(dtype, unit_sizes, density, passes, monkeypatch):
+    """Same thresholds and keep mask as the torch loop, after any number of passes (the early stop of a
+    unit in the band changes nothing)."""
+    import zen_ext.compress.dgc as dgc
+
+    lay, consts, sorted_S, v_C, unit_C, t_low = _search_case(dtype, unit_sizes, density, seed=len(unit_sizes))
+    monkeypatch.setattr(dgc, "REFINE_PASSES", passes)
+    want_thr, want_keep = dgc.DGCSparsifier._search_loop(sorted_S, consts, v_C, unit_C, t_low, None, lay)
+    thr, keep = ops.dgc_threshold_search(sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U,
+                                         v_C, unit_C, t_low, passes)
+    assert thr.dtype == dtype and keep.dtype == torch.bool and keep.shape == v_C.shape
+    assert torch.equal(thr, want_thr), (thr - want_thr).abs().max()
+    assert torch.equal(keep, want_keep)
+    if passes == 4 and dtype != torch.bfloat16:  # the search did its job: most units land in the band
+        counts = torch.zeros(lay.units, dtype=torch.int64).index_add_(0, unit_C, keep.long()).double()
+        in_band = ((counts >= 0.8 * consts.k_U) & (counts <= 1.25 * consts.k_U)).double().mean()
+        assert in_band >= 0.5, in_band
+
+
+@pytest.mark.skipif(not ops.has_dgc_search_op(torch.zeros(1)), reason="needs dgc_threshold_search in the C++ op")
+def test_search_op_units_without_candidates_and_no_candidates_at_all():
+    """A unit with no candidate keeps t_low or a probe above it and selects nothing; an empty candidate
+    list gives every unit a threshold and an empty mask."""
+    import zen_ext.compress.dgc as dgc
+
+    lay, consts, sorted_S, v_C, unit_C, t_low = _search_case(torch.float32, [4096, 4096, 4096], 0.01, seed=3)
+    drop = unit_C != 1  # unit 1 loses its candidates
+    args = (sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U)
+    want = dgc.DGCSparsifier._search_loop(sorted_S, consts, v_C[drop], unit_C[drop], t_low, None, lay)
+    got = ops.dgc_threshold_search(*args, v_C[drop], unit_C[drop], t_low, 4)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[0][1] >= t_low[1]
+    empty = ops.dgc_threshold_search(*args, v_C[:0], unit_C[:0], t_low, 4)
+    want = dgc.DGCSparsifier._search_loop(sorted_S, consts, v_C[:0], unit_C[:0], t_low, None, lay)
+    assert torch.equal(empty[0], want[0]) and empty[1].numel() == 0
+
+
+@pytest.mark.skipif(not ops.has_dgc_search_op(torch.zeros(1)), reason="needs dgc_threshold_search in the C++ op")
+def test_search_op_rejects_mismatched_inputs():
+    _, consts, sorted_S, v_C, unit_C, t_low = _search_case(torch.float32, [4096, 4096], 0.01, seed=4)
+    args = (sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U)
+    with pytest.raises(RuntimeError, match="sorted_S, v_C and t_low_U must be 1-D of one floating dtype"):
+        ops.dgc_threshold_search(*args, v_C.double(), unit_C, t_low, 4)
+    with pytest.raises(RuntimeError, match="unit_C must be int64, unit_C as long as v_C"):
+        ops.dgc_threshold_search(*args, v_C, unit_C[1:], t_low, 4)
+    with pytest.raises(RuntimeError, match="one entry per unit"):
+        ops.dgc_threshold_search(*args, v_C, unit_C, t_low[:1], 4)

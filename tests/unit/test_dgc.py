@@ -412,6 +412,34 @@ def test_ops_per_bucket_do_not_grow_with_the_number_of_tensors(monkeypatch, cfg,
     assert max(ops(4, False), ops(64, False)) <= blind + 2 * dgc_module.REFINE_PASSES
 
 
+@pytest.mark.skipif(not dgc_module.ops.has_dgc_search_op(torch.zeros(1)), reason="needs the zen_ext C++ op")
+@pytest.mark.parametrize("cfg", [dict(), dict(selection="per_bucket", momentum_correction=False),
+                                 dict(residual_dtype="bfloat16"), dict(momentum_correction=False)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_code_path_dispatches_few_ops_whatever_the_tensors(monkeypatch, cfg, dtype):
+    """The path a CUDA bucket takes (no CPU accumulate-select op; the threshold search in one op, which
+    has a CUDA kernel), run on CPU tensors: at most ``GPU_PATH_MAX_OPS`` dispatched ops per bucket, the
+    same for 4 and 64 tensors. The torch search loop alone issued about 240 (issue 23: 351 kernels on an
+    H200 for a 49-tensor bucket)."""
+    GPU_PATH_MAX_OPS = 70
+    monkeypatch.setattr(dgc_module, "FREE_HOST_READ_DEVICES", ())
+    monkeypatch.setattr(dgc_module.ops, "has_dgc_select_op", lambda t: False)
+    gen = torch.Generator().manual_seed(13)
+    counts = []
+    for num in (4, 64):
+        bucket = torch.cat([torch.randn(64, 4096 // num, generator=gen).reshape(-1) * (i + 1)
+                            for i in range(num)]).to(dtype)
+        grads = [NamedGrad(f"p{i}", t) for i, t in enumerate(bucket.split(64 * 4096 // num))]
+        sp = DGCSparsifier(DGCConfig(enabled=True, density=0.01, **cfg))
+        sp.compress(grads)
+        sp.state.step += 1
+        with _OpCounter() as c:
+            sg = sp.compress(grads)
+        assert sg.indices.numel() > 0
+        counts.append(c.ops)
+    assert counts[0] == counts[1] and counts[0] <= GPU_PATH_MAX_OPS, counts
+
+
 def test_layout_with_coprime_sizes_still_selects_per_tensor():
     """gcd(numels) == 1 degrades to one threshold per element, with the same selection."""
     gen = torch.Generator().manual_seed(12)

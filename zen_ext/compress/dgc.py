@@ -22,8 +22,11 @@ Choices and why:
   ``|v| ≥ t_low`` (the sample's ``CANDIDATE_FACTOR·k`` quantile, about twice the target), and
   ``REFINE_PASSES`` search passes then run on the candidates only (exact counts for any threshold
   ``≥ t_low``): from the sample's ``density`` quantile, move the sample rank by ``k / count`` while
-  the count is outside ``REFINE_BAND·k``. Counts and thresholds stay on the device, so a bucket costs
-  three host synchronizations on a GPU (finiteness, the candidates' and the selection's
+  the count is outside ``REFINE_BAND·k``. Without TP every pass of every unit runs in one op
+  (``dgc_threshold_search``, logic in csrc/dgc_search.h, one kernel on a GPU); under TP the torch
+  loop all-reduces each pass's counts. Sample positions are a per-layout grid kept on the device plus
+  a per-step offset (no host-to-device copy). Counts and thresholds stay on the device, so a bucket
+  costs three host synchronizations on a GPU (finiteness, the candidates' and the selection's
   ``nonzero``), whatever its number of tensors. ``"exact"`` takes the ``k``-th largest ``|v|`` per
   unit (one segmented sort of the bucket); ties at the threshold are kept in both modes.
 * **tensor parallelism**: with ``tp_comm`` every TP rank samples its shard, the samples (with each
@@ -400,8 +403,7 @@ class DGCSparsifier(Sparsifier):
         which applies the update and selects the candidates in one pass.
         """
         # Step 1: samples, one gather for the whole bucket.
-        pos_S, ns_U = lay.sample_positions(density, self.config.sample_fraction, self.state.step)
-        pos_S = pos_S.to(R.device, non_blocking=True)
+        pos_S, ns_U = lay.sample_positions(density, self.config.sample_fraction, self.state.step, R.device)
         if pending is None:
             samples = torch.nan_to_num(R.index_select(0, pos_S).abs(), nan=0.0)
         else:
@@ -419,9 +421,8 @@ class DGCSparsifier(Sparsifier):
         if not tp:
             unit_S = consts.unit_S
         sorted_S = _sort_per_unit(samples, unit_S)
-        search = _ThresholdSearch(sorted_S, consts)
         # Step 3: candidates at t_low, one pass over the bucket.
-        t_low = search.at_rank(search.rank * CANDIDATE_FACTOR).clamp(min=tiny)
+        t_low = _at_rank(sorted_S, consts, consts.first_U * CANDIDATE_FACTOR).clamp(min=tiny)
         if pending is None:
             pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
             v_C = R.index_select(0, pos_C)
@@ -429,13 +430,32 @@ class DGCSparsifier(Sparsifier):
         else:  # the op returns the candidates' values and units too: no gather from the bucket
             pos_C, v_C, unit_C = ops.dgc_accumulate_select_(R, pending[0], pending[1], self.config.momentum,
                                                             t_low.to(R.dtype), lay.unit_ends_N)
+        # Step 4: search among the candidates. Without TP, one op runs every pass of every unit (one
+        # kernel on a GPU, where the loop below issues about fifty small ones per pass).
+        if not tp and ops.has_dgc_search_op(R):
+            thr_U, keep_C = ops.dgc_threshold_search(sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U,
+                                                     v_C, unit_C, t_low.to(R.dtype), REFINE_PASSES)
+        else:
+            thr_U, keep_C = self._search_loop(sorted_S, consts, v_C, unit_C, t_low, tp_comm if tp else None, lay)
+        # (index_select: 2.5x faster than advanced indexing for 1-D gathers on the CPU)
+        keep = keep_C.nonzero().flatten()
+        return thr_U, pos_C.index_select(0, keep), v_C.index_select(0, keep)
+
+    @staticmethod
+    def _search_loop(sorted_S, consts: "_SearchConstants", v_C, unit_C, t_low, tp_comm, lay: "_Layout"):
+        """Step 4 with torch ops (``dgc_threshold_search``'s oracle, and the path under TP, where every
+        pass's counts are all-reduced so that every TP rank moves alike): ``(thr_U, keep_C)``."""
+        search = _ThresholdSearch(sorted_S, consts)
         abs_C = v_C.abs()
-        # Step 4: search among the candidates (counts are global under TP: every TP rank moves alike).
-        zeros_U = torch.zeros(lay.units, dtype=torch.int64, device=R.device)
+        # The candidates are in position order, so each unit's are one run: a count per unit is the
+        # difference of a running sum at the runs' ends (no atomics; an index_add into U counters
+        # serialized on the GPU: 54 % of a bucket's GPU time on an H200).
+        cut_U1 = torch.searchsorted(unit_C, lay.unit_range_U1)
         for _ in range(REFINE_PASSES):
             thr_U = torch.maximum(search.thr, t_low)
-            counts_U = zeros_U.index_add(0, unit_C, (abs_C >= thr_U.index_select(0, unit_C)).to(torch.int64))
-            if tp:
+            run_C1 = torch.nn.functional.pad((abs_C >= thr_U.index_select(0, unit_C)).cumsum(0), (1, 0))
+            counts_U = run_C1.index_select(0, cut_U1[1:]) - run_C1.index_select(0, cut_U1[:-1])
+            if tp_comm is not None:
                 tp_comm.all_reduce(counts_U)
             search.update(counts_U)
             # On the CPU reading a flag costs nothing: stop once every unit is in the band. On a GPU
@@ -443,9 +463,7 @@ class DGCSparsifier(Sparsifier):
             if counts_U.device.type in FREE_HOST_READ_DEVICES and bool(search.done.all()):
                 break
         thr_U = torch.maximum(search.thr, t_low)
-        # (index_select: 2.5x faster than advanced indexing for 1-D gathers on the CPU)
-        keep = (abs_C >= thr_U.index_select(0, unit_C)).nonzero().flatten()
-        return thr_U, pos_C.index_select(0, keep), v_C.index_select(0, keep)
+        return thr_U, abs_C >= thr_U.index_select(0, unit_C)
 
     def _exact_thresholds(self, R: torch.Tensor, lay: "_Layout", density: float, tp_comm) -> torch.Tensor:
         """The ``k``-th largest ``|v|`` of each unit (pooled over the TP group): one segmented sort."""
@@ -494,7 +512,8 @@ class _Layout:
         self.ends_U = torch.tensor(ends, dtype=torch.int64, device=device)
         self.starts_U = torch.tensor(ends - np.array(bpu), dtype=torch.int64, device=device)
         self.unit_ends_N = torch.tensor(np.cumsum(self.unit_numels), dtype=torch.int64, device=device)
-        self._samples: tuple | None = None
+        self.unit_range_U1 = torch.arange(self.units + 1, dtype=torch.int64, device=device)
+        self._sample_grids: dict[tuple, tuple] = {}
         self._search_constants: dict[tuple, _SearchConstants] = {}
 
     def search_constants(self, ns_U: list[int], k_U: list[int], numel_U: list[int], device) -> "_SearchConstants":
@@ -531,31 +550,39 @@ class _Layout:
         """The unit of every element (int64 ``[numel]``; built per call, only ``"exact"`` needs it)."""
         return torch.arange(self.units, device=device).repeat_interleave(self.bpu_U * self.blk, output_size=self.numel)
 
-    def sample_positions(self, density: float, fraction: float, step: int) -> tuple[torch.Tensor, list[int]]:
-        """Strided sample positions of every unit (host-built, one copy) and the count per unit.
+    def sample_positions(self, density: float, fraction: float, step: int, device) -> tuple[torch.Tensor, list[int]]:
+        """Strided sample positions of every unit on ``device``, and the count per unit.
 
         Per unit: ``num = max(fraction·n, MIN_KEPT_SAMPLES/density)`` samples (all when that reaches
         ``n``) at ``offset + j·stride``, the stride odd (no aliasing with power-of-two rows), the
-        offset a hash of the unit's first name and the step (deterministic, moving).
+        offset a hash of the unit's first name moved by the step (deterministic, moving). The grid
+        ``base + j·stride`` is built once per (density, fraction) and kept on the device; a step only
+        adds its offsets there (three small kernels, no host-to-device copy).
         """
-        if self._samples is not None and self._samples[0] == (density, fraction, step):
-            return self._samples[1], self._samples[2]
-        parts, ns_U, base = [], [], 0
-        for key, n in zip(self.keys, self.unit_numels):
-            num = min(n, max(math.ceil(fraction * n), math.ceil(MIN_KEPT_SAMPLES / density)))
-            if num >= n:
-                parts.append(np.arange(base, base + n, dtype=np.int64))
-            else:
-                stride = n // num
+        key = (density, fraction, str(device))
+        grid = self._sample_grids.get(key)
+        if grid is None:
+            if len(self._sample_grids) >= 64:  # a density warm-up moves the grid for a while
+                self._sample_grids.clear()
+            parts, ns_U, strides, base = [], [], [], 0
+            for n in self.unit_numels:
+                num = min(n, max(math.ceil(fraction * n), math.ceil(MIN_KEPT_SAMPLES / density)))
+                stride = 1 if num >= n else n // num
                 if stride > 1 and stride % 2 == 0:
                     stride -= 1  # an odd stride walks through every column of a power-of-two-wide matrix
-                offset = zlib.crc32(f"{key}:{step}".encode()) % stride
-                parts.append(base + offset + stride * np.arange(num, dtype=np.int64))
-            ns_U.append(len(parts[-1]))
-            base += n
-        pos = torch.from_numpy(np.concatenate(parts))
-        self._samples = ((density, fraction, step), pos, ns_U)
-        return pos, ns_U
+                parts.append(base + stride * np.arange(num, dtype=np.int64))
+                ns_U.append(num)
+                strides.append(stride)
+                base += n
+            i64 = dict(dtype=torch.int64, device=device)
+            grid = self._sample_grids[key] = (
+                torch.from_numpy(np.concatenate(parts)).to(device), ns_U,
+                torch.tensor(strides, **i64), torch.from_numpy(np.repeat(np.arange(len(ns_U)), ns_U)).to(device),
+                torch.tensor([zlib.crc32(k.encode()) for k in self.keys], **i64))
+        grid_S, ns_U, stride_U, unit_S, hash_U = grid
+        # (step · an odd constant) mod 2^31 walks every residue of an odd stride; the hash decorrelates units.
+        offset_U = (hash_U + (step * 0x9E3779B1) % (1 << 31)).remainder_(stride_U)
+        return grid_S + offset_U.index_select(0, unit_S), ns_U
 
 
 def _sort_per_unit(vals: torch.Tensor, unit_ids: torch.Tensor) -> torch.Tensor:
@@ -590,6 +617,13 @@ class _SearchConstants:
     unit_S: torch.Tensor
 
 
+def _at_rank(sorted_S: torch.Tensor, units, rank_U: torch.Tensor) -> torch.Tensor:
+    """The sample at 1-based (fractional) rank ``rank_U`` of each unit's descending sort (``units``
+    has the units' ``start_U`` and ``ns_U``); csrc/dgc_search.h's ``at_rank`` mirrors it."""
+    idx = (rank_U.ceil() - 1).clamp(min=0).minimum(units.ns_U - 1).long() + units.start_U
+    return sorted_S[idx]
+
+
 class _ThresholdSearch:
     """Find per-unit thresholds whose counts lie in ``REFINE_BAND·k``, on device tensors ``[U]`` only.
 
@@ -616,8 +650,7 @@ class _ThresholdSearch:
 
     def at_rank(self, rank_U: torch.Tensor) -> torch.Tensor:
         """The sample at 1-based (fractional) rank ``rank_U`` of each unit's descending sort."""
-        idx = (rank_U.ceil() - 1).clamp(min=0).minimum(self.ns_U - 1).long() + self.start_U
-        return self.sorted_S[idx]
+        return _at_rank(self.sorted_S, self, rank_U)
 
     def update(self, count_U: torch.Tensor) -> None:
         """Record the counts at ``self.thr`` and move ``self.thr`` to the next probes."""

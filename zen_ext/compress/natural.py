@@ -114,11 +114,11 @@ def classify_parameters(
     2. Untied embeddings → ``"natural"`` if ``natural`` is enabled.
     3. Every other parameter (tied embeddings included): 1-D, fewer than ``dgc.min_numel``
        elements or matching ``dgc.dense_params`` → ``"dense"``; otherwise ``"dgc"`` if DGC is
-       enabled, else ``"dense"``. Under tensor
-       parallelism the size is that of the parameter's *largest shard over the TP group* (one
-       gathered fact, the same on every TP rank), never the local shard's: with uneven AutoTP shards
-       a local size would route a parameter to DGC on one TP rank and dense on another, and DGC's
-       per-layer threshold exchange over the TP group would then wait for a rank that never joins.
+       enabled, else ``"dense"``. Under tensor parallelism the size is that of the parameter's
+       *largest shard over the TP group* (one gathered fact, the same on every TP rank), never the
+       local shard's: with uneven AutoTP shards a local size would route a parameter to DGC on one TP
+       rank and dense on another, and DGC's per-layer threshold exchange over the TP group would then
+       wait for a rank that never joins.
 
     Args:
         model: the model (unwrapped or wrapped: names are those of ``model.named_parameters()``).

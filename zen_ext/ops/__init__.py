@@ -32,6 +32,7 @@ if os.environ.get("ZEN_DISABLE_CPP_OP", "0") != "1":
 __all__ = [
     "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
     "aggregate_push", "aggregate_push_into", "read_aggregate_count", "has_aggregate_into_op", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
+    "has_dgc_search_op", "dgc_threshold_search",
     "gather_list", "emulate_cuda_layout",
 ]
 
@@ -295,6 +296,28 @@ def dgc_accumulate_select_(
     first; the torch path of ``zen_ext.compress.dgc`` is its oracle.
     """
     return torch.ops.zen_ext.dgc_accumulate_select_(R, U, g_T, momentum, thr_U, ends_U)
+
+
+def has_dgc_search_op(t: torch.Tensor) -> bool:
+    """Whether ``dgc_threshold_search`` has a kernel for ``t``'s device (CPU, and CUDA builds)."""
+    return _has_kernel("dgc_threshold_search", t)
+
+
+def dgc_threshold_search(
+    sorted_S: torch.Tensor, start_U: torch.Tensor, ns_U: torch.Tensor, k_U: torch.Tensor, first_U: torch.Tensor,
+    v_C: torch.Tensor, unit_C: torch.Tensor, t_low_U: torch.Tensor, passes: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DGC's sampled threshold search, every pass of every unit in one op (one kernel on a GPU).
+
+    Per unit ``u``: samples ``sorted_S[start_U[u]:][:ns_U[u]]`` sorted descending, ``k_U[u]`` elements
+    to keep, first probe at sample rank ``first_U[u]`` (``ns_U``, ``k_U``, ``first_U`` float64), lower
+    bound ``t_low_U[u]``; candidates ``v_C`` (signed values) with ascending units ``unit_C``. Returns
+    ``(thr_U, keep_C)``: each unit's threshold after ``passes`` refinements and ``|v_C| ≥ thr_U[unit_C]``.
+    Callers check ``has_dgc_search_op`` first; ``_ThresholdSearch`` in ``zen_ext.compress.dgc`` is
+    its oracle (and the path under tensor parallelism, whose counts are all-reduced every pass).
+    """
+    return torch.ops.zen_ext.dgc_threshold_search(sorted_S, start_U, ns_U, k_U, first_U, v_C, unit_C, t_low_U,
+                                                  int(passes))
 
 
 def gather_list(g_T: list[torch.Tensor], pos: torch.Tensor) -> torch.Tensor:
