@@ -38,6 +38,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_run_args(p, default_output_dir="runs/deepspeed")
     p.add_argument("--save_model", default=None, help="save the final model and tokenizer here with save_pretrained "
                    "(a later run fine-tunes from it: --model DIR --tokenizer DIR)")
+    p.add_argument("--frozen_variance_after", type=int, default=0,
+                   help="N > 0: train with zen_ext.optim.FrozenVarianceAdamW (the config's AdamW settings, Adam's "
+                   "second moment frozen after N steps: DGC's error feedback then conserves Adam's movement)")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     return p.parse_args(argv)
 
@@ -54,12 +57,32 @@ def load_ds_config(args) -> dict:
         ZenConfig.from_ds_config(ds)
     except (ValueError, TypeError) as exc:
         raise common.ConfigError(str(exc)) from exc
+    if args.frozen_variance_after < 0:
+        raise common.ConfigError(f"--frozen_variance_after ({args.frozen_variance_after}) must be >= 0 (0: off)")
+    opt_type = (ds.get("optimizer") or {}).get("type")
+    if args.frozen_variance_after and str(opt_type).lower() not in ("adam", "adamw"):
+        raise common.ConfigError(f"--frozen_variance_after ({args.frozen_variance_after}) needs an Adam or AdamW "
+                                 f"\"optimizer\" section in the DeepSpeed config, got {opt_type!r}")
     zen = ds.get("zen")
     if isinstance(zen, dict) and zen.get("enabled", True):
         stats = zen.setdefault("stats", {})
         if stats.get("jsonl_path") is None:
             stats["jsonl_path"] = os.path.join(args.output_dir, "zen_stats.jsonl")
     return ds
+
+
+def client_optimizer(args, ds_config: dict, model):
+    """``--frozen_variance_after N``: FrozenVarianceAdamW built from the config's Adam/AdamW settings, whose
+    ``optimizer`` section is then removed (DeepSpeed takes one or the other); ``None`` otherwise."""
+    if args.frozen_variance_after <= 0:
+        return None
+    from zen_ext.optim import FrozenVarianceAdamW
+
+    params = (ds_config.pop("optimizer", None) or {}).get("params", {})  # checked by load_ds_config
+    ds_config.setdefault("zero_allow_untested_optimizer", True)  # ZeRO 1-2 wrap any torch optimizer
+    return FrozenVarianceAdamW(model.parameters(), lr=params.get("lr", 1e-3), betas=tuple(params.get("betas", (0.9, 0.999))),
+                               eps=params.get("eps", 1e-8), weight_decay=params.get("weight_decay", 0.01),
+                               freeze_after=args.frozen_variance_after)
 
 
 # --- the run --------------------------------------------------------------------------------------------
@@ -80,7 +103,9 @@ def main(argv=None) -> list[dict]:
     tokenizer, train_blocks, eval_blocks = common.prepare_data(args, rank)
     vocab = len(tokenizer) if args.model.endswith(".json") else None
     model = common.build_model(args.model, seed=args.seed, vocab_size=vocab)
-    engine, _, _, _ = zen_ext.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    optimizer = client_optimizer(args, ds_config, model)
+    engine, _, _, _ = zen_ext.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
+                                                   optimizer=optimizer)
     zen = getattr(engine, "zen", None)
     if args.save_model and engine.zero_optimization_stage() >= 3:
         raise common.ConfigError(f"--save_model ({args.save_model}) needs ZeRO stage 0, 1 or 2: ZeRO-3 partitions "

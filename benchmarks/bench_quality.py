@@ -1,0 +1,323 @@
+"""Time to quality: dense vs natural-only vs DGC variants, at equal steps and to a target loss (issue 21).
+
+Each run is the DeepSpeed recipe (``recipes/finetune_llm.py``) on 2 CPU ranks with the demo's tiny Llama
+and DeepSpeed settings (``configs/demo_ds.json``: AdamW lr 3e-3, ZeRO-1), one variant's ``zen`` section
+and one seed (model initialization, data order and eval split), in two settings:
+
+* ``scratch``: random initialization, the whole built-in text, ``--scratch_steps`` steps;
+* ``finetune``: from a model pretrained densely on the first half of the text (built once, cached in
+  ``<runs>/pretrained``), fine-tuned on the second half (documents it has not seen).
+
+Steps:
+1. Build each variant's DeepSpeed config from the demo's (``VARIANTS``: overrides of ``zen.dgc``).
+2. Run every (setting, variant, seed) that has no result yet (a run's ``summary.json`` is its result, so
+   an interrupted sweep resumes), with a progress line per run.
+3. Report per setting, against dense *of the same seed* (paired): eval loss at equal steps (median and
+   min–max over seeds), the gap to dense, steps to the target (dense's final eval loss + 1 %, linear
+   between evaluations) and time to the target with per-step times measured in the emulated cluster
+   (``benchmarks/results/cluster_e2e.jsonl``, 4 hosts at 1 Gbit/s), and plot the curves against steps
+   and against that time.
+
+Usage::
+
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_quality.py --seeds 0 1 2 \\
+        --variants dense natural dgc5 dgc1 --out benchmarks/results/time_to_quality.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = "configs/models/llama-tiny-untied.json"
+RUN_TIMEOUT_S = 1200
+TARGET_MARGIN = 0.01
+"""The target is dense's final eval loss (median over seeds) times ``1 + TARGET_MARGIN``."""
+
+VARIANTS: dict[str, dict | None] = {
+    # name → overrides of the demo's zen.dgc section; None: dense DeepSpeed (no zen section).
+    "dense": None,
+    "natural": {"enabled": False},
+    "dgc5": {},
+    "dgc1": {"density": 0.01},
+    "dgc5_warm100": {"warmup_steps": 100},
+    "dgc5_dense_start": {"warmup_steps": 60, "warmup_start_density": 1.0},
+    "dgc5_head_dense": {"dense_params": ["lm_head"]},
+    "dgc5_head_dense_warm100": {"dense_params": ["lm_head"], "warmup_steps": 100},
+    "dgc1_head_dense_warm100": {"density": 0.01, "dense_params": ["lm_head"], "warmup_steps": 100},
+    # A learning-rate check: Adam divides each coordinate by its recent RMS, so a coordinate that DGC
+    # sends once every T steps as a T-step sum moves about sqrt(T) times less than dense (a smaller
+    # effective learning rate). If twice the rate closes much of the gap, that is the cause; dense at
+    # twice the rate says whether the baseline itself was tuned.
+    "dense_lr2x": {"_lr_scale": 2.0, "_dense": True},
+    "dgc5_lr2x": {"_lr_scale": 2.0},
+    # Adam's second moment frozen after 60 steps (zen_ext.optim.FrozenVarianceAdamW, 1-bit Adam's design):
+    # Adam's step is then linear in the gradients, and error feedback conserves it.
+    "dense_frozen60": {"_frozen_after": 60, "_dense": True},
+    "dgc5_frozen60": {"_frozen_after": 60},
+    "dgc1_frozen60": {"density": 0.01, "_frozen_after": 60},
+    "dgc5_dense_start_frozen60": {"warmup_steps": 60, "warmup_start_density": 1.0, "_frozen_after": 60},
+}
+STEP_TIME_CONFIG = {"dense": "dense", "dense_lr2x": "dense", "dense_frozen60": "dense", "natural": "zen_natural"}
+"""Which emulated-cluster measurement times a variant's step: DGC variants take the ``zen_dgc<d>`` of
+their density; the per-step time of a variant with more dense tensors is then a lower bound."""
+
+
+def ds_config(variant: str) -> dict:
+    """Step 1: the demo's DeepSpeed config with the variant's ``zen.dgc`` overrides (keys starting with
+    ``_`` are the benchmark's own: ``_dense`` for DeepSpeed without zen, ``_lr_scale`` for the rate)."""
+    spec = copy.deepcopy(VARIANTS[variant]) if VARIANTS[variant] is not None else {"_dense": True}
+    lr_scale, dense = spec.pop("_lr_scale", 1.0), spec.pop("_dense", False)
+    spec.pop("_frozen_after", None)  # a recipe argument (run_one)
+    with open(os.path.join(ROOT, "configs/demo_ds_dense.json" if dense else "configs/demo_ds.json")) as f:
+        cfg = json.load(f)
+    if not dense:
+        cfg["zen"]["dgc"].update(spec)
+        cfg["zen"]["stats"] = {"summary": False}
+    if lr_scale != 1.0:
+        cfg["optimizer"]["params"]["lr"] *= lr_scale
+        cfg["scheduler"]["params"]["warmup_max_lr"] *= lr_scale
+    return cfg
+
+
+def _launch(args_list: list[str], log_path: str, port: int) -> float:
+    """Run the recipe on 2 ranks; returns its wall time in seconds. Raises on a failed run."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
+    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
+    cmd = [deepspeed, "--num_gpus", "2", "--master_port", str(port), "recipes/finetune_llm.py", *args_list]
+    t0 = time.perf_counter()
+    with open(log_path, "w") as log:
+        try:  # a run of this size takes about a minute; a stuck rendezvous must not stall the sweep
+            rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    if rc != 0:
+        raise RuntimeError(f"run failed (exit {rc}): {' '.join(cmd)}; see {log_path}")
+    return time.perf_counter() - t0
+
+
+def pretrained(runs: str, steps: int) -> str:
+    """The dense model pretrained on the first half of the text (built once per ``runs`` folder)."""
+    path = os.path.join(runs, "pretrained")
+    if not os.path.exists(os.path.join(path, "config.json")):
+        out = os.path.join(runs, "pretrain_run")
+        os.makedirs(out, exist_ok=True)
+        cfg = os.path.join(out, "ds_config.json")
+        with open(cfg, "w") as f:
+            json.dump(ds_config("dense"), f)
+        print(f"pretraining the fine-tuning start ({steps} dense steps on the first half) ...", flush=True)
+        _launch(["--deepspeed_config", cfg, "--model", MODEL, "--data", "pydoc", "--data_part", "first",
+                 "--tokenizer", "train", "--steps", str(steps), "--output_dir", out, "--save_model", path],
+                os.path.join(out, "log.txt"), 29590)
+    return path
+
+
+def run_one(runs: str, setting: str, variant: str, seed: int, steps: int, eval_every: int,
+            start: str | None, port: int) -> dict:
+    """Step 2: one run (or its cached result): eval curve, train losses and wall time."""
+    cfg = ds_config(variant)
+    run_args = ["--data", "pydoc", "--steps", str(steps), "--eval_every", str(eval_every), "--seed", str(seed)]
+    frozen = (VARIANTS[variant] or {}).get("_frozen_after")
+    if frozen:
+        run_args += ["--frozen_variance_after", str(frozen)]
+    if setting == "finetune":
+        run_args += ["--model", start, "--tokenizer", start, "--data_part", "second"]
+    else:
+        run_args += ["--model", MODEL, "--tokenizer", "train"]
+    key = hashlib.sha1(json.dumps([cfg, run_args]).encode()).hexdigest()[:12]
+    out = os.path.join(runs, setting, variant, f"seed{seed}")
+    result_path = os.path.join(out, "result.json")
+    if os.path.exists(result_path):
+        with open(result_path) as f:
+            result = json.load(f)
+        if result.get("key") == key:
+            return result
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "ds_config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    wall_s = _launch(["--deepspeed_config", os.path.join(out, "ds_config.json"), "--output_dir", out, *run_args],
+                     os.path.join(out, "log.txt"), port)
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    result = {"key": key, "setting": setting, "variant": variant, "seed": seed, "steps": steps,
+              "eval": summary["eval"], "losses": summary["losses"], "wall_s": wall_s}
+    with open(result_path, "w") as f:
+        json.dump(result, f)
+    return result
+
+
+def steps_to(evals: list[list[float]], target: float) -> float | None:
+    """The first step where the eval loss reaches ``target`` (linear between evaluations); None: never."""
+    prev = None
+    for step, loss in evals:
+        if loss <= target:
+            if prev is None or prev[1] == loss:
+                return float(step)
+            s0, l0 = prev
+            return s0 + (step - s0) * (l0 - target) / (l0 - loss)
+        prev = (step, loss)
+    return None
+
+
+def cluster_step_s(path: str) -> dict[str, float]:
+    """Median step seconds per config measured in the emulated cluster at 4 hosts, 1 Gbit/s."""
+    out = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                rec = json.loads(line)
+                if rec.get("bench") == "e2e" and rec.get("rate") == "1gbit" and rec.get("n") == 4:
+                    out[rec["config"]] = rec["step_s_med"]
+    return out
+
+
+def step_time_key(variant: str) -> str:
+    if variant in STEP_TIME_CONFIG:
+        return STEP_TIME_CONFIG[variant]
+    density = (VARIANTS[variant] or {}).get("density", 0.05)
+    return f"zen_dgc{round(density * 100)}"
+
+
+def _fmt_range(values: list[float], fmt: str) -> str:
+    if not values:
+        return "–"
+    return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}–{format(max(values), fmt)}]"
+
+
+def report(results: list[dict], step_s: dict[str, float], plot_path: str | None) -> str:
+    """Step 3: the markdown tables (and the plot) of every setting."""
+    lines = []
+    for setting in ("scratch", "finetune"):
+        rows = [r for r in results if r["setting"] == setting]
+        if not rows:
+            continue
+        by = {}
+        for r in rows:
+            by.setdefault(r["variant"], {})[r["seed"]] = r
+        dense = by.get("dense", {})
+        if not dense:
+            continue
+        steps = rows[0]["steps"]
+        target = statistics.median(d["eval"][-1][1] for d in dense.values()) * (1 + TARGET_MARGIN)
+        checkpoints = sorted({s for d in dense.values() for s, _ in d["eval"]})
+        marks = [c for c in checkpoints if c in (steps // 4, steps // 2, steps)] or checkpoints[-1:]
+        lines += [f"### {setting}: {steps} steps, seeds {sorted(dense)}", "",
+                  f"Target: dense's final eval loss (median over seeds) + {TARGET_MARGIN:.0%} = **{target:.4f}**. "
+                  "Gaps are paired (each seed against dense of the same seed); median [min–max] over seeds.", "",
+                  "| variant | " + " | ".join(f"eval @ {m}" for m in marks) + " | gap @ " + str(steps)
+                  + " | steps to target | × dense's steps | step s (4 hosts, 1 Gbit/s) | time to target × dense |",
+                  "|---|" + "---|" * (len(marks) + 5)]
+        dense_steps = [steps_to(d["eval"], target) for d in dense.values()]
+        dense_med_steps = statistics.median([s for s in dense_steps if s is not None] or [float("nan")])
+        for variant, seeds in by.items():
+            evals_at = []
+            for m in marks:
+                evals_at.append([dict((s, l) for s, l in r["eval"])[m] for r in seeds.values()
+                                 if m in dict((s, l) for s, l in r["eval"])])
+            gaps = [100 * (r["eval"][-1][1] / dense[s]["eval"][-1][1] - 1) for s, r in seeds.items() if s in dense]
+            reach = [steps_to(r["eval"], target) for r in seeds.values()]
+            reached = [x for x in reach if x is not None]
+            med_steps = statistics.median(reached) if len(reached) * 2 > len(reach) else None
+            st = step_s.get(step_time_key(variant))
+            dense_st = step_s.get("dense")
+            ratio = med_steps / dense_med_steps if med_steps is not None else None
+            time_ratio = ratio * st / dense_st if ratio is not None and st and dense_st else None
+            reach_s = (f"{med_steps:.0f} ({len(reached)}/{len(reach)} seeds)" if med_steps is not None
+                       else f"not reached ({len(reached)}/{len(reach)} seeds)")
+            cells = [variant, *(_fmt_range(v, ".4f") for v in evals_at), f"{_fmt_range(gaps, '+.2f')} %", reach_s,
+                     f"{ratio:.2f}×" if ratio is not None else "–", f"{st:.2f}" if st else "–",
+                     f"**{time_ratio:.2f}×**" if time_ratio is not None else "–"]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    if plot_path:
+        _plot(results, step_s, plot_path)
+    return "\n".join(lines)
+
+
+def _plot(results: list[dict], step_s: dict[str, float], path: str) -> None:
+    """Eval loss (median over seeds) against steps and against emulated-cluster time, per setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = [s for s in ("scratch", "finetune") if any(r["setting"] == s for r in results)]
+    fig, axes = plt.subplots(len(settings), 2, figsize=(11, 3.8 * len(settings)), squeeze=False)
+    for row, setting in zip(axes, settings):
+        by = {}
+        for r in results:
+            if r["setting"] == setting:
+                by.setdefault(r["variant"], []).append(r)
+        for variant, runs in by.items():
+            steps = sorted({s for r in runs for s, _ in r["eval"]})
+            med = [statistics.median(dict(map(tuple, r["eval"])).get(s, math.nan) for r in runs) for s in steps]
+            style = dict(lw=2.2, color="black") if variant == "dense" else dict(lw=1.2)
+            row[0].plot(steps, med, label=variant, **style)
+            st = step_s.get(step_time_key(variant))
+            if st:
+                row[1].plot([s * st for s in steps], med, label=variant, **style)
+        row[0].set(title=f"{setting}: eval loss vs steps (median over seeds)", xlabel="step", ylabel="eval loss")
+        row[1].set(title=f"{setting}: vs time (step times of 4 emulated hosts, 1 Gbit/s)", xlabel="s",
+                   ylabel="eval loss")
+        row[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", nargs="+", default=["dense", "natural", "dgc5", "dgc1"], choices=list(VARIANTS))
+    p.add_argument("--settings", nargs="+", default=["scratch", "finetune"], choices=["scratch", "finetune"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--scratch_steps", type=int, default=300)
+    p.add_argument("--finetune_steps", type=int, default=200)
+    p.add_argument("--pretrain_steps", type=int, default=300)
+    p.add_argument("--eval_every", type=int, default=25)
+    p.add_argument("--runs", default=os.path.join(ROOT, "runs", "quality"), help="run folders (cached results)")
+    p.add_argument("--out", default=None, help="markdown report (and a .png next to it)")
+    p.add_argument("--report_only", action="store_true", help="only tabulate the cached results")
+    args = p.parse_args(argv)
+    if "dense" not in args.variants:
+        args.variants.insert(0, "dense")  # every gap is relative to dense of the same seed
+
+    # Step 2: the runs (cached ones are read back).
+    jobs = [(s, v, seed) for s in args.settings for seed in args.seeds for v in args.variants]
+    results = []
+    start = None
+    for i, (setting, variant, seed) in enumerate(jobs):
+        if setting == "finetune" and start is None and not args.report_only:
+            start = pretrained(args.runs, args.pretrain_steps)
+        steps = args.scratch_steps if setting == "scratch" else args.finetune_steps
+        if args.report_only:
+            path = os.path.join(args.runs, setting, variant, f"seed{seed}", "result.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    results.append(json.load(f))
+            continue
+        t0 = time.perf_counter()
+        r = run_one(args.runs, setting, variant, seed, steps, args.eval_every, start, 29600 + i % 200)
+        results.append(r)
+        print(f"[{i + 1}/{len(jobs)}] {setting} {variant} seed {seed}: eval {r['eval'][-1][1]:.4f} at step "
+              f"{r['eval'][-1][0]} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    # Step 3: the report.
+    step_s = cluster_step_s(os.path.join(ROOT, "benchmarks/results/cluster_e2e.jsonl"))
+    text = report(results, step_s, args.out[:-3] + ".png" if args.out else None)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
