@@ -98,6 +98,20 @@ def test_warmup_ramps_exponentially_down_to_density():
     assert DGCConfig(density=0.3).density_at(0) == 0.3  # no warm-up
 
 
+def test_dense_steps_send_everything_first_then_the_warm_up_starts():
+    c = DGCConfig(density=0.01, dense_steps=3, warmup_steps=4, warmup_start_density=0.25)
+    got = [c.density_at(s) for s in range(10)]
+    assert got[:3] == [1.0, 1.0, 1.0] and got[3] == 0.25 and got[7:] == [0.01, 0.01, 0.01]
+    with pytest.raises(ValueError, match=r"zen.dgc.dense_steps \(-1\) must be >= 0"):
+        DGCConfig(dense_steps=-1)
+    # At density 1 every non-zero entry of the velocity travels and the residual is left at zero.
+    sp = DGCSparsifier(DGCConfig(enabled=True, density=0.05, dense_steps=2, momentum_correction=False))
+    g = torch.randn(64, 64, generator=torch.Generator().manual_seed(3))
+    sg = compress(sp, g)
+    assert sg.indices.numel() == g.numel()
+    assert torch.equal(sg.to_dense().view_as(g), g) and not sp.state.get("p0", "residual").any()
+
+
 def test_warmup_changes_what_is_sent():
     g = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
     sp = DGCSparsifier(DGCConfig(enabled=True, density=0.01, warmup_steps=3, threshold="exact",

@@ -128,9 +128,13 @@ class DGCConfig:
     clip_norm: float | None = None
     """Local gradient clipping: max L2 norm per tensor before accumulation, divided by
     ``sqrt(dp_size)``. ``None`` = off."""
+    dense_steps: int = 0
+    """Optimizer steps at the start that send every entry (density 1), before any warm-up ramp: what an
+    optimizer that learns from dense gradients first needs (``FrozenVarianceAdamW``'s variance
+    warm-up). 0 = off."""
     warmup_steps: int = 0
     """Steps over which density ramps exponentially from ``warmup_start_density`` down to
-    ``density``. 0 = off."""
+    ``density`` (after ``dense_steps``). 0 = off."""
     warmup_start_density: float = 0.25
     """Density at step 0 of the warm-up, in [density, 1] (DGC's schedule starts at 0.25)."""
     min_numel: int = 1024
@@ -152,6 +156,7 @@ class DGCConfig:
         for name in ("density", "sample_fraction", "momentum", "warmup_start_density"):
             check_number(s, name, getattr(self, name))
         check_int(s, "warmup_steps", self.warmup_steps)
+        check_int(s, "dense_steps", self.dense_steps)
         check_int(s, "min_numel", self.min_numel)
         check_choice(s, "selection", self.selection, SELECTIONS)
         check_choice(s, "threshold", self.threshold, THRESHOLDS)
@@ -170,6 +175,8 @@ class DGCConfig:
                 raise ValueError(f"zen.dgc.clip_norm ({self.clip_norm!r}) must be > 0 or null (off)")
         if self.warmup_steps < 0:
             raise ValueError(f"zen.dgc.warmup_steps ({self.warmup_steps!r}) must be >= 0")
+        if self.dense_steps < 0:
+            raise ValueError(f"zen.dgc.dense_steps ({self.dense_steps!r}) must be >= 0")
         if not 0 < self.warmup_start_density <= 1:
             raise ValueError(f"zen.dgc.warmup_start_density ({self.warmup_start_density!r}) must be in (0, 1]")
         if self.warmup_steps > 0 and self.warmup_start_density < self.density:
@@ -195,7 +202,10 @@ class DGCConfig:
         return config_from_dict(cls, values, "dgc")
 
     def density_at(self, step: int) -> float:
-        """The density of optimizer step ``step`` (0-based), warm-up included."""
+        """The density of optimizer step ``step`` (0-based): 1 for ``dense_steps``, then the warm-up ramp."""
+        if step < self.dense_steps:
+            return 1.0
+        step -= self.dense_steps
         if step >= self.warmup_steps:
             return self.density
         start = self.warmup_start_density
@@ -319,9 +329,11 @@ class DGCSparsifier(Sparsifier):
         gs = flats
         # The one-pass path (CPU op): the velocity update is deferred into the candidate selection,
         # and the thresholds are sampled from R + the pending update at the sample positions.
-        if (cfg.threshold != "exact" and cfg.clip_norm is None and mdt == wire and wire in (torch.float32, torch.float64)
+        density = cfg.density_at(self.state.step)
+        if (density < 1.0 and cfg.threshold != "exact" and cfg.clip_norm is None and mdt == wire
+                and wire in (torch.float32, torch.float64)
                 and ops.has_dgc_select_op(R) and all(f.is_contiguous() for f in flats)):
-            thr_U, pos_K, v_K = self._sampled_thresholds(R, lay, cfg.density_at(self.state.step), tp_comm,
+            thr_U, pos_K, v_K = self._sampled_thresholds(R, lay, density, tp_comm,
                                                          torch.finfo(mdt).smallest_normal * torch.finfo(mdt).eps,
                                                          pending=(U, list(flats)))
             return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total, v_K)
@@ -345,9 +357,12 @@ class DGCSparsifier(Sparsifier):
         del gs
 
         # Step 3 + 4: thresholds, one per selection unit, and the selection mask they give.
-        density = cfg.density_at(self.state.step)
         tiny = torch.finfo(mdt).smallest_normal * torch.finfo(mdt).eps  # zeros never travel
-        if cfg.threshold == "exact":
+        if density >= 1.0:  # dense_steps (or density 1): every non-zero entry travels
+            thr_U = torch.full((lay.units,), tiny, dtype=mdt, device=R.device)
+            pos_K = lay.select(R, thr_U).view(-1).nonzero().flatten()
+            v_K = R.index_select(0, pos_K)
+        elif cfg.threshold == "exact":
             thr_U = self._exact_thresholds(R, lay, density, tp_comm).clamp(min=tiny)
             pos_K = lay.select(R, thr_U).view(-1).nonzero().flatten()  # one host synchronization
             v_K = R.index_select(0, pos_K)
