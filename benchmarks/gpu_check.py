@@ -78,7 +78,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     if a.numel < 2:
         p.error(f"--numel ({a.numel}) must be >= 2")
     a.sim_ranks = [int(x) for x in a.sim_ranks.split(",")]
-    if a.out is None:
+    if a.out is None and a.device == "cpu":  # a CPU smoke run must not overwrite the GPU report
+        a.out = os.path.join(ROOT, "runs", "gpu_check_cpu.md")
+    elif a.out is None:
         a.out = os.path.join(ROOT, "benchmarks", "results", "gpu_check_multi.md" if a.multi else "gpu_check.md")
     return a
 

@@ -119,30 +119,31 @@ def _check_object_links(obj) -> None:
         "the op must launch on the current stream")
 
 
-@pytest.mark.timeout(1200)
-def test_torch_glue_compiles(tmp_path):
+def _compile_and_link(cu: str, tmp_path, extra: tuple[str, ...] = ()) -> str:
+    """Compile ``cu`` with torch's flags to an object (ptxas verbose) and check its symbols link;
+    returns the kernels ptxas compiled."""
     if not shutil.which("nm") or not shutil.which("c++filt") or not shutil.which("g++"):
         pytest.skip("binutils (nm, c++filt) and g++ are needed for the symbol check")
-    obj = tmp_path / "hash_kernel.o"
-    proc = _nvcc(["-c", KERNEL_CU, "-o", str(obj), *_torch_nvcc_flags(), *GENCODE, "-Xptxas", "-v"])
-    entries = _ptxas_entries(proc.stderr)
+    obj = tmp_path / (os.path.basename(cu) + ".o")
+    proc = _nvcc(["-c", cu, "-o", str(obj), *_torch_nvcc_flags(), *GENCODE, "-Xptxas", "-v", *extra])
+    _check_object_links(obj)
+    return _ptxas_entries(proc.stderr)
+
+
+@pytest.mark.timeout(1200)
+def test_torch_glue_compiles(tmp_path):
+    entries = _compile_and_link(KERNEL_CU, tmp_path)
     for kernel in KERNELS:
         assert kernel in entries, f"ptxas compiled no {kernel}: {entries}"
     assert "insert_kernelIi" in entries and "insert_kernelIl" in entries, "both slot widths must be instantiated"
-    _check_object_links(obj)
 
 
 @pytest.mark.timeout(1200)
 def test_pull_kernels_compile(tmp_path):
     """``csrc/cuda/pull_kernel.cu`` (aggregate_push, encode_pull, decode_pull_) compiles and links."""
-    if not shutil.which("nm") or not shutil.which("c++filt") or not shutil.which("g++"):
-        pytest.skip("binutils (nm, c++filt) and g++ are needed for the symbol check")
-    obj = tmp_path / "pull_kernel.o"
     keep = tmp_path / "keep"
     keep.mkdir()
-    proc = _nvcc(["-c", PULL_CU, "-o", str(obj), *_torch_nvcc_flags(), *GENCODE, "-Xptxas", "-v", "-keep",
-                  "-keep-dir", str(keep)])
-    entries = _ptxas_entries(proc.stderr)
+    entries = _compile_and_link(PULL_CU, tmp_path, ("-keep", "-keep-dir", str(keep)))
     for kernel in PULL_KERNELS:
         assert kernel in entries, f"ptxas compiled no {kernel}: {entries}"
     # Every value dtype of the dispatch (fp32, fp64, fp16, bf16) has its encode kernel.
@@ -152,20 +153,14 @@ def test_pull_kernels_compile(tmp_path):
     ptx = "\n".join(open(f).read() for f in glob.glob(str(keep / "*.ptx")))
     assert "encode_kernel" in ptx, "nvcc -keep left no PTX"
     assert _byte_stores_of_converted_halves(ptx) == [], "encode_pull stores a converted bf16/fp16 value byte-wise"
-    _check_object_links(obj)
 
 
 @pytest.mark.timeout(1200)
 def test_dgc_search_kernel_compiles(tmp_path):
     """``csrc/cuda/dgc_search.cu`` (dgc_threshold_search) compiles and links, one kernel per memory dtype."""
-    if not shutil.which("nm") or not shutil.which("c++filt") or not shutil.which("g++"):
-        pytest.skip("binutils (nm, c++filt) and g++ are needed for the symbol check")
-    obj = tmp_path / "dgc_search.o"
-    proc = _nvcc(["-c", SEARCH_CU, "-o", str(obj), *_torch_nvcc_flags(), *GENCODE, "-Xptxas", "-v"])
-    entries = _ptxas_entries(proc.stderr)
+    entries = _compile_and_link(SEARCH_CU, tmp_path)
     for tag in ("IfE", "IdE", "IN3c108BFloat16EE", "IN3c104HalfEE"):
         assert f"threshold_search_kernel{tag}" in entries, f"threshold_search_kernel not instantiated for {tag}: {entries}"
-    _check_object_links(obj)
 
 
 def _byte_stores_of_converted_halves(ptx: str) -> list[str]:

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zen_ext import SimWorld, SparseGrad, available_schemes, build_scheme
-from zen_ext.core.agsparse import decode_coo, encode_coo
+from zen_ext.core.coo import decode_coo, encode_coo
 
 BASELINES = ["agsparse", "sparcml", "omnireduce", "sparse_ps"]
 

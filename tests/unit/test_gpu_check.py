@@ -18,6 +18,8 @@ def test_arguments_and_their_errors(capsys):
     assert a.parts == list(gpu_check.PARTS) and a.numel == 214_000_000 and a.density == 0.052
     assert a.sim_ranks == [8, 16] and a.out.endswith(os.path.join("benchmarks", "results", "gpu_check.md"))
     assert gpu_check.parse_args(["--multi"]).out.endswith("gpu_check_multi.md")
+    # A CPU smoke run writes under runs/, never over the committed GPU report.
+    assert gpu_check.parse_args(["--device", "cpu"]).out.endswith(os.path.join("runs", "gpu_check_cpu.md"))
     for bad, msg in ((["--parts", "hash,nope"], "--parts (nope) must be a subset"),
                      (["--density", "0"], "--density (0.0) must be in (0, 1]"), (["--numel", "1"], "--numel (1)")):
         with pytest.raises(SystemExit):

@@ -20,7 +20,7 @@ from typing import ClassVar, Sequence, TypeVar
 import torch
 
 from .._keys import unknown_keys_message
-from ..core.types import SparseGrad
+from ..core.types import SparseGrad, acc_dtype  # noqa: F401 (acc_dtype: part of this module's API)
 
 KINDS = ("natural", "dgc", "dense")
 """The values of ``param_kinds``: which path a parameter's gradient takes."""
@@ -100,6 +100,3 @@ def check_choice(section: str, name: str, value, choices: Sequence[str]) -> None
         raise ValueError(f"zen.{section}.{name} ({value!r}) must be one of {list(choices)}")
 
 
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype sparsifier memory accumulates in: fp32 for half-precision gradients (as ZEN's servers)."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

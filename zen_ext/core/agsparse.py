@@ -14,7 +14,8 @@ travel as rows, one index per row, as Horovod sends ``IndexedSlices``. Duplicate
 (as Horovod does) and summed by the receiver with ``index_add_``, never overwritten (dragonn's batched
 ``scatter_`` lost them).
 
-This module also holds the COO wire helpers the other COO baselines (``sparse_ps``, ``sparcml``) use.
+The COO codec (``encode_coo``, ``decode_coo``, ``finish``) is ``core/coo.py``, shared with ``sparse_ps``,
+``sparcml`` and ``omnireduce``.
 
 Legend: ``_K`` entries, ``_N`` dense length (rows in row form).
 """
@@ -25,49 +26,10 @@ import torch
 
 from .. import ops
 from ..comm.base import Communicator
+from .coo import decode_coo, encode_coo, finish
 from .scheme import SyncScheme, register_scheme
 from .timing import PhaseTimer
-from .types import SparseGrad, as_sparse, index_dtype
-from .wire import pack, view_as
-from .zen import _acc_dtype
-
-
-def entry_bytes(numel: int, row_width: int, dtype: torch.dtype) -> int:
-    """Wire bytes of one COO entry: its index plus ``row_width`` values."""
-    isz = torch.empty(0, dtype=index_dtype(numel)).element_size()
-    return isz + row_width * torch.empty(0, dtype=dtype).element_size()
-
-
-def encode_coo(idx_K: torch.Tensor, val_K: torch.Tensor, numel: int) -> torch.Tensor:
-    """One uint8 message ``[indices | values]`` (indices in the wire dtype for ``numel``)."""
-    return pack(idx_K.to(index_dtype(numel)), val_K)
-
-
-def decode_coo(
-    buf_B: torch.Tensor, numel: int, row_shape: tuple[int, ...], dtype: torch.dtype, wire_indices: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of ``encode_coo``: ``(idx_K, val_K)``; the count follows from the message size.
-
-    Indices come back as int64, or in their wire dtype with ``wire_indices`` (half the memory).
-    """
-    width = 1
-    for s in row_shape:
-        width *= s
-    idt = index_dtype(numel)
-    isz = torch.empty(0, dtype=idt).element_size()
-    k = buf_B.numel() // entry_bytes(numel, width, dtype)
-    idx = view_as(buf_B, 0, k, idt)
-    idx = idx if wire_indices else idx.to(torch.int64)
-    vals = view_as(buf_B, k * isz, k * width, dtype).view((k,) + row_shape)
-    return idx, vals
-
-
-def finish(out: torch.Tensor, dtype: torch.dtype, op: str, n: int) -> torch.Tensor:
-    """Cast an exact sum to the gradient dtype, then divide for ``mean`` — the order ``dense`` uses."""
-    out = out.to(dtype).reshape(-1)
-    if op == "mean":
-        out = out.div_(n)
-    return out
+from .types import SparseGrad, acc_dtype, as_sparse
 
 
 @register_scheme
@@ -101,13 +63,13 @@ class AGSparseScheme(SyncScheme):
 
         # Step 3: aggregate.
         timer.start("aggregate_s")
-        into_out = out is not None and _acc_dtype(dtype) == dtype
+        into_out = out is not None and acc_dtype(dtype) == dtype
         if into_out:
             # Sum straight into the caller's buffer (the input was consumed in step 1): no result-sized
             # temporary and copy, as in zen, so the comparison with zen is like for like.
             acc = ops.zero_(out).view((sg.numel,) + row_shape)
         else:
-            acc = torch.zeros((sg.numel,) + row_shape, dtype=_acc_dtype(dtype), device=device)
+            acc = torch.zeros((sg.numel,) + row_shape, dtype=acc_dtype(dtype), device=device)
         for p in parts:  # one message at a time: peak memory stays at one message, not n of them
             if p.numel():
                 idx, vals = decode_coo(p, sg.numel, row_shape, dtype)

@@ -25,12 +25,11 @@ from __future__ import annotations
 import torch
 
 from ..comm.base import Communicator
-from .agsparse import finish
+from .coo import finish
 from .scheme import SyncScheme, register_scheme
 from .sparse_ps import range_push_pull
 from .timing import PhaseTimer
-from .types import SparseGrad, as_sparse
-from .zen import _acc_dtype
+from .types import SparseGrad, acc_dtype, as_sparse
 
 BLOCK_SIZE = 256
 
@@ -53,7 +52,7 @@ def to_blocks(sg: SparseGrad, block_size: int) -> tuple[torch.Tensor, torch.Tens
     num_blocks = -(-sg.dense_numel // block_size)
     blk_E = idx_E // block_size
     ids_B, inv_E = torch.unique(blk_E, sorted=True, return_inverse=True)
-    acc = torch.zeros(ids_B.numel() * block_size, dtype=_acc_dtype(sg.dtype), device=val_E.device)
+    acc = torch.zeros(ids_B.numel() * block_size, dtype=acc_dtype(sg.dtype), device=val_E.device)
     if idx_E.numel():
         acc.index_add_(0, inv_E * block_size + idx_E % block_size, val_E.to(acc.dtype))
     return ids_B, acc.to(sg.dtype).view(-1, block_size), num_blocks

@@ -36,11 +36,10 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.base import Communicator
-from .agsparse import decode_coo, encode_coo, entry_bytes, finish
+from .coo import decode_coo, encode_coo, entry_bytes, finish
 from .scheme import SyncScheme, register_scheme
 from .timing import PhaseTimer
-from .types import SparseGrad, as_sparse, index_dtype
-from .zen import _acc_dtype
+from .types import SparseGrad, acc_dtype, as_sparse, index_dtype
 
 
 @dataclass
@@ -90,26 +89,26 @@ class _Codec:
     def coalesce(self, idx: torch.Tensor, vals: torch.Tensor) -> _Stream:
         """Sorted unique indices with duplicates summed (fp32 for half types, rounded once)."""
         uniq, inv = torch.unique(idx.to(self.idt), sorted=True, return_inverse=True)
-        acc = torch.zeros((uniq.numel(),) + self.row_shape, dtype=_acc_dtype(self.dtype), device=self.device)
+        acc = torch.zeros((uniq.numel(),) + self.row_shape, dtype=acc_dtype(self.dtype), device=self.device)
         acc.index_add_(0, inv, vals.to(acc.dtype))
         return self.maybe_densify(_Stream(uniq, acc.to(self.dtype)))
 
     def merge(self, a: _Stream, b: _Stream) -> _Stream:
         """``a + b``, ``a`` from the lower rank: both partners add the same two operands in the same
         order, so they hold the same bits after every round."""
-        acc_dtype = _acc_dtype(self.dtype)
+        adt = acc_dtype(self.dtype)
         if not a.dense and not b.dense:
-            return self.maybe_densify(self._merge_sorted(a, b, acc_dtype))
+            return self.maybe_densify(self._merge_sorted(a, b, adt))
         if a.dense and b.dense:
-            acc = a.vals.to(acc_dtype) + b.vals.to(acc_dtype)
+            acc = a.vals.to(adt) + b.vals.to(adt)
         else:
             d, s = (a, b) if a.dense else (b, a)
-            acc = d.vals.to(acc_dtype, copy=True)
+            acc = d.vals.to(adt, copy=True)
             if s.idx.numel():
-                acc.index_add_(0, s.idx, s.vals.to(acc_dtype))
+                acc.index_add_(0, s.idx, s.vals.to(adt))
         return _Stream(None, acc.to(self.dtype))
 
-    def _merge_sorted(self, a: _Stream, b: _Stream, acc_dtype: torch.dtype) -> _Stream:
+    def _merge_sorted(self, a: _Stream, b: _Stream, adt: torch.dtype) -> _Stream:
         """SparCML's ``sum_streams``: the union of two sorted unique streams, common indices summed.
 
         Positions come from ``searchsorted`` (int32), not from a sort of the concatenation: no int64
@@ -126,10 +125,10 @@ class _Codec:
         at_new = new_pos + torch.arange(new_idx.numel(), dtype=torch.int32, device=dev)
         idx = torch.empty(ka + new_idx.numel(), dtype=a.idx.dtype, device=dev)
         idx[at_a], idx[at_new] = a.idx, new_idx
-        vals = torch.empty((idx.numel(),) + self.row_shape, dtype=acc_dtype, device=dev)
-        vals[at_a] = a.vals.to(acc_dtype)
-        vals[at_a[pos[hit]]] += b.vals[hit].to(acc_dtype)
-        vals[at_new] = b.vals[~hit].to(acc_dtype)
+        vals = torch.empty((idx.numel(),) + self.row_shape, dtype=adt, device=dev)
+        vals[at_a] = a.vals.to(adt)
+        vals[at_a[pos[hit]]] += b.vals[hit].to(adt)
+        vals[at_new] = b.vals[~hit].to(adt)
         return _Stream(idx, vals.to(self.dtype))
 
     def to_dense(self, s: _Stream) -> torch.Tensor:

@@ -24,11 +24,10 @@ import torch
 
 from .. import ops
 from ..comm.base import Communicator
-from .agsparse import decode_coo, encode_coo, finish
+from .coo import decode_coo, encode_coo, finish
 from .scheme import SyncScheme, register_scheme
 from .timing import PhaseTimer
-from .types import SparseGrad, as_sparse
-from .zen import _acc_dtype
+from .types import SparseGrad, acc_dtype, as_sparse
 
 
 def range_size(numel: int, n: int) -> int:
@@ -76,7 +75,7 @@ def range_push_pull(
     # Step 3: aggregate this rank's range (sum, never overwrite; fp32 for half types).
     timer.start("aggregate_s")
     mine = max(0, min(size, numel - rank * size))
-    acc = torch.zeros((mine,) + row_shape, dtype=_acc_dtype(dtype), device=device)
+    acc = torch.zeros((mine,) + row_shape, dtype=acc_dtype(dtype), device=device)
     touched = torch.zeros(mine, dtype=torch.bool, device=device)
     decoded = [decode_coo(b, numel, row_shape, dtype) for b in recv if b.numel()]
     if decoded:

@@ -109,3 +109,10 @@ def as_dense(grad: "SparseGrad | torch.Tensor") -> torch.Tensor:
 def index_dtype(numel: int) -> torch.dtype:
     """Wire dtype of indices: int32 when they fit (numel < 2**31), else int64; never a float."""
     return torch.int32 if numel < INDEX_INT32_LIMIT else torch.int64
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums and sparsifier memory accumulate in: fp32 for fp16/bf16 (more exact than a
+    half-precision ring all-reduce; values still travel in the gradient's dtype), the dtype itself
+    otherwise. (``zen_ext.ops._reference.acc_dtype`` states the same rule for the ops' contract.)"""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

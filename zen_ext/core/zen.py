@@ -34,19 +34,13 @@ from .bitmap import bitmap_bytes
 from .hashing import HashConfig, HashPartitioner
 from .scheme import SyncScheme, register_scheme
 from .timing import PhaseTimer
-from .types import SparseGrad, as_sparse, index_dtype
+from .types import SparseGrad, acc_dtype, as_sparse, index_dtype
 from .wire import pack
 
 PULL_FORMATS = ("auto", "coo", "bitmap", "dense")
 _FMT_COO, _FMT_BITMAP, _FMT_DENSE = ops._reference.FMT_COO, ops._reference.FMT_BITMAP, ops._reference.FMT_DENSE
 _FMT_NAMES = {_FMT_COO: "coo", _FMT_BITMAP: "bitmap", _FMT_DENSE: "dense"}
 _HEADER_BYTES = 16
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Half-precision sums accumulate in fp32 on the server (more exact than a bf16 ring all-reduce);
-    # values travel in the gradient's dtype on both phases.
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _start_pull(comm: Communicator, msg: torch.Tensor):
@@ -166,7 +160,7 @@ class ZenScheme(SyncScheme):
             elif (e - s) * (isz + vsz) >= m_j * vsz:
                 # Denser than the partition itself: send it dense (pre-summed), exactly m_j·vsz bytes,
                 # which a COO payload (strictly smaller by this rule) can never be.
-                local = torch.zeros((m_j,) + row_shape, dtype=_acc_dtype(dtype), device=device)
+                local = torch.zeros((m_j,) + row_shape, dtype=acc_dtype(dtype), device=device)
                 local.index_add_(0, pos_K[s:e].to(torch.int64), vals_K[s:e].to(local.dtype))
                 send.append(pack(local.to(dtype)))
             else:
@@ -225,7 +219,7 @@ class ZenScheme(SyncScheme):
         ws = getattr(tls, "ws", None)
         if ws is None:
             ws = tls.ws = {}
-        adt = _acc_dtype(dtype)
+        adt = acc_dtype(dtype)
         key = (device, adt)
         nw = (m + 63) // 64
         acc, words = ws.get(key, (None, None))
