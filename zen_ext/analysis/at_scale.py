@@ -59,7 +59,7 @@ def predict_at_scale(record: dict, row_width: int, tokens_per_rank: int, hosts=(
     """
     rates = rates or cm.ComputeRates()
     schemes = [s for s in ("dense", "zen", "zen_coo", "sparcml", "agsparse", "omnireduce", "sparse_ps")
-               if s in cm.PREDICTORS]
+               if s in cm.COST_MODELS]
     out = []
     for kind in ("natural", "dgc"):
         if not record.get("nnz", {}).get(kind):

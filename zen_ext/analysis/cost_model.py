@@ -398,26 +398,13 @@ def _predict_sparcml(p: SparsityProfile, opts: dict) -> _Traffic:
     return tr
 
 
-PREDICTORS: dict[str, Callable[[SparsityProfile, dict], _Traffic]] = {
-    "dense": _predict_dense,
-    "zen": _predict_zen,
-    "zen_coo": _predict_zen_coo,
-    "agsparse": _predict_agsparse,
-    "sparse_ps": _predict_sparse_ps,
-    "omnireduce": _predict_omnireduce,
-    "sparcml": _predict_sparcml,
-}
-
-
 def predict_stats(scheme: str, profile: SparsityProfile, options: dict | None = None) -> list[CommStats]:
     """Predicted per-rank ``CommStats`` of ``scheme`` (built with ``options``) on ``profile``.
 
     Raises:
         ValueError: no predictor for ``scheme`` (lists the ones there are).
     """
-    if scheme not in PREDICTORS:
-        raise ValueError(f"cost model scheme ({scheme!r}) must be one of {sorted(PREDICTORS)}")
-    return PREDICTORS[scheme](profile, options or {}).stats
+    return cost_model_of(scheme).traffic(profile, options or {}).stats
 
 
 def predict_time_s(scheme: str, profile: SparsityProfile, net: Network, options: dict | None = None) -> float:
@@ -577,60 +564,162 @@ class WorkCounts:
                    block_union=blocks(union), block_recv_max=sum(blocks(k) for k in nnz) / max(1, n))
 
 
+@dataclass(frozen=True)
+class _Dims:
+    """What the per-scheme work models share: ``N`` rows, ``W`` row width, value/accumulator/index
+    bytes, ``K`` the largest local entry count, ``S`` all ranks' entries, ``U`` the union."""
+
+    n: int
+    N: int
+    W: int
+    vb: int
+    ab: int
+    ib: int
+    K: float
+    S: float
+    U: float
+
+    @classmethod
+    def of(cls, w: WorkCounts) -> "_Dims":
+        return cls(n=max(1, w.n), N=w.numel, W=w.row_width, vb=w.value_bytes,
+                   ab=max(4, w.value_bytes),  # accumulators are fp32 (fp64 for fp64)
+                   ib=torch.empty(0, dtype=index_dtype(max(1, w.numel))).element_size(),
+                   K=float(max(w.nnz, default=0)), S=float(sum(w.nnz)), U=float(w.union))
+
+    @property
+    def dense_out(self) -> int:
+        return self.N * self.W * self.vb  # the dense result every scheme writes
+
+
+def _work_dense(w: WorkCounts, opts: dict) -> dict:
+    return {"comm_s": {"fill_s_per_byte": _Dims.of(w).dense_out}}
+
+
+def _work_agsparse(w: WorkCounts, opts: dict) -> dict:
+    d = _Dims.of(w)
+    # fp32/fp64 sum straight into the result (zeroed once); half types zero an fp32 accumulator, then
+    # cast it into the result.
+    result_fill = d.N * d.W * d.vb if d.ab == d.vb else d.N * d.W * (2 * d.ab + d.vb)
+    return {"encode_s": {"fill_s_per_byte": d.K * (d.ib + d.W * d.vb)},
+            "aggregate_s": {"fill_s_per_byte": result_fill + d.S * 8, "scatter_s_per_elem": d.S * d.W}}
+
+
+def _work_zen(w: WorkCounts, opts: dict, coo_only: bool = False) -> dict:
+    d = _Dims.of(w)
+    per_server = d.S / d.n
+    bitmap = not coo_only and opts.get("pull_format", "auto") != "coo" and d.U / d.n * d.ib > d.N / d.n / 8
+    decode = {"fill_s_per_byte": d.dense_out, "hash_s_per_entry": d.U, "scatter_s_per_elem": d.U * d.W}
+    if bitmap:
+        decode["bitmap_s_per_bit"] = d.N
+    return {"hash_s": {"hash_s_per_entry": d.K, "fill_s_per_byte": d.K * (d.W * d.vb + d.ib)},
+            "aggregate_s": {"fill_s_per_byte": d.N / d.n * (d.W * d.ab + 1) + per_server * 8,
+                            "scatter_s_per_elem": per_server * d.W * 2, "bitmap_s_per_bit": d.N / d.n},
+            "decode_s": decode}
+
+
+def _work_zen_coo(w: WorkCounts, opts: dict) -> dict:
+    return _work_zen(w, opts, coo_only=True)
+
+
+def _work_sparcml(w: WorkCounts, opts: dict) -> dict:
+    d = _Dims.of(w)
+    rounds = max(1, (d.n - 1).bit_length())
+    merged = sum(min(d.U, d.K * (1 << i)) for i in range(1, rounds + 1))
+    return {"coalesce_s": {"sort_s_per_entry": d.K},
+            "rounds_s": {"sort_s_per_entry": merged, "fill_s_per_byte": merged * (d.ib + d.W * d.vb)},
+            "decode_s": {"fill_s_per_byte": d.dense_out, "scatter_s_per_elem": d.U * d.W}}
+
+
+def _work_sparse_ps(w: WorkCounts, opts: dict) -> dict:
+    d = _Dims.of(w)
+    recv = w.server_recv_max if w.server_recv_max is not None else d.S / d.n
+    return {"partition_s": {"sort_s_per_entry": d.K},
+            "aggregate_s": {"fill_s_per_byte": d.N / d.n * d.W * d.ab, "scatter_s_per_elem": recv * d.W,
+                            "sort_s_per_entry": recv},
+            "decode_s": {"fill_s_per_byte": d.dense_out, "scatter_s_per_elem": d.U * d.W}}
+
+
+def _work_omnireduce(w: WorkCounts, opts: dict) -> dict:
+    d = _Dims.of(w)
+    B = opts.get("block_size", w.block_size)
+    blocks = w.block_union if w.block_union is not None else min(-(-d.N * d.W // B), d.U)
+    recv = w.block_recv_max if w.block_recv_max is not None else blocks
+    return {"blocks_s": {"sort_s_per_entry": d.K},
+            "partition_s": {"fill_s_per_byte": blocks * B * d.vb},
+            "aggregate_s": {"fill_s_per_byte": d.N / d.n * d.W * d.ab + recv * B * d.ab},
+            "decode_s": {"fill_s_per_byte": d.dense_out + blocks * B * d.vb}}
+
+
+# --- the registry: one cost model per scheme ------------------------------------------------------
+@dataclass(frozen=True)
+class SchemeCostModel:
+    """What ``auto`` needs to know about a scheme to predict its sync time.
+
+    Attributes:
+        traffic: ``(profile, options) → _Traffic``: the bytes and messages each rank sends and receives
+            (record them with ``_Traffic.exchange_v`` / ``all_gather_v`` / ``all_reduce``).
+        work: ``(WorkCounts, options) → {phase: {primitive: units}}``: the computation per phase on the
+            slowest rank, in ``ComputeRates`` primitives (``fill_s_per_byte``, ``scatter_s_per_elem``, ...).
+        wire_phases: the phases (keys of the scheme's timings) whose time is the wire's.
+    """
+
+    traffic: Callable[["SparsityProfile", dict], _Traffic]
+    work: Callable[[WorkCounts, dict], dict]
+    wire_phases: tuple[str, ...]
+
+
+COST_MODELS: dict[str, SchemeCostModel] = {}
+"""Scheme name → its cost model; ``auto`` considers the registered lossless schemes found here."""
+PREDICTORS = COST_MODELS  # the older name: ``name in PREDICTORS`` asks whether the model knows a scheme
+
+
+def register_cost_model(name: str, *, traffic, work, wire_phases: Sequence[str]) -> None:
+    """Declare how the cost model predicts scheme ``name`` (see ``SchemeCostModel``); the scheme itself
+    registers with ``@register_scheme``. Re-registering a name replaces its model.
+
+    Raises:
+        ValueError: ``wire_phases`` is empty, or ``traffic`` / ``work`` is not callable.
+    """
+    if not wire_phases:
+        raise ValueError(f"cost model of {name!r}: wire_phases must name at least one phase")
+    if not (callable(traffic) and callable(work)):
+        raise ValueError(f"cost model of {name!r}: traffic and work must be callables")
+    COST_MODELS[name] = SchemeCostModel(traffic, work, tuple(wire_phases))
+
+
+def cost_model_of(scheme: str) -> SchemeCostModel:
+    """The registered cost model of ``scheme``.
+
+    Raises:
+        ValueError: none is registered (lists the ones there are).
+    """
+    if scheme not in COST_MODELS:
+        raise ValueError(f"cost model scheme ({scheme!r}) must be one of {sorted(COST_MODELS)}")
+    return COST_MODELS[scheme]
+
+
+for _name, _traffic, _work, _wire in (
+        ("dense", _predict_dense, _work_dense, ("comm_s",)),
+        ("zen", _predict_zen, _work_zen, ("push_s", "pull_s")),
+        ("zen_coo", _predict_zen_coo, _work_zen_coo, ("push_s", "pull_s")),
+        ("agsparse", _predict_agsparse, _work_agsparse, ("allgather_s",)),
+        ("sparse_ps", _predict_sparse_ps, _work_sparse_ps, ("push_s", "pull_s")),
+        ("omnireduce", _predict_omnireduce, _work_omnireduce, ("push_s", "pull_s")),
+        ("sparcml", _predict_sparcml, _work_sparcml, ("rounds_s",))):
+    register_cost_model(_name, traffic=_traffic, work=_work, wire_phases=_wire)
+
+
 def compute_work(scheme: str, w: WorkCounts, options: dict | None = None) -> dict[str, dict[str, float]]:
     """Units of each primitive per phase of ``scheme`` on the slowest rank: ``{phase: {primitive: units}}``.
 
-    Mirrors what each scheme's ``_sync`` does (core/*.py); ``N`` rows, ``W`` row width, ``K`` the
-    largest local entry count, ``S`` all ranks' entries, ``U`` the union.
+    Each model mirrors what its scheme's ``_sync`` does (core/*.py).
+
+    Raises:
+        ValueError: no cost model is registered for ``scheme``.
     """
-    opts = options or {}
-    n, N, W, vb = max(1, w.n), w.numel, w.row_width, w.value_bytes
-    ab = max(4, vb)  # accumulators are fp32 (fp64 for fp64)
-    ib = torch.empty(0, dtype=index_dtype(max(1, N))).element_size()
-    K = float(max(w.nnz, default=0))
-    S = float(sum(w.nnz))
-    U = float(w.union)
-    dense_out = N * W * vb  # the dense result every scheme writes
-    if scheme == "dense":
-        return {"comm_s": {"fill_s_per_byte": dense_out}}
-    if scheme == "agsparse":
-        # fp32/fp64 sum straight into the result (zeroed once); half types zero an fp32 accumulator,
-        # then cast it into the result.
-        result_fill = N * W * vb if ab == vb else N * W * (2 * ab + vb)
-        return {"encode_s": {"fill_s_per_byte": K * (ib + W * vb)},
-                "aggregate_s": {"fill_s_per_byte": result_fill + S * 8,
-                                "scatter_s_per_elem": S * W}}
-    if scheme in ("zen", "zen_coo"):
-        per_server = S / n
-        bitmap = scheme == "zen" and opts.get("pull_format", "auto") != "coo" and U / n * ib > N / n / 8
-        decode = {"fill_s_per_byte": dense_out, "hash_s_per_entry": U, "scatter_s_per_elem": U * W}
-        if bitmap:
-            decode["bitmap_s_per_bit"] = N
-        return {"hash_s": {"hash_s_per_entry": K, "fill_s_per_byte": K * (W * vb + ib)},
-                "aggregate_s": {"fill_s_per_byte": N / n * (W * ab + 1) + per_server * 8,
-                                "scatter_s_per_elem": per_server * W * 2, "bitmap_s_per_bit": N / n},
-                "decode_s": decode}
-    if scheme == "sparcml":
-        rounds = max(1, (n - 1).bit_length())
-        merged = sum(min(U, K * (1 << i)) for i in range(1, rounds + 1))
-        return {"coalesce_s": {"sort_s_per_entry": K},
-                "rounds_s": {"sort_s_per_entry": merged, "fill_s_per_byte": merged * (ib + W * vb)},
-                "decode_s": {"fill_s_per_byte": dense_out, "scatter_s_per_elem": U * W}}
-    if scheme == "sparse_ps":
-        recv = w.server_recv_max if w.server_recv_max is not None else S / n
-        return {"partition_s": {"sort_s_per_entry": K},
-                "aggregate_s": {"fill_s_per_byte": N / n * W * ab, "scatter_s_per_elem": recv * W,
-                                "sort_s_per_entry": recv},
-                "decode_s": {"fill_s_per_byte": dense_out, "scatter_s_per_elem": U * W}}
-    if scheme == "omnireduce":
-        B = opts.get("block_size", w.block_size)
-        blocks = w.block_union if w.block_union is not None else min(-(-N * W // B), U)
-        recv = w.block_recv_max if w.block_recv_max is not None else blocks
-        return {"blocks_s": {"sort_s_per_entry": K},
-                "partition_s": {"fill_s_per_byte": blocks * B * vb},
-                "aggregate_s": {"fill_s_per_byte": N / n * W * ab + recv * B * ab},
-                "decode_s": {"fill_s_per_byte": dense_out + blocks * B * vb}}
-    raise ValueError(f"compute model scheme ({scheme!r}) must be one of {sorted(PREDICTORS)}")
+    if scheme not in COST_MODELS:
+        raise ValueError(f"compute model scheme ({scheme!r}) must be one of {sorted(COST_MODELS)}")
+    return COST_MODELS[scheme].work(w, options or {})
 
 
 @dataclass(frozen=True)
@@ -773,18 +862,13 @@ def _line_at_mean(st: Sequence[float]) -> float:
     return slope * (st[1] / st[0] if st[0] > 0 else 0.0) + offset
 
 
-_SCHEME_WIRE_PHASES = {"dense": ("comm_s",), "agsparse": ("allgather_s",), "sparcml": ("rounds_s",),
-                       "zen": ("push_s", "pull_s"), "zen_coo": ("push_s", "pull_s"),
-                       "sparse_ps": ("push_s", "pull_s"), "omnireduce": ("push_s", "pull_s")}
-
-
 def predict_phases_s(scheme: str, w: WorkCounts, wire: Wire, latency_s: float, rates: ComputeRates,
                      options: dict | None = None, refine: Refinement | None = None) -> dict[str, float]:
     """Predicted seconds per phase of ``scheme``: computation from ``compute_work`` × ``rates``, plus
     the α–β time ``wire.msgs · latency_s + wire.bytes_s`` spread over the wire phases; with
     ``refine``, each computing phase and the wire phases together go through their fitted line."""
     work = compute_work(scheme, w, options)
-    wire_phases = _SCHEME_WIRE_PHASES.get(scheme, ("comm_s",))
+    wire_phases = cost_model_of(scheme).wire_phases
     out = {}
     for phase in dict.fromkeys([*work, *wire_phases]):
         units = work.get(phase, {})

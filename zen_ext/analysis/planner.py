@@ -68,6 +68,8 @@ from ..core.types import SparseGrad, as_sparse
 from . import cost_model as cm
 
 logger = logging.getLogger("zen_ext.planner")
+_SKIP_LOGGED: set[str] = set()
+"""Lossless schemes ``valid_candidates`` left out for want of a cost model (logged once each)."""
 
 # Ties go to the simpler scheme: dense first (no profile can make it slower than itself).
 _PRIORITY = ("dense", "zen", "sparcml", "zen_coo", "agsparse", "omnireduce", "sparse_ps")
@@ -199,9 +201,19 @@ class AutoScheme(SyncScheme):
 
     @staticmethod
     def valid_candidates() -> list[str]:
-        """Registered lossless schemes with a cost-model predictor (``auto`` itself excluded)."""
-        names = [s for s in available_schemes() if s in cm.PREDICTORS]
-        return sorted((s for s in names if build_scheme(s).lossless), key=_priority)
+        """Registered lossless schemes with a cost model (``auto`` itself excluded). A lossless scheme
+        registered without one is left out with a log line saying so, once."""
+        names = []
+        for s in available_schemes():
+            if s == "auto" or not build_scheme(s).lossless:
+                continue
+            if s in cm.COST_MODELS:
+                names.append(s)
+            elif s not in _SKIP_LOGGED:
+                _SKIP_LOGGED.add(s)
+                logger.info("auto: scheme %r has no cost model, so auto never picks it (register one with "
+                         "zen_ext.analysis.cost_model.register_cost_model; docs/extending.md)", s)
+        return sorted(names, key=_priority)
 
     def options(self) -> dict:
         return dict(bandwidth_gbps=self._fixed[0], latency_us=self._fixed[1],
