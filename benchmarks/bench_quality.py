@@ -40,7 +40,11 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "configs/models/llama-tiny-untied.json"
 RUN_TIMEOUT_S = 1200
+DIVERGED = 1.5
+"""A run whose final eval loss exceeds its best by this factor diverged (no equal-loss point)."""
 PLOT_LAB = (4, "1gbit")
+PLOT_VARIANTS = ("dense", "dgc5", "dgc1", "dgc5_dense60_frozen60")
+"""The curves the plot shows (all variants would not be readable); the tables show every variant."""
 """The emulated-cluster setting whose measured step times put the curves on a time axis."""
 TARGET_MARGIN = 0.01
 """The target is dense's final eval loss (same seed) times ``1 + TARGET_MARGIN``."""
@@ -75,6 +79,8 @@ VARIANTS: dict[str, dict | None] = {
     # DGC's own design (ICLR'18: momentum correction and masking in the compressor, an optimizer without
     # momentum) with Adam's frozen variance as a fixed per-coordinate preconditioner: the optimizer's
     # beta1 is 0, DGC accumulates the momentum instead.
+    # A check of the pipeline itself: DGC's path at density 1 all run long must track dense.
+    "dgc_density1": {"dense_steps": 100000},
     "dgc5_per_bucket": {"selection": "per_bucket"},
     "dgc10": {"density": 0.10},
     "dgc5_mc_dense60_frozen60": {"dense_steps": 60, "momentum_correction": True, "momentum_masking": True,
@@ -82,7 +88,8 @@ VARIANTS: dict[str, dict | None] = {
     "dgc1_mc_dense60_frozen60": {"density": 0.01, "dense_steps": 60, "momentum_correction": True,
                                  "momentum_masking": True, "_frozen_after": 60, "_beta1": 0.0},
 }
-STEP_TIME_CONFIG = {"dense": "dense", "dense_lr2x": "dense", "dense_frozen60": "dense", "natural": "zen_natural"}
+STEP_TIME_CONFIG = {"dense": "dense", "dense_lr2x": "dense", "dense_frozen60": "dense", "natural": "zen_natural",
+                    "dgc_density1": "dense"}
 """Which emulated-cluster measurement times a variant's step: DGC variants take the ``zen_dgc<d>`` of
 their density; the per-step time of a variant with more dense tensors is then a lower bound."""
 
@@ -240,7 +247,7 @@ def report(results: list[dict], step_s: dict[str, float], plot_path: str | None)
             paired = {s: r for s, r in seeds.items() if s in dense}
             evals_at = [[dict(map(tuple, r["eval"]))[m] for r in paired.values() if m in dict(map(tuple, r["eval"]))]
                         for m in marks]
-            gaps, reach, equal = [], [], []
+            gaps, reach, equal, diverged = [], [], [], 0
             for s, r in paired.items():
                 d_final, final = dense[s]["eval"][-1][1], r["eval"][-1][1]
                 gaps.append(100 * (final / d_final - 1))
@@ -249,16 +256,21 @@ def report(results: list[dict], step_s: dict[str, float], plot_path: str | None)
                 # needs to reach it (eval loss is noisy late in a run, so the best, not the last). A run
                 # better than dense anywhere counts as at most its steps over dense's.
                 best = min(loss for _, loss in r["eval"])
+                if not final < DIVERGED * best:  # a run that blew up has no equal-loss point
+                    diverged += 1
+                    continue
                 d_steps = steps_to(dense[s]["eval"], best)
                 equal.append(steps_to(r["eval"], best) / (d_steps or steps))
             reached = [x for x in reach if x is not None]
             times = []
             for lab in labs:
                 st, dense_st = step_s[lab].get(step_time_key(variant)), step_s[lab]["dense"]
-                times.append(f"**{_fmt_range([q * st / dense_st for q in equal], '.2f')}×**" if st else "–")
-            cells = [variant, *(_fmt_range(v, ".4f") for v in evals_at), f"{_fmt_range(gaps, '+.2f')} %",
+                times.append(f"**{_fmt_range([q * st / dense_st for q in equal], '.2f')}×**" if st and equal else "–")
+            label = variant if len(paired) == len(dense) else f"{variant} ({len(paired)} seed{'s' * (len(paired) > 1)})"
+            cells = [label, *(_fmt_range(v, ".4f") for v in evals_at), f"{_fmt_range(gaps, '+.2f')} %",
                      f"{len(reached)}/{len(reach)}" + (f"; {statistics.median(reached):.0f}" if reached else ""),
-                     _fmt_range(equal, ".2f") + "×", *times]
+                     (_fmt_range(equal, ".2f") + "×" if equal else "–") + (f" ({diverged} diverged)" if diverged else ""),
+                     *times]
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     if plot_path:
@@ -273,6 +285,7 @@ def _plot(results: list[dict], step_s: dict[str, float], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    results = [r for r in results if r["variant"] in PLOT_VARIANTS] or results
     settings = [s for s in ("scratch", "finetune") if any(r["setting"] == s for r in results)]
     fig, axes = plt.subplots(len(settings), 2, figsize=(11, 3.8 * len(settings)), squeeze=False)
     for row, setting in zip(axes, settings):
@@ -353,7 +366,12 @@ def main(argv=None) -> None:
               "(`cluster_e2e.jsonl`: "
               + "; ".join(f"{n} hosts at {rate}: " + ", ".join(f"{k} {v:.2f} s" for k, v in sorted(cfgs.items()))
                           for (n, rate), cfgs in step_s.items()) + "), "
-              "below 1× = sooner than dense to the same loss.", ""]
+              "below 1× = sooner than dense to the same loss. A variant with dense steps or dense tensors is timed at "
+              "its DGC density's step time, a lower bound. Cross-model: quality from the tiny Llama, step times from "
+              "the lab's bench models.", "",
+              "Reproduce (cached runs are reused; a variant marked with fewer seeds ran only those): "
+              f"`OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_quality.py --settings {' '.join(args.settings)} "
+              f"--seeds {' '.join(map(str, args.seeds))} --variants {' '.join(args.variants)} --out {os.path.relpath(args.out, ROOT) if args.out else '...'}`.", ""]
     text = "\n".join(header) + "\n" + text
     print(text)
     if args.out:
