@@ -1,0 +1,56 @@
+"""``benchmarks/bench_quality.py``'s arithmetic: configs per variant, steps to a loss, the paired report."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import bench_quality as bq  # noqa: E402
+
+
+def test_variant_configs():
+    dense = bq.ds_config("dense")
+    assert "zen" not in dense and dense["optimizer"]["params"]["lr"] == 0.003
+    assert bq.ds_config("dense_lr2x")["optimizer"]["params"]["lr"] == 0.006
+    assert bq.ds_config("dense_lr2x")["scheduler"]["params"]["warmup_max_lr"] == 0.006
+    dgc1 = bq.ds_config("dgc1")
+    assert dgc1["zen"]["dgc"]["density"] == 0.01 and dgc1["zen"]["dgc"]["enabled"]
+    # The benchmark's own keys never reach the zen section.
+    frozen = bq.ds_config("dgc5_dense60_frozen60")
+    assert frozen["zen"]["dgc"]["dense_steps"] == 60 and not any(k.startswith("_") for k in frozen["zen"]["dgc"])
+    assert bq.ds_config("dgc5_mc_dense60_frozen60")["optimizer"]["params"]["betas"][0] == 0.0
+    assert not bq.ds_config("natural")["zen"]["dgc"]["enabled"]
+
+
+def test_steps_to_interpolates_between_evaluations():
+    evals = [[25, 5.0], [50, 4.0], [75, 3.0]]
+    assert bq.steps_to(evals, 5.0) == 25.0
+    assert bq.steps_to(evals, 3.5) == pytest.approx(62.5)
+    assert bq.steps_to(evals, 2.9) is None
+
+
+def _run(setting, variant, seed, evals):
+    return {"setting": setting, "variant": variant, "seed": seed, "steps": evals[-1][0], "eval": evals,
+            "losses": [], "wall_s": 1.0}
+
+
+def test_report_pairs_by_seed_and_marks_divergence():
+    dense = [_run("scratch", "dense", s, [[50, 4.0 + s], [100, 3.0 + s], [200, 2.0 + s]]) for s in (0, 1)]
+    # Twice as many steps as dense to every loss, on each seed.
+    slow = [_run("scratch", "dgc5", s, [[50, 5.0 + s], [100, 4.0 + s], [200, 3.0 + s]]) for s in (0, 1)]
+    blown = [_run("scratch", "dgc1", 0, [[50, 4.0], [100, 3.5], [200, 900.0]])]
+    step_s = {(4, "1gbit"): {"dense": 2.0, "zen_dgc5": 1.0}}
+    text = bq.report(dense + slow + blown, step_s, None)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
+    # dense against itself: no gap, 1x steps and time; the paired gap uses each seed's own dense.
+    assert rows["dense"][3].startswith("+0.00") and rows["dense"][5].startswith("1.00") and "1.00" in rows["dense"][6]
+    assert rows["dgc5"][3] == f"{bq._fmt_range([50.0, 100 / 3], '+.2f')} %"
+    assert rows["dgc5"][5].startswith("2.00")  # dense reaches 3.0 (seed 0) at step 100, dgc5 at 200
+    assert rows["dgc5"][6] == "**1.00 [1.00–1.00]×**"  # 2x the steps at half the step time
+    assert "1 diverged" in rows["dgc1 (1 seed)"][5] and rows["dgc1 (1 seed)"][6] == "–"
