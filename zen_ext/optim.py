@@ -27,7 +27,7 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         params: parameters or parameter groups.
         lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
         freeze_after: optimizer steps that update the second moment (its bias correction stays at that
-            step's afterwards); 0 freezes it at zero, which the constructor refuses.
+            step's afterwards); a coordinate still at zero then takes its first gradient's square, once.
 
     Raises:
         ValueError: a hyperparameter out of range (named as in ``torch.optim.AdamW``).
@@ -51,7 +51,8 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         """One AdamW step; the second moment moves only during the first ``freeze_after`` steps.
 
         1. Decay the weights (decoupled: ``p ← p·(1 − lr·wd)``).
-        2. Update the first moment; the second moment only before the freeze.
+        2. Update the first moment; the second moment only before the freeze (after it, only where it
+           is still zero: a coordinate's first gradient).
         3. Step by ``lr · m̂ / (sqrt(v̂) + eps)``, ``v̂`` bias-corrected at ``min(step, freeze_after)``.
         """
         loss = None
@@ -80,6 +81,11 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
                 m.lerp_(g, 1 - b1)
                 if t <= freeze:
                     v.mul_(b2).addcmul_(g, g, value=1 - b2)
+                else:
+                    # A coordinate that never had a gradient before the freeze (an embedding row no
+                    # batch touched, a coordinate DGC had not sent yet) has v = 0 and would step by
+                    # lr·m/eps: it takes its first gradient's square instead, then stays frozen.
+                    torch.where(v > 0, v, g.square().mul_(1 - b2), out=v)
                 # Step 3: the bias-corrected step.
                 bc1 = 1 - b1 ** t
                 bc2 = 1 - b2 ** min(t, freeze)

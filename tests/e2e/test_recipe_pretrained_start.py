@@ -1,5 +1,5 @@
 """The DeepSpeed recipe saves its final model with save_pretrained, and a second run fine-tunes from it
-(issue 21, item 1: fine-tuning from saved weights, offline)."""
+(issue 21, item 1: fine-tuning from saved weights, offline), and the recipe's frozen-variance optimizer."""
 
 from __future__ import annotations
 
@@ -34,3 +34,14 @@ def test_saved_model_is_the_start_of_the_next_run(tmp_path):
     # Random init starts near ln(1024) = 6.93; the saved model starts where the first run ended.
     assert first[0]["loss"] > 6.5
     assert second[0]["loss"] < first[0]["loss"] - 0.2, (first[0]["loss"], first[-1]["loss"], second[0]["loss"])
+
+
+def test_frozen_variance_optimizer_trains_as_adamw_until_the_freeze(tmp_path):
+    """``--frozen_variance_after 3`` swaps in FrozenVarianceAdamW through DeepSpeed (ZeRO-1, client
+    optimizer): the first 3 updates equal the config's AdamW bit for bit, so the losses of steps 1–4
+    match; afterwards the frozen second moment changes the steps."""
+    plain = _run(tmp_path, "adamw", 7, [])
+    frozen = _run(tmp_path, "frozen", 7, ["--frozen_variance_after", "3"])
+    assert [r["loss"] for r in frozen[:4]] == [r["loss"] for r in plain[:4]]
+    assert [r["loss"] for r in frozen[4:]] != [r["loss"] for r in plain[4:]]
+    assert frozen[-1]["loss"] < frozen[0]["loss"]

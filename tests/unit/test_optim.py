@@ -80,3 +80,23 @@ def test_state_dict_round_trip():
 def test_bad_hyperparameters_raise(kw, text):
     with pytest.raises(ValueError, match=text):
         FrozenVarianceAdamW([torch.nn.Parameter(torch.zeros(1))], **kw)
+
+
+def test_a_coordinate_first_seen_after_the_freeze_does_not_explode():
+    """v = 0 at the freeze (an embedding row no batch touched) would divide by eps: the coordinate takes
+    its first gradient's square instead, so its step stays of the order of lr, then v stays frozen."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = FrozenVarianceAdamW([p], lr=0.01, betas=(0.9, 0.95), weight_decay=0.0, freeze_after=2)
+    for _ in range(2):
+        p.grad = torch.tensor([1.0, -2.0, 0.0, 0.0])  # coordinates 2 and 3 never see a gradient
+        opt.step()
+    before = p.detach().clone()
+    p.grad = torch.tensor([1.0, -2.0, 3.0, 0.0])
+    opt.step()
+    step = (p.detach() - before).abs()
+    assert step[2] < 0.1 and step[2] > 0  # lr·0.1·g / sqrt(0.05·g²/bc2): about 0.4·lr, not lr·0.3/1e-8
+    v = opt.state[p]["exp_avg_sq"].clone()
+    assert v[2] > 0 and v[3] == 0
+    p.grad = torch.tensor([5.0, 5.0, 5.0, 0.0])
+    opt.step()
+    assert torch.equal(opt.state[p]["exp_avg_sq"], v)  # frozen once seen
