@@ -107,11 +107,16 @@ def host_syncs(fn, device: str) -> int:
 # --- 1. DGC per bucket ---------------------------------------------------------------------------------------
 def bench_dgc(device: str, reps: int, small: bool) -> list[str]:
     timer = Timer(device)
-    rows = ["| bucket | dtype | tensors | MiB | DGC ms (min/med/max) | 8 passes ms | DGC / 8 passes | launches | "
-            "host syncs | transient × bucket |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for name in ("large", "bench"):
-        shapes = BUCKETS[name] if not small else BUCKETS[name][:5]
-        for dtype_name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    rows = ["| bucket | dtype | threshold search | tensors | MiB | DGC ms (min/med/max) | 8 passes ms | DGC / 8 passes | "
+            "launches | host syncs | transient × bucket |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    has_op = ops.has_dgc_search_op
+    for name, dtype_name, dtype, search in [(b, dn, dt, s) for b in ("large", "bench")
+                                            for dn, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))
+                                            for s in ("op", "torch loop")]:
+        # The same bucket with the dgc_threshold_search op and with its torch-loop oracle, same run.
+        ops.has_dgc_search_op = has_op if search == "op" else (lambda *_: False)
+        try:
+            shapes = BUCKETS[name] if not small else BUCKETS[name][:5]
             bucket, numels = make_bucket(shapes if not small else [(s[0] // 8, s[1] // 8) for s in shapes], dtype,
                                          device, 0)
             sp = dgc_mod.DGCSparsifier(DGCConfig(enabled=True, density=0.01, momentum_correction=False))
@@ -146,9 +151,12 @@ def bench_dgc(device: str, reps: int, small: bool) -> list[str]:
                 transient = (torch.cuda.max_memory_allocated() - base) / (bucket.numel() * bucket.element_size())
             else:
                 transient = float("nan")
-            rows.append(f"| {name} | {dtype_name} | {len(numels)} | {bucket.numel() * bucket.element_size() / 2**20:.1f} | "
+            mib = bucket.numel() * bucket.element_size() / 2**20
+            rows.append(f"| {name} | {dtype_name} | {search} | {len(numels)} | {mib:.1f} | "
                         f"{mmm(t_dgc, 1e3)} | {mmm(t_pass, 1e3)} | {mmm(ratio, 1, '{:.1f}')}× | {launches} | {syncs} | "
                         f"{transient:.2f} |")
+        finally:
+            ops.has_dgc_search_op = has_op
     return rows
 
 
@@ -190,6 +198,52 @@ def bench_zen(device: str, reps: int, small: bool) -> list[str]:
     return rows
 
 
+# --- 2b. embedding rows: the bitmap pull against the COO pull -------------------------------------------------
+def bench_zen_rows(device: str, reps: int, small: bool) -> list[str]:
+    """ZEN's bitmap pull and COO pull (``zen_coo``) on embedding rows, n = 16 (issue 23: in the emulated
+    cluster ``zen`` took 2.3x ``zen_coo``'s time on rows 256 wide). GPU busy time per rank and each ZEN
+    variant's five most expensive kernels."""
+    n, width = 16, 256
+    rows_total = (1 << 22) // width if not small else 512
+    per_rank = rows_total // 8
+    g = torch.Generator(device=device).manual_seed(5)
+    inputs = []
+    for _ in range(n):
+        idx = torch.randperm(rows_total, device=device, generator=g)[:per_rank]
+        inputs.append(SparseGrad(idx, torch.randn(per_rank, width, device=device, generator=g), rows_total))
+    outs = [torch.empty(rows_total * width, device=device) for _ in range(n)]
+    lines = [f"n {n}, {rows_total} rows of width {width}, {per_rank} rows per rank", "",
+             "| scheme | GPU ms per rank (min/med/max) | kernels per rank | wall ms per sync of all ranks |",
+             "|---|---|---|---|"]
+    top = []
+    timer = Timer(device)
+    for name, kw in (("zen", {"pull_format": "bitmap"}), ("zen_coo", {}), ("agsparse", {})):
+        sch = [build_scheme(name, **kw) for _ in range(n)]
+
+        def run():
+            SimWorld(n, device=device).run(lambda c, x: sch[c.rank].sync(c, x, out=outs[c.rank]), inputs)
+
+        run()
+        busy, kernels = [], 0
+        for _ in range(max(1, reps // 3)):
+            kernels, b = kernels_and_busy_s(run, device)
+            busy.append(b / n)
+        wall = [timer(run) for _ in range(max(1, reps // 3))]
+        lines.append(f"| {name}{' (bitmap pull)' if kw else ''} | {mmm(busy, 1e3, '{:.3f}')} | {kernels / n:.0f} | "
+                     f"{mmm(wall, 1e3)} |")
+        if device == "cuda" and name in ("zen", "zen_coo"):
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                run()
+                torch.cuda.synchronize()
+            avg = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:5]
+            top += ["", f"{name}'s most expensive kernels:"] + [
+                f"- {e.key[:90]}: {e.device_time_total / n / 1e3:.3f} ms per rank, {e.count / n:.0f} calls per rank"
+                for e in avg]
+    return lines + top
+
+
 # --- 3. hashing at the paper's scale ----------------------------------------------------------------------
 def bench_hash(device: str, reps: int, small: bool) -> list[str]:
     numel = 214_000_000 if not small else 2_000_000
@@ -217,6 +271,8 @@ def main(argv=None) -> int:
     parts += bench_dgc(a.device, a.reps, a.small)
     parts += ["", "## 2. ZEN vs AGsparse, GPU time per rank (SimWorld on one device, same input)", ""]
     parts += bench_zen(a.device, a.reps, a.small)
+    parts += ["", "## 2b. ZEN on embedding rows: bitmap pull vs COO pull (SimWorld on one device)", ""]
+    parts += bench_zen_rows(a.device, a.reps, a.small)
     parts += ["", "## 3. Hashing", ""] + bench_hash(a.device, a.reps, a.small)
     text = "\n".join(parts) + "\n"
     print(text, flush=True)

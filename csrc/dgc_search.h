@@ -15,6 +15,26 @@ namespace dgc {
 
 constexpr double kBandLo = 0.8, kBandHi = 1.25;  // REFINE_BAND of zen_ext/compress/dgc.py
 
+// A product that nvcc must not contract into a fused multiply-add with a neighbouring sum: the CPU
+// rounds the product first, and the two devices must compute the same probe.
+#ifdef __CUDA_ARCH__
+#define ZEN_DMUL_RN(a, b) __dmul_rn((a), (b))
+#else
+#define ZEN_DMUL_RN(a, b) ((a) * (b))
+#endif
+
+// A new probe as a value of the memory's dtype, and no finer than float32 (``_ThresholdSearch.update``
+// rounds the same way): in float64 the probe would carry the last-bit differences of ``log`` between
+// the CPU's libm and CUDA's into the threshold.
+template <typename scalar_t>
+ZEN_HD double round_probe(double t) {
+  return static_cast<double>(static_cast<scalar_t>(t));
+}
+template <>
+ZEN_HD double round_probe<double>(double t) {
+  return static_cast<double>(static_cast<float>(t));
+}
+
 // One unit's search state (the torch path's per-unit tensors).
 struct Search {
   double rank, k, ns;
@@ -57,11 +77,11 @@ ZEN_HD void update(Search& s, double c, double& thr, const scalar_t* sorted, int
   const double log_under = log(s.c_under < 0.5 ? 0.5 : s.c_under);
   const double span = log_over - log_under;
   const double w = (log_over - log(k)) / (span < 1e-12 ? 1e-12 : span);
-  const double t_interp = s.t_over + (s.t_under - s.t_over) * w;
+  const double t_interp = s.t_over + ZEN_DMUL_RN(s.t_under - s.t_over, w);
   const double t_next = (s.has_over && s.has_under) ? t_interp : t_rank;
   if (!s.done) {
     s.rank = rank;
-    thr = static_cast<double>(static_cast<scalar_t>(t_next));
+    thr = round_probe<scalar_t>(t_next);
   }
 }
 

@@ -229,7 +229,10 @@ def test_cuda_ops_match_cpu(dtype):
             msg = torch.ops.zen_ext.encode_pull(acc, words, int(count), fmt, 3, dtype, 4)
             g_msg = torch.ops.zen_ext.encode_pull(acc.cuda(), words.cuda(), int(count), fmt, 3, dtype, 4)
             assert torch.equal(g_msg.cpu(), msg)
-    for numel, n, width in [(4099, 4, 1), (1000, 7, 2), (2, 3, 1)]:
+    # Widths 9 and 64: rows wider than 16 bytes take decode_rows_kernel (a block per 64 slots); the
+    # messages are decoded at byte offsets 0, 2 and 5 of a receive buffer, as they arrive.
+    for numel, n, width, off in [(4099, 4, 1, 0), (1000, 7, 2, 0), (2, 3, 1, 0), (3001, 3, 9, 2), (700, 5, 64, 5),
+                                 (700, 5, 64, 0)]:
         for fmt_of in (lambda p: 0, lambda p: 1, lambda p: 2):
             want, _ = _round_trip(numel, n, width, dtype, torch.int32, fmt_of, seed=1, use_op=True)
             out = torch.zeros_like(want).cuda()
@@ -245,8 +248,10 @@ def test_cuda_ops_match_cpu(dtype):
                 payload = pack((y[sel] // n).to(torch.int32), vals[sel]) if sel.any() else torch.empty(0, dtype=torch.uint8)
                 acc, words, count = torch.ops.zen_ext.aggregate_push([payload], m, width, dtype, 4)
                 msg = torch.ops.zen_ext.encode_pull(acc, words, int(count), fmt_of(part), 1, dtype, 4)
-                torch.ops.zen_ext.decode_pull_(out, msg.cuda(), part, n, KEYS.cuda(), 4)
-            assert torch.equal(out.cpu(), want)
+                buf = torch.zeros(msg.numel() + off, dtype=torch.uint8, device="cuda")
+                buf[off:].copy_(msg)
+                torch.ops.zen_ext.decode_pull_(out, buf[off:], part, n, KEYS.cuda(), 4)
+            assert torch.equal(out.cpu(), want), (numel, n, width, off)
 
 
 @needs_op

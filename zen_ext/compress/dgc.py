@@ -685,6 +685,10 @@ class _ThresholdSearch:
         t_interp = self.t_over + (self.t_under - self.t_over) * w
         t_next = torch.where(self.has_over & self.has_under, t_interp, t_rank)
         self.rank = torch.where(self.done, self.rank, rank)
+        # A probe is a value of the memory's dtype and no finer than float32: in float64 it would carry
+        # the last-bit differences of log() between devices (csrc/dgc_search.h rounds the same way).
+        if self.thr.dtype == torch.float64:
+            t_next = t_next.to(torch.float32)
         self.thr = torch.where(self.done, self.thr, t_next.to(self.thr.dtype))
 
 
