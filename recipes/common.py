@@ -328,7 +328,7 @@ def progress_bar(rank: int, start: int, steps: int):
         return lambda rec: None
     from tqdm import tqdm
 
-    from zen_ext.engines.stats import format_bytes
+    from zen_ext.reduction.stats import format_bytes
 
     bar = tqdm(total=steps, initial=start, desc="train", dynamic_ncols=True, file=sys.stdout, mininterval=1.0)
 

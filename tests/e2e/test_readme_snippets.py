@@ -273,7 +273,7 @@ def test_every_block_is_marked():
 
 def test_output_blocks_have_the_summary_format():
     """The printed summaries in the docs look like what ``stats.summarize`` prints today."""
-    from zen_ext.engines.stats import summarize
+    from zen_ext.reduction.stats import summarize
 
     text = summarize([{"bytes_sent": 1, "dense_bytes": 5, "sync_s": 1.0}], 1, __import__("collections").Counter(
         {"dense": 1}), [2.0, 1.0], "scheme=auto")

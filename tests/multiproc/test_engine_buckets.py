@@ -1,4 +1,4 @@
-"""Engine-neutral bucket handling (zen_ext/engines/_buckets.py): slices, re-bucketing, node shards,
+"""Engine-neutral bucket handling (zen_ext/reduction/): slices, re-bucketing, node shards,
 TP-shared embedding rows and the non-finite guard, checked against a dense all-reduce on gloo.
 
 Gradients are integer-valued, so every lossless path must equal the dense sum exactly.
@@ -10,15 +10,8 @@ import torch
 
 from tests.multiproc.launch import run_workers
 from zen_ext.core.synchronizer import GradSlice
-from zen_ext.engines._buckets import (
-    BucketReducer,
-    clip_slices,
-    hierarchy_applies,
-    locate_slices,
-    node_layout,
-    shard_bounds,
-    split_to_cap,
-)
+from zen_ext.reduction import BucketReducer, clip_slices, locate_slices, shard_bounds, split_to_cap
+from zen_ext.reduction.hierarchy import hierarchy_applies, node_layout
 
 # A bucket: embedding [12, 4] (natural), a weight [6, 5] (dgc or dense), a bias [3] (dense), 2 pad elements.
 LAYOUT = [("emb", 0, (12, 4)), ("w", 48, (6, 5)), ("b", 78, (3,))]
@@ -75,7 +68,7 @@ def test_shard_bounds_snap_to_rows_and_clip_keeps_parts():
 
 
 def test_hierarchical_true_on_one_node_is_an_error():
-    from zen_ext.engines._buckets import build_node_sharding
+    from zen_ext.reduction.hierarchy import build_node_sharding
 
     with pytest.raises(ValueError) as info:
         build_node_sharding([0, 1], [[0, 1]], 2, 0, required=True)
@@ -110,7 +103,7 @@ def _build(dp_comm, tp_comm, dgc):
 
 def _hierarchical_worker(rank, world, cases):
     from zen_ext.comm.torch_dist import TorchCommunicator
-    from zen_ext.engines._buckets import build_node_sharding
+    from zen_ext.reduction.hierarchy import build_node_sharding
 
     # 2 emulated nodes of 2 local ranks: intra {0,1},{2,3}; inter {0,2},{1,3}.
     node, inter = build_node_sharding(range(world), [range(world)], 2, rank, required=True)

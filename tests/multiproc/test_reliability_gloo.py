@@ -99,7 +99,7 @@ def test_tp_disagreement_raises_on_both_ranks():
 def _tp_routing_worker(rank, world):
     from zen_ext.compress import classify_parameters
     from zen_ext.core.synchronizer import GradSlice, Synchronizer
-    from zen_ext.engines._buckets import BucketReducer
+    from zen_ext.reduction import BucketReducer
 
     dp_comm, tp_comm, dgc, rows = _tp_setup(rank, world)
     model = torch.nn.Sequential(torch.nn.Linear(10, rows, bias=False))
@@ -167,7 +167,7 @@ def _hosts_worker(rank, world):
 
     from zen_ext.comm.torch_dist import TorchCommunicator
     from zen_ext.core.synchronizer import GradSlice, Synchronizer
-    from zen_ext.engines._buckets import BucketReducer, maybe_node_sharding
+    from zen_ext.reduction import BucketReducer, maybe_node_sharding
 
     out = {}
     # (i) An uneven hostfile, 4 + 2: each rank's own LOCAL_WORLD_SIZE differs (4 or 2).

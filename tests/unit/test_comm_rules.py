@@ -94,7 +94,7 @@ def test_object_gathers_and_signature_checks_are_built_on_comm_device():
 
 
 def test_nonfinite_guard_flag_is_built_on_the_guard_comm_device():
-    from zen_ext.engines._buckets import BucketReducer
+    from zen_ext.reduction import BucketReducer
 
     comm = _Recorder()
     red = BucketReducer.__new__(BucketReducer)  # only the guard step runs before the recorder stops it

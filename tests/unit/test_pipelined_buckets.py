@@ -13,8 +13,8 @@ import torch
 from tests.unit.test_synchronizer import DGC, KINDS, SLICES, bucket_inputs
 from zen_ext import SimWorld, build_scheme
 from zen_ext.core.synchronizer import Synchronizer
-from zen_ext.engines._buckets import BucketReducer
-from zen_ext.engines.ddp import CommWorker
+from zen_ext.reduction import BucketReducer
+from zen_ext.reduction import CommWorker
 
 CAP_BYTES = 4 * 1000  # SLICES re-bucket into several ZEN buckets at this cap
 

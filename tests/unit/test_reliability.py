@@ -111,7 +111,7 @@ def test_synchronizer_paths_produce_only_in_range_indices():
 
 # --- item 5: the hierarchy is decided from gathered facts, the same on every rank ----------------------
 def test_hierarchy_even_nodes_follow_host_membership():
-    from zen_ext.engines._buckets import decide_hierarchy
+    from zen_ext.reduction import decide_hierarchy
 
     # Two hosts of 2, ranks interleaved (a round-robin hostfile): nodes are the hosts, not rank // 2.
     hosts = ["a", "b", "a", "b"]
@@ -126,7 +126,7 @@ def test_hierarchy_even_nodes_follow_host_membership():
 
 
 def test_hierarchy_uneven_hostfile_falls_back_or_refuses():
-    from zen_ext.engines._buckets import decide_hierarchy
+    from zen_ext.reduction import decide_hierarchy
 
     hosts = ["gpu1"] * 4 + ["gpu2"] * 2  # 4 + 2 GPUs
     layouts, reason = decide_hierarchy("auto", hosts, [range(6)], [0, 1, 2, 3, 0, 1])
@@ -146,7 +146,7 @@ def test_hierarchy_uneven_hostfile_falls_back_or_refuses():
     (["a", "b", "c", "d"], "a: [0], b: [1], c: [2], d: [3]"),  # one rank per node
 ])
 def test_hierarchy_single_node_or_one_rank_per_node_runs_flat(hosts, where):
-    from zen_ext.engines._buckets import decide_hierarchy
+    from zen_ext.reduction import decide_hierarchy
 
     reason = f"the data-parallel group [0, 1, 2, 3] does not span several nodes with several ranks each ({where})"
     assert decide_hierarchy("auto", hosts, [range(4)]) == (None, reason)
@@ -157,7 +157,7 @@ def test_hierarchy_single_node_or_one_rank_per_node_runs_flat(hosts, where):
 
 
 def test_hierarchy_refuses_hosts_that_do_not_identify_machines():
-    from zen_ext.engines._buckets import decide_hierarchy
+    from zen_ext.reduction import decide_hierarchy
 
     # Two machines whose containers share one host name: local rank 0 appears twice on "worker".
     reason = ("ranks 0 and 2 both report host 'worker' with local rank 0, so host names do not identify "
@@ -169,7 +169,7 @@ def test_hierarchy_refuses_hosts_that_do_not_identify_machines():
 
 def test_hierarchy_decision_ignores_each_ranks_own_environment(monkeypatch):
     """What a rank's LOCAL_WORLD_SIZE says plays no part: the same facts give the same layouts."""
-    from zen_ext.engines._buckets import decide_hierarchy
+    from zen_ext.reduction import decide_hierarchy
 
     hosts, groups = ["n0", "n0", "n1", "n1"], [range(4)]
     answers = set()
@@ -227,9 +227,9 @@ def test_synchronizer_partial_restore_keeps_step_and_drops_residuals():
 def test_ddp_hook_state_resize_keeps_step_counters(caplog):
     """Before: dp 2 → dp 1 returned early, so the step went 7 → 0 and DGC's warm-up restarted."""
     from zen_ext.config import ZenConfig
-    from zen_ext.engines._buckets import BucketReducer
+    from zen_ext.reduction import BucketReducer
     from zen_ext.engines.ddp import ZenHookState
-    from zen_ext.engines.stats import StepStats
+    from zen_ext.reduction.stats import StepStats
 
     saved = _trained_states(2, 7)
     sync = _fresh_sync(SimWorld(1).communicators()[0])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zen_ext.engines.stats import StepStats, format_bytes, mean_losses, summarize
+from zen_ext.reduction.stats import StepStats, format_bytes, mean_losses, summarize
 
 
 def test_scheme_counts_are_per_slice_and_step_and_add_up():

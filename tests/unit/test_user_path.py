@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from zen_ext.config import ZenConfig, near_miss_sections, optimizer_momentum, resolve_dgc_defaults
-from zen_ext.engines.stats import startup_line
+from zen_ext.reduction.stats import startup_line
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

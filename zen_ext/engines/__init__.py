@@ -5,7 +5,8 @@
 * ``zen_ext.engines.ddp``: the torch DDP communication hook (no engine beyond torch).
 * ``zen_ext.engines.colossalai``: the ColossalAI Booster plugins; public alias ``zen_ext.colossalai``.
   Importing it imports ColossalAI (its plugins subclass ColossalAI's), so only a ColossalAI user does.
-* ``zen_ext.engines._buckets``: engine-neutral bucket handling (slices, re-bucketing to
-  ``bucket_cap_mb``, node-sharded hierarchical reduction, TP-shared embedding rows).
-* ``zen_ext.engines.stats``: per-step JSONL statistics and the end-of-run summary.
+  Adapters translate their engine's buckets into (flat buffer, slices) for the engine-neutral
+  reduction layer, ``zen_ext.reduction`` (slices, re-bucketing to ``bucket_cap_mb``, node-sharded
+  hierarchical reduction, TP-shared embedding rows, the communication worker); no adapter imports
+  another.
 """

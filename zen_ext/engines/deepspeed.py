@@ -42,12 +42,11 @@ import time
 import torch
 
 from ..comm.torch_dist import TorchCommunicator
-from ..compress import classify_parameters
 from ..config import (SECTION, ZenConfig, check_deepspeed_settings, load_json_config, near_miss_sections,
                       resolve_dgc_defaults)
-from ..core.synchronizer import Synchronizer, resize_warning
-from ._buckets import BucketReducer, NodeShardedReduce, locate_slices, maybe_node_sharding
-from .stats import StepStats, append_planner_reasons, report_summary, startup_line
+from ..reduction import BucketReducer, CommWorker, NodeShardedReduce, locate_slices, maybe_node_sharding
+from ..reduction.assembly import build_synchronizer, restore_sync_state, summary_text
+from ..reduction.stats import StepStats, startup_line
 
 log = logging.getLogger(__name__)
 
@@ -312,12 +311,8 @@ class ZenDeepSpeed:
 
         # Step 3: the Synchronizer, routing each parameter by kind.
         self.names = {id(p): n for n, p in engine.module.named_parameters()}
-        # Routing from facts the TP ranks share (largest shard size): uneven AutoTP shards must not
-        # send a parameter to DGC on one TP rank and dense on another.
-        kinds = classify_parameters(engine.module, natural=cfg.natural_options(), dgc=cfg.dgc_options(),
-                                    log=self.rank == 0, tp_comm=self.tp_comm)
-        self.sync = Synchronizer(dp_comm=sync_comm, scheme=cfg.build_scheme(), param_kinds=kinds,
-                                 dgc=cfg.dgc_options(), natural=cfg.natural_options(), tp_comm=self.tp_comm)
+        kinds, self.sync = build_synchronizer(engine.module, cfg, sync_comm=sync_comm, tp_comm=self.tp_comm,
+                                              rank=self.rank)
         from deepspeed.runtime.utils import is_model_parallel_parameter
 
         tp_shared = frozenset(n for n, p in engine.module.named_parameters()
@@ -328,8 +323,6 @@ class ZenDeepSpeed:
         # collectives the compression itself needs.
         self.worker = None
         if cfg.async_sync and node is None and self.tp_comm is None:
-            from .ddp import CommWorker
-
             self.worker = CommWorker.acquire(sync_comm.group, engine.device)
         elif cfg.async_sync and self.rank == 0:
             log.info("zen: zen.async_sync does not pipeline buckets with %s (their collectives run on the "
@@ -589,9 +582,8 @@ class ZenDeepSpeed:
         import torch.distributed as dist
 
         totals = _all_gather_object(dist, {**self.stats.totals, "losses": self.stats.losses})
-        text = report_summary(self.stats, self.cfg, totals, self.rank,
-                              f"ZeRO-{self.stage} hierarchical={self.hierarchical}", print_it)
-        return append_planner_reasons(text, self.sync.scheme, self.cfg, self.rank, print_it)
+        return summary_text(self.stats, self.cfg, self.sync, self.rank, totals,
+                            f"ZeRO-{self.stage} hierarchical={self.hierarchical}", print_it)
 
     def close(self) -> None:
         """Flush the statistics and release the communication worker (idempotent)."""
@@ -611,10 +603,7 @@ class ZenDeepSpeed:
         """Restore ``state_dict()``: all of it at the same data-parallel size; on a resize (or from
         another rank's file, ``why``) only what the ranks share: the step counter (DGC warm-up) and the
         planner's state, while DGC residuals, momenta and thresholds restart (one warning)."""
-        partial = bool(why) or sd.get("dp_size") != len(self.dp_ranks)
-        if partial:
-            log.warning(resize_warning(sd.get("dp_size"), len(self.dp_ranks), sd["sync"], why))
-        self.sync.load_state_dict(sd["sync"], per_rank=not partial)
+        restore_sync_state(self.sync, sd, len(self.dp_ranks), why, logger=log)
 
     def _state_path(self, root: str, tag) -> str:
         return os.path.join(root, str(tag), STATE_DIRNAME, f"rank{self.rank:05d}.pt")

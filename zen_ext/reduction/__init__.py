@@ -1,0 +1,23 @@
+"""The engine-neutral reduction layer between the core (Synchronizer, schemes) and the engine adapters.
+
+An adapter translates its engine's buckets into (flat buffer, slices) and back, and hooks the engine;
+everything else about reducing a bucket lives here, one concern per module:
+
+* ``slices``: flat buffers ↔ named ``GradSlice``s (by storage address), re-bucketing to
+  ``zen.bucket_cap_mb``, shards that keep embedding rows whole;
+* ``hierarchy``: whether node-sharded reduction applies (decided alike on every rank), its groups,
+  and ``NodeShardedReduce``;
+* ``reducer``: ``BucketReducer``, what every adapter calls per bucket;
+* ``worker``: ``CommWorker``, the communication thread of ``zen.async_sync``;
+* ``stats``: per-step JSONL statistics, the start-up line and the end-of-run summary;
+* ``assembly``: what every adapter builds alike (routing and the Synchronizer, the summary, restoring
+  zen_ext's state).
+"""
+
+from .hierarchy import NodeShardedReduce, decide_hierarchy, maybe_node_sharding
+from .reducer import BucketReducer
+from .slices import clip_slices, locate_slices, shard_bounds, split_to_cap
+from .worker import CommWorker
+
+__all__ = ["BucketReducer", "CommWorker", "NodeShardedReduce", "clip_slices", "decide_hierarchy", "locate_slices",
+           "maybe_node_sharding", "shard_bounds", "split_to_cap"]

@@ -1,0 +1,53 @@
+"""What every engine adapter builds and keeps alike: the routing and the Synchronizer, the end-of-run
+summary, and restoring zen_ext's own state (one place, so the adapters cannot drift apart)."""
+
+from __future__ import annotations
+
+import logging
+
+from ..compress import classify_parameters
+from ..config import ZenConfig
+from ..core.synchronizer import Synchronizer, resize_warning
+from .stats import StepStats, append_planner_reasons, report_summary
+
+log = logging.getLogger(__name__)
+
+__all__ = ["build_synchronizer", "restore_sync_state", "summary_text"]
+
+
+def build_synchronizer(module, cfg: ZenConfig, *, sync_comm, tp_comm, rank: int) -> tuple[dict[str, str], Synchronizer]:
+    """Route each parameter of ``module`` (natural / dgc / dense) and build the Synchronizer over
+    ``sync_comm`` (DGC thresholds agreed over ``tp_comm``).
+
+    Routing uses facts the TP ranks share (the largest shard size), so uneven AutoTP shards never send
+    a parameter to DGC on one TP rank and dense on another; rank 0 logs it.
+
+    Returns:
+        ``(kinds, sync)``: parameter name → kind, and the Synchronizer.
+    """
+    kinds = classify_parameters(module, natural=cfg.natural_options(), dgc=cfg.dgc_options(), log=rank == 0,
+                                tp_comm=tp_comm)
+    sync = Synchronizer(dp_comm=sync_comm, scheme=cfg.build_scheme(), param_kinds=kinds, dgc=cfg.dgc_options(),
+                        natural=cfg.natural_options(), tp_comm=tp_comm)
+    return kinds, sync
+
+
+def summary_text(stats: StepStats, cfg: ZenConfig, sync: Synchronizer, rank: int, totals: list, label: str,
+                 print_it: bool | None) -> str:
+    """The end-of-run summary from every rank's gathered ``totals`` (the adapter gathers them over its
+    engine's group), with ``auto``'s reasons for what it chose; rank 0 prints it when asked."""
+    text = report_summary(stats, cfg, totals, rank, label, print_it)
+    return append_planner_reasons(text, sync.scheme, cfg, rank, print_it)
+
+
+def restore_sync_state(sync: Synchronizer, sd: dict, dp_size: int, why: str = "", logger=None) -> bool:
+    """Restore a saved ``{"sync": ..., "dp_size": ...}``: all of it at the same data-parallel size; on a
+    resize (or from another rank's file, ``why``) only what the ranks share (step counters, so DGC's
+    warm-up continues; the planner's state), while DGC residuals, momenta and thresholds restart, with
+    one warning saying so, on ``logger`` (the adapter's). Returns True when only the shared part was
+    restored."""
+    partial = bool(why) or sd.get("dp_size") != dp_size
+    if partial:
+        (logger or log).warning(resize_warning(sd.get("dp_size"), dp_size, sd["sync"], why))
+    sync.load_state_dict(sd["sync"], per_rank=not partial)
+    return partial
