@@ -160,6 +160,22 @@ def bench_dgc(device: str, reps: int, small: bool) -> list[str]:
     return rows
 
 
+def sim_sync_cost(name: str, options: dict, n: int, inputs, outs, reps: int, device: str):
+    """One scheme's sync of ``inputs`` in SimWorld (n ranks on one device), after a warm-up: the run
+    itself, GPU busy seconds per rank over ``reps // 3`` profiled runs, and kernels per rank."""
+    sch = [build_scheme(name, **options) for _ in range(n)]
+
+    def run():
+        SimWorld(n, device=device).run(lambda c, x: sch[c.rank].sync(c, x, out=outs[c.rank]), inputs)
+
+    run()
+    busy, kernels = [], 0
+    for _ in range(max(1, reps // 3)):
+        kernels, b = kernels_and_busy_s(run, device)
+        busy.append(b / n)
+    return run, busy, kernels / n
+
+
 # --- 2. ZEN vs AGsparse per rank -------------------------------------------------------------------------
 def bench_zen(device: str, reps: int, small: bool) -> list[str]:
     numel = 50_000_000 if not small else 200_000
@@ -177,19 +193,10 @@ def bench_zen(device: str, reps: int, small: bool) -> list[str]:
             outs = [torch.empty(numel, device=device) for _ in range(n)]
             per = {}
             for name in ("zen", "agsparse"):
-                sch = [build_scheme(name) for _ in range(n)]
-
-                def run():
-                    SimWorld(n, device=device).run(lambda c, x: sch[c.rank].sync(c, x, out=outs[c.rank]), inputs)
-
-                run()
-                busy, kernels = [], 0
-                for _ in range(max(1, reps // 3)):
-                    kernels, b = kernels_and_busy_s(run, device)
-                    busy.append(b / n)
+                run, busy, kernels = sim_sync_cost(name, {}, n, inputs, outs, reps, device)
                 if device != "cuda":  # no profiler: wall time of all ranks, per rank
                     busy = [timer(run) / n for _ in range(max(1, reps // 3))]
-                per[name] = (busy, kernels / n)
+                per[name] = (busy, kernels)
             pass_s = [timer(lambda: outs[0].fill_(1.0)) for _ in range(reps)]
             z, a = per["zen"][0], per["agsparse"][0]
             rows.append(f"| {n} | {density:.0%} | {mmm(z, 1e3)} | {mmm(a, 1e3)} | "
@@ -218,18 +225,9 @@ def bench_zen_rows(device: str, reps: int, small: bool) -> list[str]:
     top = []
     timer = Timer(device)
     for name, kw in (("zen", {"pull_format": "bitmap"}), ("zen_coo", {}), ("agsparse", {})):
-        sch = [build_scheme(name, **kw) for _ in range(n)]
-
-        def run():
-            SimWorld(n, device=device).run(lambda c, x: sch[c.rank].sync(c, x, out=outs[c.rank]), inputs)
-
-        run()
-        busy, kernels = [], 0
-        for _ in range(max(1, reps // 3)):
-            kernels, b = kernels_and_busy_s(run, device)
-            busy.append(b / n)
+        run, busy, kernels = sim_sync_cost(name, kw, n, inputs, outs, reps, device)
         wall = [timer(run) for _ in range(max(1, reps // 3))]
-        lines.append(f"| {name}{' (bitmap pull)' if kw else ''} | {mmm(busy, 1e3, '{:.3f}')} | {kernels / n:.0f} | "
+        lines.append(f"| {name}{' (bitmap pull)' if kw else ''} | {mmm(busy, 1e3, '{:.3f}')} | {kernels:.0f} | "
                      f"{mmm(wall, 1e3)} |")
         if device == "cuda" and name in ("zen", "zen_coo"):
             from torch.profiler import ProfilerActivity, profile
