@@ -132,7 +132,7 @@ def load_checkpoint(booster, plugin, model, optimizer, scheduler, out_dir: str, 
     booster.load_lr_scheduler(scheduler, os.path.join(path, "scheduler.pt"))
     zen_path = os.path.join(path, f"zen_rank{rank:05d}.pt")
     if plugin.zen is not None and os.path.isfile(zen_path):
-        plugin.zen.load_state_dict(torch.load(zen_path, map_location="cpu", weights_only=False))
+        plugin.zen.load_state_dict(torch.load(zen_path, map_location="cpu", weights_only=True))
     with open(os.path.join(path, "trainer_state.json")) as f:
         return json.load(f)["step"]
 

@@ -82,11 +82,20 @@ __global__ void add_coo_kernel(const uint8_t* __restrict__ p, int64_t k, int64_t
   }
 }
 
+// One atomic per block (a block-wide sum first): an atomic per thread on the one counter serialized
+// 97,600 atomics per call, 72 us on an H100 for a 6.25 M-position partition.
 __global__ void popcount_total_kernel(const int64_t* __restrict__ words, int64_t nw, int64_t* __restrict__ count) {
-  int64_t s = 0;
+  __shared__ unsigned long long partial[kThreads];
+  unsigned long long s = 0;
   for (int64_t w = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; w < nw; w += int64_t(gridDim.x) * blockDim.x)
     s += popcount64(uint64_t(words[w]));
-  if (s) atomicAdd(reinterpret_cast<unsigned long long*>(count), (unsigned long long)s);
+  partial[threadIdx.x] = s;
+  __syncthreads();
+  for (int half = kThreads / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0 && partial[0]) atomicAdd(reinterpret_cast<unsigned long long*>(count), partial[0]);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> aggregate_push_cuda(at::TensorList payloads, int64_t part_size,
@@ -318,6 +327,21 @@ __global__ void msg_word_popcount_kernel(const uint8_t* __restrict__ msg, int64_
   }
 }
 
+// One value (or narrow row) moved with one load and one store where both ends are aligned (a bit copy:
+// no conversion involved), byte by byte otherwise (a message sits at any byte offset).
+__device__ __forceinline__ void copy_value(uint8_t* dst, const uint8_t* src, int64_t vsz) {
+  const uint64_t a = uint64_t(reinterpret_cast<uintptr_t>(dst)) | uint64_t(reinterpret_cast<uintptr_t>(src));
+  if (vsz == 4 && a % 4 == 0) {
+    *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(src);
+  } else if (vsz == 2 && a % 2 == 0) {
+    *reinterpret_cast<uint16_t*>(dst) = *reinterpret_cast<const uint16_t*>(src);
+  } else if (vsz == 8 && a % 8 == 0) {
+    *reinterpret_cast<uint64_t*>(dst) = *reinterpret_cast<const uint64_t*>(src);
+  } else {
+    memcpy(dst, src, size_t(vsz));
+  }
+}
+
 // One thread per position (dense), entry (COO) or word (bitmap, with incl_pc the inclusive prefix).
 __global__ void decode_kernel(uint8_t* __restrict__ out, int64_t vsz, const uint8_t* __restrict__ msg,
                               int64_t nbytes, const int64_t* __restrict__ incl_pc, int64_t part, int64_t n,
@@ -327,14 +351,16 @@ __global__ void decode_kernel(uint8_t* __restrict__ out, int64_t vsz, const uint
   if (count < 0 || count > m) return;
   const int64_t ib = index_bytes(fmt, count, m, idx_bytes);
   if (nbytes != kHeaderBytes + ib + value_rows(fmt, count, m) * vsz) return;  // malformed: write nothing
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t t0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  // The grid is sized for m positions (the format is only known here): a bitmap needs m/64 threads.
+  if (t0 >= (fmt == kFmtBitmap ? num_words(m) : fmt == kFmtCoo ? count : m)) return;
   const FeistelKeys keys = keys_from(keys_R);
   const uint8_t* idx_in = msg + kHeaderBytes;
   const uint8_t* val_in = idx_in + ib;
-  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
-  const int64_t t0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   auto put = [&](int64_t pos, int64_t row) {
     const int64_t g = global_index(pos, part, n, numel, keys, bits);
-    memcpy(out + g * vsz, val_in + row * vsz, size_t(vsz));
+    copy_value(out + g * vsz, val_in + row * vsz, vsz);
   };
   if (fmt == kFmtDense) {
     for (int64_t r = t0; r < m; r += stride) put(r, r);
