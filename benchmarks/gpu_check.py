@@ -512,7 +512,7 @@ def _sync_run(device: str, n: int, seed: int = 0):
     import torch
 
     from zen_ext import SimWorld
-    from zen_ext.core.synchronizer import GradSlice, Synchronizer
+    from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
     rows, width, dense_n = 300, 16, 5000
     slices = [GradSlice("emb", 0, rows * width, (rows, width)), GradSlice("w", rows * width, dense_n, (dense_n,)),
@@ -755,7 +755,7 @@ def _gloo_worker(rank, world_size, device):
 
     from zen_ext.comm.torch_dist import TorchCommunicator
     from zen_ext.core.scheme import available_schemes
-    from zen_ext.core.synchronizer import GradSlice, Synchronizer
+    from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
     if device == "cuda":
         torch.cuda.set_device(0)
@@ -854,7 +854,7 @@ def run_multi(rep: Report) -> None:
     from zen_ext import build_scheme
     from zen_ext.comm.torch_dist import TorchCommunicator
     from zen_ext.core.scheme import available_schemes
-    from zen_ext.core.synchronizer import GradSlice, Synchronizer
+    from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     torch.cuda.set_device(local)

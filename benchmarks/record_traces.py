@@ -35,7 +35,7 @@ from recipes.common import build_model, build_tokenizer, load_texts, pack_tokens
 from zen_ext import SimWorld, build_scheme  # noqa: E402
 from zen_ext.analysis.traces import TraceRecorder, TracingScheme, step_path  # noqa: E402
 from zen_ext.compress import classify_parameters  # noqa: E402
-from zen_ext.core.synchronizer import GradSlice, Synchronizer  # noqa: E402
+from zen_ext.reduction.synchronizer import GradSlice, Synchronizer  # noqa: E402
 
 KINDS = {
     "dgc1": dict(dgc={"enabled": True, "density": 0.01}, natural=None),

@@ -11,7 +11,7 @@ __all__ = ["CommStats", "Communicator", "GradSlice", "SimWorld", "SparseGrad", "
 def __getattr__(name):
     # The synchronizer pulls in the sparsifiers: imported on first use to keep `import zen_ext` light.
     if name in ("Synchronizer", "GradSlice"):
-        from .core import synchronizer
+        from .reduction import synchronizer
 
         return getattr(synchronizer, name)
     raise AttributeError(f"module 'zen_ext' has no attribute {name!r}")

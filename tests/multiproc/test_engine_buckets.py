@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.multiproc.launch import run_workers
-from zen_ext.core.synchronizer import GradSlice
+from zen_ext.reduction.synchronizer import GradSlice
 from zen_ext.reduction import BucketReducer, clip_slices, locate_slices, shard_bounds, split_to_cap
 from zen_ext.reduction.hierarchy import hierarchy_applies, node_layout
 
@@ -93,7 +93,7 @@ def _grad(rank: int, seed: int = 0) -> torch.Tensor:
 
 def _build(dp_comm, tp_comm, dgc):
     from zen_ext.config import ZenConfig
-    from zen_ext.core.synchronizer import Synchronizer
+    from zen_ext.reduction.synchronizer import Synchronizer
 
     cfg = ZenConfig.from_dict({"dgc": {"enabled": dgc, "min_numel": 10, "density": 0.2}})
     kinds = {"emb": "natural", "w": "dgc" if dgc else "dense", "b": "dense"}

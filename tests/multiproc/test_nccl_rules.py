@@ -55,7 +55,7 @@ def test_guard_catches_lone_p2p_and_wrong_device_and_passes_batches():
 
 def _transport_worker(rank, world_size):
     from zen_ext.comm.torch_dist import TorchCommunicator
-    from zen_ext.core.synchronizer import GradSlice, Synchronizer
+    from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
     comm = TorchCommunicator(exchange_impl="p2p" if rank == 0 else "a2a")
     errors = []

@@ -72,7 +72,7 @@ def _tp_setup(rank, world):
 
 
 def _tp_disagree_worker(rank, world):
-    from zen_ext.core.synchronizer import GradSlice, Synchronizer
+    from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
     dp_comm, tp_comm, dgc, rows = _tp_setup(rank, world)
     # Kinds that differ (routing computed from each rank's local shard): the TP agreement must run on
@@ -98,7 +98,7 @@ def test_tp_disagreement_raises_on_both_ranks():
 
 def _tp_routing_worker(rank, world):
     from zen_ext.compress import classify_parameters
-    from zen_ext.core.synchronizer import GradSlice, Synchronizer
+    from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
     from zen_ext.reduction import BucketReducer
 
     dp_comm, tp_comm, dgc, rows = _tp_setup(rank, world)
@@ -140,7 +140,7 @@ def test_tp_routing_is_a_function_of_gathered_shard_sizes():
 
 def _plan_error_worker(rank, world):
     from zen_ext.comm.torch_dist import TorchCommunicator
-    from zen_ext.core.synchronizer import GradSlice, Synchronizer
+    from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
     sync = Synchronizer(dp_comm=TorchCommunicator(), scheme="zen", param_kinds={"w": "dense"})
     # Rank 1's engine hands over a slice its routing does not know (a rank-local bug).
@@ -166,7 +166,7 @@ def _hosts_worker(rank, world):
     import torch.distributed as dist
 
     from zen_ext.comm.torch_dist import TorchCommunicator
-    from zen_ext.core.synchronizer import GradSlice, Synchronizer
+    from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
     from zen_ext.reduction import BucketReducer, maybe_node_sharding
 
     out = {}

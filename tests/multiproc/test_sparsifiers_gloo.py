@@ -8,7 +8,7 @@ from tests.multiproc.launch import run_workers
 from tests.unit.test_dgc import run_grid
 from tests.unit.test_synchronizer import DGC, KINDS, NUMEL, SLICES, bucket_inputs, dgc_oracle
 from zen_ext import SimWorld
-from zen_ext.core.synchronizer import Synchronizer
+from zen_ext.reduction.synchronizer import Synchronizer
 
 
 def _steps(comm, steps, tp_comm=None, dgc=DGC):

@@ -16,7 +16,7 @@ import zen_ext.compress.dgc as dgc_module
 from tests.unit.test_synchronizer import DGC, KINDS, NUMEL, SLICES, bucket_inputs
 from tests.unit.test_zen_host_syncs import SyncCounter
 from zen_ext import SimWorld, build_scheme
-from zen_ext.core.synchronizer import Synchronizer
+from zen_ext.reduction.synchronizer import Synchronizer
 
 MAX_SYNCS_PER_BUCKET = 10
 """What a bucket costs today, in steady state: the natural rows' detection, DGC's finiteness check,

@@ -563,7 +563,7 @@ def test_loss_scale_change_rescales_the_memory_exactly():
 
 def test_overflowed_step_leaves_residual_and_momentum_bitwise_unchanged():
     """Rank 1 overflows in the step's second bucket: every rank's memory is as before the step."""
-    from zen_ext.core.synchronizer import GradSlice, Synchronizer
+    from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
     from zen_ext.reduction import BucketReducer
 
     gen = torch.Generator().manual_seed(16)

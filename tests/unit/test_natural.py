@@ -10,7 +10,7 @@ from torch import nn
 
 from zen_ext import SimWorld, build_scheme
 from zen_ext.compress import NamedGrad, NaturalConfig, NaturalSparsifier, classify_parameters
-from zen_ext.core.synchronizer import GradSlice, Synchronizer
+from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
 
 # --- the sparsifier ---------------------------------------------------------------------------------

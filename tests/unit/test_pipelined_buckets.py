@@ -12,7 +12,7 @@ import torch
 
 from tests.unit.test_synchronizer import DGC, KINDS, SLICES, bucket_inputs
 from zen_ext import SimWorld, build_scheme
-from zen_ext.core.synchronizer import Synchronizer
+from zen_ext.reduction.synchronizer import Synchronizer
 from zen_ext.reduction import BucketReducer
 from zen_ext.reduction import CommWorker
 

@@ -79,7 +79,7 @@ def test_synchronizer_paths_produce_only_in_range_indices():
     """DGC and natural indices are built by the Synchronizer itself: with the selected entries at the
     very first and very last element of the bucket (and of each slice), the result equals the dense
     mean of what was sent, so nothing was dropped, wrapped or refused."""
-    from zen_ext.core.synchronizer import GradSlice, Synchronizer
+    from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
     # Bucket: emb [4, 3] (natural) at 0, w1 [40] (dgc) at 12, pad 2, w2 [8, 5] (dgc) at 54 → 94.
     slices = [GradSlice("emb", 0, 12, (4, 3)), GradSlice("w1", 12, 40, (40,)), GradSlice("w2", 54, 40, (8, 5))]
@@ -187,7 +187,7 @@ DGC_WARM = {"enabled": True, "density": 0.05, "warmup_steps": 100, "warmup_start
 
 def _trained_states(dp: int, steps: int) -> list[dict]:
     """Each rank's Synchronizer state after ``steps`` DGC steps at data-parallel size ``dp``."""
-    from zen_ext.core.synchronizer import GradSlice, Synchronizer
+    from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
     slices = [GradSlice("w", 0, 64, (8, 8))]
 
@@ -203,7 +203,7 @@ def _trained_states(dp: int, steps: int) -> list[dict]:
 
 
 def _fresh_sync(comm):
-    from zen_ext.core.synchronizer import Synchronizer
+    from zen_ext.reduction.synchronizer import Synchronizer
 
     return Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds={"w": "dgc"}, dgc=DGC_WARM)
 

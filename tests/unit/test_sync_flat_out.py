@@ -12,7 +12,7 @@ import torch
 
 from tests.unit.test_synchronizer import DGC, KINDS, NUMEL, SLICES, bucket_inputs
 from zen_ext import SimWorld, build_scheme
-from zen_ext.core.synchronizer import GradSlice, Synchronizer
+from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
 # Same bucket with w2 moved right behind w1: the DGC slices tile [260, 2459).
 TILED = [SLICES[0], SLICES[1], SLICES[2], GradSlice("w2", 1460, 999, (999,)), GradSlice("norm", 2464, 8, (8,))]

@@ -12,7 +12,7 @@ from torch import nn
 from tests.unit.test_dgc import run_grid
 from zen_ext import SimWorld, build_scheme
 from zen_ext.compress import DGCConfig, DGCSparsifier, NamedGrad, classify_parameters
-from zen_ext.core.synchronizer import GradSlice, Synchronizer
+from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
 # A bucket: gap (uncovered) | natural embedding | dense bias | dgc matrix | gap | dgc matrix | dense.
 SLICES = [

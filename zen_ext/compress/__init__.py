@@ -1,6 +1,6 @@
 """Sparsifiers: DGC top-k (lossy, with memory), natural embedding rows (lossless), none (dense).
 
-Engine-free: imports only ``zen_ext.core`` types. The Synchronizer (``zen_ext.core.synchronizer``)
+Engine-free: imports only ``zen_ext.core`` types. The Synchronizer (``zen_ext.reduction.synchronizer``)
 routes each parameter to one of them by the kind ``classify_parameters`` gives it.
 """
 

@@ -21,7 +21,7 @@ shards and their buckets line up. The vocab-parallel embedding shard (``VocabPar
 stays naturally sparse: only the rows of tokens that fall into the shard are non-zero (a *tied*
 embedding shares its shard with the LM head and is dense).
 
-Each rank sends what the Synchronizer sends per DDP bucket (core/synchronizer.py; ``zen``: paper
+Each rank sends what the Synchronizer sends per DDP bucket (reduction/synchronizer.py; ``zen``: paper
 Eq. 1) instead of DDP's ring all-reduce of ``2·(n−1)/n`` of the bucket.
 
 Not served (clear errors): ``pp_size > 1`` (ColossalAI then reduces per parameter in

@@ -12,7 +12,7 @@ bucket's parameters to their names, lets the Synchronizer route each one (untied
 natural sparsity, large matrices → DGC top-k, the rest dense) through the configured scheme, and
 writes the data-parallel *mean* back (a custom hook replaces DDP's own averaging).
 
-Bytes each rank sends per bucket are the Synchronizer's (core/synchronizer.py): the dense part's ring
+Bytes each rank sends per bucket are the Synchronizer's (reduction/synchronizer.py): the dense part's ring
 all-reduce ``2·(n−1)/n·D·itemsize`` plus, per sparse part, the scheme's traffic (``zen``, paper Eq. 1:
 ``≈ 2·(n−1)/n·nnz`` COO entries for balanced partitions); ``pop_step_stats`` reports them next to what
 DDP's all-reduce would have sent.
@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from ..comm.torch_dist import TorchCommunicator
 from ..config import ZenConfig, resolve_dgc_defaults
-from ..core.synchronizer import GradSlice, Synchronizer
+from ..reduction.synchronizer import GradSlice, Synchronizer
 from ..reduction import BucketReducer, CommWorker, locate_slices
 from ..reduction.assembly import build_synchronizer, restore_sync_state, summary_text
 from ..reduction.stats import StepStats, startup_line

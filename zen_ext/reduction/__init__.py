@@ -1,8 +1,11 @@
 """The engine-neutral reduction layer between the core (Synchronizer, schemes) and the engine adapters.
 
 An adapter translates its engine's buckets into (flat buffer, slices) and back, and hooks the engine;
-everything else about reducing a bucket lives here, one concern per module:
+everything else about reducing a bucket lives here, one concern per module. Dependencies run one way:
+``core`` (types, schemes) ← ``compress`` (sparsifiers) ← ``reduction`` ← ``engines``.
 
+* ``synchronizer``: ``Synchronizer`` routes a bucket's slices (dense / natural rows / DGC) to the
+  sparsifiers and the configured scheme, with the cross-rank layout agreement and zen_ext's state;
 * ``slices``: flat buffers ↔ named ``GradSlice``s (by storage address), re-bucketing to
   ``zen.bucket_cap_mb``, shards that keep embedding rows whole;
 * ``hierarchy``: whether node-sharded reduction applies (decided alike on every rank), its groups,

@@ -7,7 +7,7 @@ import logging
 
 from ..compress import classify_parameters
 from ..config import ZenConfig
-from ..core.synchronizer import Synchronizer, resize_warning
+from .synchronizer import Synchronizer, resize_warning
 from .stats import StepStats, append_planner_reasons, report_summary
 
 log = logging.getLogger(__name__)

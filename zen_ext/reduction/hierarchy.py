@@ -12,7 +12,7 @@ from typing import Hashable, Iterable, Sequence
 
 import torch
 
-from ..core.synchronizer import GradSlice
+from .synchronizer import GradSlice
 from .slices import clip_slices, shard_bounds
 
 

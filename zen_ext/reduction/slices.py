@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..core.synchronizer import GradSlice
+from .synchronizer import GradSlice
 
 
 @dataclass(frozen=True)

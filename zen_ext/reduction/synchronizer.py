@@ -49,8 +49,8 @@ from ..compress import (
     SparsifierState,
     classify_parameters,
 )
-from .scheme import SyncScheme, build_scheme, check_op
-from .types import SparseGrad
+from ..core.scheme import SyncScheme, build_scheme, check_op
+from ..core.types import SparseGrad
 
 log = logging.getLogger(__name__)
 
