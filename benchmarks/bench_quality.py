@@ -87,6 +87,11 @@ VARIANTS: dict[str, dict | None] = {
                                  "_frozen_after": 60, "_beta1": 0.0},
     "dgc1_mc_dense60_frozen60": {"density": 0.01, "dense_steps": 60, "momentum_correction": True,
                                  "momentum_masking": True, "_frozen_after": 60, "_beta1": 0.0},
+    # EF21 (zen.dgc.feedback "ef21"): Adam gets a dense, smooth estimate every step (the previous aggregate
+    # plus the synchronized top-k of each rank's g − G_i) instead of error feedback's delayed bursts.
+    "dgc5_ef21": {"feedback": "ef21"},
+    "dgc1_ef21": {"density": 0.01, "feedback": "ef21"},
+    "dgc5_ef21_dense60_frozen60": {"feedback": "ef21", "dense_steps": 60, "_frozen_after": 60},
 }
 STEP_TIME_CONFIG = {"dense": "dense", "dense_lr2x": "dense", "dense_frozen60": "dense", "natural": "zen_natural",
                     "dgc_density1": "dense"}

@@ -354,7 +354,7 @@ def resolve_dgc_defaults(cfg: "ZenConfig", optimizer) -> "tuple[ZenConfig, str]"
         return cfg, ""
     has_momentum, what = optimizer_momentum(optimizer)
     if d.momentum_correction is None:
-        value = has_momentum is False
+        value = has_momentum is False and d.feedback != "ef21"  # EF21 estimates the gradient itself
         cfg = dataclasses.replace(cfg, dgc=dataclasses.replace(d, momentum_correction=value))
         why = ("DGC supplies the momentum (dgc.momentum %g), as DGC's DGCSGD" % d.momentum if value else
                "momentum correction would apply momentum twice" if has_momentum else

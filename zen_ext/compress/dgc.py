@@ -87,6 +87,7 @@ from .state import SparsifierState
 SELECTIONS = ("per_tensor", "per_bucket")
 THRESHOLDS = ("sampled", "exact")
 RESIDUAL_DTYPES = ("float32", "bfloat16")
+FEEDBACKS = ("ef", "ef21")
 REFINE_PASSES = 4
 """Threshold refinement passes after the sampled estimate (each one count over the candidates)."""
 CANDIDATE_FACTOR = 2.0
@@ -142,6 +143,13 @@ class DGCConfig:
     dense_params: tuple[str, ...] = ()
     """Regular expressions (``re.search`` on the parameter name): matching parameters stay dense,
     e.g. ``["lm_head"]`` for the output layer. Empty (default): routing by shape and size only."""
+    feedback: str = "ef"
+    """How what is not sent comes back. ``"ef"`` (default): error feedback, DGC's residual accumulates
+    the unsent gradient and releases it once it is large. ``"ef21"`` (Richtárik et al., 2021): each
+    rank keeps an estimate ``G_i`` of its gradient and sends the top-k of ``g − G_i``; the ranks add
+    the synchronized difference to the previous step's aggregate, so the optimizer gets a dense, smooth
+    estimate every step instead of bursts (one more bucket of memory per rank for the aggregate).
+    ``"ef21"`` needs ``momentum_correction`` false, no ``clip_norm`` and no fp16 loss scaling."""
     residual_dtype: str = "float32"
     """dtype of the residual and momentum: ``"float32"`` (8 bytes per parameter with momentum
     correction) or ``"bfloat16"`` (4 bytes; the accumulation then rounds to 8 mantissa bits).
@@ -161,6 +169,13 @@ class DGCConfig:
         check_choice(s, "selection", self.selection, SELECTIONS)
         check_choice(s, "threshold", self.threshold, THRESHOLDS)
         check_choice(s, "residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
+        check_choice(s, "feedback", self.feedback, FEEDBACKS)
+        if self.feedback == "ef21" and self.momentum_correction:
+            raise ValueError('zen.dgc.feedback ("ef21") must be "ef" when zen.dgc.momentum_correction is true: '
+                             "EF21 estimates the gradient itself, momentum correction accumulates velocity")
+        if self.feedback == "ef21" and self.clip_norm is not None:
+            raise ValueError(f'zen.dgc.feedback ("ef21") must be "ef" when zen.dgc.clip_norm ({self.clip_norm!r}) '
+                             "is set: the estimate tracks the unclipped gradient")
         if not 0 < self.density <= 1:
             raise ValueError(f"zen.dgc.density ({self.density!r}) must be in (0, 1]")
         if not 0 < self.sample_fraction <= 1:
@@ -242,6 +257,8 @@ class DGCSparsifier(Sparsifier):
         self._journal: dict[int, tuple] = {}
         """id(flat residual) → (residual, momentum, their copies at the step's first touch)."""
         self._discard = False
+        self._overflowed = False
+        """Whether the last ``_compress_ef`` found a non-finite gradient (and touched no memory)."""
 
     # --- loss scaling and skipped steps -------------------------------------------------------------
     def set_loss_scale(self, scale: float) -> None:
@@ -259,6 +276,9 @@ class DGCSparsifier(Sparsifier):
         scale = float(scale)
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"zen: loss scale ({scale!r}) must be a finite number > 0")
+        if self.config.feedback == "ef21":
+            raise ValueError('zen.dgc.feedback ("ef21") must be "ef" with fp16 loss scaling: a skipped step '
+                             "would have to undo every rank's estimate and the aggregate")
         if self.loss_scale is not None and scale != self.loss_scale:
             self.state.rescale(scale / self.loss_scale)
             for _, _, old_r, old_u in self._journal.values():
@@ -282,6 +302,57 @@ class DGCSparsifier(Sparsifier):
 
     # --- compression --------------------------------------------------------------------------------
     def compress(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad:
+        """Select what ``grads`` send this step (``_compress_ef``, or ``_compress_ef21`` when
+        ``feedback`` is ``"ef21"``)."""
+        if self.config.feedback == "ef21":
+            return self._compress_ef21(grads, tp_comm)
+        return self._compress_ef(grads, tp_comm)
+
+    def _compress_ef21(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad:
+        """EF21: send the top-k of ``g − G_i`` and move the estimate ``G_i`` by what was sent.
+
+        1. The residual becomes ``−G_i``, so error feedback's accumulation (``R += g``) makes it
+           ``g − G_i``; the residual is scratch under EF21 (rebuilt every step from ``G_i``).
+        2. Error feedback's selection sends the top-k of it and leaves ``g − G_i − sent`` in ``R``.
+        3. ``G_i ← g − R``: the old estimate plus exactly what was sent (cast rounding included).
+           An overflowed gradient (error feedback sent its non-finite entries and touched nothing)
+           leaves ``G_i`` as it was.
+        The Synchronizer adds the synchronized result to the previous aggregate (``add_aggregate_``).
+        """
+        if not grads:
+            raise ValueError("DGCSparsifier.compress needs at least one gradient")
+        flats = [g.grad if g.grad.dim() == 1 else g.grad.reshape(-1) for g in grads]
+        mdt = memory_dtype(flats[0].dtype, self.config.residual_dtype)
+        names, numels = tuple(g.name for g in grads), tuple(f.numel() for f in flats)
+        device = flats[0].device
+        # Step 1: residual = −G_i.
+        G, G_T = self.state.flat(names, numels, "ef21_estimate", mdt, device)
+        R, _ = self.state.flat(names, numels, "residual", mdt, device)
+        torch.neg(G, out=R)
+        # Step 2: error feedback's selection on g − G_i.
+        self._overflowed = False
+        sent = self._compress_ef(grads, tp_comm)
+        # Step 3: the estimate moves by what was sent.
+        if not self._overflowed:
+            _, R_T = self.state.flat(names, numels, "residual", mdt, device)
+            torch._foreach_copy_(G_T, flats)
+            torch._foreach_sub_(G_T, R_T)
+        return sent
+
+    def add_aggregate_(self, names: Sequence[str], outs: Sequence[torch.Tensor]) -> None:
+        """EF21's receiving side: ``out ← A + out`` (the synchronized difference added to the previous
+        aggregate ``A``), then ``A ← out``. ``A`` is the same on every rank (every rank adds the same
+        synchronized values), kept in the memory dtype; ``outs`` are the DGC slices of the result."""
+        mdt = memory_dtype(outs[0].dtype, self.config.residual_dtype)
+        A, A_T = self.state.flat(tuple(names), tuple(o.numel() for o in outs), "ef21_aggregate", mdt, outs[0].device)
+        if mdt == outs[0].dtype:
+            torch._foreach_add_(A_T, list(outs))
+        else:
+            torch._foreach_add_(A_T, [o.to(mdt) for o in outs])
+        for o, a in zip(outs, A_T):
+            o.copy_(a)
+
+    def _compress_ef(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad:
         """Select what ``grads`` send this step and keep the rest in the residuals.
 
         1. Guard: if any gradient is non-finite, send its non-finite entries and leave the memory alone.
@@ -318,6 +389,7 @@ class DGCSparsifier(Sparsifier):
             cat = torch.cat(flats)
             bad = (~torch.isfinite(cat)).nonzero().flatten()
             if bad.numel():
+                self._overflowed = True
                 return SparseGrad(bad, cat[bad], total)
 
         # Step 2: local clipping, then accumulate the velocity (momentum correction) or the gradient.

@@ -336,6 +336,9 @@ class Synchronizer:
                 for s in plan.dgc:  # concatenation order
                     out_N[s.offset : s.offset + s.numel] = res[at : at + s.numel]
                     at += s.numel
+            if self._dgc.config.feedback == "ef21":  # the result is the aggregate's change
+                self._dgc.add_aggregate_([s.state_key for s in plan.dgc],
+                                         [out_N[s.offset : s.offset + s.numel] for s in plan.dgc])
             self._note_scheme(timings, plan.dgc_key or "dgc")
             self._count("dgc", numel, nnz)
 
