@@ -54,3 +54,15 @@ def test_report_pairs_by_seed_and_marks_divergence():
     assert rows["dgc5"][5].startswith("2.00")  # dense reaches 3.0 (seed 0) at step 100, dgc5 at 200
     assert rows["dgc5"][6] == "**1.00 [1.00–1.00]×**"  # 2x the steps at half the step time
     assert "1 diverged" in rows["dgc1 (1 seed)"][5] and rows["dgc1 (1 seed)"][6] == "–"
+
+
+def test_a_run_that_regresses_from_an_early_best_has_no_equal_loss_point():
+    dense = [_run("finetune", "dense", 0, [[50, 3.6], [100, 3.4], [200, 3.3]])]
+    # Best at its first evaluation, 14 % worse at the end: not "as fast as dense to its best loss".
+    worse = [_run("finetune", "dgc5_ef21", 0, [[50, 4.09], [100, 4.46], [200, 4.67]])]
+    kept = [_run("finetune", "dgc5", 0, [[50, 3.7], [100, 3.45], [200, 3.46]])]  # 0.3 % above its best
+    text = bq.report(dense + worse + kept, {(4, "1gbit"): {"dense": 1.0, "zen_dgc5": 1.0}}, None)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
+    assert "1 diverged" in rows["dgc5_ef21"][5] and rows["dgc5_ef21"][6] == "–"
+    assert "diverged" not in rows["dgc5"][5] and rows["dgc5"][6] != "–"

@@ -149,7 +149,9 @@ class DGCConfig:
     rank keeps an estimate ``G_i`` of its gradient and sends the top-k of ``g − G_i``; the ranks add
     the synchronized difference to the previous step's aggregate, so the optimizer gets a dense, smooth
     estimate every step instead of bursts (one more bucket of memory per rank for the aggregate).
-    ``"ef21"`` needs ``momentum_correction`` false, no ``clip_norm`` and no fp16 loss scaling."""
+    ``"ef21"`` needs ``momentum_correction`` false, no ``clip_norm`` and no fp16 loss scaling. Measured
+    under Adam (benchmarks/results/time_to_quality.md): far worse than ``"ef"`` at 5 %, since every
+    stale estimate is applied again each step; kept as a measured alternative, not a recommendation."""
     residual_dtype: str = "float32"
     """dtype of the residual and momentum: ``"float32"`` (8 bytes per parameter with momentum
     correction) or ``"bfloat16"`` (4 bytes; the accumulation then rounds to 8 mantissa bits).
