@@ -20,8 +20,9 @@ MAX_SYNCS = 8
 _T = torch.Tensor
 SYNCING = {
     _T.item, _T.tolist, _T.cpu, _T.numpy, _T.__int__, _T.__float__, _T.__bool__, _T.__index__, _T.nonzero,
-    torch.nonzero, _T.unique, torch.unique, torch.masked_select, _T.masked_select, _T.any, _T.all,
+    torch.nonzero, _T.unique, torch.unique, torch.masked_select, _T.masked_select,
 }
+"""(``any``/``all`` return a device tensor: the read is the ``bool()`` of it, counted as ``__bool__``.)"""
 
 
 class SyncCounter(TorchFunctionMode):
@@ -47,7 +48,7 @@ def test_counter_sees_the_usual_suspects():
     t = torch.arange(5)
     with SyncCounter() as c:
         t.sum().item(), t.tolist(), int(t[0]), t.nonzero(), bool(t.any()), t[t > 2], float(t[1])
-    assert len(c.calls) >= 8, c.calls
+    assert len(c.calls) >= 7, c.calls
 
 
 def _count(n, pull_format, op, width=1, dtype=torch.float32):

@@ -20,6 +20,7 @@ import logging
 from dataclasses import dataclass
 from typing import Sequence
 
+import torch
 from torch import nn
 
 from ..core.types import SparseGrad
@@ -69,10 +70,36 @@ class NaturalSparsifier(Sparsifier):
         """
         if len(grads) != 1:
             raise ValueError(f"NaturalSparsifier.compress takes one gradient at a time, got {len(grads)}")
-        g = grads[0].grad
-        if self.config.row_granularity and g.dim() >= 2:
-            return SparseGrad.from_dense_rows(g.reshape(g.shape[0], -1))
-        return SparseGrad.from_dense(g)
+        return self.compress_each(grads)[0]
+
+    def compress_each(self, grads: Sequence[NamedGrad]) -> list[SparseGrad]:
+        """``compress`` of every gradient of ``grads``, with one host read for all of them.
+
+        1. Mark each gradient's non-zero rows (or elements) and count them, on the device.
+        2. Read every count at once (the one host synchronization, whatever the number of gradients).
+        3. Find each gradient's marked rows with ``nonzero_static`` of the known count (no read).
+        """
+        # Step 1: marks and counts.
+        srcs, marks = [], []
+        for ng in grads:
+            g = ng.grad
+            if self.config.row_granularity and g.dim() >= 2:
+                src = g.reshape(g.shape[0], -1)
+                marks.append(src.ne(0).any(1))
+            else:
+                src = g.reshape(-1)
+                marks.append(src.ne(0))
+            srcs.append(src)
+        if not marks:
+            return []
+        # Step 2: one read.
+        counts = torch.stack([m.sum() for m in marks]).tolist()
+        # Step 3: the rows.
+        out = []
+        for src, mark, k in zip(srcs, marks, counts):
+            idx = torch.nonzero_static(mark, size=int(k)).flatten()
+            out.append(SparseGrad(idx, src.index_select(0, idx), src.shape[0], in_range=True))
+        return out
 
 
 def _log_once(msg: str, *args) -> None:

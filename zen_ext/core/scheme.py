@@ -58,14 +58,7 @@ class SyncScheme(abc.ABC):
             RuntimeError: ranks passed different numel, dtype or op (naming both ranks' values).
         """
         # Step 1: validate.
-        check_op(op)
-        if isinstance(grad, SparseGrad):
-            grad.check_range(where=f"scheme {self.name!r}")
-            dense_numel, dtype, device = grad.dense_numel, grad.values.dtype, grad.values.device
-        else:
-            dense_numel, dtype, device = grad.numel(), grad.dtype, grad.device
-        if out is not None:
-            check_out(out, dense_numel, dtype, device, f"scheme {self.name!r}")
+        dense_numel, dtype, device = self._validate(grad, op, out)
         # Step 2: nothing to synchronize.
         if dense_numel == 0:
             return out if out is not None else torch.empty(0, dtype=dtype, device=device)
@@ -74,10 +67,69 @@ class SyncScheme(abc.ABC):
         # so ranks passing different gradients raise instead of summing garbage or hanging.
         with comm.signed(dense_numel, dtype, op, where=f"scheme {self.name!r}.sync"):
             res = self._sync(comm, grad, op, timings, key, out)
-        if out is not None and res is not out:
-            out.copy_(res.reshape(-1))
-            return out
-        return res
+        return _into(res, out)
+
+    def sync_group(
+        self, comm: Communicator, grads: list[SparseGrad | torch.Tensor], op: str = "sum",
+        timings: list[dict | None] | None = None, keys: list[str | None] | None = None,
+        outs: list[torch.Tensor | None] | None = None,
+    ) -> list[torch.Tensor]:
+        """``sync`` of several gradients of one bucket (e.g. its embedding rows and its DGC slices):
+        the same results, but a scheme may run them step by step together, so that what it reads on
+        the host happens once per group rather than once per gradient (``zen`` does; the others run
+        them one after the other). ``timings``, ``keys`` and ``outs`` are per gradient.
+
+        1. Validate every gradient as ``sync`` does; empty ones get their empty result at once.
+        2. Run the rest together (``_sync_group``); copy a result into its ``out`` where the scheme
+           returned a new tensor.
+        """
+        k = len(grads)
+        timings, keys, outs = timings or [None] * k, keys or [None] * k, outs or [None] * k
+        if not len(timings) == len(keys) == len(outs) == k:
+            raise ValueError(f"sync_group: timings, keys and outs must have one entry per gradient ({k})")
+        # Step 1: validate.
+        results: list[torch.Tensor | None] = [None] * k
+        live = []
+        for i, (g, o) in enumerate(zip(grads, outs)):
+            dense_numel, dtype, device = self._validate(g, op, o)
+            if dense_numel == 0:
+                results[i] = o if o is not None else torch.empty(0, dtype=dtype, device=device)
+            else:
+                live.append(i)
+        # Step 2: run.
+        if live:
+            got = self._sync_group(comm, [grads[i] for i in live], op, [timings[i] for i in live],
+                                   [keys[i] for i in live], [outs[i] for i in live])
+            for i, res in zip(live, got):
+                results[i] = _into(res, outs[i])
+        return results
+
+    def _validate(self, grad: SparseGrad | torch.Tensor, op: str, out: torch.Tensor | None):
+        """``op``, every index inside ``[0, numel)``, ``out``; returns ``(dense numel, dtype, device)``."""
+        check_op(op)
+        if isinstance(grad, SparseGrad):
+            grad.check_range(where=f"scheme {self.name!r}")
+            dense_numel, dtype, device = grad.dense_numel, grad.values.dtype, grad.values.device
+        else:
+            dense_numel, dtype, device = grad.numel(), grad.dtype, grad.device
+        if out is not None:
+            check_out(out, dense_numel, dtype, device, f"scheme {self.name!r}")
+        return dense_numel, dtype, device
+
+    def _sync_group(
+        self, comm: Communicator, grads: list[SparseGrad | torch.Tensor], op: str, timings: list[dict | None],
+        keys: list[str | None], outs: list[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        """Several validated, non-empty gradients (see ``sync_group``); by default one ``_sync`` each,
+        each under its own signature. A scheme that runs them step by step overrides this and declares
+        each gradient's signature around that gradient's first collective."""
+        results = []
+        for g, t, k, o in zip(grads, timings, keys, outs):
+            sg_numel = g.dense_numel if isinstance(g, SparseGrad) else g.numel()
+            dtype = g.values.dtype if isinstance(g, SparseGrad) else g.dtype
+            with comm.signed(sg_numel, dtype, op, where=f"scheme {self.name!r}.sync"):
+                results.append(self._sync(comm, g, op, t, k, o))
+        return results
 
     @abc.abstractmethod
     def _sync(
@@ -111,6 +163,14 @@ class SyncScheme(abc.ABC):
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{type(self).__name__}({opts})"
+
+
+def _into(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """A scheme's result, copied into the caller's ``out`` where it is a new tensor."""
+    if out is not None and res is not out:
+        out.copy_(res.reshape(-1))
+        return out
+    return res
 
 
 def check_op(op: str) -> None:

@@ -17,7 +17,7 @@ Wire formats (indices never travel as floats):
 Steps 3–5 run in fused ops (``zen_ext.ops.aggregate_push`` / ``encode_pull`` / ``decode_pull_``: C++ on
 the CPU, CUDA kernels on the GPU, ``ops/_reference.py`` otherwise): one pass each, the result written
 into the caller's ``out``, and no host read of pulled headers (host reads per call: the push counts and
-the aggregated count, whatever ``n``).
+the aggregated count, whatever ``n``; ``sync_group`` reads them once for a whole group of gradients).
 
 Legend: ``_K`` non-zeros, ``_P`` partitions, ``_M`` one partition's index-set size, ``_N`` dense length.
 """
@@ -67,6 +67,22 @@ def pull_costs(count: int, part_size: int, idx_bytes: int, val_bytes: int) -> di
         _FMT_BITMAP: bm + (-bm % 8) + count * val_bytes,
         _FMT_COO: count * (idx_bytes + val_bytes),
     }
+
+
+class _Call:
+    """One gradient's state while ``ZenScheme._sync_group`` runs it (facts, then each step's tensors)."""
+
+    def __init__(self, sg: SparseGrad, timings: dict | None) -> None:
+        self.sg = sg
+        self.dtype, self.device = sg.values.dtype, sg.values.device
+        self.idt = index_dtype(sg.numel)
+        self.width = sg.row_width
+        # vsz: bytes of one value entry (a whole row in row form).
+        self.isz, self.vsz = torch.empty(0, dtype=self.idt).element_size(), sg.values.element_size() * self.width
+        self.row_shape = tuple(sg.values.shape[1:])
+        # CUDA events on a GPU (perf_counter would time only the launches of the asynchronous phases,
+        # and auto's compute model learns from these times); perf_counter on the CPU.
+        self.timer = PhaseTimer(self.device, enabled=timings is not None)
 
 
 @register_scheme
@@ -119,108 +135,126 @@ class ZenScheme(SyncScheme):
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
         key: str | None = None, out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Synchronize ``grad`` losslessly.
+        """Synchronize ``grad`` losslessly: ``_sync_group`` of one gradient."""
+        return self._sync_group(comm, [as_sparse(grad)], op, [timings], [key], [out])[0]
 
-        1. Partition: h0 groups the local non-zeros by server (hashing, no sort of the data).
-        2. Push: each server receives its partition's COO pairs from every rank.
+    def _sync_group(
+        self, comm: Communicator, grads: list[SparseGrad | torch.Tensor], op: str, timings: list[dict | None],
+        keys: list[str | None], outs: list[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        """Synchronize every gradient of ``grads`` losslessly, step by step for all of them, so the two
+        host reads (partition counts, aggregated counts) happen once per group, not once per gradient.
+
+        1. Partition: h0 groups each gradient's local non-zeros by server (hashing, no sort of the data).
+        2. Push: one host read of every gradient's partition counts; each server receives its
+           partition's COO pairs from every rank (one exchange per gradient).
         3. Aggregate: the server sums duplicates into its compact ``|𝕀_i|`` buffer (sum, never
-           overwrite).
+           overwrite); one host read of every gradient's aggregated count.
         4. Pull: the server sends its aggregate to every rank in the cheapest encoding.
         5. Decode: every rank maps positions back to indices with ``P⁻¹`` and writes the dense result
            into ``out`` (when given; else a new tensor), each server's message as soon as it is there.
+        Steps 4 and 5 run for one gradient after the other.
         """
-        sg = as_sparse(grad)
-        n, rank, numel = comm.size, comm.rank, sg.numel
-        dtype, device = sg.values.dtype, sg.values.device
-        idt = index_dtype(numel)
-        width = sg.row_width
-        # vsz: bytes of one value entry (a whole row in row form).
-        isz, vsz = torch.empty(0, dtype=idt).element_size(), sg.values.element_size() * width
-        row_shape = tuple(sg.values.shape[1:])
-        part = self.partitioner(numel, n)
-        # CUDA events on a GPU (perf_counter would time only the launches of the asynchronous phases,
-        # and auto's compute model learns from these times); perf_counter on the CPU.
-        timer = PhaseTimer(device, enabled=timings is not None)
+        n, rank = comm.size, comm.rank
+        calls = [_Call(as_sparse(g), t) for g, t in zip(grads, timings)]
 
         # Step 1: partition.
-        timer.start("hash_s")
-        counts_P, order_K, pos_K, _ = part.partition(sg.indices)
-        vals_K = sg.values[order_K]
-        pos_K = pos_K.to(idt)
+        for c in calls:
+            c.timer.start("hash_s")
+            c.part = self.partitioner(c.sg.numel, n)
+            counts_P, order_K, pos_K, _ = c.part.partition(c.sg.indices)
+            c.counts_P = counts_P.to(torch.int64)
+            c.vals_K = c.sg.values[order_K]
+            c.pos_K = pos_K.to(c.idt)
+            c.timer.stop()
 
-        # Step 2: push.
-        timer.start("push_s")
-        bounds = counts_P.cumsum(0).tolist()
-        starts = [0] + bounds[:-1]
-        send = []
-        for j, (s, e) in enumerate(zip(starts, bounds)):
-            m_j = part.part_size(j)
-            if e == s:
-                send.append(torch.empty(0, dtype=torch.uint8, device=device))
-            elif (e - s) * (isz + vsz) >= m_j * vsz:
-                # Denser than the partition itself: send it dense (pre-summed), exactly m_j·vsz bytes,
-                # which a COO payload (strictly smaller by this rule) can never be.
-                local = torch.zeros((m_j,) + row_shape, dtype=acc_dtype(dtype), device=device)
-                local.index_add_(0, pos_K[s:e].to(torch.int64), vals_K[s:e].to(local.dtype))
-                send.append(pack(local.to(dtype)))
+        # Step 2: push. The partition counts of the whole group in one host read (they cut the payloads).
+        bounds_G = torch.stack([c.counts_P for c in calls]).cumsum(1).tolist()
+        for c, bounds in zip(calls, bounds_G):
+            c.timer.start("push_s")
+            starts = [0] + bounds[:-1]
+            send = []
+            for j, (s, e) in enumerate(zip(starts, bounds)):
+                m_j = c.part.part_size(j)
+                if e == s:
+                    send.append(torch.empty(0, dtype=torch.uint8, device=c.device))
+                elif (e - s) * (c.isz + c.vsz) >= m_j * c.vsz:
+                    # Denser than the partition itself: send it dense (pre-summed), exactly m_j·vsz bytes,
+                    # which a COO payload (strictly smaller by this rule) can never be.
+                    local = torch.zeros((m_j,) + c.row_shape, dtype=acc_dtype(c.dtype), device=c.device)
+                    local.index_add_(0, c.pos_K[s:e].to(torch.int64), c.vals_K[s:e].to(local.dtype))
+                    send.append(pack(local.to(c.dtype)))
+                else:
+                    send.append(pack(c.pos_K[s:e], c.vals_K[s:e]))
+            del c.pos_K, c.vals_K
+            # The push is this gradient's first collective: its header carries the gradient's signature.
+            with comm.signed(c.sg.dense_numel, c.dtype, op, where=f"scheme {self.name!r}.sync"):
+                c.recv = comm.exchange_v(send)
+            c.timer.stop()
+
+        # Step 3: aggregate into the compact buffer of this server's index set, the touched bitmap set
+        # in the same pass (zen_ext::aggregate_push); the group's counts in one host read (the pull
+        # messages' sizes depend on them).
+        for i, c in enumerate(calls):
+            c.timer.start("aggregate_s")
+            c.m = c.part.part_size(rank)
+            if ops.has_aggregate_into_op(c.sg.values):
+                c.acc, c.words = self._workspace(c.m, c.width, c.dtype, c.device, slot=i)
+                c.count_1 = ops.aggregate_push_into(c.acc, c.words, c.recv, c.width, c.dtype, c.isz)
             else:
-                send.append(pack(pos_K[s:e], vals_K[s:e]))
-        recv = comm.exchange_v(send)
+                c.acc, c.words, c.count_1 = ops.aggregate_push(c.recv, c.m, c.width, c.dtype, c.isz)
+            del c.recv
+            c.timer.stop()
+        counts = ops.read_aggregate_counts([c.count_1 for c in calls])
 
-        # Step 3: aggregate into the compact buffer of this server's index set, the touched bitmap
-        # set in the same pass (zen_ext::aggregate_push). The count is the one host read of this step:
-        # the pull message's size depends on it.
-        timer.start("aggregate_s")
-        m = part.part_size(rank)
-        if ops.has_aggregate_into_op(sg.values):
-            acc, words = self._workspace(m, width, dtype, device)
-            count_1 = ops.aggregate_push_into(acc, words, recv, width, dtype, isz)
-        else:
-            acc, words, count_1 = ops.aggregate_push(recv, m, width, dtype, isz)
-        count = ops.read_aggregate_count(count_1)
+        results = []
+        for c, count, timing, out in zip(calls, counts, timings, outs):
+            # Step 4: pull, in the cheapest format for this partition's aggregated count; the message
+            # ([format, count | body], csrc/pull_format.h) is written in one pass, mean's division
+            # included.
+            c.timer.start("pull_s")
+            fmt = self._choose_format(count, c.m, c.isz, c.vsz)
+            msg = ops.encode_pull(c.acc, c.words, count, fmt, n if op == "mean" else 1, c.dtype, c.isz)
+            del c.acc, c.words
 
-        # Step 4: pull, in the cheapest format for this partition's aggregated count; the message
-        # ([format, count | body], csrc/pull_format.h) is written in one pass, mean's division included.
-        timer.start("pull_s")
-        fmt = self._choose_format(count, m, isz, vsz)
-        msg = ops.encode_pull(acc, words, count, fmt, n if op == "mean" else 1, dtype, isz)
-        del acc, words
+            # Step 5: decode every server's partition straight into the result (the caller's buffer
+            # when given): zero it while the pull is on the wire (the input was consumed in step 1, so
+            # the caller's buffer may be the gradient itself), then each message's values land at
+            # P⁻¹(p·n + i) (zen_ext::decode_pull_ reads the header itself: no host read). Partitions
+            # are decoded in the order they arrive. Phases: pull_s = encoding plus waiting for
+            # messages, decode_s = zeroing plus decoding.
+            arrived = iter(_start_pull(comm, msg))
+            c.timer.start("decode_s")
+            numel, width = c.sg.numel, c.width
+            res = out if out is not None else torch.empty(numel * width, dtype=c.dtype, device=c.device)
+            ops.zero_(res)
+            rows = res.view(numel, width) if width > 1 else res
+            keys_dev = c.part.keys_on(c.device)
+            while True:
+                c.timer.start("pull_s")
+                item = next(arrived, None)
+                if item is None:
+                    break
+                c.timer.start("decode_s")
+                ops.decode_pull_(rows, item[1], item[0], n, keys_dev, c.isz)
+            c.timer.write_into(timing)
+            if timing is not None:
+                timing["pull_format"] = _FMT_NAMES[fmt]
+            results.append(res)
+        return results
 
-        # Step 5: decode every server's partition straight into the result (the caller's buffer when
-        # given): zero it while the pull is on the wire (the input was consumed in step 1, so the
-        # caller's buffer may be the gradient itself), then each message's values land at
-        # P⁻¹(p·n + i) (zen_ext::decode_pull_ reads the header itself: no host read). Partitions are
-        # decoded in the order they arrive. Phases: pull_s = encoding plus waiting for messages,
-        # decode_s = zeroing plus decoding.
-        arrived = iter(_start_pull(comm, msg))
-        timer.start("decode_s")
-        res = out if out is not None else torch.empty(numel * width, dtype=dtype, device=device)
-        ops.zero_(res)
-        rows = res.view(numel, width) if width > 1 else res
-        keys = part.keys_on(device)
-        while True:
-            timer.start("pull_s")
-            item = next(arrived, None)
-            if item is None:
-                break
-            timer.start("decode_s")
-            ops.decode_pull_(rows, item[1], item[0], n, keys, isz)
-        timer.write_into(timings)
-        if timings is not None:
-            timings["pull_format"] = _FMT_NAMES[fmt]
-        return res
-
-    def _workspace(self, m: int, width: int, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _workspace(self, m: int, width: int, dtype: torch.dtype, device, slot: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The server's compact buffer and bitmap words for a partition of ``m`` rows, as views of
         buffers kept between calls (CPU: a fresh one per call is a new mapping whose page faults cost
         more than the aggregation). Per thread: SimWorld ranks and communication workers may share
-        one scheme object. Grows to the largest partition seen; holds about bucket/n elements."""
+        one scheme object. Grows to the largest partition seen; holds about bucket/n elements.
+        ``slot``: a group holds several aggregates at once, one buffer per member (its position)."""
         tls = self.__dict__.get("_tls") or self.__dict__.setdefault("_tls", threading.local())
         ws = getattr(tls, "ws", None)
         if ws is None:
             ws = tls.ws = {}
         adt = acc_dtype(dtype)
-        key = (device, adt)
+        key = (device, adt, slot)
         nw = (m + 63) // 64
         acc, words = ws.get(key, (None, None))
         if acc is None or acc.numel() < m * width or words.numel() < nw:

@@ -196,8 +196,8 @@ class Synchronizer:
         1. Plan: route each slice by its kind (cached per layout; agreed across ranks the first time).
         2. Dense: the dense slices and uncovered elements, gathered into one buffer, one all-reduce.
         3. Natural: each embedding slice's non-zero rows through the scheme (lossless).
-        4. DGC: compress every DGC slice (memory keyed by name), fuse them into one SparseGrad, one
-           scheme call. When the DGC slices tile one range of the bucket (the usual layout) the
+        4. DGC: compress every DGC slice (memory keyed by name), fuse them into one SparseGrad; it and
+           the natural rows go to the scheme in one ``sync_group`` call. When the DGC slices tile one range of the bucket (the usual layout) the
            SparseGrad spans that range and the scheme writes into ``out``'s view of it; otherwise it
            spans the concatenated DGC slices and each slice is copied out of a DGC-sized result. No
            bucket-sized intermediate either way.
@@ -255,11 +255,12 @@ class Synchronizer:
         if plan.dense_ranges:
             prep.dense_buf = self._dense.compress([NamedGrad("", flat_N[s:e]) for s, e in plan.dense_ranges])
 
-        # Step 3 (local part): each natural slice's non-zero rows.
-        for s in plan.natural:
+        # Step 3 (local part): each natural slice's non-zero rows (one host read for all of them).
+        if plan.natural:
             t0 = time.perf_counter()
-            prep.natural.append(
-                (s, self._natural.compress([NamedGrad(s.name, flat_N[s.offset : s.offset + s.numel].view(s.shape))])))
+            found = self._natural.compress_each(
+                [NamedGrad(s.name, flat_N[s.offset : s.offset + s.numel].view(s.shape)) for s in plan.natural])
+            prep.natural.extend(zip(plan.natural, found))
             st["compress_s"] += time.perf_counter() - t0
 
         # Step 4 (local part): all DGC slices of the bucket compressed into one SparseGrad over the
@@ -316,30 +317,35 @@ class Synchronizer:
             st["schemes"].add("dense")
             st["slice_schemes"]["dense slices"] = "dense"
 
-        # Step 3: natural slices, one scheme call each (row widths differ).
+        # Steps 3 and 4: the natural slices' rows (one SparseGrad each: row widths differ) and the DGC
+        # slices (one SparseGrad for the bucket) in one scheme call, so a scheme that reads on the host
+        # (zen: partition and aggregated counts) reads once per bucket, not once per slice.
+        grads, keys, outs = [], [], []
         for s, sg in prep.natural:
-            timings: dict = {}
-            self.scheme.sync(dp, sg, op, timings=timings, key=f"{s.name}:natural",
-                             out=out_N[s.offset : s.offset + s.numel])
-            self._note_scheme(timings, f"{s.name}:natural")
-            self._count("natural", s.numel, sg.nnz * sg.row_width)
-
-        # Step 4: one scheme call for the bucket's DGC slices.
+            grads.append(sg)
+            keys.append(f"{s.name}:natural")
+            outs.append(out_N[s.offset : s.offset + s.numel])
         if prep.dgc is not None:
             grad, tiled, lo, hi, numel, nnz = prep.dgc
-            timings = {}
-            if tiled:
-                self.scheme.sync(dp, grad, op, timings=timings, key=plan.dgc_key, out=out_N[lo:hi])
-            else:
-                res = self.scheme.sync(dp, grad, op, timings=timings, key=plan.dgc_key)
-                at = 0
+            grads.append(grad)
+            keys.append(plan.dgc_key)
+            outs.append(out_N[lo:hi] if tiled else None)
+        if grads:
+            timings: list[dict] = [{} for _ in grads]
+            results = self.scheme.sync_group(dp, grads, op, timings=timings, keys=keys, outs=outs)
+            for (s, sg), t in zip(prep.natural, timings):
+                self._note_scheme(t, f"{s.name}:natural")
+                self._count("natural", s.numel, sg.nnz * sg.row_width)
+        if prep.dgc is not None:
+            if not tiled:
+                res, at = results[-1], 0
                 for s in plan.dgc:  # concatenation order
                     out_N[s.offset : s.offset + s.numel] = res[at : at + s.numel]
                     at += s.numel
             if self._dgc.config.feedback == "ef21":  # the result is the aggregate's change
                 self._dgc.add_aggregate_([s.state_key for s in plan.dgc],
                                          [out_N[s.offset : s.offset + s.numel] for s in plan.dgc])
-            self._note_scheme(timings, plan.dgc_key or "dgc")
+            self._note_scheme(timings[-1], plan.dgc_key or "dgc")
             self._count("dgc", numel, nnz)
 
         # Stats of this call.
