@@ -299,6 +299,7 @@ def check_ops(rep: Report, device: str) -> None:
     # Step 3: DGC's threshold search (one kernel per bucket) on the device against the C++ CPU op;
     # ``device="cpu"``: the CPU op against the torch loop, its oracle.
     check_dgc_search(rep, device)
+    check_dgc_select(rep, device)
 
 
 def check_dgc_search(rep: Report, device: str) -> None:
@@ -345,6 +346,65 @@ def check_dgc_search(rep: Report, device: str) -> None:
         rep.add("ops", f"dgc_threshold_search {str(dtype)[6:]} equal to the "
                 + ("C++ CPU op" if device == "cuda" else "torch loop"), not bad,
                 "; ".join(bad) or f"{checked} buckets (7 equal, 6 mixed-size, 60 units): thresholds and masks equal")
+
+
+def check_dgc_select(rep: Report, device: str) -> None:
+    """``dgc_accumulate_select_`` per memory and gradient dtype (fp32, fp64, bf16/fp16 gradients into fp32
+    memory), with and without momentum, gradients as one tensor
+    and as views back to back and apart, capacities that pad and that cut, the flag false: R, U,
+    positions, values, runs and the count equal to the C++ CPU op's, bit for bit."""
+    import torch
+
+    from zen_ext import ops
+
+    if device != "cuda":
+        return  # the CPU op is held to the torch path by tests/ops/test_dgc_ops.py
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("zen_ext::dgc_accumulate_select_", "CUDA"):
+        rep.add("ops", "dgc_accumulate_select_ built for CUDA", False, "zen_ext._C lacks the kernel: rebuild")
+        return
+    for dtype, gdt in ((torch.float32, torch.float32), (torch.float64, torch.float64), (torch.float32, torch.bfloat16),
+                       (torch.float32, torch.float16)):
+        bad, checked = [], 0
+        for momentum in (None, 0.9):
+            for layout in ("one", "adjacent", "apart"):
+                for capacity, ok in ((200_000, True), (1000, True), (0, True), (200_000, False)):
+                    g = torch.Generator().manual_seed(checked)
+                    sizes = [1, 4095, 70_001, 3, 33_000]
+                    N = sum(sizes)
+                    bucket = torch.randn(N + 64, generator=g, dtype=torch.float64).to(gdt)
+                    bucket[100] = float("nan")
+                    if layout == "one":
+                        g_T = [bucket[:N]]
+                    elif layout == "adjacent":
+                        g_T = list(bucket[:N].split(sizes))
+                    else:  # copies: apart in memory
+                        g_T = [t.clone() for t in bucket[:N].split(sizes)]
+                    R = torch.randn(N, generator=g, dtype=torch.float64).to(dtype)
+                    U = torch.randn(N, generator=g, dtype=torch.float64).to(dtype) if momentum else None
+                    ends = torch.tensor([1, 4096, 74_097, N])
+                    thr = torch.tensor([0.5, 2.0, 1.0, 3.0], dtype=dtype)
+                    flag = torch.tensor(ok)
+                    try:
+                        want_R, want_U = R.clone(), None if U is None else U.clone()
+                        want = ops.dgc_accumulate_select_(want_R, want_U, g_T, momentum or 0.0, thr, ends, flag, capacity)
+                        got_R, got_U = R.to(device), None if U is None else U.to(device)
+                        got = ops.dgc_accumulate_select_(got_R, got_U, [t.to(device) for t in g_T] if layout != "adjacent"
+                                                         else list(bucket[:N].to(device).split(sizes)),
+                                                         momentum or 0.0, thr.to(device), ends.to(device),
+                                                         flag.to(device), capacity)
+                        same = all(torch.equal(a.cpu(), b) for a, b in zip(got, want))
+                        same &= torch.equal(got_R.cpu().nan_to_num(), want_R.nan_to_num())
+                        same &= want_U is None or torch.equal(got_U.cpu().nan_to_num(), want_U.nan_to_num())
+                        if not same:
+                            bad.append(f"momentum {momentum}, {layout}, capacity {capacity}, ok {ok}: differ "
+                                       f"(count {got[3].tolist()} vs {want[3].tolist()})")
+                        checked += 1
+                    except Exception as exc:  # noqa: BLE001 — a row of the report
+                        bad.append(f"{layout}, capacity {capacity}: {type(exc).__name__}: {str(exc)[:120]}")
+        rep.add("ops", f"dgc_accumulate_select_ {str(dtype)[6:]} memory, {str(gdt)[6:]} gradients: equal to the "
+                "C++ CPU op", not bad,
+                "; ".join(bad[:4]) or f"{checked} cases (momentum on/off, gradients one/back to back/apart, "
+                "capacity padding/cutting/0, flag false): R, U, positions, values, runs, count equal")
 
 
 # --- part 1: the hashing op -------------------------------------------------------------------------------

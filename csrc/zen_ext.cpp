@@ -36,11 +36,13 @@ TORCH_LIBRARY(zen_ext, m) {
   // it writes with streaming stores, without reading the lines first as torch's vectorized fill does.
   m.def("zero_(Tensor(a!) t) -> ()");
   // DGC's velocity update and candidate selection in one pass: U = U*momentum + g (when U is given),
-  // R += U (or g), g the concatenation of g_T; returns the candidates where |R| >= the threshold of the
-  // element's run (runs end at ends_U), ascending: int64 positions, R's values there, int64 runs. CPU
-  // only: elsewhere the torch path of zen_ext/compress/dgc.py runs.
+  // R += U (or g), g the concatenation of g_T, only where the flag ok (one bool on R's device) is true
+  // or absent; returns the candidates where |R| >= the threshold of the element's run (runs end at
+  // ends_U), ascending: int64 positions, R's values there, int64 runs, and their number ([1] int64).
+  // capacity >= 0 (required on CUDA, where the number is not read back): outputs of exactly that
+  // many entries, the first candidates then padding (position numel, value 0, the last run).
   m.def("dgc_accumulate_select_(Tensor(a!) R, Tensor(b!)? U, Tensor[] g_T, float momentum, Tensor thr_U, "
-        "Tensor ends_U) -> (Tensor, Tensor, Tensor)");
+        "Tensor ends_U, Tensor? ok=None, int capacity=-1) -> (Tensor, Tensor, Tensor, Tensor)");
   // DGC's sampled threshold search, every refinement pass of every unit in one op: per unit u, the samples
   // sorted_S[start_U[u] : start_U[u] + ns_U[u]] (descending), k_U[u] elements to keep, the first probe's
   // sample rank first_U[u], the lower bound t_low_U[u], and the candidates v_C (R's values; unit_C

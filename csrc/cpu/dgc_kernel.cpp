@@ -49,17 +49,19 @@ struct Found {
 // Elements [i, stop) of one run and one gradient: the update and the compare, scalar. Two roundings
 // for the momentum (as U.mul_(m) then U.add_(g) make them): the ISO C++ build (-std=c++20) does not
 // contract them into a fused multiply-add.
-template <typename scalar_t>
-inline void accumulate_select_scalar(scalar_t* rp, scalar_t* up, const scalar_t* gq, scalar_t m, scalar_t th,
+// A bf16/fp16 gradient is widened to the fp32 memory exactly (as torch's mixed-dtype add does).
+template <typename scalar_t, typename grad_t>
+inline void accumulate_select_scalar(scalar_t* rp, scalar_t* up, const grad_t* gq, scalar_t m, scalar_t th,
                                      int64_t i, int64_t stop, int64_t t, Found<scalar_t>& out) {
   for (; i < stop; ++i) {
     scalar_t r;
+    const scalar_t gi = static_cast<scalar_t>(gq[i]);
     if (up) {
-      const scalar_t u = up[i] * m + gq[i];
+      const scalar_t u = up[i] * m + gi;
       up[i] = u;
       r = rp[i] + u;
     } else {
-      r = rp[i] + gq[i];
+      r = rp[i] + gi;
     }
     rp[i] = r;
     if (r >= th || r <= -th) out.add(i, r, t);
@@ -100,8 +102,8 @@ inline void accumulate_select_run(float* rp, float* up, const float* gq, float m
 }
 #endif
 
-template <typename scalar_t>
-inline void accumulate_select_run(scalar_t* rp, scalar_t* up, const scalar_t* gq, scalar_t m, scalar_t th,
+template <typename scalar_t, typename grad_t>
+inline void accumulate_select_run(scalar_t* rp, scalar_t* up, const grad_t* gq, scalar_t m, scalar_t th,
                                   int64_t i, int64_t stop, int64_t t, Found<scalar_t>& out) {
   accumulate_select_scalar(rp, up, gq, m, th, i, stop, t, out);
 }
@@ -111,13 +113,28 @@ inline void accumulate_select_run(scalar_t* rp, scalar_t* up, const scalar_t* gq
 // defined: U = U·momentum + g, R += U; else R += g. Returns the candidates where |R| >= thr (as
 // `R >= t || R <= -t`, the torch path's two compares), ascending: their int64 positions, the values
 // of R there (so the caller gathers nothing from the bucket) and the int64 run of each.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select_cpu(
+//
+// ok (optional, one bool): when false nothing is written and there are no candidates (a non-finite
+// gradient must leave the memory alone; the CUDA op reads the flag on the device, without a host read).
+// capacity >= 0: the outputs hold exactly `capacity` entries, the first min(count, capacity) of the
+// candidates and then padding (position numel, value 0, the last run), as the CUDA op writes them; -1:
+// exactly the candidates. The fourth output is the number of candidates ([1] int64), which may exceed
+// the capacity (the caller then knows some are missing).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select_cpu(
     const at::Tensor& R, const c10::optional<at::Tensor>& U_opt, at::TensorList g_T, double momentum,
-    const at::Tensor& thr_U, const at::Tensor& ends_U) {
+    const at::Tensor& thr_U, const at::Tensor& ends_U, const c10::optional<at::Tensor>& ok_opt, int64_t capacity) {
   const bool has_u = U_opt.has_value() && U_opt->defined();
   TORCH_CHECK(R.device().is_cpu() && R.dim() == 1 && R.is_contiguous(),
               "dgc_accumulate_select_: R must be a contiguous 1-D CPU tensor, got shape ", R.sizes());
-  const auto gends = list_ends(g_T, R.scalar_type(), "dgc_accumulate_select_");
+  TORCH_CHECK(R.scalar_type() == at::kFloat || R.scalar_type() == at::kDouble,
+              "dgc_accumulate_select_: memory of ", R.scalar_type(), " (supported: float32, float64)");
+  TORCH_CHECK(!g_T.empty(), "dgc_accumulate_select_: needs at least one gradient");
+  const auto gdt = g_T[0].scalar_type();
+  TORCH_CHECK(gdt == R.scalar_type() ||
+                  (R.scalar_type() == at::kFloat && (gdt == at::kBFloat16 || gdt == at::kHalf)),
+              "dgc_accumulate_select_: gradients of ", gdt, " with memory of ", R.scalar_type(),
+              " (supported: the memory's dtype, or bf16/fp16 with fp32 memory)");
+  const auto gends = list_ends(g_T, gdt, "dgc_accumulate_select_");
   const int64_t N = R.numel();
   TORCH_CHECK(!gends.empty() && gends.back() == N, "dgc_accumulate_select_: the gradients hold ",
               gends.empty() ? 0 : gends.back(), " elements, R ", N);
@@ -135,12 +152,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select_cpu(
   const int64_t* ep = ends.data_ptr<int64_t>();
   const int64_t* gp_end = gends.data();
   TORCH_CHECK(ep[T - 1] == N, "dgc_accumulate_select_: ends_U must end at numel (", N, "), got ", ep[T - 1]);
+  TORCH_CHECK(capacity >= -1, "dgc_accumulate_select_: capacity (", capacity, ") must be >= 0, or -1 for all");
+  bool ok = true;
+  if (ok_opt.has_value() && ok_opt->defined()) {
+    TORCH_CHECK(ok_opt->device().is_cpu() && ok_opt->scalar_type() == at::kBool && ok_opt->numel() == 1,
+                "dgc_accumulate_select_: ok must be one CPU bool");
+    ok = ok_opt->item<bool>();
+  }
+  const int64_t chunks_all = (N + (int64_t(1) << 16) - 1) >> 16;
   // Chunks of a fixed size, each collecting its own candidates, concatenated in chunk order: the
   // result is ascending for any thread count.
   constexpr int64_t kChunk = int64_t(1) << 16;
-  const int64_t chunks = (N + kChunk - 1) / kChunk;
+  const int64_t chunks = ok ? chunks_all : 0;
   at::Tensor pos, val, run;
-  AT_DISPATCH_FLOATING_TYPES(R.scalar_type(), "dgc_accumulate_select_", [&] {
+  int64_t count_total = 0;
+  auto body = [&](auto scalar_tag, auto grad_tag) {
+    using scalar_t = decltype(scalar_tag);
+    using grad_t = decltype(grad_tag);
     std::vector<Found<scalar_t>> found(size_t(std::max<int64_t>(chunks, 1)));
     scalar_t* rp = R.data_ptr<scalar_t>();
     scalar_t* up = has_u ? U_opt->data_ptr<scalar_t>() : nullptr;
@@ -158,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select_cpu(
           while (gp_end[q] <= i) ++q;
           const int64_t stop = std::min({hi, ep[t], gp_end[q]});
           // g of element i is gq[i]: the gradient's data shifted by its global start.
-          const scalar_t* gq = g_T[q].data_ptr<scalar_t>() - (gp_end[q] - g_T[q].numel());
+          const grad_t* gq = g_T[q].data_ptr<grad_t>() - (gp_end[q] - g_T[q].numel());
           accumulate_select_run(rp, up, gq, m, tp[t], i, stop, t, out);
           i = stop;
         }
@@ -166,22 +194,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select_cpu(
     });
     int64_t total = 0;
     for (const auto& f : found) total += int64_t(f.pos.size());
-    pos = at::empty({total}, at::TensorOptions().dtype(at::kLong));
-    run = at::empty({total}, at::TensorOptions().dtype(at::kLong));
-    val = at::empty({total}, R.options());
+    count_total = total;
+    const int64_t size = capacity < 0 ? total : capacity;
+    pos = at::full({size}, N, at::TensorOptions().dtype(at::kLong));
+    run = at::full({size}, T - 1, at::TensorOptions().dtype(at::kLong));
+    val = at::zeros({size}, R.options());
     int64_t* pp = pos.data_ptr<int64_t>();
     int64_t* rq = run.data_ptr<int64_t>();
     scalar_t* vp = val.data_ptr<scalar_t>();
+    int64_t left = size;  // room left in the outputs
     for (const auto& f : found) {
-      std::copy(f.pos.begin(), f.pos.end(), pp);
-      std::copy(f.run.begin(), f.run.end(), rq);
-      std::copy(f.val.begin(), f.val.end(), vp);
-      pp += f.pos.size();
-      rq += f.run.size();
-      vp += f.val.size();
+      const int64_t k = std::min<int64_t>(left, int64_t(f.pos.size()));
+      std::copy(f.pos.begin(), f.pos.begin() + k, pp);
+      std::copy(f.run.begin(), f.run.begin() + k, rq);
+      std::copy(f.val.begin(), f.val.begin() + k, vp);
+      pp += k;
+      rq += k;
+      vp += k;
+      left -= k;
     }
-  });
-  return {pos, val, run};
+  };
+  if (R.scalar_type() == at::kDouble) {
+    body(double(), double());
+  } else if (gdt == at::kBFloat16) {
+    body(float(), c10::BFloat16());
+  } else if (gdt == at::kHalf) {
+    body(float(), c10::Half());
+  } else {
+    body(float(), float());
+  }
+  return {pos, val, run, at::full({1}, count_total, at::TensorOptions().dtype(at::kLong))};
 }
 
 // Values of the concatenation of g_T at the global positions pos (int64, any order).

@@ -40,6 +40,7 @@ PULL_CU = os.path.join(ROOT, "csrc", "cuda", "pull_kernel.cu")
 PULL_KERNELS = ("add_dense_kernel", "fill_words_kernel", "add_coo_kernel", "popcount_total_kernel",
                 "word_popcount_kernel", "encode_kernel", "msg_word_popcount_kernel", "decode_kernel")
 SEARCH_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_search.cu")
+SELECT_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_kernel.cu")
 HARNESS_CU = os.path.join(ROOT, "tests", "ops", "hash_kernel_harness.cu")
 # One architecture keeps the check quick; sm_80 (A100) is the oldest the paper-class GPUs need.
 GENCODE = ["-gencode", "arch=compute_80,code=sm_80"]
@@ -161,6 +162,24 @@ def test_dgc_search_kernel_compiles(tmp_path):
     entries = _compile_and_link(SEARCH_CU, tmp_path)
     for tag in ("IfE", "IdE", "IN3c108BFloat16EE", "IN3c104HalfEE"):
         assert f"threshold_search_kernel{tag}" in entries, f"threshold_search_kernel not instantiated for {tag}: {entries}"
+
+
+@pytest.mark.timeout(1200)
+def test_dgc_select_kernels_compile(tmp_path):
+    """``csrc/cuda/dgc_kernel.cu`` (dgc_accumulate_select_) compiles and links, both kernels for every
+    supported pair of memory and gradient dtypes; the update's multiply and add stay two roundings (no fused multiply-add in the PTX), as on
+    the CPU op and in torch."""
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    entries = _compile_and_link(SELECT_CU, tmp_path, ("-keep", "-keep-dir", str(keep)))
+    # The update for (memory, gradient) fp32/fp32, fp64/fp64, fp32/bf16, fp32/fp16; the compaction per memory dtype.
+    for tag in ("IffE", "IddE", "IfN3c108BFloat16EE", "IfN3c104HalfEE"):
+        assert f"accumulate_mark_kernel{tag}" in entries, f"accumulate_mark_kernel not instantiated for {tag}: {entries}"
+    for tag in ("IfE", "IdE"):
+        assert f"compact_kernel{tag}" in entries, f"compact_kernel not instantiated for {tag}: {entries}"
+    ptx = "\n".join(open(f).read() for f in glob.glob(str(keep / "*.ptx")))
+    bodies = [b for b in re.split(r"\n\.(?:visible \.)?entry ", ptx)[1:] if "accumulate_mark_kernel" in b.split("(")[0]]
+    assert len(bodies) == 4 and not any(re.search(r"\bfma\.", b) for b in bodies), "the update must not fuse"
 
 
 def _byte_stores_of_converted_halves(ptx: str) -> list[str]:

@@ -44,7 +44,8 @@ def test_equals_torch_across_tensor_and_unit_boundaries(dtype, momentum):
     want_R, want_U, want_pos = _reference(R, U, torch.cat(g_T), momentum or 0.0, thr_U, ends_U)
     got_U = None if U is None else U.clone()
     got_R = R.clone()
-    pos, val, run = ops.dgc_accumulate_select_(got_R, got_U, g_T, momentum or 0.0, thr_U, ends_U)
+    pos, val, run, count = ops.dgc_accumulate_select_(got_R, got_U, g_T, momentum or 0.0, thr_U, ends_U)
+    assert count.tolist() == [pos.numel()]
     assert torch.equal(pos, want_pos) and pos[0] == 0 and pos[-1] == N - 1
     assert torch.equal(got_R, want_R)
     assert val.dtype == dtype and torch.equal(val, want_R[want_pos])  # the values: nothing to gather after
@@ -71,7 +72,7 @@ def test_ties_specials_and_every_lane(dtype, momentum):
     g_T = list(grad.split([9, 290, 300, N - 599]))
     want_R, want_U, want_pos = _reference(R, U, grad, momentum or 0.0, thr_U, ends_U)
     got_U = None if U is None else U.clone()
-    pos, val, run = ops.dgc_accumulate_select_(R, got_U, g_T, momentum or 0.0, thr_U, ends_U)
+    pos, val, run, _ = ops.dgc_accumulate_select_(R, got_U, g_T, momentum or 0.0, thr_U, ends_U)
     assert torch.equal(pos, want_pos) and 100 not in pos.tolist() and {101, 102, N - 1} <= set(pos.tolist())
     assert torch.equal(R.nan_to_num(), want_R.nan_to_num()) and R.isnan().equal(want_R.isnan())
     assert torch.equal(val, want_R[want_pos]) and torch.equal(run, torch.searchsorted(ends_U, want_pos, right=True))
@@ -82,21 +83,85 @@ def test_ties_specials_and_every_lane(dtype, momentum):
 def test_empty_bucket_and_no_candidates():
     R = torch.zeros(0)
     got = ops.dgc_accumulate_select_(R, None, [torch.zeros(0)], 0.0, torch.ones(1), torch.zeros(1, dtype=torch.int64))
-    assert [t.numel() for t in got] == [0, 0, 0]
+    assert [t.numel() for t in got[:3]] == [0, 0, 0] and got[3].tolist() == [0]
     R = torch.zeros(1000)
-    pos, val, run = ops.dgc_accumulate_select_(R, None, [torch.full((1000,), 1e-3)], 0.0, torch.ones(1),
+    pos, val, run, _ = ops.dgc_accumulate_select_(R, None, [torch.full((1000,), 1e-3)], 0.0, torch.ones(1),
                                                torch.tensor([1000]))
     assert pos.numel() == val.numel() == run.numel() == 0 and torch.all(R == 1e-3)
+
+
+@pytest.mark.parametrize("gdt", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("momentum", [None, 0.9])
+def test_half_gradients_widen_into_fp32_memory(gdt, momentum):
+    """bf16/fp16 gradients with fp32 memory: widened exactly, as torch's mixed-dtype add does."""
+    g = torch.Generator().manual_seed(9)
+    N = 16 * 50 + 7
+    grad = (torch.randn(N, generator=g) * 3).to(gdt)
+    R = torch.randn(N, generator=g)
+    U = torch.randn(N, generator=g) if momentum is not None else None
+    ends_U = torch.tensor([100, N], dtype=torch.int64)
+    thr_U = torch.tensor([1.0, 2.5])
+    want_R, want_U, want_pos = _reference(R, U, grad, momentum or 0.0, thr_U, ends_U)
+    got_U = None if U is None else U.clone()
+    pos, val, run, count = ops.dgc_accumulate_select_(R, got_U, list(grad.split([3, N - 3])), momentum or 0.0, thr_U,
+                                                      ends_U)
+    assert torch.equal(pos, want_pos) and torch.equal(R, want_R) and val.dtype == torch.float32
+    assert count.tolist() == [pos.numel()] and pos.numel() > 50
+    if U is not None:
+        assert torch.equal(got_U, want_U)
+
+
+@pytest.mark.parametrize("capacity", [0, 1, 37, 10_000])
+def test_capacity_pads_or_keeps_the_first_candidates(capacity):
+    """With a capacity the outputs hold exactly that many entries: the first candidates in order, then
+    padding (position numel, value 0, the last run); the count is every candidate's, as on CUDA."""
+    g = torch.Generator().manual_seed(3)
+    N = 5000
+    grad = torch.randn(N, generator=g)
+    ends_U = torch.tensor([1000, 1001, N])
+    thr_U = torch.tensor([1.0, 0.5, 2.0])
+    R_all, R_cap = torch.zeros(N), torch.zeros(N)
+    pos, val, run, count = ops.dgc_accumulate_select_(R_all, None, [grad], 0.0, thr_U, ends_U)
+    cpos, cval, crun, ccount = ops.dgc_accumulate_select_(R_cap, None, list(grad.split([7, N - 7])), 0.0, thr_U,
+                                                          ends_U, None, capacity)
+    K = pos.numel()
+    assert torch.equal(R_all, R_cap) and ccount.tolist() == count.tolist() == [K] and K > 100
+    assert cpos.numel() == cval.numel() == crun.numel() == capacity
+    k = min(K, capacity)
+    assert torch.equal(cpos[:k], pos[:k]) and torch.equal(cval[:k], val[:k]) and torch.equal(crun[:k], run[:k])
+    assert torch.all(cpos[k:] == N) and torch.all(cval[k:] == 0) and torch.all(crun[k:] == 2)
+
+
+@pytest.mark.parametrize("momentum", [None, 0.9])
+def test_false_flag_writes_nothing(momentum):
+    """``ok`` false (a non-finite gradient): R and U untouched, no candidates, count 0."""
+    grad = torch.full((300,), float("nan"))
+    R = torch.ones(300)
+    U = torch.ones(300) if momentum is not None else None
+    pos, val, run, count = ops.dgc_accumulate_select_(R, U, [grad], momentum or 0.0, torch.ones(1),
+                                                      torch.tensor([300]), torch.tensor(False), 16)
+    assert torch.all(R == 1) and (U is None or torch.all(U == 1))
+    assert count.tolist() == [0] and torch.all(pos == 300) and torch.all(val == 0)
+    _, _, _, count = ops.dgc_accumulate_select_(R, U, [torch.ones(300)], momentum or 0.0, torch.ones(1),
+                                                torch.tensor([300]), torch.tensor(True), 16)
+    assert count.tolist() == [300] and torch.all(R > 1)
 
 
 def test_bad_input_raises_and_writes_nothing():
     R = torch.zeros(8)
     with pytest.raises(RuntimeError, match="the gradients hold 7 elements, R 8"):
         ops.dgc_accumulate_select_(R, None, [torch.ones(7)], 0.0, torch.ones(1), torch.tensor([8]))
-    with pytest.raises(RuntimeError, match="every gradient must be a contiguous CPU tensor of Float"):
+    with pytest.raises(RuntimeError, match=r"gradients of Double with memory of Float \(supported: the memory's dtype"):
         ops.dgc_accumulate_select_(R, None, [torch.ones(8, dtype=torch.float64)], 0.0, torch.ones(1), torch.tensor([8]))
+    with pytest.raises(RuntimeError, match="every gradient must be a contiguous CPU tensor of BFloat16"):
+        ops.dgc_accumulate_select_(R, None, [torch.ones(4, dtype=torch.bfloat16), torch.ones(4)], 0.0, torch.ones(1),
+                                   torch.tensor([8]))
     with pytest.raises(RuntimeError, match="ends_U must end at numel"):
         ops.dgc_accumulate_select_(R, None, [torch.ones(8)], 0.0, torch.ones(1), torch.tensor([7]))
+    with pytest.raises(RuntimeError, match=r"capacity \(-2\) must be >= 0"):
+        ops.dgc_accumulate_select_(R, None, [torch.ones(8)], 0.0, torch.ones(1), torch.tensor([8]), None, -2)
+    with pytest.raises(RuntimeError, match="ok must be one CPU bool"):
+        ops.dgc_accumulate_select_(R, None, [torch.ones(8)], 0.0, torch.ones(1), torch.tensor([8]), torch.ones(2) > 0)
     assert torch.all(R == 0)
 
 

@@ -18,10 +18,11 @@ from tests.unit.test_zen_host_syncs import SyncCounter
 from zen_ext import SimWorld, build_scheme
 from zen_ext.reduction.synchronizer import Synchronizer
 
-MAX_SYNCS_PER_BUCKET = 10
-"""What a bucket costs today, in steady state: the natural rows' detection, DGC's finiteness check,
-candidates and selection, and two zen calls (natural rows, DGC slices) of 2 reads each (partition
-counts, aggregated count); the SparseGrads the Synchronizer builds skip the index-range read (in
+MAX_SYNCS_PER_BUCKET = 4
+"""Issue 20's bound, what a bucket costs in steady state: the natural rows' counts (one read for every
+embedding slice), DGC's one read (finiteness flag, candidates' and selection's counts), and one
+``sync_group`` of zen over the natural rows and the DGC slices (partition counts, aggregated counts:
+one read each for the group); the SparseGrads the Synchronizer builds skip the index-range read (in
 range by construction). The first sync of a layout also agrees it across ranks (an object gather,
 once per layout)."""
 

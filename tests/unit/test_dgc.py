@@ -646,11 +646,19 @@ def test_bf16_residual_conserves_and_round_trips(wire):
 @pytest.mark.skipif(not dgc_module.ops.has_dgc_select_op(torch.zeros(1)), reason="needs the zen_ext C++ op")
 @pytest.mark.parametrize("momentum_correction", [False, True])
 @pytest.mark.parametrize("selection", ["per_bucket", "per_tensor"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("gaps", [False, True])
-def test_one_pass_select_equals_the_torch_path(monkeypatch, momentum_correction, selection, dtype, gaps):
+@pytest.mark.parametrize("candidates", ["exact", "bounded", "overflow"])
+def test_one_pass_select_equals_the_torch_path(monkeypatch, momentum_correction, selection, dtype, gaps, candidates):
     """``dgc_accumulate_select_`` (velocity update + candidate selection in one pass) sends the same
-    positions and values and leaves the same residual and momentum, bit for bit, as the torch path."""
+    positions and values and leaves the same residual and momentum, bit for bit, as the torch path
+    (bf16/fp16 gradients with their fp32 memory included):
+    with the candidates sized exactly (CPU), in a buffer of a capacity known before the pass (the GPU
+    path, forced here), and with a capacity too small (the exact selection again)."""
+    if candidates != "exact":
+        monkeypatch.setattr(dgc_module, "FREE_HOST_READ_DEVICES", ())
+    if candidates == "overflow":
+        monkeypatch.setattr(dgc_module._Layout, "candidate_capacity", lambda self, k: 5)
     cfg = dict(density=0.02, min_numel=1, momentum_correction=momentum_correction, selection=selection)
     g = torch.Generator().manual_seed(11)
     steps = []
@@ -692,3 +700,36 @@ def _equal_nested(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_equal_nested(x, y) for x, y in zip(a, b))
     return a == b
+
+
+@pytest.mark.skipif(not dgc_module.ops.has_dgc_select_op(torch.zeros(1)), reason="needs the zen_ext C++ op")
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_one_pass_non_finite_gradient_leaves_the_memory_and_is_sent(monkeypatch, bad):
+    """On the one-pass GPU path the finiteness flag is read only with the selection's counts: a
+    non-finite gradient must still leave residual and momentum untouched and send its bad entries."""
+    monkeypatch.setattr(dgc_module, "FREE_HOST_READ_DEVICES", ())
+    sp = DGCSparsifier(dict(density=0.05, min_numel=1))
+    g = torch.Generator().manual_seed(5)
+    first = torch.randn(20_000, generator=g)
+    sp.compress([NamedGrad("w", first.clone())])
+    sp.end_step()
+    before = {k: v.clone() for k, v in _flat_state(sp).items()}
+    grad = torch.randn(20_000, generator=g)
+    grad[[0, 777, 19_999]] = bad
+    sg = sp.compress([NamedGrad("w", grad)])
+    assert sg.indices.tolist() == [0, 777, 19_999] and not torch.isfinite(sg.values).any()
+    after = _flat_state(sp)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def _flat_state(sp) -> dict:
+    out = {}
+
+    def walk(prefix, x):
+        if isinstance(x, torch.Tensor):
+            out[prefix] = x
+        elif isinstance(x, dict):
+            for k, v in x.items():
+                walk(f"{prefix}/{k}", v)
+    walk("", sp.state.state_dict())
+    return out

@@ -26,8 +26,9 @@ Choices and why:
   (``dgc_threshold_search``, logic in csrc/dgc_search.h, one kernel on a GPU); under TP the torch
   loop all-reduces each pass's counts. Sample positions are a per-layout grid kept on the device plus
   a per-step offset (no host-to-device copy). Counts and thresholds stay on the device, so a bucket
-  costs three host synchronizations on a GPU (finiteness, the candidates' and the selection's
-  ``nonzero``), whatever its number of tensors. ``"exact"`` takes the ``k``-th largest ``|v|`` per
+  costs one host synchronization on a GPU (on the one-pass path: the finiteness flag, the candidates'
+  and the selection's counts, read together; the candidates go into a buffer of a capacity known
+  before the pass), whatever its number of tensors. ``"exact"`` takes the ``k``-th largest ``|v|`` per
   unit (one segmented sort of the bucket); ties at the threshold are kept in both modes.
 * **tensor parallelism**: with ``tp_comm`` every TP rank samples its shard, the samples (with each
   shard's numel) are all-gathered over the TP group in one message per bucket, and the counts of each
@@ -60,6 +61,7 @@ Legend: ``_N`` elements of one gradient, ``_K`` selected, ``_S`` samples, ``_U``
 
 from __future__ import annotations
 
+import logging
 import math
 import re
 import zlib
@@ -84,6 +86,8 @@ from .base import (
 )
 from .state import SparsifierState
 
+logger = logging.getLogger(__name__)
+
 SELECTIONS = ("per_tensor", "per_bucket")
 THRESHOLDS = ("sampled", "exact")
 RESIDUAL_DTYPES = ("float32", "bfloat16")
@@ -97,7 +101,13 @@ overestimated the unit's quantile by more than that factor."""
 REFINE_BAND = (0.8, 1.25)
 """A count within ``[0.8·k, 1.25·k]`` is accepted; outside it the threshold moves (``_ThresholdSearch``)."""
 FREE_HOST_READ_DEVICES = ("cpu",)
-"""Device types where the search may read its done flags on the host to stop early (free on CPU)."""
+"""Device types where a host read costs nothing: the search may read its done flags to stop early,
+and the candidates are sized exactly (elsewhere they go into a buffer of a capacity known before)."""
+CAPACITY_FACTOR = 2.0
+"""The candidates' buffer holds ``CAPACITY_FACTOR`` times the ``CANDIDATE_FACTOR·k`` expected (where
+the count is not read before the pass); it grows per layout when a pass finds more."""
+_ONE_PASS_WIRE = (torch.float32, torch.bfloat16, torch.float16)
+"""Gradient dtypes the one-pass op widens into fp32 memory (exactly, as torch's mixed add does)."""
 MIN_KEPT_SAMPLES = 8
 """At least this many samples above the threshold (``8 / density`` samples), or small tensors get
 a threshold from one or two values."""
@@ -387,12 +397,19 @@ class DGCSparsifier(Sparsifier):
         # look element-wise, since huge finite values may overflow the norm too.
         # (fp32 norms; fp64 gradients keep fp64, which torch will not narrow.)
         norm_T = torch.stack(torch._foreach_norm(flats, 2, dtype=torch.float64 if wire == torch.float64 else torch.float32))
-        if not bool(torch.isfinite(norm_T).all()):
-            cat = torch.cat(flats)
-            bad = (~torch.isfinite(cat)).nonzero().flatten()
-            if bad.numel():
-                self._overflowed = True
-                return SparseGrad(bad, cat[bad], total)
+        finite = torch.isfinite(norm_T).all()
+        density = cfg.density_at(self.state.step)
+        # The one-pass path (the op): the velocity update is deferred into the candidate selection, and
+        # the thresholds are sampled from R + the pending update at the sample positions. There the
+        # flag stays on the device (the op skips the update where it is false) and is read with the
+        # selection's counts: one host read for the bucket.
+        one_pass = (density < 1.0 and cfg.threshold != "exact" and cfg.clip_norm is None
+                    and (mdt == wire if mdt == torch.float64 else mdt == torch.float32 and wire in _ONE_PASS_WIRE)
+                    and ops.has_dgc_select_op(flats[0]) and all(f.is_contiguous() for f in flats))
+        if not one_pass and not bool(finite):
+            bad = self._non_finite(flats, total)
+            if bad is not None:
+                return bad
 
         # Step 2: local clipping, then accumulate the velocity (momentum correction) or the gradient.
         R, R_T = self.state.flat(lay.names, lay.numels, "residual", mdt, device)
@@ -401,16 +418,18 @@ class DGCSparsifier(Sparsifier):
         if self.loss_scale is not None and id(R) not in self._journal:
             self._journal[id(R)] = (R, U, R.clone(), U.clone() if U is not None else None)
         gs = flats
-        # The one-pass path (CPU op): the velocity update is deferred into the candidate selection,
-        # and the thresholds are sampled from R + the pending update at the sample positions.
-        density = cfg.density_at(self.state.step)
-        if (density < 1.0 and cfg.threshold != "exact" and cfg.clip_norm is None and mdt == wire
-                and wire in (torch.float32, torch.float64)
-                and ops.has_dgc_select_op(R) and all(f.is_contiguous() for f in flats)):
-            thr_U, pos_K, v_K = self._sampled_thresholds(R, lay, density, tp_comm,
-                                                         torch.finfo(mdt).smallest_normal * torch.finfo(mdt).eps,
-                                                         pending=(U, list(flats)))
-            return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total, v_K)
+        if one_pass:
+            got = self._sampled_thresholds(R, lay, density, tp_comm,
+                                           torch.finfo(mdt).smallest_normal * torch.finfo(mdt).eps,
+                                           pending=(U, list(flats), finite))
+            if got is not None:
+                thr_U, pos_K, v_K = got
+                return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total, v_K)
+            # The flag was false: the op wrote nothing. Step 1 as on the other path; a norm that
+            # overflowed on finite values goes on below.
+            bad = self._non_finite(flats, total)
+            if bad is not None:
+                return bad
         if cfg.clip_norm is not None:
             limit = cfg.clip_norm / math.sqrt(self.dp_size)
             scale_T = (limit / (norm_T + 1e-6)).clamp(max=1.0)
@@ -444,6 +463,16 @@ class DGCSparsifier(Sparsifier):
             thr_U, pos_K, v_K = self._sampled_thresholds(R, lay, density, tp_comm, tiny)
         return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total, v_K)
 
+    def _non_finite(self, flats: list[torch.Tensor], total: int) -> SparseGrad | None:
+        """Step 1's element-wise look: the non-finite entries (the memory untouched), or None when
+        there are none (huge finite values overflowed the norm)."""
+        cat = torch.cat(flats)
+        bad = (~torch.isfinite(cat)).nonzero().flatten()
+        if not bad.numel():
+            return None
+        self._overflowed = True
+        return SparseGrad(bad, cat[bad], total)
+
     def _finish(self, R, U, lay: "_Layout", thr_U, pos_K, wire, mdt, total: int, v_K) -> SparseGrad:
         """Step 5 of ``compress``: record the thresholds, send, keep the error, mask the momentum.
         ``v_K`` is ``R[pos_K]`` (the selection has it already)."""
@@ -475,7 +504,7 @@ class DGCSparsifier(Sparsifier):
 
     # --- thresholds ---------------------------------------------------------------------------------
     def _sampled_thresholds(self, R: torch.Tensor, lay: "_Layout", density: float, tp_comm,
-                            tiny: float, pending: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            tiny: float, pending: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Per-unit thresholds keeping about ``density`` of each unit, the positions they select and
         the values of ``R`` there.
 
@@ -487,16 +516,20 @@ class DGCSparsifier(Sparsifier):
            the passes of the search cost ``O(candidates)``, not ``O(bucket)``. A unit whose candidates
            are fewer than the band keeps ``t_low`` (all its candidates).
 
-        With ``pending = (U, g)`` the velocity update has not run yet: the samples are taken from
-        ``R + update`` (the same roundings as the update), and step 3 is ``dgc_accumulate_select_``,
-        which applies the update and selects the candidates in one pass.
+        5. With ``pending``: one host read of the finiteness flag and both counts; then the kept
+           candidates by ``nonzero_static`` of the read count.
+
+        With ``pending = (U, g, finite)`` the velocity update has not run yet: the samples are taken
+        from ``R + update`` (the same roundings as the update), and step 3 is
+        ``dgc_accumulate_select_``, which applies the update (where the device flag ``finite`` is true)
+        and selects the candidates in one pass. Returns None when ``finite`` was false (nothing written).
         """
         # Step 1: samples, one gather for the whole bucket.
         pos_S, ns_U = lay.sample_positions(density, self.config.sample_fraction, self.state.step, R.device)
         if pending is None:
             samples = torch.nan_to_num(R.index_select(0, pos_S).abs(), nan=0.0)
         else:
-            U, g_T = pending
+            U, g_T = pending[0], pending[1]
             g_S = ops.gather_list(g_T, pos_S)
             delta = g_S if U is None else U.index_select(0, pos_S) * self.config.momentum + g_S
             samples = torch.nan_to_num((R.index_select(0, pos_S) + delta).abs(), nan=0.0)
@@ -513,22 +546,46 @@ class DGCSparsifier(Sparsifier):
         # Step 3: candidates at t_low, one pass over the bucket.
         t_low = _at_rank(sorted_S, consts, consts.first_U * CANDIDATE_FACTOR).clamp(min=tiny)
         if pending is None:
-            pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
-            v_C = R.index_select(0, pos_C)
-            unit_C = torch.searchsorted(lay.unit_ends_N, pos_C, right=True)
+            pos_C, v_C, unit_C = self._candidates(R, lay, t_low)
         else:  # the op returns the candidates' values and units too: no gather from the bucket
-            pos_C, v_C, unit_C = ops.dgc_accumulate_select_(R, pending[0], pending[1], self.config.momentum,
-                                                            t_low.to(R.dtype), lay.unit_ends_N)
-        # Step 4: search among the candidates. Without TP, one op runs every pass of every unit (one
-        # kernel on a GPU, where the loop below issues about fifty small ones per pass).
-        if not tp and ops.has_dgc_search_op(R):
-            thr_U, keep_C = ops.dgc_threshold_search(sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U,
-                                                     v_C, unit_C, t_low.to(R.dtype), REFINE_PASSES)
-        else:
-            thr_U, keep_C = self._search_loop(sorted_S, consts, v_C, unit_C, t_low, tp_comm if tp else None, lay)
+            # Where a host read costs a stall, the candidates go into a buffer of a capacity known
+            # before the pass, and their count stays on the device until the read below.
+            cap = -1 if R.device.type in FREE_HOST_READ_DEVICES else lay.candidate_capacity(sum(k_U))
+            pos_C, v_C, unit_C, count_C = ops.dgc_accumulate_select_(
+                R, pending[0], pending[1], self.config.momentum, t_low.to(R.dtype), lay.unit_ends_N, pending[2], cap)
+        # Step 4: search among the candidates.
+        thr_U, keep_C = self._search(sorted_S, consts, v_C, unit_C, t_low, tp_comm if tp else None, lay, R)
         # (index_select: 2.5x faster than advanced indexing for 1-D gathers on the CPU)
-        keep = keep_C.nonzero().flatten()
+        if pending is None:
+            keep = keep_C.nonzero().flatten()
+            return thr_U, pos_C.index_select(0, keep), v_C.index_select(0, keep)
+        # Step 5: the bucket's one host read: the finiteness flag, the candidates' and the selection's
+        # counts.
+        ok, n_cand, n_keep = torch.stack([pending[2].to(torch.int64), count_C[0], keep_C.sum()]).tolist()
+        if not ok:
+            return None
+        if n_cand > pos_C.numel():  # more candidates than the capacity: select them again, exactly
+            lay.grow_capacity(n_cand)
+            pos_C, v_C, unit_C = self._candidates(R, lay, t_low)
+            thr_U, keep_C = self._search(sorted_S, consts, v_C, unit_C, t_low, tp_comm if tp else None, lay, R)
+            keep = keep_C.nonzero().flatten()
+        else:
+            keep = torch.nonzero_static(keep_C, size=n_keep).flatten()
         return thr_U, pos_C.index_select(0, keep), v_C.index_select(0, keep)
+
+    @staticmethod
+    def _candidates(R: torch.Tensor, lay: "_Layout", t_low: torch.Tensor):
+        """``|R| ≥ t_low`` of each unit: positions (one ``nonzero``), values and units."""
+        pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
+        return pos_C, R.index_select(0, pos_C), torch.searchsorted(lay.unit_ends_N, pos_C, right=True)
+
+    def _search(self, sorted_S, consts, v_C, unit_C, t_low, tp_comm, lay: "_Layout", R: torch.Tensor):
+        """Step 4 of ``_sampled_thresholds``: ``(thr_U, keep_C)``. Without TP, one op runs every pass of
+        every unit (one kernel on a GPU, where the loop issues about fifty small ones per pass)."""
+        if tp_comm is None and ops.has_dgc_search_op(R):
+            return ops.dgc_threshold_search(sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U,
+                                            v_C, unit_C, t_low.to(R.dtype), REFINE_PASSES)
+        return self._search_loop(sorted_S, consts, v_C, unit_C, t_low, tp_comm, lay)
 
     @staticmethod
     def _search_loop(sorted_S, consts: "_SearchConstants", v_C, unit_C, t_low, tp_comm, lay: "_Layout"):
@@ -604,6 +661,24 @@ class _Layout:
         self.unit_range_U1 = torch.arange(self.units + 1, dtype=torch.int64, device=device)
         self._sample_grids: dict[tuple, tuple] = {}
         self._search_constants: dict[tuple, _SearchConstants] = {}
+        self.capacity_factor = CAPACITY_FACTOR
+        self._capacity_k = 1
+
+    def candidate_capacity(self, k: int) -> int:
+        """Room for the candidates of a bucket keeping ``k`` elements, where their number is not read
+        before the pass: ``capacity_factor`` times the ``CANDIDATE_FACTOR·k`` expected, plus a margin
+        for small buckets, at most the bucket."""
+        self._capacity_k = k
+        return min(self.numel, math.ceil(self.capacity_factor * CANDIDATE_FACTOR * k) + 1024)
+
+    def grow_capacity(self, needed: int) -> None:
+        """A pass found ``needed`` candidates, more than the capacity: make room for them and more (a
+        sample rarely misjudges a unit this much; a layout that keeps doing so pays one extra pass
+        until the capacity has grown past it)."""
+        k = max(1, self._capacity_k)
+        self.capacity_factor = max(2 * self.capacity_factor, 1.5 * needed / (CANDIDATE_FACTOR * k))
+        logger.debug("zen: DGC candidates (%d) exceeded the capacity; capacity factor now %.2f", needed,
+                  self.capacity_factor)
 
     def search_constants(self, ns_U: list[int], k_U: list[int], numel_U: list[int], device) -> "_SearchConstants":
         """The threshold search's per-unit device tensors, cached by the unit sizes (the same every

@@ -226,11 +226,22 @@ def read_aggregate_count(count: torch.Tensor) -> int:
     """The aggregated count from ``aggregate_push``'s or ``aggregate_push_into``'s count tensor, in one
     host read; raises where the CUDA op skipped pushed positions outside the partition (a payload
     that does not match this server's layout), as the CPU op does when it meets one."""
-    words = count.tolist()
-    if len(words) > 1 and words[1]:
-        raise RuntimeError(f"aggregate_push: {words[1]} pushed position(s) lie outside this server's partition "
-                           "(a payload that does not match the agreed layout)")
-    return int(words[0])
+    return read_aggregate_counts([count])[0]
+
+
+def read_aggregate_counts(counts: list[torch.Tensor]) -> list[int]:
+    """``read_aggregate_count`` of several count tensors (of one device) in one host read."""
+    sizes = [c.numel() for c in counts]
+    flat = (counts[0] if len(counts) == 1 else torch.cat([c.reshape(-1) for c in counts])).tolist()
+    got, at = [], 0
+    for size in sizes:
+        words = flat[at : at + size]
+        at += size
+        if len(words) > 1 and words[1]:
+            raise RuntimeError(f"aggregate_push: {words[1]} pushed position(s) lie outside this server's partition "
+                               "(a payload that does not match the agreed layout)")
+        got.append(int(words[0]))
+    return got
 
 
 def has_aggregate_into_op(t: torch.Tensor) -> bool:
@@ -279,23 +290,27 @@ def zero_(t: torch.Tensor) -> torch.Tensor:
 
 
 def has_dgc_select_op(t: torch.Tensor) -> bool:
-    """Whether ``dgc_accumulate_select_`` has a kernel for ``t``'s device (CPU builds only, so far)."""
+    """Whether ``dgc_accumulate_select_`` has a kernel for ``t``'s device (CPU, and CUDA builds)."""
     return _has_kernel("dgc_accumulate_select_", t)
 
 
 def dgc_accumulate_select_(
     R: torch.Tensor, U: torch.Tensor | None, g_T: list[torch.Tensor], momentum: float, thr_U: torch.Tensor,
-    ends_U: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    ends_U: torch.Tensor, ok: torch.Tensor | None = None, capacity: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """DGC's velocity update and candidate selection in one pass over the bucket.
 
     ``U = U·momentum + g`` (when ``U`` is given), ``R += U`` (or ``g``), ``g`` the concatenation of the
-    contiguous gradients ``g_T`` (never built), and the candidates where ``|R| ≥ thr`` of the
-    element's run (runs end at ``ends_U``), ascending: ``(positions int64, R's values there, runs
-    int64)``, so the caller gathers nothing from the bucket. Callers check ``has_dgc_select_op``
-    first; the torch path of ``zen_ext.compress.dgc`` is its oracle.
+    contiguous gradients ``g_T`` (never built), only where ``ok`` (one bool on ``R``'s device) is true
+    or absent; then the candidates where ``|R| ≥ thr`` of the element's run (runs end at ``ends_U``),
+    ascending: ``(positions int64, R's values there, runs int64, count [1] int64)``, so the caller
+    gathers nothing from the bucket. With ``capacity ≥ 0`` (required on CUDA, where nothing is read
+    back) the first three hold exactly ``capacity`` entries: the first candidates, then padding
+    (position ``numel``, value 0, the last run); ``count`` may exceed ``capacity`` (some candidates are
+    then missing). With ``ok`` false nothing is written and ``count`` is 0. Callers check
+    ``has_dgc_select_op`` first; the torch path of ``zen_ext.compress.dgc`` is its oracle.
     """
-    return torch.ops.zen_ext.dgc_accumulate_select_(R, U, g_T, momentum, thr_U, ends_U)
+    return torch.ops.zen_ext.dgc_accumulate_select_(R, U, g_T, momentum, thr_U, ends_U, ok, int(capacity))
 
 
 def has_dgc_search_op(t: torch.Tensor) -> bool:
@@ -321,5 +336,26 @@ def dgc_threshold_search(
 
 
 def gather_list(g_T: list[torch.Tensor], pos: torch.Tensor) -> torch.Tensor:
-    """Values of the concatenation of the contiguous tensors ``g_T`` at int64 positions ``pos``."""
-    return torch.ops.zen_ext.gather_list(g_T, pos)
+    """Values of the concatenation of the contiguous tensors ``g_T`` at int64 positions ``pos`` (the
+    C++ op on the CPU; elsewhere one gather from ``concat_view``)."""
+    if _has_kernel("gather_list", g_T[0]):
+        return torch.ops.zen_ext.gather_list(g_T, pos)
+    return concat_view(g_T).index_select(0, pos)
+
+
+def concat_view(g_T: list[torch.Tensor]) -> torch.Tensor:
+    """The concatenation of the contiguous 1-D tensors ``g_T``: a view when they lie back to back in one
+    storage (an engine bucket's slices), else a copy."""
+    first = g_T[0]
+    if len(g_T) == 1:
+        return first
+    esz, ptr = first.element_size(), first.data_ptr()
+    total, adjacent = 0, True
+    for g in g_T:
+        if g.numel() and (g.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
+                          or g.data_ptr() != ptr + total * esz or not g.is_contiguous()):
+            adjacent = False
+        total += g.numel()
+    if adjacent:
+        return first.as_strided((total,), (1,))
+    return torch.cat(g_T)
