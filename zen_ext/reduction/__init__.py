@@ -13,8 +13,9 @@ everything else about reducing a bucket lives here, one concern per module. Depe
 * ``reducer``: ``BucketReducer``, what every adapter calls per bucket;
 * ``worker``: ``CommWorker``, the communication thread of ``zen.async_sync``;
 * ``stats``: per-step JSONL statistics, the start-up line and the end-of-run summary;
-* ``assembly``: what every adapter builds alike (routing and the Synchronizer, the summary, restoring
-  zen_ext's state).
+* ``assembly``: routing and the Synchronizer, the summary text, restoring zen_ext's state;
+* ``attachment``: ``assemble`` (the machinery an attachment keeps) and ``ZenAttachment``, the base of
+  the adapters' attachments (statistics, summary, per-rank checkpoint files, shutdown).
 """
 
 from .hierarchy import NodeShardedReduce, decide_hierarchy, maybe_node_sharding
