@@ -56,6 +56,9 @@ each peer (``U`` selection units, ``S`` samples) plus ``REFINE_PASSES`` all-redu
 Momentum correction moves the momentum into the sparsifier: use an optimizer without momentum for
 DGC parameters (DGC's ``DGCSGD``), or set ``momentum_correction=False`` to keep plain error feedback.
 
+The ``zen.dgc`` section is ``dgc_config.DGCConfig``; the per-layout units, sampling grid and threshold
+search state are in ``dgc_units``.
+
 Legend: ``_N`` elements of one gradient, ``_K`` selected, ``_S`` samples, ``_U`` selection units.
 """
 
@@ -63,9 +66,6 @@ from __future__ import annotations
 
 import logging
 import math
-import re
-import zlib
-from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -73,170 +73,22 @@ import torch
 
 from .. import ops
 from ..core.types import SparseGrad
-from ..core.wire import pack, view_as
-from .base import (
-    NamedGrad,
-    Sparsifier,
-    acc_dtype,
-    check_bool,
-    check_choice,
-    check_int,
-    check_number,
-    config_from_dict,
-)
+from .base import NamedGrad, Sparsifier, acc_dtype
+# The config and the units live in their own modules; their names stay importable from here.
+from .dgc_config import FEEDBACKS, RESIDUAL_DTYPES, SELECTIONS, THRESHOLDS, DGCConfig  # noqa: F401
+from .dgc_units import (CANDIDATE_FACTOR, CAPACITY_FACTOR, MIN_KEPT_SAMPLES, REFINE_BAND,  # noqa: F401
+                        _at_rank, _gather_units, _Layout, _SearchConstants, _sort_per_unit, _ThresholdSearch)
 from .state import SparsifierState
 
 logger = logging.getLogger(__name__)
 
-SELECTIONS = ("per_tensor", "per_bucket")
-THRESHOLDS = ("sampled", "exact")
-RESIDUAL_DTYPES = ("float32", "bfloat16")
-FEEDBACKS = ("ef", "ef21")
 REFINE_PASSES = 4
 """Threshold refinement passes after the sampled estimate (each one count over the candidates)."""
-CANDIDATE_FACTOR = 2.0
-"""Candidates are the values above the sample's ``CANDIDATE_FACTOR·k`` quantile (about twice the
-target): the search then moves among them, and only misses the band where the sample
-overestimated the unit's quantile by more than that factor."""
-REFINE_BAND = (0.8, 1.25)
-"""A count within ``[0.8·k, 1.25·k]`` is accepted; outside it the threshold moves (``_ThresholdSearch``)."""
 FREE_HOST_READ_DEVICES = ("cpu",)
 """Device types where a host read costs nothing: the search may read its done flags to stop early,
 and the candidates are sized exactly (elsewhere they go into a buffer of a capacity known before)."""
-CAPACITY_FACTOR = 2.0
-"""The candidates' buffer holds ``CAPACITY_FACTOR`` times the ``CANDIDATE_FACTOR·k`` expected (where
-the count is not read before the pass); it grows per layout when a pass finds more."""
 _ONE_PASS_WIRE = (torch.float32, torch.bfloat16, torch.float16)
 """Gradient dtypes the one-pass op widens into fp32 memory (exactly, as torch's mixed add does)."""
-MIN_KEPT_SAMPLES = 8
-"""At least this many samples above the threshold (``8 / density`` samples), or small tensors get
-a threshold from one or two values."""
-
-
-@dataclass(frozen=True)
-class DGCConfig:
-    """The ``zen.dgc`` section. Tuning: start at the defaults; lower ``density`` only with warm-up."""
-
-    enabled: bool = False
-    """Sparsify dense gradients (lossy). Off by default: natural sparsity alone is lossless."""
-    density: float = 0.05
-    """Fraction of each tensor's elements sent per step, in (0, 1]. 0.05 as in ZEN's LLM runs."""
-    selection: str = "per_tensor"
-    """``"per_tensor"``: one threshold per parameter (SAFusion); ``"per_bucket"``: one per bucket."""
-    threshold: str = "sampled"
-    """``"sampled"``: estimate from ``sample_fraction`` of the values, then refine; ``"exact"``: top-k."""
-    sample_fraction: float = 0.01
-    """Fraction of values sampled to estimate the threshold, in (0, 1]; DGC uses 0.001–0.01."""
-    momentum: float = 0.9
-    """Momentum ``m`` of momentum correction, in [0, 1)."""
-    momentum_correction: bool | None = None
-    """Accumulate velocity (``u ← m·u + g; v ← v + u``) instead of raw gradients; the optimizer must
-    then not apply momentum again. null (default): chosen from the optimizer when attached (true
-    only for SGD with momentum 0, DGC's DGCSGD set-up; false for Adam-family, SGD with momentum and
-    the rest) and logged; unresolved null acts as false."""
-    momentum_masking: bool = True
-    """Zero the momentum at sent positions (stops stale momentum); needs momentum correction."""
-    clip_norm: float | None = None
-    """Local gradient clipping: max L2 norm per tensor before accumulation, divided by
-    ``sqrt(dp_size)``. ``None`` = off."""
-    dense_steps: int = 0
-    """Optimizer steps at the start that send every entry (density 1), before any warm-up ramp: what an
-    optimizer that learns from dense gradients first needs (``FrozenVarianceAdamW``'s variance
-    warm-up). 0 = off."""
-    warmup_steps: int = 0
-    """Steps over which density ramps exponentially from ``warmup_start_density`` down to
-    ``density`` (after ``dense_steps``). 0 = off."""
-    warmup_start_density: float = 0.25
-    """Density at step 0 of the warm-up, in [density, 1] (DGC's schedule starts at 0.25)."""
-    min_numel: int = 1024
-    """Parameters with fewer elements (and all 1-D ones) go dense: their top-k saves nothing."""
-    dense_params: tuple[str, ...] = ()
-    """Regular expressions (``re.search`` on the parameter name): matching parameters stay dense,
-    e.g. ``["lm_head"]`` for the output layer. Empty (default): routing by shape and size only."""
-    feedback: str = "ef"
-    """How what is not sent comes back. ``"ef"`` (default): error feedback, DGC's residual accumulates
-    the unsent gradient and releases it once it is large. ``"ef21"`` (Richtárik et al., 2021): each
-    rank keeps an estimate ``G_i`` of its gradient and sends the top-k of ``g − G_i``; the ranks add
-    the synchronized difference to the previous step's aggregate, so the optimizer gets a dense, smooth
-    estimate every step instead of bursts (one more bucket of memory per rank for the aggregate).
-    ``"ef21"`` needs ``momentum_correction`` false, no ``clip_norm`` and no fp16 loss scaling. Measured
-    under Adam (benchmarks/results/time_to_quality.md): far worse than ``"ef"`` at 5 %, since every
-    stale estimate is applied again each step; kept as a measured alternative, not a recommendation."""
-    residual_dtype: str = "float32"
-    """dtype of the residual and momentum: ``"float32"`` (8 bytes per parameter with momentum
-    correction) or ``"bfloat16"`` (4 bytes; the accumulation then rounds to 8 mantissa bits).
-    fp64 gradients keep fp64 memory either way."""
-
-    def __post_init__(self) -> None:
-        s = "dgc"
-        for name in ("enabled", "momentum_masking"):
-            check_bool(s, name, getattr(self, name))
-        if self.momentum_correction is not None:  # null: resolved from the optimizer when attached
-            check_bool(s, "momentum_correction", self.momentum_correction)
-        for name in ("density", "sample_fraction", "momentum", "warmup_start_density"):
-            check_number(s, name, getattr(self, name))
-        check_int(s, "warmup_steps", self.warmup_steps)
-        check_int(s, "dense_steps", self.dense_steps)
-        check_int(s, "min_numel", self.min_numel)
-        check_choice(s, "selection", self.selection, SELECTIONS)
-        check_choice(s, "threshold", self.threshold, THRESHOLDS)
-        check_choice(s, "residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
-        check_choice(s, "feedback", self.feedback, FEEDBACKS)
-        if self.feedback == "ef21" and self.momentum_correction:
-            raise ValueError('zen.dgc.feedback ("ef21") must be "ef" when zen.dgc.momentum_correction is true: '
-                             "EF21 estimates the gradient itself, momentum correction accumulates velocity")
-        if self.feedback == "ef21" and self.clip_norm is not None:
-            raise ValueError(f'zen.dgc.feedback ("ef21") must be "ef" when zen.dgc.clip_norm ({self.clip_norm!r}) '
-                             "is set: the estimate tracks the unclipped gradient")
-        if not 0 < self.density <= 1:
-            raise ValueError(f"zen.dgc.density ({self.density!r}) must be in (0, 1]")
-        if not 0 < self.sample_fraction <= 1:
-            raise ValueError(f"zen.dgc.sample_fraction ({self.sample_fraction!r}) must be in (0, 1]")
-        if not 0 <= self.momentum < 1:
-            raise ValueError(f"zen.dgc.momentum ({self.momentum!r}) must be in [0, 1)")
-        if self.clip_norm is not None:
-            check_number(s, "clip_norm", self.clip_norm)
-            if not math.isfinite(self.clip_norm):
-                raise ValueError(f"zen.dgc.clip_norm ({self.clip_norm!r}) must be a finite number or null (off)")
-            if not self.clip_norm > 0:
-                raise ValueError(f"zen.dgc.clip_norm ({self.clip_norm!r}) must be > 0 or null (off)")
-        if self.warmup_steps < 0:
-            raise ValueError(f"zen.dgc.warmup_steps ({self.warmup_steps!r}) must be >= 0")
-        if self.dense_steps < 0:
-            raise ValueError(f"zen.dgc.dense_steps ({self.dense_steps!r}) must be >= 0")
-        if not 0 < self.warmup_start_density <= 1:
-            raise ValueError(f"zen.dgc.warmup_start_density ({self.warmup_start_density!r}) must be in (0, 1]")
-        if self.warmup_steps > 0 and self.warmup_start_density < self.density:
-            raise ValueError(f"zen.dgc.warmup_start_density ({self.warmup_start_density!r}) must be >= "
-                             f"zen.dgc.density ({self.density!r}), because warm-up sends more, not less")
-        if self.min_numel < 0:
-            raise ValueError(f"zen.dgc.min_numel ({self.min_numel!r}) must be >= 0")
-        if isinstance(self.dense_params, str) or not isinstance(self.dense_params, (list, tuple)):
-            raise TypeError(f"zen.dgc.dense_params ({self.dense_params!r}) must be a list of regular expressions")
-        for pattern in self.dense_params:
-            try:
-                re.compile(pattern)
-            except (re.error, TypeError) as e:
-                raise ValueError(f"zen.dgc.dense_params ({pattern!r}) must be a valid regular expression: {e}") from None
-        object.__setattr__(self, "dense_params", tuple(self.dense_params))  # JSON gives a list; keep it hashable
-
-    def keeps_dense(self, name: str) -> bool:
-        """Whether ``dense_params`` routes the parameter ``name`` to the dense path."""
-        return any(re.search(p, name) for p in self.dense_params)
-
-    @classmethod
-    def from_dict(cls, values: "dict | DGCConfig | None") -> "DGCConfig":
-        return config_from_dict(cls, values, "dgc")
-
-    def density_at(self, step: int) -> float:
-        """The density of optimizer step ``step`` (0-based): 1 for ``dense_steps``, then the warm-up ramp."""
-        if step < self.dense_steps:
-            return 1.0
-        step -= self.dense_steps
-        if step >= self.warmup_steps:
-            return self.density
-        start = self.warmup_start_density
-        return start * (self.density / start) ** (step / self.warmup_steps)
 
 
 class DGCSparsifier(Sparsifier):
@@ -630,243 +482,3 @@ def memory_dtype(wire: torch.dtype, residual_dtype: str) -> torch.dtype:
     if residual_dtype == "bfloat16" and wire in (torch.float32, torch.float16, torch.bfloat16):
         return torch.bfloat16
     return acc_dtype(wire)
-
-
-class _Layout:
-    """What is fixed for one bucket layout: units, blocks, and the index tensors of counting.
-
-    Each unit (a tensor, or the whole bucket with ``per_bucket``) is a contiguous range of the flat
-    memory. Viewing the memory as ``[nblk, blk]`` with ``blk = gcd(numels)`` puts every block inside
-    one unit, so a per-unit threshold broadcasts over a block row (``[nblk, 1]``, expanded from
-    ``[U]`` by ``repeat_interleave``): no per-element threshold tensor. LLM shapes give blocks of
-    thousands of elements; a layout with ``gcd == 1`` degrades to one threshold per element.
-    """
-
-    def __init__(self, names: tuple[str, ...], numels: tuple[int, ...], per_tensor: bool, device) -> None:
-        self.names, self.numels = names, numels
-        self.numel = sum(numels)
-        self.blk = max(1, math.gcd(*numels)) if self.numel else 1
-        self.nblk = self.numel // self.blk
-        self.unit_numels = list(numels) if per_tensor else [self.numel]
-        self.units = len(self.unit_numels)
-        self.unit_of_T = list(range(len(numels))) if per_tensor else [0] * len(numels)
-        self.keys = list(names) if per_tensor else [names[0]]  # sampling offsets hash the unit's first name
-        bpu = [n // self.blk for n in self.unit_numels]
-        self.bpt_T = torch.tensor([n // self.blk for n in numels], dtype=torch.int64, device=device)
-        self.bpu_U = torch.tensor(bpu, dtype=torch.int64, device=device)
-        ends = np.cumsum(bpu)
-        self.ends_U = torch.tensor(ends, dtype=torch.int64, device=device)
-        self.starts_U = torch.tensor(ends - np.array(bpu), dtype=torch.int64, device=device)
-        self.unit_ends_N = torch.tensor(np.cumsum(self.unit_numels), dtype=torch.int64, device=device)
-        self.unit_range_U1 = torch.arange(self.units + 1, dtype=torch.int64, device=device)
-        self._sample_grids: dict[tuple, tuple] = {}
-        self._search_constants: dict[tuple, _SearchConstants] = {}
-        self.capacity_factor = CAPACITY_FACTOR
-        self._capacity_k = 1
-
-    def candidate_capacity(self, k: int) -> int:
-        """Room for the candidates of a bucket keeping ``k`` elements, where their number is not read
-        before the pass: ``capacity_factor`` times the ``CANDIDATE_FACTOR·k`` expected, plus a margin
-        for small buckets, at most the bucket."""
-        self._capacity_k = k
-        return min(self.numel, math.ceil(self.capacity_factor * CANDIDATE_FACTOR * k) + 1024)
-
-    def grow_capacity(self, needed: int) -> None:
-        """A pass found ``needed`` candidates, more than the capacity: make room for them and more (a
-        sample rarely misjudges a unit this much; a layout that keeps doing so pays one extra pass
-        until the capacity has grown past it)."""
-        k = max(1, self._capacity_k)
-        self.capacity_factor = max(2 * self.capacity_factor, 1.5 * needed / (CANDIDATE_FACTOR * k))
-        logger.debug("zen: DGC candidates (%d) exceeded the capacity; capacity factor now %.2f", needed,
-                  self.capacity_factor)
-
-    def search_constants(self, ns_U: list[int], k_U: list[int], numel_U: list[int], device) -> "_SearchConstants":
-        """The threshold search's per-unit device tensors, cached by the unit sizes (the same every
-        step at a fixed density): a tensor built from a host list on a GPU is a blocking copy, one host
-        synchronization each, and a bucket needs five."""
-        key = (tuple(ns_U), tuple(k_U), tuple(numel_U), str(device))
-        c = self._search_constants.get(key)
-        if c is None:
-            if len(self._search_constants) >= 64:  # a density warm-up schedule moves k_U for a while
-                self._search_constants.clear()
-            f64 = dict(dtype=torch.float64, device=device)
-            first = [min(max(1.0, k * ns / n), ns) for k, ns, n in zip(k_U, ns_U, numel_U)]
-            c = self._search_constants[key] = _SearchConstants(
-                start_U=torch.tensor(np.cumsum([0] + list(ns_U[:-1])), dtype=torch.int64, device=device),
-                ns_U=torch.tensor(ns_U, **f64), k_U=torch.tensor(k_U, **f64), first_U=torch.tensor(first, **f64),
-                unit_S=torch.from_numpy(np.repeat(np.arange(len(ns_U)), ns_U)).to(device))
-        return c
-
-    def select(self, R: torch.Tensor, thr_U: torch.Tensor) -> torch.Tensor:
-        """``|R| ≥ thr`` of each element's unit, as a bool ``[nblk, blk]`` (two compares, no abs copy)."""
-        t = thr_U.to(R.dtype).repeat_interleave(self.bpu_U, output_size=self.nblk)[:, None]
-        Rb = R.view(self.nblk, self.blk)
-        mask = Rb >= t
-        mask |= Rb <= -t
-        return mask
-
-    def count(self, mask: torch.Tensor) -> torch.Tensor:
-        """Selected elements per unit (int64 ``[U]``)."""
-        cs = torch.nn.functional.pad(mask.sum(1).cumsum(0), (1, 0))
-        return cs[self.ends_U] - cs[self.starts_U]
-
-    def unit_ids(self, device) -> torch.Tensor:
-        """The unit of every element (int64 ``[numel]``; built per call, only ``"exact"`` needs it)."""
-        return torch.arange(self.units, device=device).repeat_interleave(self.bpu_U * self.blk, output_size=self.numel)
-
-    def sample_positions(self, density: float, fraction: float, step: int, device) -> tuple[torch.Tensor, list[int]]:
-        """Strided sample positions of every unit on ``device``, and the count per unit.
-
-        Per unit: ``num = max(fraction·n, MIN_KEPT_SAMPLES/density)`` samples (all when that reaches
-        ``n``) at ``offset + j·stride``, the stride odd (no aliasing with power-of-two rows), the
-        offset a hash of the unit's first name moved by the step (deterministic, moving). The grid
-        ``base + j·stride`` is built once per (density, fraction) and kept on the device; a step only
-        adds its offsets there (three small kernels, no host-to-device copy).
-        """
-        key = (density, fraction, str(device))
-        grid = self._sample_grids.get(key)
-        if grid is None:
-            if len(self._sample_grids) >= 64:  # a density warm-up moves the grid for a while
-                self._sample_grids.clear()
-            parts, ns_U, strides, base = [], [], [], 0
-            for n in self.unit_numels:
-                num = min(n, max(math.ceil(fraction * n), math.ceil(MIN_KEPT_SAMPLES / density)))
-                stride = 1 if num >= n else n // num
-                if stride > 1 and stride % 2 == 0:
-                    stride -= 1  # an odd stride walks through every column of a power-of-two-wide matrix
-                parts.append(base + stride * np.arange(num, dtype=np.int64))
-                ns_U.append(num)
-                strides.append(stride)
-                base += n
-            i64 = dict(dtype=torch.int64, device=device)
-            grid = self._sample_grids[key] = (
-                torch.from_numpy(np.concatenate(parts)).to(device), ns_U,
-                torch.tensor(strides, **i64), torch.from_numpy(np.repeat(np.arange(len(ns_U)), ns_U)).to(device),
-                torch.tensor([zlib.crc32(k.encode()) for k in self.keys], **i64))
-        grid_S, ns_U, stride_U, unit_S, hash_U = grid
-        # (step · an odd constant) mod 2^31 walks every residue of an odd stride; the hash decorrelates units.
-        offset_U = (hash_U + (step * 0x9E3779B1) % (1 << 31)).remainder_(stride_U)
-        return grid_S + offset_U.index_select(0, unit_S), ns_U
-
-
-def _sort_per_unit(vals: torch.Tensor, unit_ids: torch.Tensor) -> torch.Tensor:
-    """``vals`` (≥ 0) sorted by unit (ascending), descending within each unit.
-
-    Up to fp32, one sort of int64 keys ``unit·2³² + (2³¹ − 1 − bits(v))`` (the bits of a
-    non-negative float order like the float), about 20× faster than two stable sorts on this CPU;
-    fp64 takes the two stable sorts.
-    """
-    if vals.dtype in (torch.float32, torch.float16, torch.bfloat16):
-        bits = vals.float().view(torch.int32)
-        key = (unit_ids.to(torch.int64) << 32) | (0x7FFFFFFF - bits).to(torch.int64)
-        # stable=True takes torch's radix sort on the CPU: 1.6x faster than the default for int64 keys
-        # (equal keys are equal values, so the order among them does not matter).
-        desc = (0x7FFFFFFF - (key.sort(stable=True).values & 0xFFFFFFFF)).to(torch.int32)
-        return desc.view(torch.float32).to(vals.dtype)
-    v, order = vals.sort(descending=True, stable=True)
-    _, by_unit = unit_ids[order].sort(stable=True)
-    return v[by_unit]
-
-
-@dataclass(frozen=True)
-class _SearchConstants:
-    """Per-unit device tensors of ``_ThresholdSearch`` (``_Layout.search_constants``): first sample of
-    each unit, samples, elements to keep and first probe's rank per unit (float64), and the unit of
-    every sample."""
-
-    start_U: torch.Tensor
-    ns_U: torch.Tensor
-    k_U: torch.Tensor
-    first_U: torch.Tensor
-    unit_S: torch.Tensor
-
-
-def _at_rank(sorted_S: torch.Tensor, units, rank_U: torch.Tensor) -> torch.Tensor:
-    """The sample at 1-based (fractional) rank ``rank_U`` of each unit's descending sort (``units``
-    has the units' ``start_U`` and ``ns_U``); csrc/dgc_search.h's ``at_rank`` mirrors it."""
-    idx = (rank_U.ceil() - 1).clamp(min=0).minimum(units.ns_U - 1).long() + units.start_U
-    return sorted_S[idx]
-
-
-class _ThresholdSearch:
-    """Find per-unit thresholds whose counts lie in ``REFINE_BAND·k``, on device tensors ``[U]`` only.
-
-    The first probe is each unit's sample density quantile. While only one side of the target is
-    known, the next probe moves the sample rank by ``k / count`` (exact if the sample were perfectly
-    representative). Once one probe counted too many and another too few, the next one interpolates
-    between the closest two in (threshold, log count), which a lumpy sample cannot make oscillate.
-    A probe inside the band is kept. Every unit moves at once (no host branch, no loop over units).
-
-    Args:
-        sorted_S: the samples sorted by unit, descending within each unit.
-        consts: the units' sample counts, elements to keep and first ranks, on ``sorted_S``'s device.
-    """
-
-    def __init__(self, sorted_S: torch.Tensor, consts: _SearchConstants) -> None:
-        self.sorted_S = sorted_S
-        self.start_U, self.ns_U, self.k_U = consts.start_U, consts.ns_U, consts.k_U
-        self.rank = consts.first_U
-        self.thr = self.at_rank(self.rank)
-        self.done = torch.zeros(self.ns_U.shape[0], dtype=torch.bool, device=sorted_S.device)
-        # Closest probe with too many selected (highest such threshold) and with too few (lowest).
-        self.has_over, self.t_over, self.c_over = self.done.clone(), torch.zeros_like(self.rank), torch.zeros_like(self.rank)
-        self.has_under, self.t_under, self.c_under = self.done.clone(), torch.zeros_like(self.rank), torch.zeros_like(self.rank)
-
-    def at_rank(self, rank_U: torch.Tensor) -> torch.Tensor:
-        """The sample at 1-based (fractional) rank ``rank_U`` of each unit's descending sort."""
-        return _at_rank(self.sorted_S, self, rank_U)
-
-    def update(self, count_U: torch.Tensor) -> None:
-        """Record the counts at ``self.thr`` and move ``self.thr`` to the next probes."""
-        lo, hi = REFINE_BAND
-        k, c, t = self.k_U, count_U.to(torch.float64), self.thr.to(torch.float64)
-        self.done = self.done | ((c >= lo * k) & (c <= hi * k))
-        over = (c > hi * k) & (~self.has_over | (t > self.t_over))
-        under = (c < lo * k) & (~self.has_under | (t < self.t_under))
-        self.t_over, self.c_over = torch.where(over, t, self.t_over), torch.where(over, c, self.c_over)
-        self.t_under, self.c_under = torch.where(under, t, self.t_under), torch.where(under, c, self.c_under)
-        self.has_over, self.has_under = self.has_over | over, self.has_under | under
-        # Next probe: rank step on the sample, or interpolation once the target is bracketed.
-        rank = (self.rank * k / c.clamp(min=1)).clamp(min=1).minimum(self.ns_U)
-        t_rank = self.at_rank(rank).to(torch.float64)
-        log_over, log_under = self.c_over.clamp(min=0.5).log(), self.c_under.clamp(min=0.5).log()
-        w = (log_over - k.log()) / (log_over - log_under).clamp(min=1e-12)
-        t_interp = self.t_over + (self.t_under - self.t_over) * w
-        t_next = torch.where(self.has_over & self.has_under, t_interp, t_rank)
-        self.rank = torch.where(self.done, self.rank, rank)
-        # A probe is a value of the memory's dtype and no finer than float32: in float64 it would carry
-        # the last-bit differences of log() between devices (csrc/dgc_search.h rounds the same way).
-        if self.thr.dtype == torch.float64:
-            t_next = t_next.to(torch.float32)
-        self.thr = torch.where(self.done, self.thr, t_next.to(self.thr.dtype))
-
-
-def _gather_units(vals: torch.Tensor, n_U: list[int], numel_U: list[int],
-                  tp_comm) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-    """All-gather every rank's per-unit values (samples, or all values) over the TP group in one message.
-
-    Returns:
-        ``(vals, unit ids, values per unit, numel per unit)`` pooled over the TP ranks (rank order).
-
-    Raises:
-        RuntimeError: TP ranks disagree on the number of selection units.
-    """
-    device, dtype = vals.device, vals.dtype
-    u = len(n_U)
-    header = torch.tensor([u, *numel_U, *n_U], dtype=torch.int64, device=device)
-    parts = tp_comm.all_gather_v(pack(header, vals))
-    pooled, unit_ids, totals, counts = [], [], [0] * u, [0] * u
-    # Two host reads in all, whatever the TP size: every rank's unit count, then every rank's sizes.
-    for r, u_r in enumerate(torch.cat([view_as(buf, 0, 1, torch.int64) for buf in parts]).tolist()):
-        if u_r != u:
-            raise RuntimeError(f"zen.dgc: TP rank {r} has {u_r} selection units but TP rank {tp_comm.rank} "
-                               f"has {u}; every TP rank must compress the same parameters in the same buckets")
-    metas = torch.cat([view_as(buf, 8, 2 * u, torch.int64) for buf in parts]).view(len(parts), 2 * u).tolist()
-    for buf, meta in zip(parts, metas):
-        pooled.append(view_as(buf, 8 * (1 + 2 * u), sum(meta[u:]), dtype))
-        unit_ids.append(np.repeat(np.arange(u), meta[u:]))
-        for j in range(u):
-            totals[j] += meta[j]
-            counts[j] += meta[u + j]
-    ids = torch.from_numpy(np.concatenate(unit_ids)).to(device, non_blocking=True)
-    return torch.cat(pooled), ids, counts, totals

@@ -5,7 +5,8 @@ everything else about reducing a bucket lives here, one concern per module. Depe
 ``core`` (types, schemes) ← ``compress`` (sparsifiers) ← ``reduction`` ← ``engines``.
 
 * ``synchronizer``: ``Synchronizer`` routes a bucket's slices (dense / natural rows / DGC) to the
-  sparsifiers and the configured scheme, with the cross-rank layout agreement and zen_ext's state;
+  sparsifiers and the configured scheme, with zen_ext's state;
+* ``plan``: a bucket layout's routing (``GradSlice``, ``Plan``) and the cross-rank agreement on it;
 * ``slices``: flat buffers ↔ named ``GradSlice``s (by storage address), re-bucketing to
   ``zen.bucket_cap_mb``, shards that keep embedding rows whole;
 * ``hierarchy``: whether node-sharded reduction applies (decided alike on every rank), its groups,

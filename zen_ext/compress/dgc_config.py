@@ -1,0 +1,141 @@
+"""The ``zen.dgc`` section: ``DGCConfig``, its options, defaults and validation (``compress/dgc.py``
+is the sparsifier that reads it)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from .base import check_bool, check_choice, check_int, check_number, config_from_dict
+
+SELECTIONS = ("per_tensor", "per_bucket")
+THRESHOLDS = ("sampled", "exact")
+RESIDUAL_DTYPES = ("float32", "bfloat16")
+FEEDBACKS = ("ef", "ef21")
+
+
+@dataclass(frozen=True)
+class DGCConfig:
+    """The ``zen.dgc`` section. Tuning: start at the defaults; lower ``density`` only with warm-up."""
+
+    enabled: bool = False
+    """Sparsify dense gradients (lossy). Off by default: natural sparsity alone is lossless."""
+    density: float = 0.05
+    """Fraction of each tensor's elements sent per step, in (0, 1]. 0.05 as in ZEN's LLM runs."""
+    selection: str = "per_tensor"
+    """``"per_tensor"``: one threshold per parameter (SAFusion); ``"per_bucket"``: one per bucket."""
+    threshold: str = "sampled"
+    """``"sampled"``: estimate from ``sample_fraction`` of the values, then refine; ``"exact"``: top-k."""
+    sample_fraction: float = 0.01
+    """Fraction of values sampled to estimate the threshold, in (0, 1]; DGC uses 0.001–0.01."""
+    momentum: float = 0.9
+    """Momentum ``m`` of momentum correction, in [0, 1)."""
+    momentum_correction: bool | None = None
+    """Accumulate velocity (``u ← m·u + g; v ← v + u``) instead of raw gradients; the optimizer must
+    then not apply momentum again. null (default): chosen from the optimizer when attached (true
+    only for SGD with momentum 0, DGC's DGCSGD set-up; false for Adam-family, SGD with momentum and
+    the rest) and logged; unresolved null acts as false."""
+    momentum_masking: bool = True
+    """Zero the momentum at sent positions (stops stale momentum); needs momentum correction."""
+    clip_norm: float | None = None
+    """Local gradient clipping: max L2 norm per tensor before accumulation, divided by
+    ``sqrt(dp_size)``. ``None`` = off."""
+    dense_steps: int = 0
+    """Optimizer steps at the start that send every entry (density 1), before any warm-up ramp: what an
+    optimizer that learns from dense gradients first needs (``FrozenVarianceAdamW``'s variance
+    warm-up). 0 = off."""
+    warmup_steps: int = 0
+    """Steps over which density ramps exponentially from ``warmup_start_density`` down to
+    ``density`` (after ``dense_steps``). 0 = off."""
+    warmup_start_density: float = 0.25
+    """Density at step 0 of the warm-up, in [density, 1] (DGC's schedule starts at 0.25)."""
+    min_numel: int = 1024
+    """Parameters with fewer elements (and all 1-D ones) go dense: their top-k saves nothing."""
+    dense_params: tuple[str, ...] = ()
+    """Regular expressions (``re.search`` on the parameter name): matching parameters stay dense,
+    e.g. ``["lm_head"]`` for the output layer. Empty (default): routing by shape and size only."""
+    feedback: str = "ef"
+    """How what is not sent comes back. ``"ef"`` (default): error feedback, DGC's residual accumulates
+    the unsent gradient and releases it once it is large. ``"ef21"`` (Richtárik et al., 2021): each
+    rank keeps an estimate ``G_i`` of its gradient and sends the top-k of ``g − G_i``; the ranks add
+    the synchronized difference to the previous step's aggregate, so the optimizer gets a dense, smooth
+    estimate every step instead of bursts (one more bucket of memory per rank for the aggregate).
+    ``"ef21"`` needs ``momentum_correction`` false, no ``clip_norm`` and no fp16 loss scaling. Measured
+    under Adam (benchmarks/results/time_to_quality.md): far worse than ``"ef"`` at 5 %, since every
+    stale estimate is applied again each step; kept as a measured alternative, not a recommendation."""
+    residual_dtype: str = "float32"
+    """dtype of the residual and momentum: ``"float32"`` (8 bytes per parameter with momentum
+    correction) or ``"bfloat16"`` (4 bytes; the accumulation then rounds to 8 mantissa bits).
+    fp64 gradients keep fp64 memory either way."""
+
+    def __post_init__(self) -> None:
+        s = "dgc"
+        for name in ("enabled", "momentum_masking"):
+            check_bool(s, name, getattr(self, name))
+        if self.momentum_correction is not None:  # null: resolved from the optimizer when attached
+            check_bool(s, "momentum_correction", self.momentum_correction)
+        for name in ("density", "sample_fraction", "momentum", "warmup_start_density"):
+            check_number(s, name, getattr(self, name))
+        check_int(s, "warmup_steps", self.warmup_steps)
+        check_int(s, "dense_steps", self.dense_steps)
+        check_int(s, "min_numel", self.min_numel)
+        check_choice(s, "selection", self.selection, SELECTIONS)
+        check_choice(s, "threshold", self.threshold, THRESHOLDS)
+        check_choice(s, "residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
+        check_choice(s, "feedback", self.feedback, FEEDBACKS)
+        if self.feedback == "ef21" and self.momentum_correction:
+            raise ValueError('zen.dgc.feedback ("ef21") must be "ef" when zen.dgc.momentum_correction is true: '
+                             "EF21 estimates the gradient itself, momentum correction accumulates velocity")
+        if self.feedback == "ef21" and self.clip_norm is not None:
+            raise ValueError(f'zen.dgc.feedback ("ef21") must be "ef" when zen.dgc.clip_norm ({self.clip_norm!r}) '
+                             "is set: the estimate tracks the unclipped gradient")
+        if not 0 < self.density <= 1:
+            raise ValueError(f"zen.dgc.density ({self.density!r}) must be in (0, 1]")
+        if not 0 < self.sample_fraction <= 1:
+            raise ValueError(f"zen.dgc.sample_fraction ({self.sample_fraction!r}) must be in (0, 1]")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"zen.dgc.momentum ({self.momentum!r}) must be in [0, 1)")
+        if self.clip_norm is not None:
+            check_number(s, "clip_norm", self.clip_norm)
+            if not math.isfinite(self.clip_norm):
+                raise ValueError(f"zen.dgc.clip_norm ({self.clip_norm!r}) must be a finite number or null (off)")
+            if not self.clip_norm > 0:
+                raise ValueError(f"zen.dgc.clip_norm ({self.clip_norm!r}) must be > 0 or null (off)")
+        if self.warmup_steps < 0:
+            raise ValueError(f"zen.dgc.warmup_steps ({self.warmup_steps!r}) must be >= 0")
+        if self.dense_steps < 0:
+            raise ValueError(f"zen.dgc.dense_steps ({self.dense_steps!r}) must be >= 0")
+        if not 0 < self.warmup_start_density <= 1:
+            raise ValueError(f"zen.dgc.warmup_start_density ({self.warmup_start_density!r}) must be in (0, 1]")
+        if self.warmup_steps > 0 and self.warmup_start_density < self.density:
+            raise ValueError(f"zen.dgc.warmup_start_density ({self.warmup_start_density!r}) must be >= "
+                             f"zen.dgc.density ({self.density!r}), because warm-up sends more, not less")
+        if self.min_numel < 0:
+            raise ValueError(f"zen.dgc.min_numel ({self.min_numel!r}) must be >= 0")
+        if isinstance(self.dense_params, str) or not isinstance(self.dense_params, (list, tuple)):
+            raise TypeError(f"zen.dgc.dense_params ({self.dense_params!r}) must be a list of regular expressions")
+        for pattern in self.dense_params:
+            try:
+                re.compile(pattern)
+            except (re.error, TypeError) as e:
+                raise ValueError(f"zen.dgc.dense_params ({pattern!r}) must be a valid regular expression: {e}") from None
+        object.__setattr__(self, "dense_params", tuple(self.dense_params))  # JSON gives a list; keep it hashable
+
+    def keeps_dense(self, name: str) -> bool:
+        """Whether ``dense_params`` routes the parameter ``name`` to the dense path."""
+        return any(re.search(p, name) for p in self.dense_params)
+
+    @classmethod
+    def from_dict(cls, values: "dict | DGCConfig | None") -> "DGCConfig":
+        return config_from_dict(cls, values, "dgc")
+
+    def density_at(self, step: int) -> float:
+        """The density of optimizer step ``step`` (0-based): 1 for ``dense_steps``, then the warm-up ramp."""
+        if step < self.dense_steps:
+            return 1.0
+        step -= self.dense_steps
+        if step >= self.warmup_steps:
+            return self.density
+        start = self.warmup_start_density
+        return start * (self.density / start) ** (step / self.warmup_steps)
