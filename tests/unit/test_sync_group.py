@@ -94,3 +94,25 @@ def test_ranks_passing_different_members_raise():
         return True
 
     assert all(SimWorld(2).run(fn, _members(2, seed=2)))
+
+
+def test_auto_runs_the_members_that_chose_one_scheme_as_one_group():
+    """``auto`` chooses per member, then hands the members of one choice to that scheme together:
+    with ``zen`` the only candidate, a settled group reads the host as often as zen alone."""
+    n = 4
+    inputs = [[SparseGrad(x.indices, x.values, x.numel, in_range=True) for x in m[:3]] for m in _members(n, seed=5)]
+    s = build_scheme("auto", candidates=["zen"], profile_steps=1)
+
+    def fn(comm, mine):
+        keys = ["a", "b", "c"]
+        s.sync_group(comm, mine, "sum", keys=keys)  # profiles and decides
+        s.sync_group(comm, mine, "sum", keys=keys)  # zen's first run on this rank (not learned from)
+        timings = [{}, {}, {}]
+        with SyncCounter() as c:
+            got = s.sync_group(comm, mine, "sum", timings=timings, keys=keys)
+        return c.calls, got, [t.get("scheme") for t in timings]
+
+    for calls, got, chosen in SimWorld(n).run(fn, inputs):
+        assert chosen == ["zen", "zen", None] and len(calls) == 2, calls  # the third member is empty
+        for i in range(3):
+            assert torch.equal(got[i], sum(x[i].to_dense().reshape(-1) for x in inputs))

@@ -309,16 +309,60 @@ class AutoScheme(SyncScheme):
     ) -> torch.Tensor:
         """Synchronize ``grad`` with this slice's chosen scheme.
 
-        1. Calibrate (first profiling sync of this rank): link probe, compute micro-benchmark, MAX.
-        2. Profile (profiling syncs only): all-gather every rank's summary and refinement, predict
-           every candidate.
-        3. Decide: the lowest mean prediction; check that every rank decided the same; log a change.
-        4. Run the chosen scheme (lossless, so also exact while profiling); refine from its phases.
+        1. Choose (``_choose``): calibrate, profile and decide on profiling syncs; else the choice.
+        2. Run the chosen scheme (lossless, so also exact while profiling).
+        3. Learn from its phase times (``_learn``).
         """
         sg_numel = grad.numel if isinstance(grad, SparseGrad) else grad.numel()
         if sg_numel == 0:  # nothing to plan (the public sync returns earlier; _sync is called directly too)
             values = grad.values if isinstance(grad, SparseGrad) else grad
             return torch.empty(0, dtype=values.dtype, device=values.device)
+        # Step 1: choose.
+        st, profiling_s = self._choose(comm, grad, key)
+        # Step 2: run.
+        phases: dict = {}
+        out = self._schemes[st.choice]._sync(comm, grad, op, phases, key, out)
+        # Step 3: learn.
+        self._learn(comm, st, phases, timings, profiling_s)
+        return out
+
+    def _sync_group(
+        self, comm: Communicator, grads: list[SparseGrad | torch.Tensor], op: str, timings: list[dict | None],
+        keys: list[str | None], outs: list[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        """A bucket's gradients: every member's choice first (profiling syncs profile, as ``_sync``
+        does, each under its own signature), then the members that chose one scheme run as one group
+        of it, so a scheme that reads the host (``zen``) reads once per group, as it does without
+        ``auto``. Groups run in the order of their first member (the same on every rank: choices are
+        agreed)."""
+        chosen = []
+        for g, k in zip(grads, keys):
+            sg_numel = g.dense_numel if isinstance(g, SparseGrad) else g.numel()
+            dtype = g.values.dtype if isinstance(g, SparseGrad) else g.dtype
+            with comm.signed(sg_numel, dtype, op, where=f"scheme {self.name!r}.sync"):
+                chosen.append(self._choose(comm, g, k))
+        by_choice: dict[str, list[int]] = {}
+        for i, (st, _) in enumerate(chosen):
+            by_choice.setdefault(st.choice, []).append(i)
+        results: list[torch.Tensor | None] = [None] * len(grads)
+        for choice, members in by_choice.items():
+            phases = [{} for _ in members]
+            got = self._schemes[choice]._sync_group(comm, [grads[i] for i in members], op, phases,
+                                                    [keys[i] for i in members], [outs[i] for i in members])
+            for i, res, ph in zip(members, got, phases):
+                results[i] = res
+                self._learn(comm, chosen[i][0], ph, timings[i], chosen[i][1])
+        return results
+
+    def _choose(self, comm: Communicator, grad: SparseGrad | torch.Tensor, key: str | None):
+        """This slice's scheme for this sync: ``(slice state, seconds spent profiling)``.
+
+        1. Calibrate (first profiling sync of this rank): link probe, compute micro-benchmark, MAX.
+        2. Profile (profiling syncs only): all-gather every rank's summary and refinement, predict
+           every candidate.
+        3. Decide: the lowest mean prediction; check that every rank decided the same; log a change.
+        """
+        sg_numel = grad.numel if isinstance(grad, SparseGrad) else grad.numel()
         if key is None:
             key = f"numel={sg_numel}"
         st = self._states.setdefault((key, comm.rank), _SliceState())
@@ -371,10 +415,13 @@ class AutoScheme(SyncScheme):
             st.since_decision += 1
             if self.reprofile_every and st.since_decision >= self.reprofile_every:
                 st.profiled, st.predictions = 0, []  # the next sync of this slice profiles again
-        # Step 4: run the choice, learn from its phase times (not from a scheme's first run on this
-        # rank: cold caches, first-touch workspaces and new connection sizes made it 2x slower in the lab).
-        phases: dict = {}
-        out = self._schemes[st.choice]._sync(comm, grad, op, phases, key, out)
+        return st, profiling_s
+
+    def _learn(self, comm: Communicator, st: "_SliceState", phases: dict, timings: dict | None,
+               profiling_s: float) -> None:
+        """After the chosen scheme ran: refine the model from its phase times (not from a scheme's first
+        run on this rank: cold caches, first-touch workspaces and new connection sizes made it 2x slower
+        in the lab), and report the phases, the choice and the profiling time in ``timings``."""
         runs = self._runs.setdefault(comm.rank, {})
         runs[st.choice] = runs.get(st.choice, 0) + 1
         if self.model == "compute" and st.work is not None and comm.rank in self._calib and runs[st.choice] > 1:
@@ -387,7 +434,6 @@ class AutoScheme(SyncScheme):
             timings.update(phases)
             timings["scheme"] = st.choice
             timings["profile_s"] = profiling_s
-        return out
 
     # --- internals -------------------------------------------------------------------------------
     def _build(self, name: str) -> SyncScheme:
