@@ -90,9 +90,11 @@ def kernels_and_busy_s(fn, device: str) -> tuple[int, float]:
     return len(kern), sum(e.time_range.elapsed_us() for e in kern) / 1e6
 
 
-def host_syncs(fn, device: str) -> int:
+def host_syncs(fn, device: str) -> tuple[int, list[str]]:
+    """Host synchronizations inside ``fn`` (``torch.cuda.set_sync_debug_mode``) and the Python line of
+    each (the warning is attributed to the line that made the synchronizing call)."""
     if device != "cuda":
-        return 0
+        return 0, []
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
@@ -101,7 +103,8 @@ def host_syncs(fn, device: str) -> int:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message).lower() for w in got)
+    hits = [w for w in got if "synchroniz" in str(w.message).lower()]
+    return len(hits), [f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}" for w in hits]
 
 
 # --- 1. DGC per bucket ---------------------------------------------------------------------------------------
@@ -110,6 +113,7 @@ def bench_dgc(device: str, reps: int, small: bool) -> list[str]:
     rows = ["| bucket | dtype | threshold search | tensors | MiB | DGC ms (min/med/max) | 8 passes ms | DGC / 8 passes | "
             "launches | host syncs | transient × bucket |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     has_op = ops.has_dgc_search_op
+    sync_lines: list[str] = []
     for name, dtype_name, dtype, search in [(b, dn, dt, s) for b in ("large", "bench")
                                             for dn, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))
                                             for s in ("op", "torch loop")]:
@@ -142,7 +146,9 @@ def bench_dgc(device: str, reps: int, small: bool) -> list[str]:
                 t_pass.append(b)
                 ratio.append(a / b)
             launches, _ = kernels_and_busy_s(compress, device)
-            syncs = host_syncs(compress, device)
+            syncs, where = host_syncs(compress, device)
+            if where:
+                sync_lines.append(f"- {name} {dtype_name} ({search}): " + ", ".join(where))
             if device == "cuda":
                 torch.cuda.synchronize()
                 base = torch.cuda.memory_allocated()
@@ -157,6 +163,8 @@ def bench_dgc(device: str, reps: int, small: bool) -> list[str]:
                         f"{transient:.2f} |")
         finally:
             ops.has_dgc_search_op = has_op
+    if sync_lines:
+        rows += ["", "Where each bucket's host synchronizations come from:", ""] + sync_lines
     return rows
 
 
