@@ -104,7 +104,13 @@ def host_syncs(fn, device: str) -> tuple[int, list[str]]:
         finally:
             torch.cuda.set_sync_debug_mode("default")
     hits = [w for w in got if "synchroniz" in str(w.message).lower()]
-    return len(hits), [f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}" for w in hits]
+    return len(hits), [f"{_where(w.filename)}:{w.lineno}" for w in hits]
+
+
+def _where(filename: str) -> str:
+    """A synchronizing line's file, relative to the repository, or from its package (no machine path)."""
+    rel = os.path.relpath(filename, ROOT)
+    return rel if not rel.startswith("..") else filename.rpartition("site-packages" + os.sep)[2]
 
 
 # --- 1. DGC per bucket ---------------------------------------------------------------------------------------

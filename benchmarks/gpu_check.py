@@ -142,6 +142,12 @@ def environment(device: str) -> str:
 
 
 # --- host synchronizations and memory --------------------------------------------------------------------
+def _where(filename: str) -> str:
+    """A synchronizing line's file, relative to the repository, or from its package (no machine path)."""
+    rel = os.path.relpath(filename, ROOT)
+    return rel if not rel.startswith("..") else filename.rpartition("site-packages" + os.sep)[2]
+
+
 class HostSyncCounter:
     """Count host synchronizations inside the block (CUDA: ``torch.cuda.set_sync_debug_mode("warn")``
     warns on every synchronizing call: ``.item()``, ``.tolist()``, ``nonzero``, D2H copies).
@@ -174,7 +180,7 @@ class HostSyncCounter:
             hits = [w for w in self._got if "synchroniz" in str(w.message).lower()]
             self.count = len(hits)
             # The Python line that made each synchronizing call (the warning is attributed to it).
-            self.lines = [f"{os.path.relpath(w.filename, ROOT)}:{w.lineno}" for w in hits]
+            self.lines = [f"{_where(w.filename)}:{w.lineno}" for w in hits]
             self._cm.__exit__(*exc)
         return False
 
