@@ -11,7 +11,7 @@ docstring with its unit, default and why. Validation runs before the first step:
   naming what is supported (``check_deepspeed_settings``).
 
 This module is engine-neutral: it reads plain dicts and imports neither DeepSpeed nor ColossalAI.
-``python -m zen_ext.config`` prints the Markdown reference of every key (docs/deepspeed.md).
+``python -m zen_ext.config`` prints the Markdown reference of every key (``config_reference.py``).
 """
 
 from __future__ import annotations
@@ -490,38 +490,10 @@ def _rules_stats(c: StatsConfig, p: str) -> None:
 _RULES = {ZenConfig: _rules_zen, PlannerConfig: _rules_planner, StatsConfig: _rules_stats}
 
 
-# --- reference documentation --------------------------------------------------------------------------
-def _field_docs(cls) -> dict[str, str]:
-    """Field name → the docstring under it, read from this module's source."""
-    import ast
-
-    src = inspect.getsource(cls)
-    body = ast.parse(src).body[0].body
-    docs = {}
-    for prev, node in zip(body, body[1:]):
-        if (isinstance(prev, ast.AnnAssign) and isinstance(prev.target, ast.Name)
-                and isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
-                and isinstance(node.value.value, str)):
-            docs[prev.target.id] = " ".join(node.value.value.split())
-    return docs
-
-
 def config_reference_markdown() -> str:
-    """Markdown tables of every key with its default and meaning (the docs' config reference)."""
-    out = []
-    sections = [(ZenConfig, "zen"), (DGCConfig, "zen.dgc"), (NaturalConfig, "zen.natural"),
-                (PlannerConfig, "zen.planner"), (StatsConfig, "zen.stats")]
-    for cls, path in sections:
-        docs = _field_docs(cls)
-        out.append(f"#### `{path}`\n\n{' '.join(inspect.getdoc(cls).split())}\n")
-        out.append("| key | default | meaning |\n| --- | --- | --- |")
-        defaults = cls()
-        for f in dataclasses.fields(cls):
-            value = getattr(defaults, f.name)
-            shown = "(section)" if dataclasses.is_dataclass(value) else f"`{json.dumps(value)}`"
-            out.append(f"| `{f.name}` | {shown} | {docs.get(f.name, '')} |")
-        out.append("")
-    return "\n".join(out)
+    """Markdown tables of every key with its default and meaning (``config_reference.py``)."""
+    from .config_reference import reference_markdown
+    return reference_markdown()
 
 
 if __name__ == "__main__":

@@ -54,11 +54,9 @@ it drifts fast (e.g. curriculum changes).
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import time
-from dataclasses import dataclass, field
 
 import torch
 
@@ -66,6 +64,8 @@ from ..comm.base import Communicator
 from ..core.scheme import SyncScheme, available_schemes, build_scheme, register_scheme
 from ..core.types import SparseGrad, as_sparse
 from . import cost_model as cm
+from .calibration import _Calibration, calibrate
+from .planner_state import _SliceState
 
 logger = logging.getLogger("zen_ext.planner")
 _SKIP_LOGGED: set[str] = set()
@@ -75,57 +75,7 @@ _SKIP_LOGGED: set[str] = set()
 _PRIORITY = ("dense", "zen", "sparcml", "zen_coo", "agsparse", "omnireduce", "sparse_ps")
 
 
-@dataclass
-class _SliceState:
-    """One slice's planning state on one rank."""
-
-    profiled: int = 0
-    predictions: list[dict[str, float]] = field(default_factory=list)
-    since_decision: int = 0
-    choice: str | None = None
-    reason: str = ""
-    # The latest profile's model inputs of the chosen scheme (refinement compares real syncs with them).
-    work: "cm.WorkCounts | None" = None
-    wire: "cm.Wire | None" = None
-    # The last profiling sync measured a candidate: its predictions predate that measurement.
-    stale: bool = False
-
-    def state(self) -> dict:
-        return {"profiled": self.profiled, "predictions": [dict(p) for p in self.predictions],
-                "since_decision": self.since_decision, "choice": self.choice, "reason": self.reason,
-                "stale": self.stale,
-                "work": dataclasses.asdict(self.work) if self.work is not None else None,
-                "wire": dataclasses.asdict(self.wire) if self.wire is not None else None}
-
-    @classmethod
-    def from_state(cls, st: dict) -> "_SliceState":
-        return cls(profiled=int(st["profiled"]), predictions=[dict(p) for p in st["predictions"]],
-                   since_decision=int(st["since_decision"]), choice=st["choice"], reason=st["reason"],
-                   work=cm.WorkCounts(**st["work"]) if st.get("work") else None,
-                   wire=cm.Wire(**st["wire"]) if st.get("wire") else None, stale=bool(st.get("stale", False)))
-
-
-@dataclass
-class _Calibration:
-    """One rank's agreed calibration: the link and the compute rates."""
-
-    network: cm.Network
-    rates: cm.ComputeRates
-    measured_link: bool
-
-    def state(self) -> dict:
-        return {"bandwidth_gbps": self.network.bandwidth_gbps, "latency_us": self.network.latency_us,
-                "rates": self.rates.as_list(), "measured_link": self.measured_link}
-
-    @classmethod
-    def from_state(cls, st: dict) -> "_Calibration":
-        return cls(cm.Network(float(st["bandwidth_gbps"]), float(st["latency_us"])),
-                   cm.ComputeRates.from_list(st["rates"]), bool(st["measured_link"]))
-
-
 _STATE_VERSION = 1
-_PROBE_SMALL_BYTES, _PROBE_BIG_BYTES, _PROBE_REPS = 8, 1 << 20, 3
-_MAX_BANDWIDTH_GBPS = 10_000.0  # what a probe too fast to resolve reports
 # Candidates predicted within this factor of the best are run once (on profiling syncs, all lossless)
 # before the choice is final, so that it rests on measured times rather than on the model alone.
 EXPLORE_MARGIN = 1.5
@@ -443,47 +393,11 @@ class AutoScheme(SyncScheme):
         return scheme
 
     def _calibrate(self, comm: Communicator, device: torch.device) -> _Calibration:
-        """This rank's calibration, measured once (see the module docstring); every rank calls it at
-        its first profiling sync, so the collectives line up."""
+        """This rank's calibration, measured once (``calibration.calibrate``); every rank calls it at its
+        first profiling sync, so the collectives line up."""
         cal = self._calib.get(comm.rank)
-        if cal is not None:
-            return cal
-        bw, lat = self._fixed
-        probe = comm.size > 1 and (bw is None or lat is None)
-        # Calibration traffic is control traffic, like the agreement gathers: the byte counters report
-        # what gradients cost, so they are restored (in place: SimWorld holds the same object) below.
-        saved_stats = comm.stats.snapshot()
-        # Step 1: link probe (best of a few all-reduces of two sizes).
-        small_s = big_s = 0.0
-        if probe:
-            small_s = _best_all_reduce_s(comm, _PROBE_SMALL_BYTES, device)
-            big_s = _best_all_reduce_s(comm, _PROBE_BIG_BYTES, device)
-        # Step 2: compute micro-benchmark.
-        rates = cm.calibrate_compute(device) if self.model == "compute" else cm.ComputeRates()
-        # Step 3: agree on the slowest rank's numbers, one all-reduce MAX.
-        if comm.size > 1:
-            agreed = torch.tensor([small_s, big_s, *rates.as_list()], dtype=torch.float64, device=device)
-            vals = comm.all_reduce(agreed, "max").tolist()
-            small_s, big_s, rates = vals[0], vals[1], cm.ComputeRates.from_list(vals[2:])
-        if probe:
-            n = comm.size
-            # Ring all-reduce: 2(n−1) messages, 2(n−1)/n · size bytes per rank.
-            lat_probe = small_s / (2 * (n - 1)) * 1e6
-            extra = big_s - small_s
-            bw_probe = (2 * (n - 1) / n * (_PROBE_BIG_BYTES - _PROBE_SMALL_BYTES) * 8 / extra / 1e9
-                        if extra > 0 else _MAX_BANDWIDTH_GBPS)
-            bw = bw if bw is not None else min(_MAX_BANDWIDTH_GBPS, bw_probe)
-            lat = lat if lat is not None else max(0.0, lat_probe)
-        cal = _Calibration(cm.Network(bw if bw is not None else 10.0, lat if lat is not None else 50.0), rates,
-                           measured_link=probe)
-        self._calib[comm.rank] = cal
-        for key, value in saved_stats.as_dict().items():
-            setattr(comm.stats, key, value)
-        if comm.rank == 0:
-            logger.info("auto: calibrated: link %.3g Gbit/s, %.3g us (%s); compute %s", cal.network.bandwidth_gbps,
-                        cal.network.latency_us, "probe" if probe else "configured",
-                        ", ".join(f"{k} {v:.3g}" for k, v in zip(cm.PRIMITIVES, rates.as_list()))
-                        if self.model == "compute" else "not modeled")
+        if cal is None:
+            cal = self._calib[comm.rank] = calibrate(comm, device, self._fixed, self.model)
         return cal
 
     def _gather_profile(self, comm: Communicator, sg: SparseGrad,
@@ -555,23 +469,6 @@ class AutoScheme(SyncScheme):
             if other != mine:
                 raise RuntimeError(f"auto: rank {r} decided {other} but rank {comm.rank} decided {mine}; "
                                    "every rank must use the same options and slice order")
-
-
-def _best_all_reduce_s(comm: Communicator, nbytes: int, device: torch.device) -> float:
-    """Best of ``_PROBE_REPS`` timed all-reduces of ``nbytes`` (after one warm-up) on ``device``."""
-    t = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
-    cuda = device.type == "cuda"
-    best = float("inf")
-    for i in range(_PROBE_REPS + 1):
-        if cuda:
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        comm.all_reduce(t, "sum")
-        if cuda:
-            torch.cuda.synchronize(device)
-        if i:  # the first one warms the connection up
-            best = min(best, time.perf_counter() - t0)
-    return best
 
 
 def _mean_predictions(st: _SliceState, candidates: tuple[str, ...]) -> dict[str, float]:
