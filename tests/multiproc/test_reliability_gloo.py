@@ -186,7 +186,7 @@ def _hosts_worker(rank, world):
     # consecutive ranks; 3 nodes make the inter-node group a non-power-of-two.
     os.environ.update(ZEN_EXT_HOST=f"h{rank % 3}", LOCAL_WORLD_SIZE="2", LOCAL_RANK=str(rank // 3))
     node, inter, reason = maybe_node_sharding("auto", list(range(world)), rank)
-    out["even"] = (dist.get_process_group_ranks(node.intra_group), dist.get_process_group_ranks(inter), reason)
+    out["even"] = (dist.get_process_group_ranks(node.intra.group), dist.get_process_group_ranks(inter), reason)
     sync = Synchronizer(dp_comm=TorchCommunicator(inter), scheme="zen", param_kinds={"w": "dense", "e": "natural"},
                         natural={})
     red = BucketReducer(sync, cap_bytes=1 << 20, dp_size=world, node=node)

@@ -250,6 +250,34 @@ class Communicator(abc.ABC):
             self._account(sent=ring, recv=ring, msgs=2 * (n - 1))
         return t
 
+    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum the ``size`` equal blocks of ``t`` (1-D, ``size·W`` elements) over the ranks: rank ``r``
+        returns the sum of every rank's block ``r`` (``W`` elements). Ring accounting: ``(n−1)·W``
+        elements each way."""
+        n = self.size
+        if t.dim() != 1 or t.numel() % n:
+            raise ValueError(f"reduce_scatter needs a 1-D tensor of a multiple of {n} elements, got shape "
+                             f"{tuple(t.shape)}")
+        self._check_signature_first()
+        out = self._reduce_scatter(t.contiguous())
+        if n > 1:
+            nb = (n - 1) * _nbytes(out)
+            self._account(sent=nb, recv=nb, msgs=n - 1)
+        return out
+
+    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``t`` (1-D, the same size on every rank) concatenated in rank order. Ring
+        accounting: ``(n−1)·numel`` elements each way."""
+        if t.dim() != 1:
+            raise ValueError(f"all_gather needs a 1-D tensor, got {t.dim()}-D")
+        self._check_signature_first()
+        out = self._all_gather(t.contiguous())
+        n = self.size
+        if n > 1:
+            nb = (n - 1) * _nbytes(t)
+            self._account(sent=nb, recv=nb, msgs=n - 1)
+        return out
+
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
         """In-place broadcast from group rank ``src``; returns ``t``."""
         self._check_signature_first()
@@ -297,3 +325,18 @@ class Communicator(abc.ABC):
 
     @abc.abstractmethod
     def _broadcast(self, t: torch.Tensor, src: int) -> None: ...
+
+    def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        # Transports without a native one: the blocks through the variable-size exchange, summed here
+        # in rank order (the same order on every rank).
+        n = self.size
+        if n == 1:
+            return t.clone()
+        recv = self._exchange_v(list(t.view(n, -1)))
+        out = recv[0].clone()
+        for part in recv[1:]:
+            out += part
+        return out
+
+    def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self._all_gather_v(t)) if self.size > 1 else t.clone()

@@ -193,6 +193,28 @@ class TorchCommunicator(Communicator):
             if buf is not t:
                 t.copy_(buf)
 
+    def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+        n = self.size
+        if n == 1 or not t.numel():
+            return t.clone() if n == 1 else t.new_empty(0)
+        dev = self.device
+        buf = t if t.device == dev else t.to(dev)
+        out = torch.empty(t.numel() // n, dtype=t.dtype, device=dev)
+        # torch 2.13 renamed the *_tensor collectives to *_single (the old names warn).
+        (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, buf, group=self.group)
+        return out if out.device == t.device else out.to(t.device)
+
+    def _all_gather(self, t: torch.Tensor) -> torch.Tensor:
+        n = self.size
+        if n == 1:
+            return t.clone()
+        dev = self.device
+        buf = t if t.device == dev else t.to(dev)
+        out = torch.empty(n * t.numel(), dtype=t.dtype, device=dev)
+        if t.numel():
+            (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(out, buf, group=self.group)
+        return out if out.device == t.device else out.to(t.device)
+
     def _broadcast(self, t: torch.Tensor, src: int) -> None:
         if self.size > 1 and t.numel():
             dev = self.device

@@ -124,13 +124,15 @@ def create_node_groups(layouts: dict, rank: int):
     """
     import torch.distributed as dist
 
+    from ..comm.torch_dist import TorchCommunicator
+
     node = inter_group = None
     for g in sorted(layouts):
         nodes = layouts[g]
         for members in nodes:
             grp = dist.new_group(members)
             if rank in members:
-                node = NodeShardedReduce(grp, members.index(rank), len(members))
+                node = NodeShardedReduce(TorchCommunicator(grp), members.index(rank), len(members))
         for i in range(len(nodes[0])):
             across = [n[i] for n in nodes]
             grp = dist.new_group(across)
@@ -210,16 +212,21 @@ class NodeShardedReduce:
     inter-node level, where the bandwidth is).
 
     Args:
-        intra_group: the torch.distributed group of this rank's node (within its DP group).
-        local_rank: this rank's index in ``intra_group``.
-        local_size: ``L``.
+        intra: the Communicator of this rank's node (within its DP group): its ``reduce_scatter`` and
+            ``all_gather`` carry the dense part and count its bytes (so SimWorld runs it too).
+        local_rank: this rank's index in ``intra`` (default: its rank there).
+        local_size: ``L`` (default: ``intra``'s size).
     """
 
-    def __init__(self, intra_group, local_rank: int, local_size: int) -> None:
-        self.intra_group = intra_group
-        self.local_rank = local_rank
-        self.local_size = local_size
-        self.bytes_sent = 0
+    def __init__(self, intra, local_rank: int | None = None, local_size: int | None = None) -> None:
+        self.intra = intra
+        self.local_rank = intra.rank if local_rank is None else local_rank
+        self.local_size = intra.size if local_size is None else local_size
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank sent inside the node so far."""
+        return self.intra.stats.bytes_sent
 
     def reduce(self, flat: torch.Tensor, slices: Sequence[GradSlice], op: str, sync_shard) -> torch.Tensor:
         """Reduce ``flat`` over all ranks of all nodes; ``sync_shard(shard, shard_slices, op)`` reduces
@@ -230,11 +237,6 @@ class NodeShardedReduce:
         3. Synchronize shard ``l`` across the nodes (sparse; the mean divides by ``L`` first).
         4. All-gather the shards inside the node and drop the padding.
         """
-        import torch.distributed as dist
-
-        # torch 2.13 renamed the *_tensor collectives to *_single (the old names warn).
-        reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         L, flat_N = self.local_size, flat.reshape(-1)
         # Step 1: shards.
         cuts = shard_bounds(flat_N.numel(), slices, L)
@@ -243,9 +245,7 @@ class NodeShardedReduce:
         for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
             padded[i, : b - a] = flat_N[a:b]
         # Step 2: reduce-scatter inside the node.
-        mine = torch.empty(width, dtype=flat_N.dtype, device=flat_N.device)
-        reduce_scatter(mine, padded.reshape(-1), group=self.intra_group)
-        self.bytes_sent += (L - 1) * width * flat_N.element_size()
+        mine = self.intra.reduce_scatter(padded.reshape(-1))
         # Step 3: across nodes, on this rank's shard.
         a, b = cuts[self.local_rank], cuts[self.local_rank + 1]
         shard = mine[: b - a]
@@ -260,10 +260,7 @@ class NodeShardedReduce:
             part = [GradSlice(first.name, 0, 0, (0,), start=first.start)]
         mine[: b - a] = sync_shard(shard, part, op)
         # Step 4: all-gather inside the node.
-        gathered = torch.empty(L * width, dtype=flat_N.dtype, device=flat_N.device)
-        all_gather(gathered, mine, group=self.intra_group)
-        self.bytes_sent += (L - 1) * width * flat_N.element_size()
-        rows = gathered.view(L, width)
+        rows = self.intra.all_gather(mine).view(L, width)
         out = torch.empty_like(flat_N)
         for i, (a, b) in enumerate(zip(cuts, cuts[1:])):
             out[a:b] = rows[i, : b - a]
