@@ -40,13 +40,14 @@ TORCH_LIBRARY(zen_ext, m) {
   // or absent; returns the candidates where |R| >= the threshold of the element's run (runs end at
   // ends_U), ascending: int64 positions, R's values there, int64 runs, and their number ([1] int64).
   // capacity >= 0 (required on CUDA, where the number is not read back): outputs of exactly that
-  // many entries, the first candidates then padding (position numel, value 0, the last run).
+  // many entries, the first candidates then padding (position numel, value 0, run = the number of runs).
   m.def("dgc_accumulate_select_(Tensor(a!) R, Tensor(b!)? U, Tensor[] g_T, float momentum, Tensor thr_U, "
         "Tensor ends_U, Tensor? ok=None, int capacity=-1) -> (Tensor, Tensor, Tensor, Tensor)");
   // DGC's sampled threshold search, every refinement pass of every unit in one op: per unit u, the samples
   // sorted_S[start_U[u] : start_U[u] + ns_U[u]] (descending), k_U[u] elements to keep, the first probe's
   // sample rank first_U[u], the lower bound t_low_U[u], and the candidates v_C (R's values; unit_C
-  // ascending). Returns (thr_U, keep_C = |v_C| >= thr_U[unit_C]); logic in csrc/dgc_search.h.
+  // ascending; entries of unit >= the number of units, padding, belong to none and are not kept). Returns
+  // (thr_U, keep_C = |v_C| >= thr_U[unit_C]); logic in csrc/dgc_search.h.
   m.def("dgc_threshold_search(Tensor sorted_S, Tensor start_U, Tensor ns_U, Tensor k_U, Tensor first_U, Tensor v_C, "
         "Tensor unit_C, Tensor t_low_U, int passes) -> (Tensor, Tensor)");
   // Values of the concatenation of g_T at int64 positions pos, without the concatenation.

@@ -117,7 +117,8 @@ inline void accumulate_select_run(scalar_t* rp, scalar_t* up, const grad_t* gq, 
 // ok (optional, one bool): when false nothing is written and there are no candidates (a non-finite
 // gradient must leave the memory alone; the CUDA op reads the flag on the device, without a host read).
 // capacity >= 0: the outputs hold exactly `capacity` entries, the first min(count, capacity) of the
-// candidates and then padding (position numel, value 0, the last run), as the CUDA op writes them; -1:
+// candidates and then padding (position numel, value 0, run T: past every run, so the threshold
+// search never scans it), as the CUDA op writes them; -1:
 // exactly the candidates. The fourth output is the number of candidates ([1] int64), which may exceed
 // the capacity (the caller then knows some are missing).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select_cpu(
@@ -197,7 +198,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select
     count_total = total;
     const int64_t size = capacity < 0 ? total : capacity;
     pos = at::full({size}, N, at::TensorOptions().dtype(at::kLong));
-    run = at::full({size}, T - 1, at::TensorOptions().dtype(at::kLong));
+    run = at::full({size}, T, at::TensorOptions().dtype(at::kLong));
     val = at::zeros({size}, R.options());
     int64_t* pp = pos.data_ptr<int64_t>();
     int64_t* rq = run.data_ptr<int64_t>();

@@ -39,7 +39,7 @@ std::tuple<at::Tensor, at::Tensor> dgc_threshold_search_cpu(const at::Tensor& so
              fr = first_U.contiguous(), v = v_C.contiguous(), un = unit_C.contiguous(), tl = t_low_U.contiguous();
   const int64_t U = st.numel(), C = v.numel();
   auto thr_U = at::empty({U}, v.options());
-  auto keep_C = at::empty({C}, v.options().dtype(at::kBool));
+  auto keep_C = at::zeros({C}, v.options().dtype(at::kBool));  // padding (no unit) stays false
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v.scalar_type(), "dgc_threshold_search", [&] {
     const scalar_t* sp = S.data_ptr<scalar_t>();
     const scalar_t* vp = v.data_ptr<scalar_t>();

@@ -194,7 +194,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select
   const int64_t T = ends.numel();
   auto lopt = R.options().dtype(at::kLong);
   auto pos = at::full({capacity}, N, lopt);
-  auto run = at::full({capacity}, T - 1, lopt);
+  auto run = at::full({capacity}, T, lopt);  // padding: past every run
   auto val = at::zeros({capacity}, R.options());
   const int64_t tiles = (N + kTile - 1) / kTile;
   if (tiles == 0) return {pos, val, run, at::zeros({1}, lopt)};

@@ -84,7 +84,7 @@ std::tuple<at::Tensor, at::Tensor> dgc_threshold_search_cuda(const at::Tensor& s
   const auto S = sorted_S.contiguous(), st = start_U.contiguous(), ns = ns_U.contiguous(), kk = k_U.contiguous(),
              fr = first_U.contiguous(), v = v_C.contiguous(), un = unit_C.contiguous(), tl = t_low_U.contiguous();
   auto thr_U = at::empty({U}, v.options());
-  auto keep_C = at::empty({v.numel()}, v.options().dtype(at::kBool));
+  auto keep_C = at::zeros({v.numel()}, v.options().dtype(at::kBool));  // padding (no unit) stays false
   if (U == 0) return {thr_U, keep_C};
   const auto stream = c10::cuda::getCurrentCUDAStream();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v.scalar_type(), "dgc_threshold_search", [&] {

@@ -114,7 +114,8 @@ def test_half_gradients_widen_into_fp32_memory(gdt, momentum):
 @pytest.mark.parametrize("capacity", [0, 1, 37, 10_000])
 def test_capacity_pads_or_keeps_the_first_candidates(capacity):
     """With a capacity the outputs hold exactly that many entries: the first candidates in order, then
-    padding (position numel, value 0, the last run); the count is every candidate's, as on CUDA."""
+    padding (position numel, value 0, run = the number of runs); the count is every candidate's, as on
+    CUDA."""
     g = torch.Generator().manual_seed(3)
     N = 5000
     grad = torch.randn(N, generator=g)
@@ -129,7 +130,7 @@ def test_capacity_pads_or_keeps_the_first_candidates(capacity):
     assert cpos.numel() == cval.numel() == crun.numel() == capacity
     k = min(K, capacity)
     assert torch.equal(cpos[:k], pos[:k]) and torch.equal(cval[:k], val[:k]) and torch.equal(crun[:k], run[:k])
-    assert torch.all(cpos[k:] == N) and torch.all(cval[k:] == 0) and torch.all(crun[k:] == 2)
+    assert torch.all(cpos[k:] == N) and torch.all(cval[k:] == 0) and torch.all(crun[k:] == 3)  # past every run
 
 
 @pytest.mark.parametrize("momentum", [None, 0.9])
@@ -243,6 +244,24 @@ def test_search_op_units_without_candidates_and_no_candidates_at_all():
     empty = ops.dgc_threshold_search(*args, v_C[:0], unit_C[:0], t_low, 4)
     want = dgc.DGCSparsifier._search_loop(sorted_S, consts, v_C[:0], unit_C[:0], t_low, None, lay)
     assert torch.equal(empty[0], want[0]) and empty[1].numel() == 0
+
+
+@pytest.mark.skipif(not ops.has_dgc_search_op(torch.zeros(1)), reason="needs dgc_threshold_search in the C++ op")
+@pytest.mark.parametrize("pad", [1, 5000])
+def test_search_padding_of_a_capacity_buffer_belongs_to_no_unit(pad):
+    """Candidates padded as dgc_accumulate_select_ pads them (value 0, unit U): op and torch loop give the
+    unpadded thresholds and mask, and never keep the padding (the op does not even scan it)."""
+    import zen_ext.compress.dgc as dgc
+
+    lay, consts, sorted_S, v_C, unit_C, t_low = _search_case(torch.float32, [4096, 70000, 512], 0.02, seed=9)
+    args = (sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U)
+    want_thr, want_keep = ops.dgc_threshold_search(*args, v_C, unit_C, t_low, 4)
+    v_P = torch.cat([v_C, torch.zeros(pad)])
+    unit_P = torch.cat([unit_C, torch.full((pad,), lay.units, dtype=torch.int64)])
+    for thr, keep in (ops.dgc_threshold_search(*args, v_P, unit_P, t_low, 4),
+                      dgc.DGCSparsifier._search_loop(sorted_S, consts, v_P, unit_P, t_low, None, lay)):
+        assert torch.equal(thr, want_thr) and torch.equal(keep[: v_C.numel()], want_keep)
+        assert not keep[v_C.numel():].any()
 
 
 @pytest.mark.skipif(not ops.has_dgc_search_op(torch.zeros(1)), reason="needs dgc_threshold_search in the C++ op")

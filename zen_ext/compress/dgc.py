@@ -445,13 +445,16 @@ class DGCSparsifier(Sparsifier):
         pass's counts are all-reduced so that every TP rank moves alike): ``(thr_U, keep_C)``."""
         search = _ThresholdSearch(sorted_S, consts)
         abs_C = v_C.abs()
+        # Padding of a capacity-sized candidate buffer has unit U (past every unit, value 0): the
+        # running-sum counts end before it, and it reads the last unit's threshold (never kept).
+        unit_clamped = unit_C.clamp(max=lay.units - 1)
         # The candidates are in position order, so each unit's are one run: a count per unit is the
         # difference of a running sum at the runs' ends (no atomics; an index_add into U counters
         # serialized on the GPU: 54 % of a bucket's GPU time on an H200).
         cut_U1 = torch.searchsorted(unit_C, lay.unit_range_U1)
         for _ in range(REFINE_PASSES):
             thr_U = torch.maximum(search.thr, t_low)
-            run_C1 = torch.nn.functional.pad((abs_C >= thr_U.index_select(0, unit_C)).cumsum(0), (1, 0))
+            run_C1 = torch.nn.functional.pad((abs_C >= thr_U.index_select(0, unit_clamped)).cumsum(0), (1, 0))
             counts_U = run_C1.index_select(0, cut_U1[1:]) - run_C1.index_select(0, cut_U1[:-1])
             if tp_comm is not None:
                 tp_comm.all_reduce(counts_U)
@@ -461,7 +464,7 @@ class DGCSparsifier(Sparsifier):
             if counts_U.device.type in FREE_HOST_READ_DEVICES and bool(search.done.all()):
                 break
         thr_U = torch.maximum(search.thr, t_low)
-        return thr_U, abs_C >= thr_U.index_select(0, unit_C)
+        return thr_U, abs_C >= thr_U.index_select(0, unit_clamped)
 
     def _exact_thresholds(self, R: torch.Tensor, lay: "_Layout", density: float, tp_comm) -> torch.Tensor:
         """The ``k``-th largest ``|v|`` of each unit (pooled over the TP group): one segmented sort."""

@@ -306,7 +306,8 @@ def dgc_accumulate_select_(
     ascending: ``(positions int64, R's values there, runs int64, count [1] int64)``, so the caller
     gathers nothing from the bucket. With ``capacity ≥ 0`` (required on CUDA, where nothing is read
     back) the first three hold exactly ``capacity`` entries: the first candidates, then padding
-    (position ``numel``, value 0, the last run); ``count`` may exceed ``capacity`` (some candidates are
+    (position ``numel``, value 0, run ``len(ends_U)``: past every run, so the threshold search never
+    scans it); ``count`` may exceed ``capacity`` (some candidates are
     then missing). With ``ok`` false nothing is written and ``count`` is 0. Callers check
     ``has_dgc_select_op`` first; the torch path of ``zen_ext.compress.dgc`` is its oracle.
     """
@@ -330,6 +331,7 @@ def dgc_threshold_search(
     ``(thr_U, keep_C)``: each unit's threshold after ``passes`` refinements and ``|v_C| ≥ thr_U[unit_C]``.
     Callers check ``has_dgc_search_op`` first; ``_ThresholdSearch`` in ``zen_ext.compress.dgc`` is
     its oracle (and the path under tensor parallelism, whose counts are all-reduced every pass).
+    Candidates of unit ``≥ U`` (a capacity-sized buffer's padding) belong to no unit: never kept.
     """
     return torch.ops.zen_ext.dgc_threshold_search(sorted_S, start_U, ns_U, k_U, first_U, v_C, unit_C, t_low_U,
                                                   int(passes))
