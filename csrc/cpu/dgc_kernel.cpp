@@ -13,6 +13,8 @@
 #include <tuple>
 #include <vector>
 
+#include "../dgc_dtypes.h"
+
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -127,14 +129,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select
   const bool has_u = U_opt.has_value() && U_opt->defined();
   TORCH_CHECK(R.device().is_cpu() && R.dim() == 1 && R.is_contiguous(),
               "dgc_accumulate_select_: R must be a contiguous 1-D CPU tensor, got shape ", R.sizes());
-  TORCH_CHECK(R.scalar_type() == at::kFloat || R.scalar_type() == at::kDouble,
-              "dgc_accumulate_select_: memory of ", R.scalar_type(), " (supported: float32, float64)");
-  TORCH_CHECK(!g_T.empty(), "dgc_accumulate_select_: needs at least one gradient");
-  const auto gdt = g_T[0].scalar_type();
-  TORCH_CHECK(gdt == R.scalar_type() ||
-                  (R.scalar_type() == at::kFloat && (gdt == at::kBFloat16 || gdt == at::kHalf)),
-              "dgc_accumulate_select_: gradients of ", gdt, " with memory of ", R.scalar_type(),
-              " (supported: the memory's dtype, or bf16/fp16 with fp32 memory)");
+  const auto gdt = dgc::check_accumulate_dtypes(R, g_T);
   const auto gends = list_ends(g_T, gdt, "dgc_accumulate_select_");
   const int64_t N = R.numel();
   TORCH_CHECK(!gends.empty() && gends.back() == N, "dgc_accumulate_select_: the gradients hold ",

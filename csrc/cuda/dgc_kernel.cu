@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <tuple>
 
+#include "../dgc_dtypes.h"
+
 namespace zen_ext {
 namespace {
 
@@ -134,12 +136,7 @@ __global__ void compact_kernel(const uint32_t* __restrict__ words, const int64_t
 // The gradients' concatenation as one pointer: the tensors themselves when they lie back to back in
 // memory (the Synchronizer's views of one bucket), else one copy.
 at::Tensor flat_gradient(at::TensorList g_T, const at::Tensor& R, int64_t N) {
-  TORCH_CHECK(!g_T.empty(), "dgc_accumulate_select_: needs at least one gradient");
-  const auto gdt = g_T[0].scalar_type();
-  TORCH_CHECK(gdt == R.scalar_type() ||
-                  (R.scalar_type() == at::kFloat && (gdt == at::kBFloat16 || gdt == at::kHalf)),
-              "dgc_accumulate_select_: gradients of ", gdt, " with memory of ", R.scalar_type(),
-              " (supported: the memory's dtype, or bf16/fp16 with fp32 memory)");
+  const auto gdt = g_T[0].scalar_type();  // a supported pair with R's: check_accumulate_dtypes ran first
   int64_t at_elem = 0;
   bool adjacent = true;
   const auto esz = g_T[0].element_size();
@@ -165,8 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select
     const at::Tensor& thr_U, const at::Tensor& ends_U, const c10::optional<at::Tensor>& ok_opt, int64_t capacity) {
   TORCH_CHECK(R.is_cuda() && R.dim() == 1 && R.is_contiguous(),
               "dgc_accumulate_select_: R must be a contiguous 1-D CUDA tensor, got shape ", R.sizes());
-  TORCH_CHECK(R.scalar_type() == at::kFloat || R.scalar_type() == at::kDouble,
-              "dgc_accumulate_select_: memory of ", R.scalar_type(), " (supported: float32, float64)");
+  dgc::check_accumulate_dtypes(R, g_T);
   TORCH_CHECK(capacity >= 0, "dgc_accumulate_select_: capacity (", capacity,
               ") must be >= 0 on CUDA (the number of candidates stays on the device)");
   const c10::cuda::CUDAGuard guard(R.device());
