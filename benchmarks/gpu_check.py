@@ -306,6 +306,7 @@ def check_ops(rep: Report, device: str) -> None:
     # ``device="cpu"``: the CPU op against the torch loop, its oracle.
     check_dgc_search(rep, device)
     check_dgc_select(rep, device)
+    check_dgc_sample(rep, device)
 
 
 def check_dgc_search(rep: Report, device: str) -> None:
@@ -411,6 +412,62 @@ def check_dgc_select(rep: Report, device: str) -> None:
                 "C++ CPU op", not bad,
                 "; ".join(bad[:4]) or f"{checked} cases (momentum on/off, gradients one/back to back/apart, "
                 "capacity padding/cutting/0, flag false): R, U, positions, values, runs, count equal")
+
+
+def check_dgc_sample(rep: Report, device: str) -> None:
+    """``dgc_sample_keys`` and ``dgc_sort_unkey`` per gradient dtype (fp32, bf16, fp16 into fp32 memory), with
+    and without momentum, gradients back to back and apart, NaN/±inf/ties among the values, several
+    steps: keys, sorted values and the candidates' thresholds equal to the C++ CPU op's, bit for bit."""
+    import torch
+
+    from zen_ext import ops
+    from zen_ext.compress.dgc_units import _Layout, sample_shift
+
+    if device != "cuda":
+        return  # the CPU ops are held to the torch path by tests/ops/test_dgc_ops.py
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("zen_ext::dgc_sample_keys", "CUDA"):
+        rep.add("ops", "dgc_sample_keys built for CUDA", False, "zen_ext._C lacks the kernel: rebuild")
+        return
+    sizes = [1, 4095, 70_001, 3, 33_000, 1 << 20]
+    N = sum(sizes)
+    for gdt in (torch.float32, torch.bfloat16, torch.float16):
+        bad, checked = [], 0
+        for momentum in (None, 0.9):
+            for layout in ("adjacent", "apart"):
+                for step in (0, 7, 123_457):
+                    g = torch.Generator().manual_seed(checked)
+                    R = torch.randn(N, generator=g) * 2
+                    R[[0, 5, 9, N - 1]] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.0e38])
+                    R[10:4000] = 1.5  # ties
+                    U = torch.randn(N, generator=g) if momentum else None
+                    bucket = torch.randn(N, generator=g).to(gdt)
+                    g_T = list(bucket.split(sizes)) if layout == "adjacent" else [t.clone() for t in bucket.split(sizes)]
+                    lay_c = _Layout(tuple(f"t{i}" for i in range(len(sizes))), tuple(sizes), True, "cpu")
+                    lay_d = _Layout(lay_c.names, lay_c.numels, True, device)
+                    try:
+                        grid, ns_U, stride, unit, hsh = lay_c.sample_grid(0.01, 0.01, "cpu")
+                        want = ops.dgc_sample_keys(R, U, g_T, momentum or 0.0, grid, unit, hsh, stride, sample_shift(step))
+                        gd, _, sd, ud, hd = lay_d.sample_grid(0.01, 0.01, device)
+                        g_dev = (list(bucket.to(device).split(sizes)) if layout == "adjacent"
+                                 else [t.to(device) for t in g_T])
+                        got = ops.dgc_sample_keys(R.to(device), None if U is None else U.to(device), g_dev,
+                                                  momentum or 0.0, gd, ud, hd, sd, sample_shift(step))
+                        k_U = [max(1, int(0.01 * n + 0.999)) for n in sizes]
+                        cc = lay_c.search_constants(ns_U, k_U, sizes, "cpu")
+                        cd = lay_d.search_constants(ns_U, k_U, sizes, device)
+                        w_vals, w_low = ops.dgc_sort_unkey(want, cc.low_S, 1e-45, lay_c.key_bits)
+                        g_vals, g_low = ops.dgc_sort_unkey(got, cd.low_S, 1e-45, lay_d.key_bits)
+                        same = (torch.equal(got.cpu(), want) and torch.equal(g_vals.cpu().view(torch.int32),
+                                                                             w_vals.view(torch.int32))
+                                and torch.equal(g_low.cpu(), w_low))
+                        if not same:
+                            bad.append(f"momentum {momentum}, {layout}, step {step}: differ")
+                        checked += 1
+                    except Exception as exc:  # noqa: BLE001 — a row of the report
+                        bad.append(f"{layout}, step {step}: {type(exc).__name__}: {str(exc)[:120]}")
+        rep.add("ops", f"dgc_sample_keys + dgc_sort_unkey, {str(gdt)[6:]} gradients: equal to the C++ CPU op", not bad,
+                "; ".join(bad[:4]) or f"{checked} cases (momentum on/off, gradients back to back/apart, 3 steps, "
+                "NaN/inf/ties): keys, sorted values, thresholds equal")
 
 
 # --- part 1: the hashing op -------------------------------------------------------------------------------

@@ -50,6 +50,15 @@ TORCH_LIBRARY(zen_ext, m) {
   // (thr_U, keep_C = |v_C| >= thr_U[unit_C]); logic in csrc/dgc_search.h.
   m.def("dgc_threshold_search(Tensor sorted_S, Tensor start_U, Tensor ns_U, Tensor k_U, Tensor first_U, Tensor v_C, "
         "Tensor unit_C, Tensor t_low_U, int passes) -> (Tensor, Tensor)");
+  // DGC's samples of one bucket as sort keys, in one op: sample s of unit u = unit_S[s] lies at
+  // grid_S[s] + (hash_U[u] + shift) mod stride_U[u]; its value |R + U*momentum + g| (or |R + g| without
+  // U; g the concatenation of g_T; NaN as 0, inf as the largest float) as the int64 key
+  // u*2^32 + (2^31 - 1 - bits(value)), whose ascending order is by unit, then by value descending. R fp32.
+  m.def("dgc_sample_keys(Tensor R, Tensor? U, Tensor[] g_T, float momentum, Tensor grid_S, Tensor unit_S, "
+        "Tensor hash_U, Tensor stride_U, int shift) -> Tensor");
+  // The keys (in [0, 2^key_bits)) sorted ascending as their float32 values, and max(value at low_U[u],
+  // tiny) per unit (indices into the sorted keys).
+  m.def("dgc_sort_unkey(Tensor keys, Tensor low_U, float tiny, int key_bits) -> (Tensor, Tensor)");
   // Values of the concatenation of g_T at int64 positions pos, without the concatenation.
   m.def("gather_list(Tensor[] g_T, Tensor pos) -> Tensor");
 }

@@ -8,7 +8,8 @@
 //      and item (bit = candidate) and the tile's candidate count;
 //   2. the exclusive scan of the tile counts (one torch cumsum);
 //   3. compact_kernel: per tile, one thread per word writes the word's candidates at the tile's offset
-//      plus the popcount prefix of the words before it (so the order is the elements' order).
+//      plus the popcount prefix of the words before it (so the order is the elements' order); the grid
+//      writes the padding after the last candidate.
 // The first `capacity` candidates are written; the count says how many there were.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -24,6 +25,7 @@
 #include <tuple>
 
 #include "../dgc_dtypes.h"
+#include "dgc_flat.h"
 
 namespace zen_ext {
 namespace {
@@ -101,11 +103,19 @@ __global__ void accumulate_mark_kernel(scalar_t* __restrict__ R, scalar_t* __res
 template <typename scalar_t>
 __global__ void compact_kernel(const uint32_t* __restrict__ words, const int64_t* __restrict__ tile_end,
                                const int64_t* __restrict__ tile_count, const scalar_t* __restrict__ R,
-                               const int64_t* __restrict__ ends, int64_t T, int64_t capacity,
+                               const int64_t* __restrict__ ends, int64_t T, int64_t N, int64_t capacity,
                                int64_t* __restrict__ pos, scalar_t* __restrict__ val, int64_t* __restrict__ run) {
   __shared__ int half_total;
   const int64_t tile = blockIdx.x;
   const int w = threadIdx.x;  // blockDim.x == kWordsPerTile == 64: two warps
+  // The padding past the last candidate, spread over the grid (three fills before the pass were
+  // three more launches).
+  for (int64_t q = tile_end[gridDim.x - 1] + tile * kWordsPerTile + w; q < capacity;
+       q += int64_t(gridDim.x) * kWordsPerTile) {
+    pos[q] = N;
+    val[q] = scalar_t(0);
+    run[q] = T;
+  }
   uint32_t bits = words[tile * kWordsPerTile + w];
   const int c = __popc(bits);
   int x = c;  // inclusive prefix within the warp
@@ -131,30 +141,6 @@ __global__ void compact_kernel(const uint32_t* __restrict__ words, const int64_t
     run[o] = t;
     ++o;
   }
-}
-
-// The gradients' concatenation as one pointer: the tensors themselves when they lie back to back in
-// memory (the Synchronizer's views of one bucket), else one copy.
-at::Tensor flat_gradient(at::TensorList g_T, const at::Tensor& R, int64_t N) {
-  const auto gdt = g_T[0].scalar_type();  // a supported pair with R's: check_accumulate_dtypes ran first
-  int64_t at_elem = 0;
-  bool adjacent = true;
-  const auto esz = g_T[0].element_size();
-  const char* start = static_cast<const char*>(g_T[0].data_ptr());
-  for (const auto& g : g_T) {
-    TORCH_CHECK(g.device() == R.device() && g.is_contiguous() && g.scalar_type() == gdt,
-                "dgc_accumulate_select_: every gradient must be a contiguous tensor of ", gdt, " on ",
-                R.device(), ", got ", g.scalar_type(), " on ", g.device());
-    if (g.numel() > 0 && static_cast<const char*>(g.data_ptr()) != start + at_elem * esz) adjacent = false;
-    at_elem += g.numel();
-  }
-  TORCH_CHECK(at_elem == N, "dgc_accumulate_select_: the gradients hold ", at_elem, " elements, R ", N);
-  if (g_T.size() == 1) return g_T[0];
-  if (adjacent && N > 0) {
-    // A view over the bytes the tensors occupy (they share one allocation: back to back).
-    return at::from_blob(const_cast<char*>(start), {N}, g_T[0].options());
-  }
-  return N > 0 ? at::cat(g_T) : at::empty({0}, g_T[0].options());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select_cuda(
@@ -183,17 +169,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select
     TORCH_CHECK(ok_opt->device() == R.device() && ok_opt->scalar_type() == at::kBool && ok_opt->numel() == 1,
                 "dgc_accumulate_select_: ok must be one bool on R's device");
   }
-  const at::Tensor g = flat_gradient(g_T, R, N);
+  const at::Tensor g = dgc::flat_gradient(g_T, R, N, "dgc_accumulate_select_");
   const auto thr = thr_U.contiguous();
   const auto ends = ends_U.contiguous();
   const auto ok = has_ok ? ok_opt->contiguous() : at::Tensor();
   const int64_t T = ends.numel();
   auto lopt = R.options().dtype(at::kLong);
-  auto pos = at::full({capacity}, N, lopt);
-  auto run = at::full({capacity}, T, lopt);  // padding: past every run
-  auto val = at::zeros({capacity}, R.options());
   const int64_t tiles = (N + kTile - 1) / kTile;
-  if (tiles == 0) return {pos, val, run, at::zeros({1}, lopt)};
+  if (tiles == 0) {  // padding only: position N, value 0, run T (past every run)
+    return {at::full({capacity}, N, lopt), at::zeros({capacity}, R.options()), at::full({capacity}, T, lopt),
+            at::zeros({1}, lopt)};
+  }
+  // Written whole by compact_kernel: the candidates, then the padding.
+  auto pos = at::empty({capacity}, lopt);
+  auto run = at::empty({capacity}, lopt);
+  auto val = at::empty({capacity}, R.options());
   auto words = at::empty({tiles * kWordsPerTile}, R.options().dtype(at::kInt));
   auto tile_count = at::empty({tiles}, lopt);
   const auto stream = c10::cuda::getCurrentCUDAStream();
@@ -222,7 +212,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select
     AT_DISPATCH_FLOATING_TYPES(R.scalar_type(), "dgc_accumulate_select_cuda", [&] {
       compact_kernel<scalar_t><<<tiles, kWordsPerTile, 0, stream>>>(
           reinterpret_cast<const uint32_t*>(words.data_ptr<int32_t>()), tile_end.data_ptr<int64_t>(),
-          tile_count.data_ptr<int64_t>(), R.data_ptr<scalar_t>(), ends.data_ptr<int64_t>(), T, capacity,
+          tile_count.data_ptr<int64_t>(), R.data_ptr<scalar_t>(), ends.data_ptr<int64_t>(), T, N, capacity,
           pos.data_ptr<int64_t>(), val.data_ptr<scalar_t>(), run.data_ptr<int64_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });

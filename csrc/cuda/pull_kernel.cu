@@ -353,8 +353,8 @@ __global__ void decode_kernel(uint8_t* __restrict__ out, int64_t vsz, const uint
   if (nbytes != kHeaderBytes + ib + value_rows(fmt, count, m) * vsz) return;  // malformed: write nothing
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t t0 = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
-  // The grid is sized for m positions (the format is only known here): a bitmap needs m/64 threads.
-  if (t0 >= (fmt == kFmtBitmap ? num_words(m) : fmt == kFmtCoo ? count : m)) return;
+  // The grid is sized for m positions (the format is only known here): a bitmap needs m/8 threads.
+  if (t0 >= (fmt == kFmtBitmap ? num_words(m) * 8 : fmt == kFmtCoo ? count : m)) return;
   const FeistelKeys keys = keys_from(keys_R);
   const uint8_t* idx_in = msg + kHeaderBytes;
   const uint8_t* val_in = idx_in + ib;
@@ -370,11 +370,17 @@ __global__ void decode_kernel(uint8_t* __restrict__ out, int64_t vsz, const uint
       if (pos >= 0 && pos < m) put(pos, r);
     }
   } else if (fmt == kFmtBitmap) {
+    // Eight threads per word, one per byte of it: a thread per word left most of the GPU idle on a few
+    // set bits each, one P^-1 and one random store after another (an H100 decoded a message of ~490 K
+    // entries in 56 us, 16 % of its DRAM bandwidth).
     const int64_t nw = num_words(m);
-    for (int64_t w = t0; w < nw; w += stride) {
+    for (int64_t t = t0; t < nw * 8; t += stride) {
+      const int64_t w = t >> 3;
+      const int sub = int(t & 7);
       const uint64_t bits0 = load<uint64_t>(idx_in + 8 * w);
-      int64_t row = incl_pc[w] - popcount64(bits0);
-      for (uint64_t b = bits0; b; b &= b - 1) {
+      const uint64_t below = sub == 0 ? 0 : bits0 & ((uint64_t(1) << (8 * sub)) - 1);
+      int64_t row = incl_pc[w] - popcount64(bits0) + popcount64(below);
+      for (uint64_t b = bits0 & (uint64_t(0xFF) << (8 * sub)); b; b &= b - 1) {
         const int64_t pos = w * 64 + ctz64(b);
         if (pos < m && row < count) put(pos, row);
         ++row;

@@ -41,6 +41,7 @@ PULL_KERNELS = ("add_dense_kernel", "fill_words_kernel", "add_coo_kernel", "popc
                 "word_popcount_kernel", "encode_kernel", "msg_word_popcount_kernel", "decode_kernel")
 SEARCH_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_search.cu")
 SELECT_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_kernel.cu")
+SAMPLE_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_sample.cu")
 HARNESS_CU = os.path.join(ROOT, "tests", "ops", "hash_kernel_harness.cu")
 # One architecture keeps the check quick; sm_80 (A100) is the oldest the paper-class GPUs need.
 GENCODE = ["-gencode", "arch=compute_80,code=sm_80"]
@@ -180,6 +181,22 @@ def test_dgc_select_kernels_compile(tmp_path):
     ptx = "\n".join(open(f).read() for f in glob.glob(str(keep / "*.ptx")))
     bodies = [b for b in re.split(r"\n\.(?:visible \.)?entry ", ptx)[1:] if "accumulate_mark_kernel" in b.split("(")[0]]
     assert len(bodies) == 4 and not any(re.search(r"\bfma\.", b) for b in bodies), "the update must not fuse"
+
+
+@pytest.mark.timeout(1200)
+def test_dgc_sample_kernels_compile(tmp_path):
+    """``csrc/cuda/dgc_sample.cu`` (dgc_sample_keys, dgc_sort_unkey) compiles and links, the sampling kernel
+    for fp32, bf16 and fp16 gradients; the pending update's multiply and add stay two roundings (no
+    fused multiply-add in the PTX), as in the CPU op and in torch."""
+    keep = tmp_path / "keep"
+    keep.mkdir()
+    entries = _compile_and_link(SAMPLE_CU, tmp_path, ("-keep", "-keep-dir", str(keep)))
+    for tag in ("IfE", "IN3c108BFloat16EE", "IN3c104HalfEE"):
+        assert f"sample_keys_kernel{tag}" in entries, f"sample_keys_kernel not instantiated for {tag}: {entries}"
+    assert "unkey_kernel" in entries
+    ptx = "\n".join(open(f).read() for f in glob.glob(str(keep / "*.ptx")))
+    bodies = [b for b in re.split(r"\n\.(?:visible \.)?entry ", ptx)[1:] if "sample_keys_kernel" in b.split("(")[0]]
+    assert len(bodies) == 3 and not any(re.search(r"\bfma\.", b) for b in bodies), "the update must not fuse"
 
 
 def _byte_stores_of_converted_halves(ptx: str) -> list[str]:

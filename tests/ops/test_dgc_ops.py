@@ -274,3 +274,111 @@ def test_search_op_rejects_mismatched_inputs():
         ops.dgc_threshold_search(*args, v_C, unit_C[1:], t_low, 4)
     with pytest.raises(RuntimeError, match="one entry per unit"):
         ops.dgc_threshold_search(*args, v_C, unit_C, t_low[:1], 4)
+
+
+# --- dgc_sample_keys / dgc_sort_unkey: the sampling step in two ops -------------------------------------------
+needs_sample_op = pytest.mark.skipif(not ops.has_dgc_sample_op(torch.zeros(1)),
+                                     reason="needs dgc_sample_keys in the C++ op")
+
+
+def _sample_oracle(R, U, g_T, m, lay, density, step):
+    """The torch path the ops replace: positions, the pending update's value, nan_to_num, the sort key."""
+    from zen_ext.compress.dgc_units import _sort_per_unit
+    pos_S, ns_U = lay.sample_positions(density, 0.01, step, R.device)
+    g_S = ops.concat_view(g_T).index_select(0, pos_S)
+    delta = g_S if U is None else U.index_select(0, pos_S) * m + g_S
+    samples = torch.nan_to_num((R.index_select(0, pos_S) + delta).abs(), nan=0.0)
+    grid_S, _, _, unit_S, _ = lay.sample_grid(density, 0.01, R.device)
+    return samples, unit_S, ns_U, _sort_per_unit(samples, unit_S)
+
+
+def _sample_case(gdt, numels, seed, specials=True):
+    from zen_ext.compress.dgc_units import _Layout
+    gen = torch.Generator().manual_seed(seed)
+    N = sum(numels)
+    R = torch.randn(N, generator=gen) * 3
+    U = torch.randn(N, generator=gen)
+    g = (torch.randn(N, generator=gen) * torch.rand(N, generator=gen) * 10).to(gdt)
+    if specials and N > 16:  # NaN, ±inf, ties, ±0 and huge values at the ends and at tensor boundaries
+        R[0], R[-1], R[N // 2] = float("nan"), float("inf"), -float("inf")
+        R[1:9] = 2.5
+        R[2], R[3] = float("inf"), -float("inf")  # in the first unit of (7, 1, 4096): every element sampled
+        R[9], R[10] = -0.0, 3.0e38
+        g[9], g[10] = 0.0, 3.0e38 if gdt == torch.float32 else 1.0
+    g_T = list(g.split(list(numels)))
+    lay = _Layout(tuple(f"t{i}" for i in range(len(numels))), tuple(numels), True, "cpu")
+    return R, U, g_T, lay
+
+
+@needs_sample_op
+@pytest.mark.parametrize("gdt", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_u", [False, True])
+@pytest.mark.parametrize("numels, density", [((1,), 0.5), ((7, 1, 4096), 0.01), ((64 * 33, 5000, 3, 20000), 0.05)])
+def test_sample_keys_and_sort_unkey_equal_the_torch_path(gdt, with_u, numels, density):
+    """Keys, their order, the decoded values and the candidates' threshold equal the torch path bit for
+    bit: every sample position (index 0 and the last of each unit among them, since a unit of 1..8
+    elements samples all of it), NaN/±inf/−0/huge values, ties, bf16/fp16 gradients widened."""
+    from zen_ext.compress.dgc_units import _at_rank, CANDIDATE_FACTOR, sample_shift
+    R, U, g_T, lay = _sample_case(gdt, numels, seed=len(numels))
+    U = U if with_u else None
+    for step in (0, 1, 977):
+        samples, unit_S, ns_U, want_sorted = _sample_oracle(R, U, g_T, 0.9, lay, density, step)
+        grid_S, _, stride_U, _, hash_U = lay.sample_grid(density, 0.01, "cpu")
+        keys = ops.dgc_sample_keys(R, U, g_T, 0.9, grid_S, unit_S, hash_U, stride_U, sample_shift(step))
+        want_keys = (unit_S << 32) | (0x7FFFFFFF - samples.view(torch.int32)).to(torch.int64)
+        assert torch.equal(keys, want_keys)
+        numel_U = list(lay.unit_numels)
+        k_U = [max(1, math.ceil(density * n)) for n in numel_U]
+        consts = lay.search_constants(ns_U, k_U, numel_U, "cpu")
+        tiny = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
+        got_sorted, got_low = ops.dgc_sort_unkey(keys, consts.low_S, tiny, lay.key_bits)
+        assert torch.equal(got_sorted.view(torch.int32), want_sorted.view(torch.int32))
+        want_low = _at_rank(want_sorted, consts, consts.first_U * CANDIDATE_FACTOR).clamp(min=tiny)
+        assert torch.equal(got_low, want_low)
+
+
+@needs_sample_op
+def test_sample_keys_read_apart_tensors_and_zero_thresholds():
+    """Gradients in separate allocations (not back to back) read like one concatenation; a unit whose
+    samples are all zero gets the floor ``tiny`` as its candidates' threshold."""
+    from zen_ext.compress.dgc_units import _Layout, sample_shift
+    numels = (300, 1, 4000)
+    lay = _Layout(("a", "b", "c"), numels, True, "cpu")
+    R = torch.zeros(sum(numels))
+    g_T = [torch.zeros(300), torch.full((1,), -2.0), torch.arange(4000, dtype=torch.float32)]
+    grid_S, ns_U, stride_U, unit_S, hash_U = lay.sample_grid(0.01, 0.01, "cpu")
+    keys = ops.dgc_sample_keys(R, None, g_T, 0.0, grid_S, unit_S, hash_U, stride_U, sample_shift(5))
+    pos_S, _ = lay.sample_positions(0.01, 0.01, 5, "cpu")
+    want = torch.cat(g_T).index_select(0, pos_S).abs()
+    assert torch.equal(keys >> 32, unit_S)
+    vals = ops.dgc_sort_unkey(keys, torch.zeros(0, dtype=torch.int64), 0.0, lay.key_bits)[0]
+    want_sorted = torch.cat([want[unit_S == u].sort(descending=True).values for u in range(3)])
+    assert torch.equal(vals, want_sorted)  # by unit, then descending
+    assert torch.equal(ops.dgc_sort_unkey(keys, torch.zeros(0, dtype=torch.int64), 0.0, 64)[0], vals)
+    consts = lay.search_constants(ns_U, [3, 1, 40], list(numels), "cpu")
+    _, low = ops.dgc_sort_unkey(keys, consts.low_S, 1e-30, lay.key_bits)
+    assert low[0].item() == pytest.approx(1e-30) and low[1].item() == 2.0 and low[2].item() > 3000
+
+
+@needs_sample_op
+def test_sample_ops_reject_bad_input():
+    from zen_ext.compress.dgc_units import _Layout
+    lay = _Layout(("a",), (100,), True, "cpu")
+    grid_S, _, stride_U, unit_S, hash_U = lay.sample_grid(0.1, 0.01, "cpu")
+    R, g = torch.zeros(100), [torch.zeros(100)]
+    with pytest.raises(RuntimeError, match="R must be a contiguous 1-D float32"):
+        ops.dgc_sample_keys(R.double(), None, [g[0].double()], 0.0, grid_S, unit_S, hash_U, stride_U, 0)
+    with pytest.raises(RuntimeError, match="the gradients hold 99 elements"):
+        ops.dgc_sample_keys(R, None, [torch.zeros(99)], 0.0, grid_S, unit_S, hash_U, stride_U, 0)
+    with pytest.raises(RuntimeError, match="sample position 100 outside"):
+        ops.dgc_sample_keys(R, None, g, 0.0, grid_S + 100, unit_S, hash_U, stride_U, 0)
+    with pytest.raises(RuntimeError, match="shift"):
+        ops.dgc_sample_keys(R, None, g, 0.0, grid_S, unit_S, hash_U, stride_U, -1)
+    with pytest.raises(RuntimeError, match="must be >= 1"):
+        ops.dgc_sample_keys(R, None, g, 0.0, grid_S, unit_S, hash_U, stride_U * 0, 0)
+    with pytest.raises(RuntimeError, match="outside"):
+        ops.dgc_sort_unkey(torch.zeros(3, dtype=torch.int64), torch.tensor([3]), 0.0, 33)
+    with pytest.raises(RuntimeError, match=r"keys must lie in \[0, 2\^33\)"):
+        ops.dgc_sort_unkey(torch.tensor([1 << 33]), torch.tensor([0]), 0.0, 33)
+    with pytest.raises(RuntimeError, match="key_bits"):
+        ops.dgc_sort_unkey(torch.zeros(3, dtype=torch.int64), torch.tensor([0]), 0.0, 0)

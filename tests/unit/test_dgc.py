@@ -454,6 +454,33 @@ def test_gpu_code_path_dispatches_few_ops_whatever_the_tensors(monkeypatch, cfg,
     assert counts[0] == counts[1] and counts[0] <= GPU_PATH_MAX_OPS, counts
 
 
+@pytest.mark.skipif(not dgc_module.ops.has_dgc_sample_op(torch.zeros(1)), reason="needs the zen_ext C++ op")
+@pytest.mark.parametrize("momentum_correction", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_pass_path_dispatches_few_ops_whatever_the_tensors(monkeypatch, momentum_correction, dtype):
+    """The path a CUDA bucket with fp32 memory takes (the sampling, accumulate-select and search ops;
+    the candidates in a capacity-sized buffer, one host read), run on CPU tensors: at most
+    ``ONE_PASS_MAX_OPS`` dispatched ops per bucket, the same for 4 and 64 tensors (49 before the
+    sampling ops; on an H100 that path launched 80 kernels for 49 tensors)."""
+    ONE_PASS_MAX_OPS = 21  # 17 with fp32 gradients; a bf16 wire adds the clamp and the cast's error (4)
+    monkeypatch.setattr(dgc_module, "FREE_HOST_READ_DEVICES", ())
+    gen = torch.Generator().manual_seed(17)
+    counts = []
+    for num in (4, 64):
+        bucket = torch.cat([torch.randn(64, 4096 // num, generator=gen).reshape(-1) * (i + 1)
+                            for i in range(num)]).to(dtype)
+        grads = [NamedGrad(f"p{i}", t) for i, t in enumerate(bucket.split(64 * 4096 // num))]
+        sp = DGCSparsifier(DGCConfig(enabled=True, density=0.01, momentum_correction=momentum_correction,
+                                     momentum_masking=False))
+        sp.compress(grads)
+        sp.state.step += 1
+        with _OpCounter() as c:
+            sg = sp.compress(grads)
+        assert sg.indices.numel() > 0
+        counts.append(c.ops)
+    assert counts[0] == counts[1] and counts[0] <= ONE_PASS_MAX_OPS, counts
+
+
 def test_layout_with_coprime_sizes_still_selects_per_tensor():
     """gcd(numels) == 1 degrades to one threshold per element, with the same selection."""
     gen = torch.Generator().manual_seed(12)

@@ -77,7 +77,8 @@ from .base import NamedGrad, Sparsifier, acc_dtype
 # The config and the units live in their own modules; their names stay importable from here.
 from .dgc_config import FEEDBACKS, RESIDUAL_DTYPES, SELECTIONS, THRESHOLDS, DGCConfig  # noqa: F401
 from .dgc_units import (CANDIDATE_FACTOR, CAPACITY_FACTOR, MIN_KEPT_SAMPLES, REFINE_BAND,  # noqa: F401
-                        _at_rank, _gather_units, _Layout, _SearchConstants, _sort_per_unit, _ThresholdSearch)
+                        _at_rank, _gather_units, _Layout, _SearchConstants, _sort_per_unit, _ThresholdSearch,
+                        sample_shift)
 from .state import SparsifierState
 
 logger = logging.getLogger(__name__)
@@ -249,7 +250,10 @@ class DGCSparsifier(Sparsifier):
         # look element-wise, since huge finite values may overflow the norm too.
         # (fp32 norms; fp64 gradients keep fp64, which torch will not narrow.)
         norm_T = torch.stack(torch._foreach_norm(flats, 2, dtype=torch.float64 if wire == torch.float64 else torch.float32))
-        finite = torch.isfinite(norm_T).all()
+        # Norms are >= 0, so their sum is below inf exactly when every one is finite (or, harmlessly,
+        # when finite norms overflow the sum: then step 1 looks element-wise). Two kernels on a GPU;
+        # isfinite().all() is five.
+        finite = norm_T.sum() < math.inf
         density = cfg.density_at(self.state.step)
         # The one-pass path (the op): the velocity update is deferred into the candidate selection, and
         # the thresholds are sampled from R + the pending update at the sample positions. There the
@@ -376,27 +380,12 @@ class DGCSparsifier(Sparsifier):
         ``dgc_accumulate_select_``, which applies the update (where the device flag ``finite`` is true)
         and selects the candidates in one pass. Returns None when ``finite`` was false (nothing written).
         """
-        # Step 1: samples, one gather for the whole bucket.
-        pos_S, ns_U = lay.sample_positions(density, self.config.sample_fraction, self.state.step, R.device)
-        if pending is None:
-            samples = torch.nan_to_num(R.index_select(0, pos_S).abs(), nan=0.0)
-        else:
-            U, g_T = pending[0], pending[1]
-            g_S = ops.gather_list(g_T, pos_S)
-            delta = g_S if U is None else U.index_select(0, pos_S) * self.config.momentum + g_S
-            samples = torch.nan_to_num((R.index_select(0, pos_S) + delta).abs(), nan=0.0)
-        numel_U = list(lay.unit_numels)
-        # Step 2: pool and sort per unit.
         tp = tp_comm is not None and tp_comm.size > 1
-        if tp:
-            samples, unit_S, ns_U, numel_U = _gather_units(samples, ns_U, numel_U, tp_comm)
-        k_U = [max(1, math.ceil(density * n)) for n in numel_U]
-        consts = lay.search_constants(ns_U, k_U, numel_U, R.device)
-        if not tp:
-            unit_S = consts.unit_S
-        sorted_S = _sort_per_unit(samples, unit_S)
+        if pending is not None and not tp and R.dtype == torch.float32 and ops.has_dgc_sample_op(R):
+            sorted_S, t_low, consts, k_U = self._fused_samples(R, lay, density, pending, tiny)
+        else:
+            sorted_S, t_low, consts, k_U = self._samples(R, lay, density, pending, tp_comm if tp else None, tiny)
         # Step 3: candidates at t_low, one pass over the bucket.
-        t_low = _at_rank(sorted_S, consts, consts.first_U * CANDIDATE_FACTOR).clamp(min=tiny)
         if pending is None:
             pos_C, v_C, unit_C = self._candidates(R, lay, t_low)
         else:  # the op returns the candidates' values and units too: no gather from the bucket
@@ -424,6 +413,43 @@ class DGCSparsifier(Sparsifier):
         else:
             keep = torch.nonzero_static(keep_C, size=n_keep).flatten()
         return thr_U, pos_C.index_select(0, keep), v_C.index_select(0, keep)
+
+    def _samples(self, R: torch.Tensor, lay: "_Layout", density: float, pending, tp_comm, tiny: float):
+        """Steps 1-2 of ``_sampled_thresholds`` with torch ops, and step 3's lower threshold:
+        ``(sorted_S, t_low, consts, k_U)``. ``tp_comm`` pools the samples over a TP group (None: none)."""
+        # Step 1: samples, one gather for the whole bucket.
+        pos_S, ns_U = lay.sample_positions(density, self.config.sample_fraction, self.state.step, R.device)
+        if pending is None:
+            samples = torch.nan_to_num(R.index_select(0, pos_S).abs(), nan=0.0)
+        else:
+            U, g_T = pending[0], pending[1]
+            g_S = ops.gather_list(g_T, pos_S)
+            delta = g_S if U is None else U.index_select(0, pos_S) * self.config.momentum + g_S
+            samples = torch.nan_to_num((R.index_select(0, pos_S) + delta).abs(), nan=0.0)
+        numel_U = list(lay.unit_numels)
+        # Step 2: pool and sort per unit.
+        if tp_comm is not None:
+            samples, unit_S, ns_U, numel_U = _gather_units(samples, ns_U, numel_U, tp_comm)
+        k_U = [max(1, math.ceil(density * n)) for n in numel_U]
+        consts = lay.search_constants(ns_U, k_U, numel_U, R.device)
+        sorted_S = _sort_per_unit(samples, unit_S if tp_comm is not None else consts.unit_S)
+        t_low = _at_rank(sorted_S, consts, consts.first_U * CANDIDATE_FACTOR).clamp(min=tiny)
+        return sorted_S, t_low, consts, k_U
+
+    def _fused_samples(self, R: torch.Tensor, lay: "_Layout", density: float, pending, tiny: float):
+        """``_samples`` for fp32 memory with the velocity update pending, without TP, in two ops:
+        ``dgc_sample_keys`` (positions, gathers, the update's value, the sort key: about fifteen torch
+        ops) and ``dgc_sort_unkey`` (the sort over the keys' used bits, the sorted values and the lower
+        threshold: about twelve ops and torch's full 64-bit sort), where on a GPU every torch op is a
+        launch. Bit-equal to ``_samples``."""
+        grid_S, ns_U, stride_U, unit_S, hash_U = lay.sample_grid(density, self.config.sample_fraction, R.device)
+        keys = ops.dgc_sample_keys(R, pending[0], pending[1], self.config.momentum, grid_S, unit_S, hash_U,
+                                   stride_U, sample_shift(self.state.step))
+        numel_U = list(lay.unit_numels)
+        k_U = [max(1, math.ceil(density * n)) for n in numel_U]
+        consts = lay.search_constants(ns_U, k_U, numel_U, R.device)
+        sorted_S, t_low = ops.dgc_sort_unkey(keys, consts.low_S, tiny, lay.key_bits)
+        return sorted_S, t_low, consts, k_U
 
     @staticmethod
     def _candidates(R: torch.Tensor, lay: "_Layout", t_low: torch.Tensor):

@@ -61,6 +61,8 @@ class _Layout:
         self.starts_U = torch.tensor(ends - np.array(bpu), dtype=torch.int64, device=device)
         self.unit_ends_N = torch.tensor(np.cumsum(self.unit_numels), dtype=torch.int64, device=device)
         self.unit_range_U1 = torch.arange(self.units + 1, dtype=torch.int64, device=device)
+        # The bits a sample's sort key uses (unit · 2^32 + 31 bits of value): what the radix sort sorts.
+        self.key_bits = 32 + max(1, (self.units - 1).bit_length())
         self._sample_grids: dict[tuple, tuple] = {}
         self._search_constants: dict[tuple, _SearchConstants] = {}
         self.capacity_factor = CAPACITY_FACTOR
@@ -96,7 +98,8 @@ class _Layout:
             c = self._search_constants[key] = _SearchConstants(
                 start_U=torch.tensor(np.cumsum([0] + list(ns_U[:-1])), dtype=torch.int64, device=device),
                 ns_U=torch.tensor(ns_U, **f64), k_U=torch.tensor(k_U, **f64), first_U=torch.tensor(first, **f64),
-                unit_S=torch.from_numpy(np.repeat(np.arange(len(ns_U)), ns_U)).to(device))
+                unit_S=torch.from_numpy(np.repeat(np.arange(len(ns_U)), ns_U)).to(device),
+                low_S=torch.tensor(_low_index(first, ns_U), dtype=torch.int64, device=device))
         return c
 
     def select(self, R: torch.Tensor, thr_U: torch.Tensor) -> torch.Tensor:
@@ -116,15 +119,9 @@ class _Layout:
         """The unit of every element (int64 ``[numel]``; built per call, only ``"exact"`` needs it)."""
         return torch.arange(self.units, device=device).repeat_interleave(self.bpu_U * self.blk, output_size=self.numel)
 
-    def sample_positions(self, density: float, fraction: float, step: int, device) -> tuple[torch.Tensor, list[int]]:
-        """Strided sample positions of every unit on ``device``, and the count per unit.
-
-        Per unit: ``num = max(fraction·n, MIN_KEPT_SAMPLES/density)`` samples (all when that reaches
-        ``n``) at ``offset + j·stride``, the stride odd (no aliasing with power-of-two rows), the
-        offset a hash of the unit's first name moved by the step (deterministic, moving). The grid
-        ``base + j·stride`` is built once per (density, fraction) and kept on the device; a step only
-        adds its offsets there (three small kernels, no host-to-device copy).
-        """
+    def sample_grid(self, density: float, fraction: float, device) -> tuple:
+        """The per-layout sampling grid on ``device`` (``sample_positions`` adds a step's offsets):
+        ``(grid_S, ns_U, stride_U, unit_S, hash_U)``, built once per (density, fraction)."""
         key = (density, fraction, str(device))
         grid = self._sample_grids.get(key)
         if grid is None:
@@ -145,9 +142,21 @@ class _Layout:
                 torch.from_numpy(np.concatenate(parts)).to(device), ns_U,
                 torch.tensor(strides, **i64), torch.from_numpy(np.repeat(np.arange(len(ns_U)), ns_U)).to(device),
                 torch.tensor([zlib.crc32(k.encode()) for k in self.keys], **i64))
+        return grid
+
+    def sample_positions(self, density: float, fraction: float, step: int, device) -> tuple[torch.Tensor, list[int]]:
+        """Strided sample positions of every unit on ``device``, and the count per unit.
+
+        Per unit: ``num = max(fraction·n, MIN_KEPT_SAMPLES/density)`` samples (all when that reaches
+        ``n``) at ``offset + j·stride``, the stride odd (no aliasing with power-of-two rows), the
+        offset a hash of the unit's first name moved by the step (deterministic, moving). The grid
+        ``base + j·stride`` is built once per (density, fraction) and kept on the device; a step only
+        adds its offsets there (three small kernels, no host-to-device copy).
+        """
+        grid = self.sample_grid(density, fraction, device)
         grid_S, ns_U, stride_U, unit_S, hash_U = grid
         # (step · an odd constant) mod 2^31 walks every residue of an odd stride; the hash decorrelates units.
-        offset_U = (hash_U + (step * 0x9E3779B1) % (1 << 31)).remainder_(stride_U)
+        offset_U = (hash_U + sample_shift(step)).remainder_(stride_U)
         return grid_S + offset_U.index_select(0, unit_S), ns_U
 
 
@@ -181,6 +190,25 @@ class _SearchConstants:
     k_U: torch.Tensor
     first_U: torch.Tensor
     unit_S: torch.Tensor
+    low_S: torch.Tensor
+    """Where each unit's candidate threshold lies in the sorted samples: ``_at_rank`` of the rank
+    ``first_U·CANDIDATE_FACTOR``, fixed per layout and density, so computed once on the host."""
+
+
+def sample_shift(step: int) -> int:
+    """A step's move of the sampling offsets: (step · an odd constant) mod 2^31 walks every residue of
+    an odd stride (the unit's hash decorrelates units)."""
+    return (step * 0x9E3779B1) % (1 << 31)
+
+
+def _low_index(first: list[float], ns_U: list[int]) -> list[int]:
+    """``_at_rank``'s index of rank ``first·CANDIDATE_FACTOR`` per unit, in float64 on the host (the same
+    IEEE operations as on the device)."""
+    out, start = [], 0
+    for f, ns in zip(first, ns_U):
+        out.append(start + int(min(max(math.ceil(f * CANDIDATE_FACTOR) - 1.0, 0.0), ns - 1.0)))
+        start += ns
+    return out
 
 
 def _at_rank(sorted_S: torch.Tensor, units, rank_U: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ if os.environ.get("ZEN_DISABLE_CPP_OP", "0") != "1":
 __all__ = [
     "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
     "aggregate_push", "aggregate_push_into", "read_aggregate_count", "has_aggregate_into_op", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
-    "has_dgc_search_op", "dgc_threshold_search",
+    "has_dgc_search_op", "dgc_threshold_search", "has_dgc_sample_op", "dgc_sample_keys", "dgc_sort_unkey",
     "gather_list", "emulate_cuda_layout",
 ]
 
@@ -335,6 +335,35 @@ def dgc_threshold_search(
     """
     return torch.ops.zen_ext.dgc_threshold_search(sorted_S, start_U, ns_U, k_U, first_U, v_C, unit_C, t_low_U,
                                                   int(passes))
+
+
+def has_dgc_sample_op(t: torch.Tensor) -> bool:
+    """Whether ``dgc_sample_keys`` and ``dgc_sort_unkey`` have kernels for ``t``'s device (CPU, CUDA builds)."""
+    return _has_kernel("dgc_sample_keys", t) and _has_kernel("dgc_sort_unkey", t)
+
+
+def dgc_sample_keys(
+    R: torch.Tensor, U: torch.Tensor | None, g_T: list[torch.Tensor], momentum: float, grid_S: torch.Tensor,
+    unit_S: torch.Tensor, hash_U: torch.Tensor, stride_U: torch.Tensor, shift: int,
+) -> torch.Tensor:
+    """DGC's samples of one bucket (fp32 memory ``R``) as int64 sort keys, in one op (one kernel on a GPU).
+
+    Sample ``s`` of unit ``u = unit_S[s]`` lies at ``grid_S[s] + (hash_U[u] + shift) mod stride_U[u]``;
+    its value is ``|R + U·momentum + g|`` there (``|R + g|`` without ``U``; ``g`` the concatenation of
+    ``g_T``, never built; NaN as 0, inf as the largest float), the value the pending velocity update
+    would give, and its key ``u·2³² + (2³¹ − 1 − bits(value))``: ascending keys are ascending units and
+    descending values. ``_Layout.sample_positions`` and ``_sort_per_unit`` (``zen_ext.compress.dgc_units``)
+    are its torch oracle.
+    """
+    return torch.ops.zen_ext.dgc_sample_keys(R, U, g_T, float(momentum), grid_S, unit_S, hash_U, stride_U,
+                                             int(shift))
+
+
+def dgc_sort_unkey(keys: torch.Tensor, low_U: torch.Tensor, tiny: float, key_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dgc_sample_keys``'s keys (in ``[0, 2^key_bits)``) sorted ascending, as their float32 values, and
+    ``max(sorted value at low_U[u], tiny)`` per unit (the candidates' lower threshold), in one op (on a
+    GPU a radix sort over ``key_bits`` bits only, and one kernel)."""
+    return torch.ops.zen_ext.dgc_sort_unkey(keys, low_U, float(tiny), int(key_bits))
 
 
 def gather_list(g_T: list[torch.Tensor], pos: torch.Tensor) -> torch.Tensor:
