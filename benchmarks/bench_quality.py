@@ -95,8 +95,19 @@ VARIANTS: dict[str, dict | None] = {
     "dgc1_ef21": {"density": 0.01, "feedback": "ef21"},
     "dgc5_ef21_dense60_frozen60": {"feedback": "ef21", "dense_steps": 60, "_frozen_after": 60},
     "dgc_ef21_density1": {"feedback": "ef21", "dense_steps": 100000},  # EF21's path at density 1: = dense
+    # Where the gradient is clipped. DeepSpeed clips the *synchronized* gradient's global norm (1.0 in the
+    # demo): under DGC that gradient is the top-k of residuals that accumulated for ~1/density steps, a
+    # norm several times dense's, so the clip scales every step down (a smaller effective rate) and the
+    # clipped-away part is lost to error feedback too. DGC's own recipe clips each local gradient before
+    # it enters the residual (zen.dgc.clip_norm) and leaves the sparse sum alone.
+    "dense_noclip": {"_dense": True, "_ds_clip": 0.0},
+    "dgc5_noclip": {"_ds_clip": 0.0},
+    "dgc1_noclip": {"density": 0.01, "_ds_clip": 0.0},
+    "dgc5_localclip": {"clip_norm": 1.0, "_ds_clip": 0.0},
+    "dgc1_localclip": {"density": 0.01, "clip_norm": 1.0, "_ds_clip": 0.0},
 }
-STEP_TIME_CONFIG = {"dense": "dense", "dense_lr2x": "dense", "dense_frozen60": "dense", "natural": "zen_natural",
+STEP_TIME_CONFIG = {"dense": "dense", "dense_lr2x": "dense", "dense_frozen60": "dense", "dense_noclip": "dense",
+                    "natural": "zen_natural",
                     "dgc_density1": "dense", "dgc_ef21_density1": "dense"}
 """Which emulated-cluster measurement times a variant's step: DGC variants take the ``zen_dgc<d>`` of
 their density; the per-step time of a variant with more dense tensors is then a lower bound."""
@@ -109,6 +120,7 @@ def ds_config(variant: str) -> dict:
     lr_scale, dense = spec.pop("_lr_scale", 1.0), spec.pop("_dense", False)
     spec.pop("_frozen_after", None)  # a recipe argument (run_one)
     beta1 = spec.pop("_beta1", None)
+    ds_clip = spec.pop("_ds_clip", None)
     with open(os.path.join(ROOT, "configs/demo_ds_dense.json" if dense else "configs/demo_ds.json")) as f:
         cfg = json.load(f)
     if not dense:
@@ -116,6 +128,8 @@ def ds_config(variant: str) -> dict:
         cfg["zen"]["stats"] = {"summary": False}
     if beta1 is not None:
         cfg["optimizer"]["params"]["betas"][0] = beta1
+    if ds_clip is not None:
+        cfg["gradient_clipping"] = ds_clip
     if lr_scale != 1.0:
         cfg["optimizer"]["params"]["lr"] *= lr_scale
         cfg["scheduler"]["params"]["warmup_max_lr"] *= lr_scale
