@@ -85,6 +85,10 @@ VARIANTS: dict[str, dict | None] = {
     "dgc_density1": {"dense_steps": 100000},
     "dgc5_per_bucket": {"selection": "per_bucket"},
     "dgc10": {"density": 0.10},
+    "dgc20": {"density": 0.20},
+    # The sampled threshold search against the exact top-k (one sort per tensor): does the estimate's
+    # error (units keep 0.8-1.25 k) cost quality?
+    "dgc5_exact": {"threshold": "exact"},
     "dgc5_mc_dense60_frozen60": {"dense_steps": 60, "momentum_correction": True, "momentum_masking": True,
                                  "_frozen_after": 60, "_beta1": 0.0},
     "dgc1_mc_dense60_frozen60": {"density": 0.01, "dense_steps": 60, "momentum_correction": True,

@@ -468,6 +468,22 @@ def check_dgc_sample(rep: Report, device: str) -> None:
         rep.add("ops", f"dgc_sample_keys + dgc_sort_unkey, {str(gdt)[6:]} gradients: equal to the C++ CPU op", not bad,
                 "; ".join(bad[:4]) or f"{checked} cases (momentum on/off, gradients back to back/apart, 3 steps, "
                 "NaN/inf/ties): keys, sorted values, thresholds equal")
+    # dgc_all_finite: the flag of a list, NaN/±inf at a tensor's first or last element, or none.
+    bad, checked = [], 0
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        for where in (None, (0, 0), (1, -1), (2, 0), (2, -1)):
+            for value in (float("nan"), float("inf"), -float("inf")):
+                g_T = [torch.randn(n, dtype=torch.float64).to(dtype) for n in (5000, 0, 1 << 20)]
+                if where is not None and g_T[where[0]].numel():
+                    g_T[where[0]][where[1]] = value
+                want = ops.dgc_all_finite(g_T)
+                got = ops.dgc_all_finite([t.to(device) for t in g_T])
+                got_adj = ops.dgc_all_finite(list(torch.cat(g_T).to(device).split([5000, 0, 1 << 20])))
+                if not (bool(got) == bool(want) == bool(got_adj) == bool(torch.cat(g_T).isfinite().all())):
+                    bad.append(f"{dtype} {where} {value}: {bool(got)} vs {bool(want)}")
+                checked += 1
+    rep.add("ops", "dgc_all_finite equal to the C++ CPU op", not bad,
+            "; ".join(bad[:4]) or f"{checked} lists (4 dtypes, NaN/±inf at the ends or none, apart and back to back)")
 
 
 # --- part 1: the hashing op -------------------------------------------------------------------------------

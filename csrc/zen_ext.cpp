@@ -59,6 +59,8 @@ TORCH_LIBRARY(zen_ext, m) {
   // The keys (in [0, 2^key_bits)) sorted ascending as their float32 values, and max(value at low_U[u],
   // tiny) per unit (indices into the sorted keys).
   m.def("dgc_sort_unkey(Tensor keys, Tensor low_U, float tiny, int key_bits) -> (Tensor, Tensor)");
+  // Whether every element of the tensors g_T is finite, as one bool on their device (no host read).
+  m.def("dgc_all_finite(Tensor[] g_T) -> Tensor");
   // Values of the concatenation of g_T at int64 positions pos, without the concatenation.
   m.def("gather_list(Tensor[] g_T, Tensor pos) -> Tensor");
 }

@@ -10,6 +10,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
+#include <type_traits>
 #include <tuple>
 #include <vector>
 
@@ -112,9 +114,47 @@ std::tuple<at::Tensor, at::Tensor> dgc_sort_unkey_cpu(const at::Tensor& keys, co
   return {vals, t_low};
 }
 
+// Whether any of n values (raw bits) has an all-ones exponent (inf or NaN): integer compares the
+// compiler vectorizes (std::isfinite per element with an early exit did not: 48 ms for 30 M floats
+// on one core, against 17 ms for torch's norms), checked in chunks so a bad value stops the read.
+template <typename bits_t>
+bool any_non_finite(const bits_t* p, int64_t n, bits_t exponent) {
+  constexpr int64_t kChunk = 4096;
+  for (int64_t at = 0; at < n; at += kChunk) {
+    const int64_t stop = std::min(n, at + kChunk);
+    int any = 0;
+    for (int64_t i = at; i < stop; ++i) any |= (p[i] & exponent) == exponent;
+    if (any) return true;
+  }
+  return false;
+}
+
+at::Tensor dgc_all_finite_cpu(at::TensorList g_T) {
+  TORCH_CHECK(!g_T.empty(), "dgc_all_finite: needs at least one tensor");
+  bool ok = true;
+  for (const auto& g : g_T) {
+    TORCH_CHECK(g.device().is_cpu(), "dgc_all_finite: every tensor must be on the CPU, got ", g.device());
+    const auto c = g.contiguous();
+    const void* p = c.data_ptr();
+    const int64_t n = c.numel();
+    switch (c.scalar_type()) {
+      case at::kFloat: ok = !any_non_finite(static_cast<const uint32_t*>(p), n, uint32_t(0x7F800000u)); break;
+      case at::kDouble:
+        ok = !any_non_finite(static_cast<const uint64_t*>(p), n, uint64_t(0x7FF0000000000000ull));
+        break;
+      case at::kHalf: ok = !any_non_finite(static_cast<const uint16_t*>(p), n, uint16_t(0x7C00u)); break;
+      case at::kBFloat16: ok = !any_non_finite(static_cast<const uint16_t*>(p), n, uint16_t(0x7F80u)); break;
+      default: TORCH_CHECK(false, "dgc_all_finite: ", c.scalar_type(), " (supported: float32, float64, float16, bfloat16)");
+    }
+    if (!ok) break;
+  }
+  return at::full({}, ok, at::TensorOptions().dtype(at::kBool));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(zen_ext, CPU, m) {
+  m.impl("dgc_all_finite", &dgc_all_finite_cpu);
   m.impl("dgc_sample_keys", &dgc_sample_keys_cpu);
   m.impl("dgc_sort_unkey", &dgc_sort_unkey_cpu);
 }

@@ -5,6 +5,7 @@
 // compares the two byte for byte. A position outside the bucket cannot be raised from the device: its
 // key carries the value 0 (the grid is built by zen_ext and never leaves the unit; the CPU op raises).
 #include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -18,6 +19,7 @@
 #include <cstdint>
 #include <limits>
 #include <tuple>
+#include <type_traits>
 
 #include "../dgc_sample.h"
 #include "../dgc_sample_check.h"
@@ -57,6 +59,17 @@ __global__ void unkey_kernel(const int64_t* __restrict__ keys, int64_t S, const 
     const float v = at >= 0 && at < S ? dgc::key_value(keys[at]) : 0.0f;
     t_low[u] = fmaxf(v, tiny);
   }
+}
+
+template <typename scalar_t>
+__global__ void all_finite_kernel(const scalar_t* __restrict__ g, int64_t N, bool* __restrict__ ok) {
+  using acc_t = typename std::conditional<std::is_same<scalar_t, double>::value, double, float>::type;
+  bool bad = false;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < N; i += int64_t(gridDim.x) * blockDim.x) {
+    bad |= !isfinite(static_cast<acc_t>(g[i]));
+  }
+  // Every writer writes false: the race is benign.
+  if (__syncthreads_or(bad) && threadIdx.x == 0) *ok = false;
 }
 
 int64_t blocks_for(int64_t n) {
@@ -132,9 +145,31 @@ std::tuple<at::Tensor, at::Tensor> dgc_sort_unkey_cuda(const at::Tensor& keys, c
   return {vals, t_low};
 }
 
+// Two launches whatever the number of tensors (the flag's fill and one pass), where the norms'
+// finiteness took six (two multi-tensor passes, their cleanup, a stack, a sum, a compare).
+at::Tensor dgc_all_finite_cuda(at::TensorList g_T) {
+  TORCH_CHECK(!g_T.empty(), "dgc_all_finite: needs at least one tensor");
+  const auto& first = g_T[0];
+  TORCH_CHECK(first.is_cuda(), "dgc_all_finite: the tensors must be on a CUDA device, got ", first.device());
+  const c10::cuda::CUDAGuard guard(first.device());
+  int64_t N = 0;
+  for (const auto& g : g_T) N += g.numel();
+  const at::Tensor flat = dgc::flat_gradient(g_T, first, N, "dgc_all_finite");
+  auto ok = at::ones({}, first.options().dtype(at::kBool));
+  if (N == 0) return ok;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, flat.scalar_type(), "dgc_all_finite_cuda", [&] {
+    all_finite_kernel<scalar_t><<<blocks_for(N < 1024 * kThreads ? N : 1024 * kThreads), kThreads, 0,
+                                  c10::cuda::getCurrentCUDAStream()>>>(flat.data_ptr<scalar_t>(), N,
+                                                                       ok.data_ptr<bool>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+  return ok;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(zen_ext, CUDA, m) {
+  m.impl("dgc_all_finite", &dgc_all_finite_cuda);
   m.impl("dgc_sample_keys", &dgc_sample_keys_cuda);
   m.impl("dgc_sort_unkey", &dgc_sort_unkey_cuda);
 }

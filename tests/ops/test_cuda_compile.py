@@ -185,7 +185,7 @@ def test_dgc_select_kernels_compile(tmp_path):
 
 @pytest.mark.timeout(1200)
 def test_dgc_sample_kernels_compile(tmp_path):
-    """``csrc/cuda/dgc_sample.cu`` (dgc_sample_keys, dgc_sort_unkey) compiles and links, the sampling kernel
+    """``csrc/cuda/dgc_sample.cu`` (dgc_sample_keys, dgc_sort_unkey, dgc_all_finite) compiles and links, the sampling kernel
     for fp32, bf16 and fp16 gradients; the pending update's multiply and add stay two roundings (no
     fused multiply-add in the PTX), as in the CPU op and in torch."""
     keep = tmp_path / "keep"
@@ -194,6 +194,8 @@ def test_dgc_sample_kernels_compile(tmp_path):
     for tag in ("IfE", "IN3c108BFloat16EE", "IN3c104HalfEE"):
         assert f"sample_keys_kernel{tag}" in entries, f"sample_keys_kernel not instantiated for {tag}: {entries}"
     assert "unkey_kernel" in entries
+    for tag in ("IfE", "IdE", "IN3c108BFloat16EE", "IN3c104HalfEE"):
+        assert f"all_finite_kernel{tag}" in entries, f"all_finite_kernel not instantiated for {tag}: {entries}"
     ptx = "\n".join(open(f).read() for f in glob.glob(str(keep / "*.ptx")))
     bodies = [b for b in re.split(r"\n\.(?:visible \.)?entry ", ptx)[1:] if "sample_keys_kernel" in b.split("(")[0]]
     assert len(bodies) == 3 and not any(re.search(r"\bfma\.", b) for b in bodies), "the update must not fuse"

@@ -382,3 +382,25 @@ def test_sample_ops_reject_bad_input():
         ops.dgc_sort_unkey(torch.tensor([1 << 33]), torch.tensor([0]), 0.0, 33)
     with pytest.raises(RuntimeError, match="key_bits"):
         ops.dgc_sort_unkey(torch.zeros(3, dtype=torch.int64), torch.tensor([0]), 0.0, 0)
+
+
+@needs_sample_op
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_all_finite_equals_isfinite_all(dtype):
+    """``dgc_all_finite`` = ``isfinite().all()`` over a list: NaN/±inf at the first and the last element
+    of any tensor, empty tensors in the list, the largest finite values (fp16 65504, fp64 1e300 that a
+    float32 cast would overflow), and tensors apart in memory."""
+    big = torch.finfo(dtype).max
+    base = [torch.zeros(0, dtype=dtype), torch.randn(1000, dtype=torch.float64).to(dtype), torch.full((3,), big, dtype=dtype),
+            torch.zeros(0, dtype=dtype), torch.randn(77, dtype=torch.float64).to(dtype)]
+    got = ops.dgc_all_finite(base)
+    assert got.dtype == torch.bool and got.dim() == 0 and bool(got)
+    for t in (1, 2, 4):
+        for where in (0, -1):
+            for bad in (float("nan"), float("inf"), -float("inf")):
+                g_T = [x.clone() for x in base]
+                g_T[t][where] = bad
+                assert not bool(ops.dgc_all_finite(g_T)), (t, where, bad)
+                assert bool(ops.dgc_all_finite(g_T)) == bool(torch.cat(g_T).isfinite().all())
+    with pytest.raises(ValueError, match="at least one"):
+        ops.dgc_all_finite([])

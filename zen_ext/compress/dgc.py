@@ -245,15 +245,6 @@ class DGCSparsifier(Sparsifier):
         lay = self._layout(tuple(g.name for g in grads), tuple(f.numel() for f in flats), device)
         total = lay.numel
 
-        # Step 1: an overflowed (fp16) gradient must reach the engine as such and never the memory.
-        # A 2-norm (one vectorized read, reused by clipping) is non-finite if any entry is; only then
-        # look element-wise, since huge finite values may overflow the norm too.
-        # (fp32 norms; fp64 gradients keep fp64, which torch will not narrow.)
-        norm_T = torch.stack(torch._foreach_norm(flats, 2, dtype=torch.float64 if wire == torch.float64 else torch.float32))
-        # Norms are >= 0, so their sum is below inf exactly when every one is finite (or, harmlessly,
-        # when finite norms overflow the sum: then step 1 looks element-wise). Two kernels on a GPU;
-        # isfinite().all() is five.
-        finite = norm_T.sum() < math.inf
         density = cfg.density_at(self.state.step)
         # The one-pass path (the op): the velocity update is deferred into the candidate selection, and
         # the thresholds are sampled from R + the pending update at the sample positions. There the
@@ -262,6 +253,19 @@ class DGCSparsifier(Sparsifier):
         one_pass = (density < 1.0 and cfg.threshold != "exact" and cfg.clip_norm is None
                     and (mdt == wire if mdt == torch.float64 else mdt == torch.float32 and wire in _ONE_PASS_WIRE)
                     and ops.has_dgc_select_op(flats[0]) and all(f.is_contiguous() for f in flats))
+
+        # Step 1: an overflowed (fp16) gradient must reach the engine as such and never the memory.
+        # The one-pass path needs only the flag: one op (two launches on a GPU). Elsewhere a 2-norm (one
+        # vectorized read, reused by clipping) is non-finite if any entry is; only then look
+        # element-wise, since huge finite values may overflow the norm too. (fp32 norms; fp64
+        # gradients keep fp64, which torch will not narrow.) Norms are >= 0, so their sum is below inf
+        # exactly when every one is finite (or, harmlessly, when finite norms overflow the sum).
+        if one_pass and ops.has_dgc_sample_op(flats[0]):
+            norm_T, finite = None, ops.dgc_all_finite(flats)
+        else:
+            norm_T = torch.stack(torch._foreach_norm(flats, 2, dtype=torch.float64 if wire == torch.float64
+                                                     else torch.float32))
+            finite = norm_T.sum() < math.inf
         if not one_pass and not bool(finite):
             bad = self._non_finite(flats, total)
             if bad is not None:

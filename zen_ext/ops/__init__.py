@@ -32,7 +32,7 @@ if os.environ.get("ZEN_DISABLE_CPP_OP", "0") != "1":
 __all__ = [
     "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
     "aggregate_push", "aggregate_push_into", "read_aggregate_count", "has_aggregate_into_op", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
-    "has_dgc_search_op", "dgc_threshold_search", "has_dgc_sample_op", "dgc_sample_keys", "dgc_sort_unkey",
+    "has_dgc_search_op", "dgc_threshold_search", "has_dgc_sample_op", "dgc_sample_keys", "dgc_sort_unkey", "dgc_all_finite",
     "gather_list", "emulate_cuda_layout",
 ]
 
@@ -338,8 +338,9 @@ def dgc_threshold_search(
 
 
 def has_dgc_sample_op(t: torch.Tensor) -> bool:
-    """Whether ``dgc_sample_keys`` and ``dgc_sort_unkey`` have kernels for ``t``'s device (CPU, CUDA builds)."""
-    return _has_kernel("dgc_sample_keys", t) and _has_kernel("dgc_sort_unkey", t)
+    """Whether ``dgc_sample_keys``, ``dgc_sort_unkey`` and ``dgc_all_finite`` have kernels for ``t``'s
+    device (CPU, CUDA builds)."""
+    return all(_has_kernel(op, t) for op in ("dgc_sample_keys", "dgc_sort_unkey", "dgc_all_finite"))
 
 
 def dgc_sample_keys(
@@ -364,6 +365,14 @@ def dgc_sort_unkey(keys: torch.Tensor, low_U: torch.Tensor, tiny: float, key_bit
     ``max(sorted value at low_U[u], tiny)`` per unit (the candidates' lower threshold), in one op (on a
     GPU a radix sort over ``key_bits`` bits only, and one kernel)."""
     return torch.ops.zen_ext.dgc_sort_unkey(keys, low_U, float(tiny), int(key_bits))
+
+
+def dgc_all_finite(g_T: list[torch.Tensor]) -> torch.Tensor:
+    """Whether every element of the contiguous tensors ``g_T`` is finite: one bool on their device, in
+    one pass (two launches on a GPU whatever the number of tensors; nothing read back)."""
+    if not g_T:  # the dispatcher needs a tensor to pick a device
+        raise ValueError("dgc_all_finite needs at least one tensor")
+    return torch.ops.zen_ext.dgc_all_finite(g_T)
 
 
 def gather_list(g_T: list[torch.Tensor], pos: torch.Tensor) -> torch.Tensor:
