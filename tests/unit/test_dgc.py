@@ -438,20 +438,26 @@ def test_gpu_code_path_dispatches_few_ops_whatever_the_tensors(monkeypatch, cfg,
     GPU_PATH_MAX_OPS = 70
     monkeypatch.setattr(dgc_module, "FREE_HOST_READ_DEVICES", ())
     monkeypatch.setattr(dgc_module.ops, "has_dgc_select_op", lambda t: False)
-    gen = torch.Generator().manual_seed(13)
+    counts = _ops_of_second_step(dtype, dict(density=0.01, **cfg), seed=13)
+    assert counts[0] == counts[1] and counts[0] <= GPU_PATH_MAX_OPS, counts
+
+
+def _ops_of_second_step(dtype, cfg: dict, seed: int) -> list[int]:
+    """Dispatched ops of a bucket's second compression, for 4 and for 64 tensors of one 256 K bucket."""
+    gen = torch.Generator().manual_seed(seed)
     counts = []
     for num in (4, 64):
         bucket = torch.cat([torch.randn(64, 4096 // num, generator=gen).reshape(-1) * (i + 1)
                             for i in range(num)]).to(dtype)
         grads = [NamedGrad(f"p{i}", t) for i, t in enumerate(bucket.split(64 * 4096 // num))]
-        sp = DGCSparsifier(DGCConfig(enabled=True, density=0.01, **cfg))
+        sp = DGCSparsifier(DGCConfig(enabled=True, **cfg))
         sp.compress(grads)
         sp.state.step += 1
         with _OpCounter() as c:
             sg = sp.compress(grads)
         assert sg.indices.numel() > 0
         counts.append(c.ops)
-    assert counts[0] == counts[1] and counts[0] <= GPU_PATH_MAX_OPS, counts
+    return counts
 
 
 @pytest.mark.skipif(not dgc_module.ops.has_dgc_sample_op(torch.zeros(1)), reason="needs the zen_ext C++ op")
@@ -464,20 +470,8 @@ def test_one_pass_path_dispatches_few_ops_whatever_the_tensors(monkeypatch, mome
     sampling ops; on an H100 that path launched 80 kernels for 49 tensors)."""
     ONE_PASS_MAX_OPS = 18  # 14 with fp32 gradients; a bf16 wire adds the clamp and the cast's error (4)
     monkeypatch.setattr(dgc_module, "FREE_HOST_READ_DEVICES", ())
-    gen = torch.Generator().manual_seed(17)
-    counts = []
-    for num in (4, 64):
-        bucket = torch.cat([torch.randn(64, 4096 // num, generator=gen).reshape(-1) * (i + 1)
-                            for i in range(num)]).to(dtype)
-        grads = [NamedGrad(f"p{i}", t) for i, t in enumerate(bucket.split(64 * 4096 // num))]
-        sp = DGCSparsifier(DGCConfig(enabled=True, density=0.01, momentum_correction=momentum_correction,
-                                     momentum_masking=False))
-        sp.compress(grads)
-        sp.state.step += 1
-        with _OpCounter() as c:
-            sg = sp.compress(grads)
-        assert sg.indices.numel() > 0
-        counts.append(c.ops)
+    counts = _ops_of_second_step(dtype, dict(density=0.01, momentum_correction=momentum_correction,
+                                             momentum_masking=False), seed=17)
     assert counts[0] == counts[1] and counts[0] <= ONE_PASS_MAX_OPS, counts
 
 
