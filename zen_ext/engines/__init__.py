@@ -7,6 +7,7 @@
   ``ddp_state.ZenHookState``.
 * ``zen_ext.engines.colossalai``: the ColossalAI Booster plugins; public alias ``zen_ext.colossalai``.
   Importing it imports ColossalAI (its plugins subclass ColossalAI's), so only a ColossalAI user does.
+  Its JSON config and the plugin arguments' checks are ``colossalai_config``.
   Its plugins wrap the model in torch DDP, so it registers the DDP hook (the one adapter built on
   another; the DeepSpeed and DDP adapters import no other).
 Adapters translate their engine's buckets into (flat buffer, slices) for the engine-neutral reduction
