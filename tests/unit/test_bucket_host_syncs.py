@@ -58,3 +58,44 @@ def test_bucket_host_syncs_bounded_and_independent_of_n(monkeypatch, scheme, dgc
         per_n[n] = max(steady)
     assert per_n[4] == per_n[16], per_n
     assert NUMEL > 0 and per_n[4] > 0  # the counter saw the bucket at all
+
+
+def test_engine_bucket_path_adds_no_host_sync(monkeypatch):
+    """The BucketReducer around the Synchronizer (what DeepSpeed and DDP call) reads nothing of its own
+    per bucket: its statistics (the natural rows before and after, for γ) stay on the device until
+    the step's ``pop_stats``, which reads them once."""
+    from zen_ext.reduction.reducer import BucketReducer
+
+    monkeypatch.setattr(dgc_module, "FREE_HOST_READ_DEVICES", ())
+    n = 4
+    steps = [bucket_inputs(n, seed=5 + s) for s in range(3)]
+
+    def fn(comm):
+        sync = Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC, natural={})
+        reducer = BucketReducer(sync, cap_bytes=NUMEL * 4, dp_size=n)
+        bare = Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC, natural={})
+        counts, gammas = [], []
+        for inputs in steps:
+            flat, other = inputs[comm.rank].clone(), inputs[comm.rank].clone()
+            with SyncCounter() as through_reducer:
+                reducer.reduce_(flat, SLICES, "mean")
+            with SyncCounter() as alone:
+                bare.sync_flat(other, SLICES, "mean", out=other)
+            assert torch.equal(flat, other)
+            counts.append((len(through_reducer.calls), len(alone.calls)))
+            with SyncCounter() as popping:
+                gammas.append(reducer.pop_stats()["gamma_natural"])
+            counts.append((len(popping.calls), 1, popping.calls))  # one read per step for the statistics
+            sync.end_step()
+            bare.end_step()
+        return counts, gammas, [x[3:243].view(40, 6) for x in inputs]
+
+    for counts, gammas, _ in SimWorld(n).run(fn):
+        for got, want, *_ in counts:
+            assert got == want, counts
+    # γ (union of non-zero rows over one rank's) is the value the rows give.
+    counts, gammas, _ = SimWorld(n).run(fn)[0]
+    last = steps[-1]
+    union = int(sum(x[3:243].view(40, 6).abs() for x in last).ne(0).any(1).sum())
+    local = int(last[0][3:243].view(40, 6).ne(0).any(1).sum())
+    assert gammas[-1] == union / local

@@ -127,7 +127,7 @@ class BucketReducer:
                 chunk = flat_N[a:b]
                 nat = [s for s in members if self.sync.param_kinds.get(s.name) == "natural" and len(s.shape) >= 2]
                 if nat:
-                    self._stats["natural_local_rows"] += sum(_nonzero_rows(chunk, s) for s in nat)
+                    self._add_rows("natural_local_rows", chunk, nat)
                 prep = self.sync.prepare_flat(chunk, list(members), op, out=chunk)
                 # CUDA: the prepared tensors come from this stream and are read on the worker's.
                 job = self.worker.submit(lambda prep=prep: self.sync.finish_flat(prep), [chunk, *prep.tensors()])
@@ -142,14 +142,14 @@ class BucketReducer:
                     first = first or e
                     continue
                 if nat:
-                    self._stats["natural_union_rows"] += sum(_nonzero_rows(out, s) for s in nat)
+                    self._add_rows("natural_union_rows", out, nat)
             if first is not None:
                 raise first
 
     def _reduce_dp(self, chunk: torch.Tensor, members: list[GradSlice], op: str) -> torch.Tensor:
         nat = [s for s in members if self.sync.param_kinds.get(s.name) == "natural" and len(s.shape) >= 2]
         if nat:
-            self._stats["natural_local_rows"] += sum(_nonzero_rows(chunk, s) for s in nat)
+            self._add_rows("natural_local_rows", chunk, nat)
         if self.node is not None and chunk.numel():
             before = self.node.bytes_sent
             out = self.node.reduce(chunk, members, op, self.sync.sync_flat)
@@ -159,7 +159,7 @@ class BucketReducer:
             # temporary and no copy (sync_flat reads every range before writing it).
             out = self.sync.sync_flat(chunk, list(members), op, out=chunk)
         if nat:
-            self._stats["natural_union_rows"] += sum(_nonzero_rows(out, s) for s in nat)
+            self._add_rows("natural_union_rows", out, nat)
         return out
 
     def _reduce_tp_shared(self, chunk: torch.Tensor, s: GradSlice, op: str) -> torch.Tensor:
@@ -197,14 +197,25 @@ class BucketReducer:
                              + st["tp_share_bytes_sent"])
         rec["tp_bytes_sent"] = sync.get("tp_bytes_sent", 0) + st["tp_share_bytes_sent"]
         rec.update({k: v for k, v in st.items() if not k.startswith("natural_")})
-        if st["natural_local_rows"]:
+        local, union = _read_counts(st["natural_local_rows"], st["natural_union_rows"])  # one read per step
+        if local:
             # γ of the paper (densification): union of non-zero rows after the sync over one rank's.
-            rec["gamma_natural"] = st["natural_union_rows"] / st["natural_local_rows"]
+            rec["gamma_natural"] = union / local
         return rec
 
+    def _add_rows(self, key: str, flat_N: torch.Tensor, nat: list[GradSlice]) -> None:
+        """Add the non-zero rows of the natural slices ``nat`` of ``flat_N`` to ``key``, on the bucket's
+        device: counted per bucket, read once per step (``pop_stats``), never a host sync per bucket."""
+        for s in nat:
+            if s.numel:  # an empty share (fewer rows than TP ranks) has none
+                rows = flat_N[s.offset : s.offset + s.numel].view(s.shape[0], -1)
+                self._stats[key] = self._stats[key] + rows.ne(0).any(1).sum()
 
-def _nonzero_rows(flat_N: torch.Tensor, s: GradSlice) -> int:
-    if not s.numel:  # an empty share (fewer rows than TP ranks)
-        return 0
-    rows = flat_N[s.offset: s.offset + s.numel].view(s.shape[0], -1)
-    return int(rows.ne(0).any(1).sum())
+
+def _read_counts(*counts) -> list[int]:
+    """Counts that are ints or device tensors, as ints, with one host read for all the tensors."""
+    tensors = [c for c in counts if isinstance(c, torch.Tensor)]
+    if not tensors:
+        return [int(c) for c in counts]
+    read = iter(torch.stack(tensors).tolist())  # every count lives on the buckets' device
+    return [next(read) if isinstance(c, torch.Tensor) else int(c) for c in counts]
