@@ -128,6 +128,9 @@ class ZenConfig(_Section):
     """Cost-model inputs of ``scheme: "auto"`` (see the ``zen.planner`` table)."""
     stats: StatsConfig = field(default_factory=StatsConfig)
     """Statistics output (see the ``zen.stats`` table)."""
+    sparsifier_sections: dict = field(default_factory=dict, repr=False, metadata={"internal": True})
+    """The ``zen.<kind>`` sections of sparsifiers registered from outside the package, by kind (parsed
+    with their config class). Not a JSON key itself: the sections sit at ``zen.<kind>`` like ``zen.dgc``."""
 
     # --- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -178,7 +181,9 @@ class ZenConfig(_Section):
 
     def to_dict(self) -> dict:
         """The section as a JSON-ready dict (round-trips through ``from_dict``)."""
-        return dataclasses.asdict(self)
+        out = dataclasses.asdict(self)
+        out.update(out.pop("sparsifier_sections"))  # zen.<kind>, like zen.dgc
+        return out
 
     # --- what the config builds -----------------------------------------------------------------------
     def scheme_options(self) -> dict:
@@ -206,6 +211,11 @@ class ZenConfig(_Section):
     def natural_options(self) -> NaturalConfig | None:
         """The natural-sparsity section for the Synchronizer (None when off)."""
         return self.natural if self.natural.enabled else None
+
+    def sections(self) -> dict:
+        """The enabled sections of sparsifiers registered from outside, by kind (for ``classify_parameters``
+        and the Synchronizer)."""
+        return {k: v for k, v in self.sparsifier_sections.items() if v.enabled}
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -297,76 +307,6 @@ def warn_near_miss_sections(config: dict) -> list[str]:
     return keys
 
 
-# --- DGC defaults that depend on the optimizer --------------------------------------------------------
-def optimizer_momentum(optimizer) -> tuple[bool | None, str]:
-    """Whether ``optimizer`` applies momentum of its own, and its description.
-
-    Wrappers are unwrapped through their ``.optimizer`` / ``.optim`` attribute (DeepSpeed's ZeRO,
-    BF16 and FP16 optimizers, ColossalAI's OptimizerWrapper, Accelerate's AcceleratedOptimizer).
-
-    Returns:
-        ``(False, "SGD (momentum 0)")`` for SGD without momentum, ``(True, ...)`` for optimizers that
-        keep moments (any with ``betas``: the Adam family, LAMB, Lion; SGD with momentum > 0), and
-        ``(None, ...)`` when unknown (no optimizer, or one without either hint).
-    """
-    chain = [optimizer]
-    while optimizer is not None and len(chain) < 8:
-        nxt = next((getattr(chain[-1], a) for a in ("optimizer", "optim")
-                    if getattr(chain[-1], a, None) is not None), None)
-        if nxt is None or any(nxt is c for c in chain):
-            break
-        chain.append(nxt)
-    # The innermost object with param groups is the real optimizer.
-    inner = next((c for c in reversed(chain) if getattr(c, "param_groups", None)), optimizer)
-    groups = getattr(inner, "param_groups", None)
-    if not groups:
-        return None, "no optimizer given" if optimizer is None else f"{type(optimizer).__name__} (param groups unknown)"
-    name = type(inner).__name__
-    if any("betas" in g for g in groups) or any(t in name for t in ("Adam", "Lamb", "LAMB", "Lion")):
-        return True, f"{name} keeps its own moments"
-    if any("momentum" in g for g in groups):
-        m = max(float(g.get("momentum") or 0.0) for g in groups)
-        if m == 0 and "SGD" in name:
-            return False, f"{name} with momentum 0"
-        return m > 0 or None, f"{name} with momentum {m:g}"
-    return None, f"{name} (not known to be momentum-free)"
-
-
-def resolve_dgc_defaults(cfg: "ZenConfig", optimizer) -> "tuple[ZenConfig, str]":
-    """Decide ``zen.dgc.momentum_correction`` when it is null, from the optimizer the engine has.
-
-    DGC's momentum correction (``u ← m·u + g; v ← v + u``) moves the momentum into the sparsifier,
-    which is right only when the optimizer applies none (DGC's DGCSGD: SGD with momentum 0). With
-    Adam-family optimizers or momentum-SGD it would apply momentum twice, so null becomes false
-    there and whenever the optimizer is unknown (plain error feedback, right for every optimizer).
-    An explicit true with an optimizer that keeps moments is kept, with a warning.
-
-    Args:
-        cfg: the validated ``"zen"`` section.
-        optimizer: the engine's optimizer (wrapped or not), or None when the caller has none.
-
-    Returns:
-        The config with the field decided (a copy when it changed) and a short reason for logs
-        (empty when DGC is off).
-    """
-    d = cfg.dgc
-    if not d.enabled:
-        return cfg, ""
-    has_momentum, what = optimizer_momentum(optimizer)
-    if d.momentum_correction is None:
-        value = has_momentum is False and d.feedback != "ef21"  # EF21 estimates the gradient itself
-        cfg = dataclasses.replace(cfg, dgc=dataclasses.replace(d, momentum_correction=value))
-        why = ("DGC supplies the momentum (dgc.momentum %g), as DGC's DGCSGD" % d.momentum if value else
-               "momentum correction would apply momentum twice" if has_momentum else
-               "plain error feedback is right for any optimizer")
-        return cfg, f"momentum_correction={str(value).lower()} (chosen: {what}; {why})"
-    if d.momentum_correction and has_momentum:
-        log.warning("zen: zen.dgc.momentum_correction is true but the optimizer (%s) applies momentum too, so "
-                    "momentum is applied twice; set it false (or null to choose from the optimizer), or use SGD "
-                    "with momentum 0 as DGC's DGCSGD does", what)
-    return cfg, f"momentum_correction={str(d.momentum_correction).lower()} (set in the config; optimizer: {what})"
-
-
 # --- validation ---------------------------------------------------------------------------------------
 def _from_dict(cls, data, path: str):
     if not isinstance(data, dict):
@@ -381,12 +321,20 @@ def _from_dict(cls, data, path: str):
                                f"be false when {path}.momentum_correction is false, because masking zeroes "
                                f"the momentum that only momentum correction keeps")
         return cls.from_dict(data)
-    names = [f.name for f in dataclasses.fields(cls)]
+    names = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
+    kwargs = {}
+    if cls is ZenConfig:
+        # zen.<kind> of a sparsifier registered from outside the package: parsed by its own config class.
+        from .compress import registered
+
+        outside = [s for s in registered() if s.kind not in names]
+        names += [s.kind for s in outside]
+        kwargs["sparsifier_sections"] = {s.kind: s.parse(data[s.kind]) for s in outside if s.kind in data}
+        data = {k: v for k, v in data.items() if k not in kwargs["sparsifier_sections"]}
     unknown = sorted(set(data) - set(names))
     if unknown:
         raise ValueError(unknown_keys_message(path, unknown, names))
     hints = typing.get_type_hints(cls)
-    kwargs = {}
     for name, value in data.items():
         if dataclasses.is_dataclass(hints[name]):
             value = _from_dict(hints[name], value, f"{path}.{name}")
@@ -430,6 +378,10 @@ def _check_type(path: str, value: Any, hint) -> Any:
     if hint is str:
         if not isinstance(value, str):
             raise _type_error(path, value, "a string")
+        return value
+    if hint is dict:  # ZenConfig.sparsifier_sections: each value was parsed by its sparsifier's config class
+        if not isinstance(value, dict):
+            raise _type_error(path, value, "a dict")
         return value
     if dataclasses.is_dataclass(hint):
         if isinstance(value, dict):
@@ -498,3 +450,7 @@ def config_reference_markdown() -> str:
 
 if __name__ == "__main__":
     print(config_reference_markdown())
+
+
+# The DGC defaults decided from the engine's optimizer live in their own module; importable from here.
+from .config_defaults import optimizer_momentum, resolve_dgc_defaults  # noqa: E402,F401

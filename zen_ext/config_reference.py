@@ -37,6 +37,8 @@ def reference_markdown() -> str:
         out.append("| key | default | meaning |\n| --- | --- | --- |")
         defaults = cls()
         for f in dataclasses.fields(cls):
+            if f.metadata.get("internal"):
+                continue
             value = getattr(defaults, f.name)
             shown = "(section)" if dataclasses.is_dataclass(value) else f"`{json.dumps(value)}`"
             out.append(f"| `{f.name}` | {shown} | {docs.get(f.name, '')} |")

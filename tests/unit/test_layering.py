@@ -46,3 +46,20 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     p = tmp_path / "m.py"
     p.write_text("from ..reduction.synchronizer import GradSlice\nimport zen_ext.engines.ddp\n")
     assert _imported_packages(str(p), "core") == {"reduction", "engines"}
+
+
+MAX_MODULE_LINES = 500
+"""Issue 22's bound: a module that grows past it holds more than one concern; split it by concern."""
+
+
+def test_no_module_over_the_line_bound():
+    long = []
+    for dirpath, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                with open(path) as fh:
+                    n = sum(1 for _ in fh)
+                if n > MAX_MODULE_LINES:
+                    long.append(f"{os.path.relpath(path, ROOT)}: {n} lines")
+    assert not long, long

@@ -59,7 +59,7 @@ def test_classify_untied_and_tied(caplog):
         "proj.weight": "dgc", "proj.bias": "dense", "small.weight": "dense", "small.bias": "dense",
         "head.weight": "dgc",
     }
-    with caplog.at_level(logging.INFO, logger="zen_ext.compress.natural"):
+    with caplog.at_level(logging.INFO, logger="zen_ext.compress.routing"):
         tied = classify_parameters(TinyLM(tied=True), natural={}, dgc=dgc)
         classify_parameters(TinyLM(tied=True), natural={}, dgc=dgc)
     assert tied["embed.weight"] == "dgc" and "head.weight" not in tied  # one Parameter, one name

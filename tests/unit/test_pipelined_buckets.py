@@ -154,11 +154,8 @@ def test_every_prepared_tensor_is_handed_to_the_worker():
         if prep.dense_buf is not None:
             want.append(prep.dense_buf)
             kinds.add("dense")
-        for _, sg in prep.natural:
-            want += [sg.indices, sg.values]
-            kinds.add("natural")
-        if prep.dgc is not None:
-            want += [prep.dgc[0].indices, prep.dgc[0].values]
-            kinds.add("dgc")
+        for part in prep.parts:  # natural rows per slice, DGC entries per bucket
+            want += [part.grad.indices, part.grad.values]
+            kinds.add(part.group.kind)
         assert {t.data_ptr() for t in want if t.numel()} <= ptrs
     assert kinds == {"dense", "natural", "dgc"}

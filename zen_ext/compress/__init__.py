@@ -1,16 +1,21 @@
 """Sparsifiers: DGC top-k (lossy, with memory), natural embedding rows (lossless), none (dense).
 
-Engine-free: imports only ``zen_ext.core`` types. The Synchronizer (``zen_ext.reduction.synchronizer``)
-routes each parameter to one of them by the kind ``classify_parameters`` gives it.
+Engine-free: imports only ``zen_ext.core`` types. Each sparsifier registers itself
+(``registry.register_sparsifier``); ``classify_parameters`` (``routing.py``) gives each parameter
+a kind, and the Synchronizer (``zen_ext.reduction.synchronizer``) loops over the registered kinds.
+Adding one: docs/extending.md.
 """
 
 from .base import KINDS, NamedGrad, Sparsifier
 from .dgc import DGCConfig, DGCSparsifier
-from .natural import NaturalConfig, NaturalSparsifier, classify_parameters
+from .natural import NaturalConfig, NaturalSparsifier
 from .none import NoneSparsifier
+from .registry import ParamFacts, all_kinds, register_sparsifier, registered, spec_of, unregister_sparsifier
+from .routing import classify_parameters
 from .state import SparsifierState
 
 __all__ = [
     "KINDS", "DGCConfig", "DGCSparsifier", "NamedGrad", "NaturalConfig", "NaturalSparsifier", "NoneSparsifier",
-    "Sparsifier", "SparsifierState", "classify_parameters",
+    "ParamFacts", "Sparsifier", "SparsifierState", "all_kinds", "classify_parameters", "register_sparsifier",
+    "registered", "spec_of", "unregister_sparsifier",
 ]

@@ -23,7 +23,7 @@ from .._keys import unknown_keys_message
 from ..core.types import SparseGrad, acc_dtype  # noqa: F401 (acc_dtype: part of this module's API)
 
 KINDS = ("natural", "dgc", "dense")
-"""The values of ``param_kinds``: which path a parameter's gradient takes."""
+"""The built-in values of ``param_kinds``; ``registry.all_kinds()`` adds the kinds registered from outside."""
 
 
 @dataclass(frozen=True)
@@ -35,10 +35,34 @@ class NamedGrad:
 
 
 class Sparsifier(abc.ABC):
-    """Select what a group of gradients sends; the ``kind`` in ``param_kinds`` that it serves."""
+    """Select what a group of gradients sends; the ``kind`` in ``param_kinds`` that it serves.
+
+    A sparsifier the Synchronizer routes parameters to is registered with
+    ``registry.register_sparsifier`` and declares the class attributes below; the hooks after
+    ``compress`` default to doing nothing.
+    """
 
     kind: ClassVar[str]
     lossless: ClassVar[bool]
+    bucket_mode: ClassVar[str] = "fused"
+    """``"fused"``: ``compress`` gets every slice of this kind in a bucket, as flat views, and returns one
+    SparseGrad over their concatenation (one scheme call). ``"per_slice"``: ``compress_each`` gets them
+    shaped like their parameters and returns one SparseGrad per slice (row forms may differ)."""
+    uses_tp_group: ClassVar[bool] = False
+    """Whether ``compress`` talks over the tensor-parallel group (then every TP rank must route each
+    parameter of the kind alike: the agreement compares their names)."""
+
+    @classmethod
+    def from_config(cls, config, *, state, dp_size: int) -> "Sparsifier":
+        """The Synchronizer's constructor call: its ``zen.<kind>`` config, the shared ``SparsifierState``
+        (memory keyed by parameter name, checkpointed with the engine) and the data-parallel size."""
+        return cls(config)
+
+    @classmethod
+    def claims(cls, param, config) -> bool:
+        """Whether this (enabled) sparsifier takes the parameter described by ``param`` (a
+        ``registry.ParamFacts``); the first by priority that claims it wins. Default: none."""
+        return False
 
     @abc.abstractmethod
     def compress(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad | torch.Tensor:
@@ -52,6 +76,22 @@ class Sparsifier(abc.ABC):
             A SparseGrad whose ``dense_numel`` is the total numel of ``grads`` with values in their dtype,
             or a dense flat tensor of that size.
         """
+
+    def compress_each(self, grads: Sequence[NamedGrad]) -> list[SparseGrad]:
+        """``per_slice`` mode: one SparseGrad per gradient (default: ``compress`` of each alone)."""
+        return [self.compress([g]) for g in grads]
+
+    def after_sync(self, names: Sequence[str], outs: Sequence[torch.Tensor]) -> None:
+        """Called with the synchronized result of this kind's slices (views into the output bucket, in
+        bucket order; ``names`` their memory keys) before the bucket is handed back: e.g. EF21 adds the
+        synchronized change to its aggregate here. Must do the same on every rank. The Synchronizer calls it
+        only where a class or instance overrides it (the views cost work per slice)."""
+
+    def set_loss_scale(self, scale: float) -> None:
+        """The loss scale the next gradients carry (fp16): memory at the old scale is rescaled."""
+
+    def discard_step(self) -> None:
+        """The current step overflowed somewhere and is skipped: ``end_step`` undoes its memory updates."""
 
     def end_step(self) -> None:
         """Called once per optimizer step, after every bucket of the step was synchronized."""

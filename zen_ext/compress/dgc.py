@@ -73,12 +73,14 @@ import torch
 
 from .. import ops
 from ..core.types import SparseGrad
-from .base import NamedGrad, Sparsifier, acc_dtype
+from . import dgc_ef21
+from .base import NamedGrad, Sparsifier
 # The config and the units live in their own modules; their names stay importable from here.
 from .dgc_config import FEEDBACKS, RESIDUAL_DTYPES, SELECTIONS, THRESHOLDS, DGCConfig  # noqa: F401
 from .dgc_units import (CANDIDATE_FACTOR, CAPACITY_FACTOR, MIN_KEPT_SAMPLES, REFINE_BAND,  # noqa: F401
-                        _at_rank, _gather_units, _Layout, _SearchConstants, _sort_per_unit, _ThresholdSearch,
+                        _at_rank, _gather_units, memory_dtype, _Layout, _SearchConstants, _sort_per_unit, _ThresholdSearch,
                         sample_shift)
+from .registry import register_sparsifier
 from .state import SparsifierState
 
 logger = logging.getLogger(__name__)
@@ -92,6 +94,7 @@ _ONE_PASS_WIRE = (torch.float32, torch.bfloat16, torch.float16)
 """Gradient dtypes the one-pass op widens into fp32 memory (exactly, as torch's mixed add does)."""
 
 
+@register_sparsifier(config=DGCConfig, priority=200)
 class DGCSparsifier(Sparsifier):
     """DGC top-k with momentum correction, masking, clipping, warm-up and exact error feedback.
 
@@ -110,12 +113,26 @@ class DGCSparsifier(Sparsifier):
 
     kind = "dgc"
     lossless = False
+    bucket_mode = "fused"  # every DGC slice of a bucket in one SparseGrad: constant ops per bucket
+    uses_tp_group = True  # per-layer thresholds agreed over the TP group
+
+    @classmethod
+    def from_config(cls, config, *, state, dp_size: int) -> "DGCSparsifier":
+        return cls(config, state, dp_size=dp_size)
+
+    @classmethod
+    def claims(cls, param, config: DGCConfig) -> bool:
+        """Matrices of at least ``min_numel`` elements (the largest TP shard's), unless ``dense_params``
+        keeps them dense; 1-D parameters (biases, norms) always stay dense."""
+        return param.dim > 1 and param.numel >= config.min_numel and not config.keeps_dense(param.name)
 
     def __init__(self, config: DGCConfig | dict | None = None, state: SparsifierState | None = None,
                  dp_size: int = 1) -> None:
         self.config = DGCConfig.from_dict(config)
         self.state = state if state is not None else SparsifierState()
         self.dp_size = int(dp_size)
+        if self.config.feedback == "ef21":  # only EF21 reads the synchronized result
+            self.after_sync = self._ef21_after_sync
         self._layouts: dict[tuple, _Layout] = {}
         self.loss_scale: float | None = None
         """The loss scale the memory is accumulated at (``set_loss_scale``); ``None``: never set."""
@@ -170,52 +187,12 @@ class DGCSparsifier(Sparsifier):
         """Select what ``grads`` send this step (``_compress_ef``, or ``_compress_ef21`` when
         ``feedback`` is ``"ef21"``)."""
         if self.config.feedback == "ef21":
-            return self._compress_ef21(grads, tp_comm)
+            return dgc_ef21.compress(self, grads, tp_comm)
         return self._compress_ef(grads, tp_comm)
 
-    def _compress_ef21(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad:
-        """EF21: send the top-k of ``g − G_i`` and move the estimate ``G_i`` by what was sent.
-
-        1. The residual becomes ``−G_i``, so error feedback's accumulation (``R += g``) makes it
-           ``g − G_i``; the residual is scratch under EF21 (rebuilt every step from ``G_i``).
-        2. Error feedback's selection sends the top-k of it and leaves ``g − G_i − sent`` in ``R``.
-        3. ``G_i ← g − R``: the old estimate plus exactly what was sent (cast rounding included).
-           An overflowed gradient (error feedback sent its non-finite entries and touched nothing)
-           leaves ``G_i`` as it was.
-        The Synchronizer adds the synchronized result to the previous aggregate (``add_aggregate_``).
-        """
-        if not grads:
-            raise ValueError("DGCSparsifier.compress needs at least one gradient")
-        flats = [g.grad if g.grad.dim() == 1 else g.grad.reshape(-1) for g in grads]
-        mdt = memory_dtype(flats[0].dtype, self.config.residual_dtype)
-        names, numels = tuple(g.name for g in grads), tuple(f.numel() for f in flats)
-        device = flats[0].device
-        # Step 1: residual = −G_i.
-        G, G_T = self.state.flat(names, numels, "ef21_estimate", mdt, device)
-        R, _ = self.state.flat(names, numels, "residual", mdt, device)
-        torch.neg(G, out=R)
-        # Step 2: error feedback's selection on g − G_i.
-        self._overflowed = False
-        sent = self._compress_ef(grads, tp_comm)
-        # Step 3: the estimate moves by what was sent.
-        if not self._overflowed:
-            _, R_T = self.state.flat(names, numels, "residual", mdt, device)
-            torch._foreach_copy_(G_T, flats)
-            torch._foreach_sub_(G_T, R_T)
-        return sent
-
-    def add_aggregate_(self, names: Sequence[str], outs: Sequence[torch.Tensor]) -> None:
-        """EF21's receiving side: ``out ← A + out`` (the synchronized difference added to the previous
-        aggregate ``A``), then ``A ← out``. ``A`` is the same on every rank (every rank adds the same
-        synchronized values), kept in the memory dtype; ``outs`` are the DGC slices of the result."""
-        mdt = memory_dtype(outs[0].dtype, self.config.residual_dtype)
-        A, A_T = self.state.flat(tuple(names), tuple(o.numel() for o in outs), "ef21_aggregate", mdt, outs[0].device)
-        if mdt == outs[0].dtype:
-            torch._foreach_add_(A_T, list(outs))
-        else:
-            torch._foreach_add_(A_T, [o.to(mdt) for o in outs])
-        for o, a in zip(outs, A_T):
-            o.copy_(a)
+    def _ef21_after_sync(self, names: Sequence[str], outs: Sequence[torch.Tensor]) -> None:
+        """EF21: the synchronized result is the aggregate's change (``dgc_ef21.add_aggregate_``)."""
+        dgc_ef21.add_aggregate_(self, names, outs)
 
     def _compress_ef(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad:
         """Select what ``grads`` send this step and keep the rest in the residuals.
@@ -508,10 +485,3 @@ class DGCSparsifier(Sparsifier):
         k_U = [max(1, math.ceil(density * n)) for n in numel_U]
         at = np.cumsum([0] + numel_U[:-1]) + np.array(k_U) - 1
         return sorted_N[torch.from_numpy(at).to(R.device, non_blocking=True)]
-
-
-def memory_dtype(wire: torch.dtype, residual_dtype: str) -> torch.dtype:
-    """The dtype of DGC's residual and momentum for gradients of dtype ``wire``."""
-    if residual_dtype == "bfloat16" and wire in (torch.float32, torch.float16, torch.bfloat16):
-        return torch.bfloat16
-    return acc_dtype(wire)

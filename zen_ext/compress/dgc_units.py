@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..core.types import acc_dtype
 from ..core.wire import pack, view_as
 
 logger = logging.getLogger("zen_ext.compress.dgc")
@@ -300,3 +301,10 @@ def _gather_units(vals: torch.Tensor, n_U: list[int], numel_U: list[int],
             counts[j] += meta[u + j]
     ids = torch.from_numpy(np.concatenate(unit_ids)).to(device, non_blocking=True)
     return torch.cat(pooled), ids, counts, totals
+
+
+def memory_dtype(wire: torch.dtype, residual_dtype: str) -> torch.dtype:
+    """The dtype of DGC's residual and momentum for gradients of dtype ``wire``."""
+    if residual_dtype == "bfloat16" and wire in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.bfloat16
+    return acc_dtype(wire)

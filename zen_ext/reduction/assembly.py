@@ -16,7 +16,7 @@ __all__ = ["build_synchronizer", "restore_sync_state", "summary_text"]
 
 
 def build_synchronizer(module, cfg: ZenConfig, *, sync_comm, tp_comm, rank: int) -> tuple[dict[str, str], Synchronizer]:
-    """Route each parameter of ``module`` (natural / dgc / dense) and build the Synchronizer over
+    """Route each parameter of ``module`` (natural / dgc / registered kinds / dense) and build the Synchronizer over
     ``sync_comm`` (DGC thresholds agreed over ``tp_comm``).
 
     Routing uses facts the TP ranks share (the largest shard size), so uneven AutoTP shards never send
@@ -25,10 +25,10 @@ def build_synchronizer(module, cfg: ZenConfig, *, sync_comm, tp_comm, rank: int)
     Returns:
         ``(kinds, sync)``: parameter name → kind, and the Synchronizer.
     """
-    kinds = classify_parameters(module, natural=cfg.natural_options(), dgc=cfg.dgc_options(), log=rank == 0,
-                                tp_comm=tp_comm)
+    kinds = classify_parameters(module, natural=cfg.natural_options(), dgc=cfg.dgc_options(),
+                                sections=cfg.sections(), log=rank == 0, tp_comm=tp_comm)
     sync = Synchronizer(dp_comm=sync_comm, scheme=cfg.build_scheme(), param_kinds=kinds, dgc=cfg.dgc_options(),
-                        natural=cfg.natural_options(), tp_comm=tp_comm)
+                        natural=cfg.natural_options(), sections=cfg.sections(), tp_comm=tp_comm)
     return kinds, sync
 
 

@@ -19,6 +19,8 @@ import math
 import os
 from collections import Counter
 
+from ..compress.registry import all_kinds
+
 _SPARK = "▁▂▃▄▅▆▇█"
 
 
@@ -164,12 +166,12 @@ def startup_line(engine_line: str, cfg, kinds: dict[str, str], numels: dict[str,
     Args:
         engine_line: the engine and its groups, e.g. ``"DeepSpeed ZeRO-1 (dp=2, tp=1, hierarchical=False)"``.
         cfg: the validated (resolved) ``ZenConfig``.
-        kinds: parameter name → ``"natural" | "dgc" | "dense"`` (``classify_parameters``).
+        kinds: parameter name → a registered kind or ``"dense"`` (``classify_parameters``).
         numels: parameter name → element count, for the element totals (optional).
         dgc_note: what ``resolve_dgc_defaults`` chose and why (empty when DGC is off).
     """
     parts = []
-    for kind in ("natural", "dgc", "dense"):
+    for kind in all_kinds():  # the registered sparsifiers by priority, then dense
         names = [n for n, k in kinds.items() if k == kind]
         if not names:
             continue

@@ -1,14 +1,17 @@
 """Synchronizer: reduce one flat gradient bucket, each parameter by its own path (ZEN paper §4).
 
 Engine adapters (DeepSpeed's bucket reduction, a DDP comm hook) hand over a flat bucket and the
-``GradSlice`` of every parameter in it; the Synchronizer routes each slice by its kind:
+``GradSlice`` of every parameter in it; the Synchronizer routes each slice by its kind, looping over
+the registered sparsifiers (``compress/registry.py``) in their order:
 
-* ``"natural"`` (untied embeddings): the non-zero rows, as a row-form SparseGrad, one scheme call per
-  slice (lossless);
-* ``"dgc"``: DGC top-k with error feedback per parameter name; all DGC slices of the bucket are fused
-  into **one** element-form SparseGrad over the bucket's index space and one scheme call (lossy:
-  the result is the reduction of what each rank sent);
+* a ``per_slice`` sparsifier gets each of its slices alone and returns one SparseGrad per slice —
+  ``"natural"`` (untied embeddings): the non-zero rows, row form (lossless);
+* a ``fused`` sparsifier gets every slice of its kind in the bucket and returns **one** SparseGrad
+  over their concatenation — ``"dgc"``: DGC top-k with error feedback per parameter name (lossy: the
+  result is the reduction of what each rank sent);
 * ``"dense"`` (1-D, small, tied) and every element no slice covers: one dense all-reduce per bucket.
+
+Every SparseGrad of the bucket goes to the scheme in one ``sync_group`` call.
 
 Bytes each rank sends per bucket: the dense part's ring all-reduce ``2·(n−1)/n·D·itemsize`` plus what
 the scheme sends for each SparseGrad (``zen``: Eq. 1 of the paper, ``≈ 2·(n−1)/n·nnz`` COO entries
@@ -16,7 +19,7 @@ for balanced partitions), plus DGC's tensor-parallel threshold agreement (compre
 ``pop_step_stats`` reports them next to what a dense all-reduce of every bucket would have sent.
 
 Every decision that shapes a collective is agreed explicitly: the first time a rank sees a bucket
-layout, the data-parallel ranks compare layouts, kinds, op, scheme, DGC config and communicator
+layout, the data-parallel ranks compare layouts, kinds, op, scheme, sparsifier configs and communicator
 options (transport, backend, device type; a rank that cannot plan the layout sends its error
 instead), then, whenever a TP group exists, the TP ranks compare their DGC parameter names and
 communicator options and forward the DP outcome; every rank raises (RuntimeError naming both ranks'
@@ -37,19 +40,20 @@ import torch
 
 from ..comm.base import Communicator
 from ..compress import (
-    KINDS,
     DGCConfig,
-    DGCSparsifier,
     NamedGrad,
     NaturalConfig,
-    NaturalSparsifier,
     NoneSparsifier,
+    Sparsifier,
     SparsifierState,
+    all_kinds,
     classify_parameters,
+    registered,
 )
+from ..compress.registry import DENSE
 from ..core.scheme import SyncScheme, build_scheme, check_op
 from ..core.types import SparseGrad
-from .plan import GradSlice, Plan, agree, build_plan, to_bucket
+from .plan import GradSlice, Plan, SliceGroup, agree, build_plan
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,22 @@ SYNC_STATE_FORMAT = "zen_ext.synchronizer"
 SYNC_STATE_VERSION = 1
 
 __all__ = ["GradSlice", "Synchronizer", "classify_parameters", "resize_warning"]
+
+
+@dataclasses.dataclass
+class _Part:
+    """One SparseGrad of a bucket on its way to the scheme: a fused group's, or one slice's."""
+
+    group: SliceGroup
+    grad: SparseGrad
+    numel: int
+    """Elements it stands for (the slices', for stats)."""
+    slice: GradSlice | None = None
+    """The slice of a per-slice part; None for a fused group."""
+
+    @property
+    def key(self) -> str:
+        return f"{self.slice.name}:{self.group.kind}" if self.slice is not None else self.group.key
 
 
 @dataclasses.dataclass
@@ -69,12 +89,11 @@ class _Prepared:
     plan: "Plan"
     op: str
     dense_buf: torch.Tensor | None = None
-    natural: list = dataclasses.field(default_factory=list)
-    dgc: tuple | None = None
+    parts: list[_Part] = dataclasses.field(default_factory=list)
     local_s: float = 0.0
 
     def tensors(self) -> list[torch.Tensor]:
-        """Every tensor this bucket holds (the dense buffer, natural rows, DGC entries, the views).
+        """Every tensor this bucket holds (the dense buffer, the sparsifiers' entries, the views).
 
         A caller that finishes the bucket on another CUDA stream marks these as used there
         (``record_stream``): they were allocated on the preparing stream, and the caching allocator
@@ -91,23 +110,25 @@ class _Prepared:
             elif isinstance(x, SparseGrad):
                 found.extend((x.indices, x.values))
 
-        walk([self.flat, self.flat_N, self.out_N, self.dense_buf, self.natural, self.dgc])
+        walk([self.flat, self.flat_N, self.out_N, self.dense_buf, [p.grad for p in self.parts]])
         return found
 
 
 class Synchronizer:
-    """Reduce flat gradient buckets over ``dp_comm`` with natural sparsity, DGC and a sync scheme.
+    """Reduce flat gradient buckets over ``dp_comm`` with the registered sparsifiers and a sync scheme.
 
     Args:
         dp_comm: the data-parallel group the gradients are reduced over.
         scheme: the SyncScheme for sparse gradients (or its registered name, built with defaults).
-        param_kinds: parameter name → ``"natural"``, ``"dgc"`` or ``"dense"`` (``classify_parameters``).
+        param_kinds: parameter name → a registered kind (``"natural"``, ``"dgc"``, ...) or ``"dense"``
+            (``classify_parameters``).
         dgc: the ``zen.dgc`` section as a dict (or DGCConfig); ``None`` = DGC disabled.
         natural: the ``zen.natural`` section as a dict (or NaturalConfig); ``None`` = disabled.
+        sections: the sections of sparsifiers registered from outside, by kind (absent = disabled).
         tp_comm: the tensor-parallel group; DGC then agrees on one threshold per layer across it.
 
     Raises:
-        ValueError: a kind that is not one of ``KINDS``, or a kind whose sparsifier is disabled.
+        ValueError: a kind that is not registered, or a kind whose sparsifier is disabled.
 
     Example::
 
@@ -126,31 +147,50 @@ class Synchronizer:
         param_kinds: dict[str, str],
         dgc: "dict | DGCConfig | None" = None,
         natural: "dict | NaturalConfig | None" = None,
+        sections: "dict | None" = None,
         tp_comm: Communicator | None = None,
     ) -> None:
         self.dp_comm = dp_comm
         self.tp_comm = tp_comm
         self.scheme = build_scheme(scheme) if isinstance(scheme, str) else scheme
-        self.dgc_config = DGCConfig.from_dict(dgc) if dgc is not None else DGCConfig(enabled=False)
-        self.natural_config = NaturalConfig.from_dict(natural) if natural is not None else NaturalConfig(enabled=False)
-        enabled = {"natural": self.natural_config.enabled, "dgc": self.dgc_config.enabled, "dense": True}
+        # Every registered kind's config (without a section: disabled), compared across ranks, and a
+        # sparsifier for each enabled one, in the registry's order.
+        given = {"natural": natural, "dgc": dgc, **(sections or {})}
+        specs = {s.kind: s for s in registered()}
+        unknown = sorted(set(given) - set(specs))
+        if unknown:
+            raise ValueError(f"Synchronizer sections ({unknown}) must be registered sparsifier kinds: {sorted(specs)}")
+        self.configs = {k: spec.parse(given[k]) if given.get(k) is not None else spec.disabled()
+                        for k, spec in specs.items()}
         for name, kind in param_kinds.items():
-            if kind not in KINDS:
-                raise ValueError(f"param_kinds[{name!r}] ({kind!r}) must be one of {list(KINDS)}")
-            if not enabled[kind]:
+            if kind not in all_kinds():
+                raise ValueError(f"param_kinds[{name!r}] ({kind!r}) must be one of {list(all_kinds())}")
+            if kind != DENSE and not (kind in self.configs and self.configs[kind].enabled):
                 raise ValueError(f"param_kinds[{name!r}] ({kind!r}) must name an enabled sparsifier, but "
                                  f"zen.{kind}.enabled is false; classify with the same sections")
         self.param_kinds = dict(param_kinds)
         self.state = SparsifierState()
         self._dense = NoneSparsifier()
-        self._natural = NaturalSparsifier(self.natural_config)
-        self._dgc = DGCSparsifier(self.dgc_config, self.state, dp_size=dp_comm.size)
+        self.sparsifiers: dict[str, Sparsifier] = {
+            k: specs[k].cls.from_config(cfg, state=self.state, dp_size=dp_comm.size)
+            for k, cfg in self.configs.items() if cfg.enabled}
+        self._tp_kinds = tuple(k for k in self.configs if specs[k].cls.uses_tp_group)
+        self._after_sync = {k for k, sp in self.sparsifiers.items()
+                            if getattr(sp.after_sync, "__func__", None) is not Sparsifier.after_sync}
         self._plans: dict[tuple, Plan] = {}
         self._stats = self._empty_stats()
         if dp_comm.rank == 0 and (tp_comm is None or tp_comm.rank == 0):
-            log.info("zen: Synchronizer scheme=%r dp_size=%d tp_size=%d natural=%s dgc=%s", self.scheme,
-                     dp_comm.size, tp_comm.size if tp_comm else 1, dataclasses.asdict(self.natural_config),
-                     dataclasses.asdict(self.dgc_config))
+            log.info("zen: Synchronizer scheme=%r dp_size=%d tp_size=%d %s", self.scheme, dp_comm.size,
+                     tp_comm.size if tp_comm else 1,
+                     " ".join(f"{k}={dataclasses.asdict(c)}" for k, c in self.configs.items()))
+
+    @property
+    def dgc_config(self) -> DGCConfig:
+        return self.configs["dgc"]
+
+    @property
+    def natural_config(self) -> NaturalConfig:
+        return self.configs["natural"]
 
     # --- the hot path -------------------------------------------------------------------------------
     def sync_flat(
@@ -160,12 +200,13 @@ class Synchronizer:
 
         1. Plan: route each slice by its kind (cached per layout; agreed across ranks the first time).
         2. Dense: the dense slices and uncovered elements, gathered into one buffer, one all-reduce.
-        3. Natural: each embedding slice's non-zero rows through the scheme (lossless).
-        4. DGC: compress every DGC slice (memory keyed by name), fuse them into one SparseGrad; it and
-           the natural rows go to the scheme in one ``sync_group`` call. When the DGC slices tile one range of the bucket (the usual layout) the
-           SparseGrad spans that range and the scheme writes into ``out``'s view of it; otherwise it
-           spans the concatenated DGC slices and each slice is copied out of a DGC-sized result. No
-           bucket-sized intermediate either way.
+        3. Sparsifiers, in the registry's order: a per-slice kind compresses each slice (natural: an
+           embedding's non-zero rows), a fused kind every slice of its kind into one SparseGrad (DGC,
+           memory keyed by name). Every SparseGrad goes to the scheme in one ``sync_group`` call.
+           When a fused kind's slices tile one range of the bucket (the usual layout) its SparseGrad
+           spans that range and the scheme writes into ``out``'s view of it; otherwise it spans the
+           concatenated slices and each slice is copied out of a group-sized result. No bucket-sized
+           intermediate either way. Then each sparsifier sees its synchronized slices (``after_sync``).
 
         Args:
             flat: this rank's bucket (contiguous; any shape, read as flat). Not modified unless it is
@@ -188,8 +229,8 @@ class Synchronizer:
     def prepare_flat(
         self, flat: torch.Tensor, slices: list[GradSlice], op: str = "mean", out: torch.Tensor | None = None
     ) -> "_Prepared":
-        """The local half of ``sync_flat``: plan, and every read of ``flat`` (dense gather, natural and
-        DGC compression, DGC memory updates). No data-parallel collective unless the layout is new (its
+        """The local half of ``sync_flat``: plan, and every read of ``flat`` (dense gather, compression,
+        sparsifier memory updates). No data-parallel collective unless the layout is new (its
         agreement); DGC's thresholds use the TP group. ``finish_flat`` does the rest.
 
         A caller may run ``finish_flat`` of one bucket on another thread while it prepares the next
@@ -220,32 +261,23 @@ class Synchronizer:
         if plan.dense_ranges:
             prep.dense_buf = self._dense.compress([NamedGrad("", flat_N[s:e]) for s, e in plan.dense_ranges])
 
-        # Step 3 (local part): each natural slice's non-zero rows (one host read for all of them).
-        if plan.natural:
+        # Step 3 (local part): each kind's SparseGrads.
+        for group in plan.groups:
             t0 = time.perf_counter()
-            found = self._natural.compress_each(
-                [NamedGrad(s.name, flat_N[s.offset : s.offset + s.numel].view(s.shape)) for s in plan.natural])
-            prep.natural.extend(zip(plan.natural, found))
-            st["compress_s"] += time.perf_counter() - t0
-
-        # Step 4 (local part): all DGC slices of the bucket compressed into one SparseGrad over the
-        # bucket's indices.
-        if plan.dgc:
-            t0 = time.perf_counter()
-            grads = [NamedGrad(s.state_key, flat_N[s.offset : s.offset + s.numel]) for s in plan.dgc]
-            sg = self._dgc.compress(grads, tp_comm=self.tp_comm)
-            # The span of the DGC slices; tiled = no other element inside it (slices do not overlap).
-            lo = min(s.offset for s in plan.dgc)
-            hi = max(s.offset + s.numel for s in plan.dgc)
-            tiled = sum(s.numel for s in plan.dgc) == hi - lo
-            in_order = all(a.offset + a.numel == b.offset for a, b in zip(plan.dgc, plan.dgc[1:]))
-            if tiled:
-                # Concatenation order = bucket order: the DGC indices already are offsets into the span.
-                idx_K = sg.indices if in_order else to_bucket(plan, sg.indices) - lo
-                grad = SparseGrad(idx_K, sg.values, hi - lo, in_range=True)  # DGC's positions in the span
-            else:
-                grad = SparseGrad(sg.indices, sg.values, sg.numel, in_range=True)
-            prep.dgc = (grad, tiled, lo, hi, sg.numel, sg.nnz)
+            sp = self.sparsifiers[group.kind]
+            if not group.fused:  # one SparseGrad per slice, shaped like its parameter
+                found = sp.compress_each(
+                    [NamedGrad(s.state_key, flat_N[s.offset : s.offset + s.numel].view(s.shape)) for s in group.slices])
+                prep.parts.extend(_Part(group, sg, s.numel, s) for s, sg in zip(group.slices, found))
+            else:  # one SparseGrad over the concatenation, mapped onto the group's span when tiled
+                sg = sp.compress([NamedGrad(s.state_key, flat_N[s.offset : s.offset + s.numel]) for s in group.slices],
+                                 tp_comm=self.tp_comm)
+                if group.tiled:
+                    idx_K = sg.indices if group.in_order else group.to_bucket(sg.indices) - group.lo
+                    grad = SparseGrad(idx_K, sg.values, group.hi - group.lo, in_range=True)
+                else:
+                    grad = SparseGrad(sg.indices, sg.values, sg.numel, in_range=True)
+                prep.parts.append(_Part(group, grad, sg.numel))
             st["compress_s"] += time.perf_counter() - t0
         if tp_before is not None:
             t = self.tp_comm.stats - tp_before
@@ -282,36 +314,29 @@ class Synchronizer:
             st["schemes"].add("dense")
             st["slice_schemes"]["dense slices"] = "dense"
 
-        # Steps 3 and 4: the natural slices' rows (one SparseGrad each: row widths differ) and the DGC
-        # slices (one SparseGrad for the bucket) in one scheme call, so a scheme that reads on the host
-        # (zen: partition and aggregated counts) reads once per bucket, not once per slice.
-        grads, keys, outs = [], [], []
-        for s, sg in prep.natural:
-            grads.append(sg)
-            keys.append(f"{s.name}:natural")
-            outs.append(out_N[s.offset : s.offset + s.numel])
-        if prep.dgc is not None:
-            grad, tiled, lo, hi, numel, nnz = prep.dgc
-            grads.append(grad)
-            keys.append(plan.dgc_key)
-            outs.append(out_N[lo:hi] if tiled else None)
-        if grads:
-            timings: list[dict] = [{} for _ in grads]
-            results = self.scheme.sync_group(dp, grads, op, timings=timings, keys=keys, outs=outs)
-            for (s, sg), t in zip(prep.natural, timings):
-                self._note_scheme(t, f"{s.name}:natural")
-                self._count("natural", s.numel, sg.nnz * sg.row_width)
-        if prep.dgc is not None:
-            if not tiled:
-                res, at = results[-1], 0
-                for s in plan.dgc:  # concatenation order
-                    out_N[s.offset : s.offset + s.numel] = res[at : at + s.numel]
-                    at += s.numel
-            if self._dgc.config.feedback == "ef21":  # the result is the aggregate's change
-                self._dgc.add_aggregate_([s.state_key for s in plan.dgc],
-                                         [out_N[s.offset : s.offset + s.numel] for s in plan.dgc])
-            self._note_scheme(timings[-1], plan.dgc_key or "dgc")
-            self._count("dgc", numel, nnz)
+        # Step 3: every SparseGrad in one scheme call, so a scheme that reads on the host (zen:
+        # partition and aggregated counts) reads once per bucket, not once per slice.
+        if prep.parts:
+            outs = []
+            for p in prep.parts:
+                g = p.group
+                lo, hi = (p.slice.offset, p.slice.offset + p.slice.numel) if p.slice is not None else (g.lo, g.hi)
+                outs.append(out_N[lo:hi] if p.slice is not None or g.tiled else None)
+            timings: list[dict] = [{} for _ in prep.parts]
+            results = self.scheme.sync_group(dp, [p.grad for p in prep.parts], op, timings=timings,
+                                             keys=[p.key for p in prep.parts], outs=outs)
+            for p, res, t in zip(prep.parts, results, timings):
+                if p.slice is None and not p.group.tiled:
+                    at = 0
+                    for s in p.group.slices:  # concatenation order
+                        out_N[s.offset : s.offset + s.numel] = res[at : at + s.numel]
+                        at += s.numel
+                self._note_scheme(t, p.key)
+                self._count(p.group.kind, p.numel, p.grad.nnz * p.grad.row_width)
+            for group in plan.groups:
+                if group.kind in self._after_sync:  # only where a sparsifier uses it: views cost per slice
+                    self.sparsifiers[group.kind].after_sync(
+                        [s.state_key for s in group.slices], [out_N[s.offset : s.offset + s.numel] for s in group.slices])
 
         # Stats of this call.
         st["buckets"] += 1
@@ -326,26 +351,30 @@ class Synchronizer:
     def set_grad_scale(self, scale: float) -> None:
         """The loss scale the next gradients carry (fp16): DGC rescales its memory when it changes and
         makes steps discardable (``discard_step``). Call before the step's first bucket."""
-        self._dgc.set_loss_scale(scale)
+        for sp in self.sparsifiers.values():
+            sp.set_loss_scale(scale)
 
     def discard_step(self) -> None:
         """This step overflowed on some rank and will be skipped: ``end_step`` restores DGC's memory."""
-        self._dgc.discard_step()
+        for sp in self.sparsifiers.values():
+            sp.discard_step()
 
     def end_step(self) -> None:
         """Advance the step counter (warm-up, sampling offsets) once per optimizer step."""
         self.state.step += 1
-        for sp in (self._dense, self._natural, self._dgc):
+        for sp in (self._dense, *self.sparsifiers.values()):
             sp.end_step()
 
     # --- state --------------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Residuals, momenta, thresholds (keyed by parameter name) and the step counter; CPU tensors."""
+        """Residuals, momenta, thresholds (keyed by parameter name), the step counter and every
+        sparsifier's config (to warn when a run resumes with another); CPU tensors."""
         sd = {
             "format": SYNC_STATE_FORMAT,
             "version": SYNC_STATE_VERSION,
             "sparsifiers": self.state.state_dict(),
-            "dgc": dataclasses.asdict(self.dgc_config),
+            "dgc": dataclasses.asdict(self.dgc_config),  # what version-1 readers compare
+            "configs": {k: dataclasses.asdict(c) for k, c in self.configs.items()},
         }
         if hasattr(self.scheme, "state_dict"):
             sd["scheme"] = self.scheme.state_dict()
@@ -370,9 +399,11 @@ class Synchronizer:
                              f"{sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r}")
         if sd.get("version") != SYNC_STATE_VERSION:
             raise ValueError(f"Synchronizer state_dict version ({sd.get('version')!r}) must be {SYNC_STATE_VERSION}")
-        if sd.get("dgc") != dataclasses.asdict(self.dgc_config):
-            log.warning("zen: resuming with a different dgc config: saved %s, now %s", sd.get("dgc"),
-                        dataclasses.asdict(self.dgc_config))
+        saved = sd.get("configs", {"dgc": sd.get("dgc")})  # a checkpoint from before the registry: DGC's only
+        for kind, cfg in saved.items():
+            now = dataclasses.asdict(self.configs[kind]) if kind in self.configs else None
+            if cfg != now:
+                log.warning("zen: resuming with a different %s config: saved %s, now %s", kind, cfg, now)
         sparsifiers = sd["sparsifiers"] if per_rank else {**sd["sparsifiers"], "params": {}}
         self.state.load_state_dict(sparsifiers)
         if "scheme" in sd and hasattr(self.scheme, "load_state_dict"):
@@ -427,17 +458,13 @@ class Synchronizer:
             except ValueError as exc:
                 plan, error = None, exc
             agree(plan, key, error, dp_comm=self.dp_comm, tp_comm=self.tp_comm, scheme=self.scheme,
-                  dgc_config=self.dgc_config, natural_config=self.natural_config, param_kinds=self.param_kinds)
+                  configs=self.configs, tp_kinds=self._tp_kinds, param_kinds=self.param_kinds)
             self._plans[key] = plan
-        if plan.dgc and (plan.shift_S is None or plan.shift_S.device != flat_N.device):
-            cat_end, shifts, ends = 0, [], []
-            for s in plan.dgc:
-                shifts.append(s.offset - cat_end)
-                cat_end += s.numel
-                ends.append(cat_end)
-            plan.shift_S = torch.tensor(shifts, dtype=torch.int64, device=flat_N.device)
-            plan.ends_S = torch.tensor(ends, dtype=torch.int64, device=flat_N.device)
+        for group in plan.groups:
+            if group.fused and group.tiled and not group.in_order:
+                group.index_tensors(flat_N.device)  # to_bucket's per-slice shifts, once per layout and device
         return plan
+
 
 def resize_warning(saved_dp_size, dp_size: int, sd: dict, why: str = "") -> str:
     """The one warning a resumed run logs when it restores only the shared part of a Synchronizer state.
