@@ -107,6 +107,10 @@ VARIANTS: dict[str, dict | None] = {
     "dense_noclip": {"_dense": True, "_ds_clip": 0.0},
     "dgc5_noclip": {"_ds_clip": 0.0},
     "dgc1_noclip": {"density": 0.01, "_ds_clip": 0.0},
+    # A bound on how long error feedback holds a coordinate back, at equal density: a rotating stride
+    # of residuals (the same on every rank) takes 20 % / 50 % of the budget (zen.dgc.flush_fraction).
+    "dgc5_flush20": {"flush_fraction": 0.2},
+    "dgc5_flush50": {"flush_fraction": 0.5},
     "dgc5_localclip": {"clip_norm": 1.0, "_ds_clip": 0.0},
     "dgc1_localclip": {"density": 0.01, "clip_norm": 1.0, "_ds_clip": 0.0},
 }

@@ -68,7 +68,6 @@ import logging
 import math
 from typing import Sequence
 
-import numpy as np
 import torch
 
 from .. import ops
@@ -78,7 +77,7 @@ from .base import NamedGrad, Sparsifier
 # The config and the units live in their own modules; their names stay importable from here.
 from .dgc_config import FEEDBACKS, RESIDUAL_DTYPES, SELECTIONS, THRESHOLDS, DGCConfig  # noqa: F401
 from .dgc_units import (CANDIDATE_FACTOR, CAPACITY_FACTOR, MIN_KEPT_SAMPLES, REFINE_BAND,  # noqa: F401
-                        _at_rank, _gather_units, memory_dtype, _Layout, _SearchConstants, _sort_per_unit, _ThresholdSearch,
+                        _at_rank, _gather_units, exact_thresholds, memory_dtype, _Layout, _SearchConstants, _sort_per_unit, _ThresholdSearch,
                         sample_shift)
 from .registry import register_sparsifier
 from .state import SparsifierState
@@ -223,6 +222,9 @@ class DGCSparsifier(Sparsifier):
         total = lay.numel
 
         density = cfg.density_at(self.state.step)
+        flush = cfg.flush_stride(density)  # the rotating flush takes its share of the budget
+        if flush:
+            density *= 1.0 - cfg.flush_fraction
         # The one-pass path (the op): the velocity update is deferred into the candidate selection, and
         # the thresholds are sampled from R + the pending update at the sample positions. There the
         # flag stays on the device (the op skips the update where it is false) and is read with the
@@ -261,7 +263,7 @@ class DGCSparsifier(Sparsifier):
                                            pending=(U, list(flats), finite))
             if got is not None:
                 thr_U, pos_K, v_K = got
-                return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total, v_K)
+                return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total, v_K, flush)
             # The flag was false: the op wrote nothing. Step 1 as on the other path; a norm that
             # overflowed on finite values goes on below.
             bad = self._non_finite(flats, total)
@@ -293,12 +295,12 @@ class DGCSparsifier(Sparsifier):
             pos_K = lay.select(R, thr_U).view(-1).nonzero().flatten()
             v_K = R.index_select(0, pos_K)
         elif cfg.threshold == "exact":
-            thr_U = self._exact_thresholds(R, lay, density, tp_comm).clamp(min=tiny)
+            thr_U = exact_thresholds(R, lay, density, tp_comm).clamp(min=tiny)
             pos_K = lay.select(R, thr_U).view(-1).nonzero().flatten()  # one host synchronization
             v_K = R.index_select(0, pos_K)
         else:
             thr_U, pos_K, v_K = self._sampled_thresholds(R, lay, density, tp_comm, tiny)
-        return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total, v_K)
+        return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total, v_K, flush)
 
     def _non_finite(self, flats: list[torch.Tensor], total: int) -> SparseGrad | None:
         """Step 1's element-wise look: the non-finite entries (the memory untouched), or None when
@@ -310,11 +312,31 @@ class DGCSparsifier(Sparsifier):
         self._overflowed = True
         return SparseGrad(bad, cat[bad], total)
 
-    def _finish(self, R, U, lay: "_Layout", thr_U, pos_K, wire, mdt, total: int, v_K) -> SparseGrad:
+    def _finish(self, R, U, lay: "_Layout", thr_U, pos_K, wire, mdt, total: int, v_K, flush: int = 0) -> SparseGrad:
         """Step 5 of ``compress``: record the thresholds, send, keep the error, mask the momentum.
-        ``v_K`` is ``R[pos_K]`` (the selection has it already)."""
-        cfg = self.config
+        ``v_K`` is ``R[pos_K]`` (the selection has it already); ``flush`` > 0 also sends every
+        ``flush``-th residual from this step's start (``flush_fraction``), after the top-k's."""
         self.state.set_per_unit(list(lay.names), "threshold", thr_U, lay.unit_of_T)
+        sent = self._send(R, U, pos_K, v_K, wire, mdt)
+        if not flush:
+            return SparseGrad(pos_K, sent, total)
+        # The rotating flush: the same positions on every rank (a function of the step), disjoint from
+        # one step to the next until the start wraps. A position the top-k sent this step sends 0 and
+        # keeps its residual (a half-precision cast's rounding error), so the duplicate adds exactly
+        # nothing in any dtype; the mark is one byte per element, on the device, no host read.
+        pos_F = torch.arange(self.state.step % flush, total, flush, device=R.device)
+        taken = torch.zeros(total, dtype=torch.bool, device=R.device).index_fill_(0, pos_K, True)
+        in_K = taken.index_select(0, pos_F)
+        r_F = R.index_select(0, pos_F)
+        v_F = r_F.masked_fill(in_K, 0)
+        sent_F = self._send(R, U, pos_F, v_F, wire, mdt)
+        R.index_copy_(0, pos_F, torch.where(in_K, r_F, R.index_select(0, pos_F)))
+        return SparseGrad(torch.cat([pos_K, pos_F]), torch.cat([sent, sent_F]), total)
+
+    def _send(self, R, U, pos_K, v_K, wire, mdt) -> torch.Tensor:
+        """Send ``v_K = R[pos_K]``: the values in the wire dtype, the error kept in ``R``, the momentum
+        masked."""
+        cfg = self.config
 
         # Step 5: send v clamped to the wire dtype's finite range (an fp16 value past 65504 would turn
         # into inf, and the residual v − inf into −inf, then NaN); the excess and the cast's rounding
@@ -328,7 +350,7 @@ class DGCSparsifier(Sparsifier):
             R.index_fill_(0, pos_K, 0)
         if cfg.momentum_correction and cfg.momentum_masking:
             U.index_fill_(0, pos_K, 0)
-        return SparseGrad(pos_K, sent_K, total)
+        return sent_K
 
     def _layout(self, names: tuple[str, ...], numels: tuple[int, ...], device: torch.device) -> "_Layout":
         key = (names, numels, device)
@@ -472,16 +494,3 @@ class DGCSparsifier(Sparsifier):
                 break
         thr_U = torch.maximum(search.thr, t_low)
         return thr_U, abs_C >= thr_U.index_select(0, unit_clamped)
-
-    def _exact_thresholds(self, R: torch.Tensor, lay: "_Layout", density: float, tp_comm) -> torch.Tensor:
-        """The ``k``-th largest ``|v|`` of each unit (pooled over the TP group): one segmented sort."""
-        vals = R.abs()
-        numel_U = list(lay.unit_numels)
-        if tp_comm is not None and tp_comm.size > 1:
-            vals, unit_N, _, numel_U = _gather_units(vals, numel_U, numel_U, tp_comm)
-        else:
-            unit_N = lay.unit_ids(R.device)
-        sorted_N = _sort_per_unit(vals, unit_N)
-        k_U = [max(1, math.ceil(density * n)) for n in numel_U]
-        at = np.cumsum([0] + numel_U[:-1]) + np.array(k_U) - 1
-        return sorted_N[torch.from_numpy(at).to(R.device, non_blocking=True)]

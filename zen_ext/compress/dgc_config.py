@@ -64,6 +64,13 @@ class DGCConfig:
     ``"ef21"`` needs ``momentum_correction`` false, no ``clip_norm`` and no fp16 loss scaling. Measured
     under Adam (benchmarks/results/time_to_quality.md): far worse than ``"ef"`` at 5 %, since every
     stale estimate is applied again each step; kept as a measured alternative, not a recommendation."""
+    flush_fraction: float = 0.0
+    """Share of each step's density spent on a rotating stride of coordinates, in [0, 1): every
+    ``1/(flush_fraction·density)``-th element from a start that moves by one each step, the same on
+    every rank, sends its residual whatever its size; the top-k keeps the rest of the budget. It bounds
+    how long error feedback holds a coordinate back (each is flushed once per stride of steps). 0
+    (default) = off. Measured under Adam (benchmarks/results/time_to_quality.md): worse than off at 5 %
+    (0.2 and 0.5: +10.3 / +11.7 % from scratch against +8.4 %); kept as a measured alternative."""
     residual_dtype: str = "float32"
     """dtype of the residual and momentum: ``"float32"`` (8 bytes per parameter with momentum
     correction) or ``"bfloat16"`` (4 bytes; the accumulation then rounds to 8 mantissa bits).
@@ -75,7 +82,7 @@ class DGCConfig:
             check_bool(s, name, getattr(self, name))
         if self.momentum_correction is not None:  # null: resolved from the optimizer when attached
             check_bool(s, "momentum_correction", self.momentum_correction)
-        for name in ("density", "sample_fraction", "momentum", "warmup_start_density"):
+        for name in ("density", "sample_fraction", "momentum", "warmup_start_density", "flush_fraction"):
             check_number(s, name, getattr(self, name))
         check_int(s, "warmup_steps", self.warmup_steps)
         check_int(s, "dense_steps", self.dense_steps)
@@ -92,6 +99,8 @@ class DGCConfig:
                              "is set: the estimate tracks the unclipped gradient")
         if not 0 < self.density <= 1:
             raise ValueError(f"zen.dgc.density ({self.density!r}) must be in (0, 1]")
+        if not 0 <= self.flush_fraction < 1:
+            raise ValueError(f"zen.dgc.flush_fraction ({self.flush_fraction!r}) must be in [0, 1)")
         if not 0 < self.sample_fraction <= 1:
             raise ValueError(f"zen.dgc.sample_fraction ({self.sample_fraction!r}) must be in (0, 1]")
         if not 0 <= self.momentum < 1:
@@ -139,3 +148,9 @@ class DGCConfig:
             return self.density
         start = self.warmup_start_density
         return start * (self.density / start) ** (step / self.warmup_steps)
+
+    def flush_stride(self, density: float) -> int:
+        """The stride of the rotating flush at ``density`` (0: no flush this step)."""
+        if not self.flush_fraction or density >= 1.0:
+            return 0
+        return max(1, round(1.0 / (self.flush_fraction * density)))

@@ -308,3 +308,17 @@ def memory_dtype(wire: torch.dtype, residual_dtype: str) -> torch.dtype:
     if residual_dtype == "bfloat16" and wire in (torch.float32, torch.float16, torch.bfloat16):
         return torch.bfloat16
     return acc_dtype(wire)
+
+
+def exact_thresholds(R: torch.Tensor, lay: "_Layout", density: float, tp_comm) -> torch.Tensor:
+    """The ``k``-th largest ``|v|`` of each unit (pooled over the TP group): one segmented sort."""
+    vals = R.abs()
+    numel_U = list(lay.unit_numels)
+    if tp_comm is not None and tp_comm.size > 1:
+        vals, unit_N, _, numel_U = _gather_units(vals, numel_U, numel_U, tp_comm)
+    else:
+        unit_N = lay.unit_ids(R.device)
+    sorted_N = _sort_per_unit(vals, unit_N)
+    k_U = [max(1, math.ceil(density * n)) for n in numel_U]
+    at = np.cumsum([0] + numel_U[:-1]) + np.array(k_U) - 1
+    return sorted_N[torch.from_numpy(at).to(R.device, non_blocking=True)]
