@@ -55,6 +55,7 @@ class BucketReducer:
         self.guard_comm = guard_comm
         self.calls = 0
         self._stats = self._empty()
+        self._natural_cache: dict[tuple, list[GradSlice]] = {}
 
     @staticmethod
     def _empty() -> dict:
@@ -125,7 +126,7 @@ class BucketReducer:
         try:
             for a, b, members in chunks:
                 chunk = flat_N[a:b]
-                nat = [s for s in members if self.sync.param_kinds.get(s.name) == "natural" and len(s.shape) >= 2]
+                nat = self._natural_of(members)
                 if nat:
                     self._add_rows("natural_local_rows", chunk, nat)
                 prep = self.sync.prepare_flat(chunk, list(members), op, out=chunk)
@@ -147,7 +148,7 @@ class BucketReducer:
                 raise first
 
     def _reduce_dp(self, chunk: torch.Tensor, members: list[GradSlice], op: str) -> torch.Tensor:
-        nat = [s for s in members if self.sync.param_kinds.get(s.name) == "natural" and len(s.shape) >= 2]
+        nat = self._natural_of(members)
         if nat:
             self._add_rows("natural_local_rows", chunk, nat)
         if self.node is not None and chunk.numel():
@@ -202,6 +203,17 @@ class BucketReducer:
             # γ of the paper (densification): union of non-zero rows after the sync over one rank's.
             rec["gamma_natural"] = union / local
         return rec
+
+    def _natural_of(self, members) -> list[GradSlice]:
+        """The embedding slices of a bucket (γ's rows are counted on them), found once per layout."""
+        key = tuple(members)
+        nat = self._natural_cache.get(key)
+        if nat is None:
+            if len(self._natural_cache) > 4096:  # layouts change only on bucket rebuilds; bound the cache
+                self._natural_cache.clear()
+            nat = self._natural_cache[key] = [s for s in members
+                                              if self.sync.param_kinds.get(s.name) == "natural" and len(s.shape) >= 2]
+        return nat
 
     def _add_rows(self, key: str, flat_N: torch.Tensor, nat: list[GradSlice]) -> None:
         """Add the non-zero rows of the natural slices ``nat`` of ``flat_N`` to ``key``, on the bucket's
