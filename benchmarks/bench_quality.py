@@ -111,10 +111,16 @@ VARIANTS: dict[str, dict | None] = {
     # of residuals (the same on every rank) takes 20 % / 50 % of the budget (zen.dgc.flush_fraction).
     "dgc5_flush20": {"flush_fraction": 0.2},
     "dgc5_flush50": {"flush_fraction": 0.5},
+    # Adam's second moment remembering longer (beta2 0.999, Adam's default, against the demo's 0.95): after
+    # a burst that error feedback releases, v decays as sqrt(beta2)^t while m decays as beta1^t, so a burst
+    # keeps moving the weight for longer; dense with the same betas is the paired baseline.
+    "dense_b2_999": {"_beta2": 0.999, "_dense": True},
+    "dgc5_b2_999": {"_beta2": 0.999},
     "dgc5_localclip": {"clip_norm": 1.0, "_ds_clip": 0.0},
     "dgc1_localclip": {"density": 0.01, "clip_norm": 1.0, "_ds_clip": 0.0},
 }
 STEP_TIME_CONFIG = {"dense": "dense", "dense_lr2x": "dense", "dense_frozen60": "dense", "dense_noclip": "dense",
+                    "dense_b2_999": "dense",
                     "natural": "zen_natural",
                     "dgc_density1": "dense", "dgc_ef21_density1": "dense"}
 """Which emulated-cluster measurement times a variant's step: DGC variants take the ``zen_dgc<d>`` of
@@ -123,11 +129,12 @@ their density; the per-step time of a variant with more dense tensors is then a 
 
 def ds_config(variant: str) -> dict:
     """Step 1: the demo's DeepSpeed config with the variant's ``zen.dgc`` overrides (keys starting with
-    ``_`` are the benchmark's own: ``_dense`` for DeepSpeed without zen, ``_lr_scale`` for the rate)."""
+    ``_`` are the benchmark's own: ``_dense`` for DeepSpeed without zen, ``_lr_scale`` for the rate,
+    ``_beta1`` / ``_beta2`` for AdamW's betas, ``_ds_clip`` for DeepSpeed's gradient clipping)."""
     spec = copy.deepcopy(VARIANTS[variant]) if VARIANTS[variant] is not None else {"_dense": True}
     lr_scale, dense = spec.pop("_lr_scale", 1.0), spec.pop("_dense", False)
     spec.pop("_frozen_after", None)  # a recipe argument (run_one)
-    beta1 = spec.pop("_beta1", None)
+    beta1, beta2 = spec.pop("_beta1", None), spec.pop("_beta2", None)
     ds_clip = spec.pop("_ds_clip", None)
     with open(os.path.join(ROOT, "configs/demo_ds_dense.json" if dense else "configs/demo_ds.json")) as f:
         cfg = json.load(f)
@@ -136,6 +143,8 @@ def ds_config(variant: str) -> dict:
         cfg["zen"]["stats"] = {"summary": False}
     if beta1 is not None:
         cfg["optimizer"]["params"]["betas"][0] = beta1
+    if beta2 is not None:
+        cfg["optimizer"]["params"]["betas"][1] = beta2
     if ds_clip is not None:
         cfg["gradient_clipping"] = ds_clip
     if lr_scale != 1.0:

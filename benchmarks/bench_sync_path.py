@@ -11,9 +11,9 @@ slowest rank's).
 
 A/B: run it from two trees with the same compiled ops, interleaved, e.g.::
 
-    git worktree add /tmp/old <commit> && cp zen_ext/_C*.so /tmp/old/zen_ext/
+    OLD=<a folder outside the repo>; git worktree add "$OLD" <commit> && cp zen_ext/_C*.so "$OLD"/zen_ext/
     for i in 1 2 3; do
-      OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_sync_path.py --tree /tmp/old --label old
+      OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_sync_path.py --tree "$OLD" --label old
       OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_sync_path.py --tree . --label new
     done
 """

@@ -33,7 +33,7 @@ def test_simworld_one_odd_rank_of_three_is_detected_by_every_rank(name):
     def body(comm, grad):
         try:
             return build_scheme(name).sync(comm, grad, op="mean" if comm.rank == 2 else "sum")
-        except RuntimeError as exc:
+        except RuntimeError:
             errors.append(comm.rank)
             raise
 

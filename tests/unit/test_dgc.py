@@ -56,6 +56,23 @@ def compress(sp: DGCSparsifier, *grads, tp_comm=None):
     return sp.compress([NamedGrad(f"p{i}", g) for i, g in enumerate(grads)], tp_comm=tp_comm)
 
 
+def accumulated(sp: DGCSparsifier, grads, momentum_correction: bool) -> list:
+    """What ``compress(sp, *grads)`` will hold as ``v`` before it selects (fp32 memory), computed with the
+    operations the sparsifier uses: the residual plus the gradient, or plus the updated momentum."""
+    acc = []
+    for i, g in enumerate(grads):
+        v = sp.state.get(f"p{i}", "residual")
+        v = torch.zeros(g.numel()) if v is None else v.clone()
+        if momentum_correction:
+            u = sp.state.get(f"p{i}", "momentum")
+            u = torch.zeros(g.numel()) if u is None else u.clone()
+            v.add_(u.mul_(0.9).add_(g.reshape(-1).float()))
+        else:
+            v.add_(g.reshape(-1).float())
+        acc.append(v)
+    return acc
+
+
 # --- config ------------------------------------------------------------------------------------------
 def test_config_defaults_match_the_documented_keys():
     c = DGCConfig()
@@ -136,18 +153,7 @@ def test_residual_conservation_is_exact(dtype, momentum_correction, threshold):
     shapes = [(64, 33), (1000,), (7, 5, 11)]
     for step in range(4):
         grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
-        # The accumulated input, computed with the same operations the sparsifier uses.
-        acc = []
-        for i, g in enumerate(grads):
-            v = sp.state.get(f"p{i}", "residual")
-            v = torch.zeros(g.numel()) if v is None else v.clone()
-            if momentum_correction:
-                u = sp.state.get(f"p{i}", "momentum")
-                u = torch.zeros(g.numel()) if u is None else u.clone()
-                v.add_(u.mul_(0.9).add_(g.reshape(-1).float()))
-            else:
-                v.add_(g.reshape(-1).float())
-            acc.append(v)
+        acc = accumulated(sp, grads, momentum_correction)
         sg = compress(sp, *grads)
         assert sg.values.dtype == dtype
         sent = dense_of(sg).float()
@@ -588,7 +594,6 @@ def test_overflowed_step_leaves_residual_and_momentum_bitwise_unchanged():
     from zen_ext.reduction import BucketReducer
 
     gen = torch.Generator().manual_seed(16)
-    slices = [GradSlice("a", 0, 2048, (32, 64)), GradSlice("b", 2048, 2048, (32, 64))]
     kinds = {"a": "dgc", "b": "dgc"}
     dgc = {"enabled": True, "density": 0.05, "min_numel": 16, "momentum_correction": True}
     steps = [[torch.randn(4096, generator=gen).half() for _ in range(2)] for _ in range(3)]

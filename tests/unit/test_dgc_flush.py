@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.unit.test_dgc import compress
+from tests.unit.test_dgc import accumulated, compress
 from tests.unit.test_synchronizer import DGC, KINDS, NUMEL, SLICES, bucket_inputs, dgc_oracle, run_steps
 from zen_ext.compress import DGCConfig, DGCSparsifier
 
@@ -27,17 +27,7 @@ def test_conservation_with_the_flush_is_exact(wire, momentum_correction, thresho
                                  momentum_correction=momentum_correction))
     for step in range(5):
         grads = [torch.randn(s, generator=gen).to(wire) for s in SHAPES]
-        acc = []
-        for i, g in enumerate(grads):
-            v = sp.state.get(f"p{i}", "residual")
-            v = torch.zeros(g.numel()) if v is None else v.clone()
-            if momentum_correction:
-                u = sp.state.get(f"p{i}", "momentum")
-                u = torch.zeros(g.numel()) if u is None else u.clone()
-                v.add_(u.mul_(0.9).add_(g.reshape(-1).float()))
-            else:
-                v.add_(g.reshape(-1).float())
-            acc.append(v)
+        acc = accumulated(sp, grads, momentum_correction)
         sg = compress(sp, *grads)
         resid = torch.cat([sp.state.get(f"p{i}", "residual") for i in range(len(SHAPES))])
         assert torch.equal(sg.to_dense().float() + resid, torch.cat(acc)), step

@@ -292,8 +292,8 @@ class Synchronizer:
         self._plan_for(flat.reshape(-1), slices, op)
 
     def finish_flat(self, prep: "_Prepared") -> torch.Tensor:
-        """The communicating half of ``sync_flat``: the dense all-reduce, the natural and DGC scheme
-        calls, written into the prepared output; returns it in ``flat``'s shape."""
+        """The communicating half of ``sync_flat``: the dense all-reduce and the one scheme call over every
+        kind's SparseGrads, written into the prepared output; returns it in ``flat``'s shape."""
         t_start = time.perf_counter()
         dp, n = self.dp_comm, self.dp_comm.size
         st = self._stats
