@@ -421,6 +421,10 @@ def _rules_zen(c: ZenConfig, p: str) -> None:
         raise _range_error(f"{p}.bucket_cap_mb", c.bucket_cap_mb, f"be in (0, {int(MAX_BUCKET_CAP_MB)}]")
     if isinstance(c.hierarchical, str) and c.hierarchical != "auto":
         raise _range_error(f"{p}.hierarchical", c.hierarchical, 'be true, false or "auto"')
+    if c.sparsifier_sections:  # built in code rather than parsed: each value becomes its config class
+        from .compress import spec_of
+
+        c.sparsifier_sections = {k: spec_of(k).parse(v) for k, v in c.sparsifier_sections.items()}
 
 
 def _rules_planner(c: PlannerConfig, p: str) -> None:

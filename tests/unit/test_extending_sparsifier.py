@@ -141,6 +141,10 @@ def test_config_section_parses_round_trips_and_validates():
         ZenConfig.from_dict({"nonzer": {}})
     with pytest.raises(ValueError, match=r"sparsifier_sections"):  # internal, not a JSON key
         ZenConfig.from_dict({"sparsifier_sections": {}})
+    # Built in code, the sections are parsed and checked as well.
+    assert ZenConfig(sparsifier_sections={"nonzero": {"enabled": True}}).sections()["nonzero"].enabled
+    with pytest.raises(ValueError, match=r"sparsifier kind \('nothing'\) must be one of"):
+        ZenConfig(sparsifier_sections={"nothing": {}})
 
 
 def test_ranks_that_configure_the_outside_kind_differently_raise():
