@@ -38,7 +38,7 @@ def _worker(rank, world):
         engine.step()
         out["calls"].append(engine.zen.override_calls - before)
         out["scales"].append(float(engine.optimizer.loss_scale))
-        out["dgc_scales"].append(engine.zen.sync._dgc.loss_scale)
+        out["dgc_scales"].append(engine.zen.sync.sparsifiers["dgc"].loss_scale)
         out["skipped"].append(engine.skipped_steps)
     out["states"].append(_state(engine))
     return out
