@@ -162,9 +162,10 @@ class Synchronizer:
             raise ValueError(f"Synchronizer sections ({unknown}) must be registered sparsifier kinds: {sorted(specs)}")
         self.configs = {k: spec.parse(given[k]) if given.get(k) is not None else spec.disabled()
                         for k, spec in specs.items()}
+        kinds = all_kinds()
         for name, kind in param_kinds.items():
-            if kind not in all_kinds():
-                raise ValueError(f"param_kinds[{name!r}] ({kind!r}) must be one of {list(all_kinds())}")
+            if kind not in kinds:
+                raise ValueError(f"param_kinds[{name!r}] ({kind!r}) must be one of {list(kinds)}")
             if kind != DENSE and not (kind in self.configs and self.configs[kind].enabled):
                 raise ValueError(f"param_kinds[{name!r}] ({kind!r}) must name an enabled sparsifier, but "
                                  f"zen.{kind}.enabled is false; classify with the same sections")
