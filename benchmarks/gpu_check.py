@@ -306,6 +306,7 @@ def check_ops(rep: Report, device: str) -> None:
     # ``device="cpu"``: the CPU op against the torch loop, its oracle.
     check_dgc_search(rep, device)
     check_dgc_select(rep, device)
+    check_dgc_kept(rep, device)
     check_dgc_sample(rep, device)
 
 
@@ -412,6 +413,46 @@ def check_dgc_select(rep: Report, device: str) -> None:
                 "C++ CPU op", not bad,
                 "; ".join(bad[:4]) or f"{checked} cases (momentum on/off, gradients one/back to back/apart, "
                 "capacity padding/cutting/0, flag false): R, U, positions, values, runs, count equal")
+
+
+def check_dgc_kept(rep: Report, device: str) -> None:
+    """``dgc_gather_kept`` per value dtype, on candidate buffers of 0 to 3 M entries (more than the
+    kernels' 1,024 tiles of 2,048), kept at random, all, none, or only the first and the last, the flag
+    true/false/absent: kept positions and values, the zero padding and the three read-back values equal
+    to the C++ CPU op's, bit for bit."""
+    import torch
+
+    from zen_ext import ops
+
+    if device != "cuda":
+        return  # the CPU op is held to nonzero + index_select by tests/ops/test_dgc_kept_op.py
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("zen_ext::dgc_gather_kept", "CUDA"):
+        rep.add("ops", "dgc_gather_kept built for CUDA", False, "zen_ext._C lacks the kernel: rebuild")
+        return
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        bad, checked = [], 0
+        for C in (0, 1, 2047, 2049, 300_001, 3_000_017):
+            for pattern, flag in (("random", True), ("all", None), ("none", False), ("ends", True)):
+                g = torch.Generator().manual_seed(C + checked)
+                keep = {"random": lambda: torch.rand(C, generator=g) < 0.4, "all": lambda: torch.ones(C, dtype=torch.bool),
+                        "none": lambda: torch.zeros(C, dtype=torch.bool),
+                        "ends": lambda: torch.arange(C).eq(0) | torch.arange(C).eq(C - 1)}[pattern]()
+                pos = torch.randint(0, 1 << 40, (C,), generator=g)
+                v = torch.randn(C, generator=g, dtype=torch.float64).to(dtype)
+                ok = None if flag is None else torch.tensor([flag])
+                count = torch.tensor([C + 3])
+                try:
+                    want = ops.dgc_gather_kept(keep, pos, v, ok, count)
+                    got = ops.dgc_gather_kept(keep.to(device), pos.to(device), v.to(device),
+                                              None if ok is None else ok.to(device), count.to(device))
+                    if not all(torch.equal(a.cpu(), b) for a, b in zip(got, want)):
+                        bad.append(f"{C} candidates, {pattern}: differ (stats {got[2].tolist()} vs {want[2].tolist()})")
+                    checked += 1
+                except Exception as exc:  # noqa: BLE001 — a row of the report
+                    bad.append(f"{C} candidates, {pattern}: {type(exc).__name__}: {str(exc)[:120]}")
+        rep.add("ops", f"dgc_gather_kept {str(dtype)[6:]}: equal to the C++ CPU op", not bad,
+                "; ".join(bad[:4]) or f"{checked} cases (0 to 3 M candidates; kept at random/all/none/the ends; "
+                "flag true/false/absent): positions, values, padding, stats equal")
 
 
 def check_dgc_sample(rep: Report, device: str) -> None:

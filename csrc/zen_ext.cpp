@@ -50,6 +50,11 @@ TORCH_LIBRARY(zen_ext, m) {
   // (thr_U, keep_C = |v_C| >= thr_U[unit_C]); logic in csrc/dgc_search.h.
   m.def("dgc_threshold_search(Tensor sorted_S, Tensor start_U, Tensor ns_U, Tensor k_U, Tensor first_U, Tensor v_C, "
         "Tensor unit_C, Tensor t_low_U, int passes) -> (Tensor, Tensor)");
+  // The candidates the search keeps (keep_C), compacted in order: (pos_K, v_K, stats). pos_K and v_K are
+  // as long as keep_C: the kept entries' positions and values first, then zeros; stats (int64 [3]) is
+  // (ok, absent: 1; count_C[0], the candidates' number; the kept entries' number), the values the
+  // caller reads back in one copy.
+  m.def("dgc_gather_kept(Tensor keep_C, Tensor pos_C, Tensor v_C, Tensor? ok, Tensor count_C) -> (Tensor, Tensor, Tensor)");
   // DGC's samples of one bucket as sort keys, in one op: sample s of unit u = unit_S[s] lies at
   // grid_S[s] + (hash_U[u] + shift) mod stride_U[u]; its value |R + U*momentum + g| (or |R + g| without
   // U; g the concatenation of g_T; NaN as 0, inf as the largest float) as the int64 key

@@ -42,6 +42,7 @@ PULL_KERNELS = ("add_dense_kernel", "fill_words_kernel", "add_coo_kernel", "popc
 SEARCH_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_search.cu")
 SELECT_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_kernel.cu")
 SAMPLE_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_sample.cu")
+KEPT_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_kept.cu")
 HARNESS_CU = os.path.join(ROOT, "tests", "ops", "hash_kernel_harness.cu")
 # One architecture keeps the check quick; sm_80 (A100) is the oldest the paper-class GPUs need.
 GENCODE = ["-gencode", "arch=compute_80,code=sm_80"]
@@ -163,6 +164,16 @@ def test_dgc_search_kernel_compiles(tmp_path):
     entries = _compile_and_link(SEARCH_CU, tmp_path)
     for tag in ("IfE", "IdE", "IN3c108BFloat16EE", "IN3c104HalfEE"):
         assert f"threshold_search_kernel{tag}" in entries, f"threshold_search_kernel not instantiated for {tag}: {entries}"
+
+
+@pytest.mark.timeout(1200)
+def test_dgc_kept_kernels_compile(tmp_path):
+    """``csrc/cuda/dgc_kept.cu`` (dgc_gather_kept) compiles and links: the count kernel and the gather
+    kernel for every value dtype."""
+    entries = _compile_and_link(KEPT_CU, tmp_path)
+    assert "kept_count_kernel" in entries, entries
+    for tag in ("IfE", "IdE", "IN3c108BFloat16EE", "IN3c104HalfEE"):
+        assert f"gather_kept_kernel{tag}" in entries, f"gather_kept_kernel not instantiated for {tag}: {entries}"
 
 
 @pytest.mark.timeout(1200)

@@ -375,8 +375,8 @@ class DGCSparsifier(Sparsifier):
            the passes of the search cost ``O(candidates)``, not ``O(bucket)``. A unit whose candidates
            are fewer than the band keeps ``t_low`` (all its candidates).
 
-        5. With ``pending``: one host read of the finiteness flag and both counts; then the kept
-           candidates by ``nonzero_static`` of the read count.
+        5. With ``pending``: the kept candidates compacted in order by ``dgc_gather_kept``, which also
+           writes the finiteness flag and both counts; one host read of those three.
 
         With ``pending = (U, g, finite)`` the velocity update has not run yet: the samples are taken
         from ``R + update`` (the same roundings as the update), and step 3 is
@@ -404,8 +404,9 @@ class DGCSparsifier(Sparsifier):
             keep = keep_C.nonzero().flatten()
             return thr_U, pos_C.index_select(0, keep), v_C.index_select(0, keep)
         # Step 5: the bucket's one host read: the finiteness flag, the candidates' and the selection's
-        # counts.
-        ok, n_cand, n_keep = torch.stack([pending[2].to(torch.int64), count_C[0], keep_C.sum()]).tolist()
+        # counts; the op that writes them has compacted the kept candidates already.
+        pos_K, v_K, stats = ops.dgc_gather_kept(keep_C, pos_C, v_C, pending[2], count_C)
+        ok, n_cand, n_keep = stats.tolist()
         if not ok:
             return None
         if n_cand > pos_C.numel():  # more candidates than the capacity: select them again, exactly
@@ -413,9 +414,8 @@ class DGCSparsifier(Sparsifier):
             pos_C, v_C, unit_C = self._candidates(R, lay, t_low)
             thr_U, keep_C = self._search(sorted_S, consts, v_C, unit_C, t_low, tp_comm if tp else None, lay, R)
             keep = keep_C.nonzero().flatten()
-        else:
-            keep = torch.nonzero_static(keep_C, size=n_keep).flatten()
-        return thr_U, pos_C.index_select(0, keep), v_C.index_select(0, keep)
+            return thr_U, pos_C.index_select(0, keep), v_C.index_select(0, keep)
+        return thr_U, pos_K[:n_keep], v_K[:n_keep]
 
     def _samples(self, R: torch.Tensor, lay: "_Layout", density: float, pending, tp_comm, tiny: float):
         """Steps 1-2 of ``_sampled_thresholds`` with torch ops, and step 3's lower threshold:

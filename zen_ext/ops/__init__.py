@@ -32,7 +32,7 @@ if os.environ.get("ZEN_DISABLE_CPP_OP", "0") != "1":
 __all__ = [
     "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
     "aggregate_push", "aggregate_push_into", "read_aggregate_count", "has_aggregate_into_op", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
-    "has_dgc_search_op", "dgc_threshold_search", "has_dgc_sample_op", "dgc_sample_keys", "dgc_sort_unkey", "dgc_all_finite",
+    "has_dgc_search_op", "dgc_threshold_search", "has_dgc_gather_kept_op", "dgc_gather_kept", "has_dgc_sample_op", "dgc_sample_keys", "dgc_sort_unkey", "dgc_all_finite",
     "gather_list", "emulate_cuda_layout",
 ]
 
@@ -290,8 +290,9 @@ def zero_(t: torch.Tensor) -> torch.Tensor:
 
 
 def has_dgc_select_op(t: torch.Tensor) -> bool:
-    """Whether ``dgc_accumulate_select_`` has a kernel for ``t``'s device (CPU, and CUDA builds)."""
-    return _has_kernel("dgc_accumulate_select_", t)
+    """Whether ``dgc_accumulate_select_`` and ``dgc_gather_kept``, which compacts what the search keeps
+    of its candidates, have kernels for ``t``'s device (CPU, and CUDA builds)."""
+    return _has_kernel("dgc_accumulate_select_", t) and _has_kernel("dgc_gather_kept", t)
 
 
 def dgc_accumulate_select_(
@@ -335,6 +336,26 @@ def dgc_threshold_search(
     """
     return torch.ops.zen_ext.dgc_threshold_search(sorted_S, start_U, ns_U, k_U, first_U, v_C, unit_C, t_low_U,
                                                   int(passes))
+
+
+def has_dgc_gather_kept_op(t: torch.Tensor) -> bool:
+    """Whether ``dgc_gather_kept`` has a kernel for ``t``'s device (CPU, and CUDA builds)."""
+    return _has_kernel("dgc_gather_kept", t)
+
+
+def dgc_gather_kept(
+    keep_C: torch.Tensor, pos_C: torch.Tensor, v_C: torch.Tensor, ok: torch.Tensor | None, count_C: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The candidates ``dgc_threshold_search`` keeps, compacted in order, and the bucket's read-back
+    values, in one op (two kernels on a GPU, nothing read back).
+
+    Returns ``(pos_K, v_K, stats)``: ``pos_K`` and ``v_K`` as long as ``keep_C``, the kept entries'
+    ``pos_C`` and ``v_C`` first (ascending), then zeros; ``stats`` int64 ``[ok (1 when absent),
+    count_C[0], kept]``, the three values the caller reads with one copy (then it slices the first
+    ``kept`` entries: the same layout on every device).
+    Callers check ``has_dgc_gather_kept_op`` first; ``nonzero`` and ``index_select`` are its oracle.
+    """
+    return torch.ops.zen_ext.dgc_gather_kept(keep_C, pos_C, v_C, ok, count_C)
 
 
 def has_dgc_sample_op(t: torch.Tensor) -> bool:
