@@ -8,29 +8,16 @@
 
 #include <tuple>
 
+#include "../dgc_kept_check.h"
+
 namespace zen_ext {
 namespace {
-
-void check_inputs(const at::Tensor& keep_C, const at::Tensor& pos_C, const at::Tensor& v_C,
-                  const c10::optional<at::Tensor>& ok, const at::Tensor& count_C) {
-  TORCH_CHECK(keep_C.dim() == 1 && keep_C.scalar_type() == at::kBool, "dgc_gather_kept: keep_C must be 1-D bool");
-  TORCH_CHECK(pos_C.dim() == 1 && pos_C.scalar_type() == at::kLong && pos_C.numel() == keep_C.numel() &&
-                  v_C.dim() == 1 && v_C.numel() == keep_C.numel(),
-              "dgc_gather_kept: pos_C (int64) and v_C must be 1-D and as long as keep_C");
-  TORCH_CHECK(count_C.scalar_type() == at::kLong && count_C.numel() >= 1,
-              "dgc_gather_kept: count_C must hold the candidates' number as int64");
-  TORCH_CHECK(!ok.has_value() || !ok->defined() || (ok->scalar_type() == at::kBool && ok->numel() == 1),
-              "dgc_gather_kept: ok must be one bool");
-  for (const at::Tensor* t : {&pos_C, &v_C, &count_C}) {
-    TORCH_CHECK(t->device() == keep_C.device(), "dgc_gather_kept: every tensor must be on keep_C's device");
-  }
-}
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> dgc_gather_kept_cpu(const at::Tensor& keep_C, const at::Tensor& pos_C,
                                                                    const at::Tensor& v_C,
                                                                    const c10::optional<at::Tensor>& ok,
                                                                    const at::Tensor& count_C) {
-  check_inputs(keep_C, pos_C, v_C, ok, count_C);
+  dgc::check_gather_kept_args(keep_C, pos_C, v_C, ok, count_C);
   const auto keep = keep_C.contiguous(), pos = pos_C.contiguous(), v = v_C.contiguous();
   const int64_t C = keep.numel();
   auto pos_K = at::zeros({C}, pos.options());  // the padding past the kept entries: zeros

@@ -21,6 +21,8 @@
 #include <cstdint>
 #include <tuple>
 
+#include "../dgc_kept_check.h"
+
 namespace zen_ext {
 namespace {
 
@@ -109,19 +111,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> dgc_gather_kept_cuda(const at::Te
                                                                     const at::Tensor& v_C,
                                                                     const c10::optional<at::Tensor>& ok_opt,
                                                                     const at::Tensor& count_C) {
-  TORCH_CHECK(keep_C.dim() == 1 && keep_C.scalar_type() == at::kBool, "dgc_gather_kept: keep_C must be 1-D bool");
-  TORCH_CHECK(pos_C.dim() == 1 && pos_C.scalar_type() == at::kLong && pos_C.numel() == keep_C.numel() &&
-                  v_C.dim() == 1 && v_C.numel() == keep_C.numel(),
-              "dgc_gather_kept: pos_C (int64) and v_C must be 1-D and as long as keep_C");
-  TORCH_CHECK(count_C.scalar_type() == at::kLong && count_C.numel() >= 1,
-              "dgc_gather_kept: count_C must hold the candidates' number as int64");
+  dgc::check_gather_kept_args(keep_C, pos_C, v_C, ok_opt, count_C);
+  TORCH_CHECK(keep_C.is_cuda(), "dgc_gather_kept: keep_C must be a CUDA tensor here");
   const bool has_ok = ok_opt.has_value() && ok_opt->defined();
-  TORCH_CHECK(!has_ok || (ok_opt->scalar_type() == at::kBool && ok_opt->numel() == 1 &&
-                          ok_opt->device() == keep_C.device()),
-              "dgc_gather_kept: ok must be one bool on keep_C's device");
-  for (const at::Tensor* t : {&pos_C, &v_C, &count_C}) {
-    TORCH_CHECK(t->device() == keep_C.device(), "dgc_gather_kept: every tensor must be on keep_C's device");
-  }
   const c10::cuda::CUDAGuard guard(keep_C.device());
   const auto keep = keep_C.contiguous(), pos = pos_C.contiguous(), v = v_C.contiguous(), cnt = count_C.contiguous();
   const auto ok = has_ok ? ok_opt->contiguous() : at::Tensor();
