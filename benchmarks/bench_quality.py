@@ -116,6 +116,10 @@ VARIANTS: dict[str, dict | None] = {
     # keeps moving the weight for longer; dense with the same betas is the paired baseline.
     "dense_b2_999": {"_beta2": 0.999, "_dense": True},
     "dgc5_b2_999": {"_beta2": 0.999},
+    # Adam-aware selection: rank residuals by |r| / sqrt(running mean of g²) (zen.dgc.normalize_beta, the
+    # demo's AdamW beta2), so a coordinate is sent once its residual is large against its own scale, as
+    # Adam's step is, not only where gradients are large.
+    "dgc5_norm95": {"normalize_beta": 0.95},
     "dgc5_localclip": {"clip_norm": 1.0, "_ds_clip": 0.0},
     "dgc1_localclip": {"density": 0.01, "clip_norm": 1.0, "_ds_clip": 0.0},
 }

@@ -78,7 +78,7 @@ from .base import NamedGrad, Sparsifier
 from .dgc_config import FEEDBACKS, RESIDUAL_DTYPES, SELECTIONS, THRESHOLDS, DGCConfig  # noqa: F401
 from .dgc_units import (CANDIDATE_FACTOR, CAPACITY_FACTOR, MIN_KEPT_SAMPLES, REFINE_BAND,  # noqa: F401
                         _at_rank, _gather_units, exact_thresholds, memory_dtype, _Layout, _SearchConstants, _sort_per_unit, _ThresholdSearch,
-                        sample_shift)
+                        normalized_residual, sample_shift)
 from .registry import register_sparsifier
 from .state import SparsifierState
 
@@ -162,6 +162,7 @@ class DGCSparsifier(Sparsifier):
                              "would have to undo every rank's estimate and the aggregate")
         if self.loss_scale is not None and scale != self.loss_scale:
             self.state.rescale(scale / self.loss_scale)
+            self.state.rescale((scale / self.loss_scale) ** 2, ("sq_mean",))  # normalize_beta's squares
             for _, _, old_r, old_u in self._journal.values():
                 old_r.mul_(scale / self.loss_scale)
                 if old_u is not None:
@@ -229,7 +230,7 @@ class DGCSparsifier(Sparsifier):
         # the thresholds are sampled from R + the pending update at the sample positions. There the
         # flag stays on the device (the op skips the update where it is false) and is read with the
         # selection's counts: one host read for the bucket.
-        one_pass = (density < 1.0 and cfg.threshold != "exact" and cfg.clip_norm is None
+        one_pass = (density < 1.0 and cfg.threshold != "exact" and cfg.clip_norm is None and not cfg.normalize_beta
                     and (mdt == wire if mdt == torch.float64 else mdt == torch.float32 and wire in _ONE_PASS_WIRE)
                     and ops.has_dgc_select_op(flats[0]) and all(f.is_contiguous() for f in flats))
 
@@ -286,6 +287,7 @@ class DGCSparsifier(Sparsifier):
             R.add_(gs[0])
         else:
             torch._foreach_add_(R_T, gs)
+        S = normalized_residual(self.state, lay, R, gs, cfg.normalize_beta, mdt) if cfg.normalize_beta else R
         del gs
 
         # Step 3 + 4: thresholds, one per selection unit, and the selection mask they give.
@@ -295,11 +297,12 @@ class DGCSparsifier(Sparsifier):
             pos_K = lay.select(R, thr_U).view(-1).nonzero().flatten()
             v_K = R.index_select(0, pos_K)
         elif cfg.threshold == "exact":
-            thr_U = exact_thresholds(R, lay, density, tp_comm).clamp(min=tiny)
-            pos_K = lay.select(R, thr_U).view(-1).nonzero().flatten()  # one host synchronization
+            thr_U = exact_thresholds(S, lay, density, tp_comm).clamp(min=tiny)
+            pos_K = lay.select(S, thr_U).view(-1).nonzero().flatten()  # one host synchronization
             v_K = R.index_select(0, pos_K)
         else:
-            thr_U, pos_K, v_K = self._sampled_thresholds(R, lay, density, tp_comm, tiny)
+            thr_U, pos_K, v_K = self._sampled_thresholds(S, lay, density, tp_comm, tiny)
+            v_K = v_K if S is R else R.index_select(0, pos_K)
         return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total, v_K, flush)
 
     def _non_finite(self, flats: list[torch.Tensor], total: int) -> SparseGrad | None:

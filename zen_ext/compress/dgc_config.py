@@ -71,6 +71,15 @@ class DGCConfig:
     how long error feedback holds a coordinate back (each is flushed once per stride of steps). 0
     (default) = off. Measured under Adam (benchmarks/results/time_to_quality.md): worse than off at 5 %
     (0.2 and 0.5: +10.3 / +11.7 % from scratch against +8.4 %); kept as a measured alternative."""
+    normalize_beta: float = 0.0
+    """Adam-aware selection: rank the residuals by ``|r| / sqrt(s)``, ``s`` each element's running mean
+    of its squared local gradient with this decay (AdamW's ``beta2``, e.g. 0.95), in place of ``|r|``:
+    a coordinate is sent once its residual is large against its own gradient scale, as Adam normalizes
+    each coordinate's step. One more buffer of memory per parameter; the bucket takes the torch path.
+    0 (default) = off, in [0, 1). Measured under AdamW (benchmarks/results/time_to_quality.md): far
+    worse than off at 5 % (0.95: +35.9 % from scratch, +4.9 % fine-tuning, against +8.4 / +3.7 %): the
+    budget the small-scale coordinates take is missed where the large residuals are; kept as a measured
+    alternative."""
     residual_dtype: str = "float32"
     """dtype of the residual and momentum: ``"float32"`` (8 bytes per parameter with momentum
     correction) or ``"bfloat16"`` (4 bytes; the accumulation then rounds to 8 mantissa bits).
@@ -82,7 +91,8 @@ class DGCConfig:
             check_bool(s, name, getattr(self, name))
         if self.momentum_correction is not None:  # null: resolved from the optimizer when attached
             check_bool(s, "momentum_correction", self.momentum_correction)
-        for name in ("density", "sample_fraction", "momentum", "warmup_start_density", "flush_fraction"):
+        for name in ("density", "sample_fraction", "momentum", "warmup_start_density", "flush_fraction",
+                     "normalize_beta"):
             check_number(s, name, getattr(self, name))
         check_int(s, "warmup_steps", self.warmup_steps)
         check_int(s, "dense_steps", self.dense_steps)
@@ -101,6 +111,11 @@ class DGCConfig:
             raise ValueError(f"zen.dgc.density ({self.density!r}) must be in (0, 1]")
         if not 0 <= self.flush_fraction < 1:
             raise ValueError(f"zen.dgc.flush_fraction ({self.flush_fraction!r}) must be in [0, 1)")
+        if not 0 <= self.normalize_beta < 1:
+            raise ValueError(f"zen.dgc.normalize_beta ({self.normalize_beta!r}) must be in [0, 1)")
+        if self.normalize_beta and self.feedback == "ef21":
+            raise ValueError(f'zen.dgc.normalize_beta ({self.normalize_beta!r}) must be 0 when zen.dgc.feedback '
+                             'is "ef21": the normalized selection is for error feedback ("ef")')
         if not 0 < self.sample_fraction <= 1:
             raise ValueError(f"zen.dgc.sample_fraction ({self.sample_fraction!r}) must be in (0, 1]")
         if not 0 <= self.momentum < 1:

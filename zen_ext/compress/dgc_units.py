@@ -322,3 +322,20 @@ def exact_thresholds(R: torch.Tensor, lay: "_Layout", density: float, tp_comm) -
     k_U = [max(1, math.ceil(density * n)) for n in numel_U]
     at = np.cumsum([0] + numel_U[:-1]) + np.array(k_U) - 1
     return sorted_N[torch.from_numpy(at).to(R.device, non_blocking=True)]
+
+
+def normalized_residual(state, lay: "_Layout", R: torch.Tensor, gs: list[torch.Tensor], beta: float,
+                        mdt: torch.dtype) -> torch.Tensor:
+    """What ``zen.dgc.normalize_beta`` ranks: ``R / sqrt(s)``, ``s ← beta·s + (1 − beta)·g²`` each
+    element's running mean of its squared local gradient (``gs``: the bucket's gradients, one per tensor
+    or one concatenation), kept in the state as ``"sq_mean"``. An element whose ``s`` is 0 never had a
+    gradient, so its residual is 0 too (the floor only avoids 0/0)."""
+    s, s_T = state.flat(lay.names, lay.numels, "sq_mean", mdt, R.device)
+    s.mul_(beta)
+    if len(gs) == 1 and gs[0].numel() == lay.numel:
+        g = gs[0].to(mdt)
+        s.addcmul_(g, g, value=1.0 - beta)
+    else:
+        gm = [g.to(mdt) for g in gs]
+        torch._foreach_addcmul_(s_T, gm, gm, value=1.0 - beta)
+    return R / s.sqrt().clamp_min(torch.finfo(mdt).smallest_normal)
