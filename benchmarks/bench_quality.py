@@ -120,6 +120,10 @@ VARIANTS: dict[str, dict | None] = {
     # demo's AdamW beta2), so a coordinate is sent once its residual is large against its own scale, as
     # Adam's step is, not only where gradients are large.
     "dgc5_norm95": {"normalize_beta": 0.95},
+    # Finer selection units than a tensor (zen.dgc.selection_chunk): the exact top 5 % of every run of
+    # 256 elements (four rows of a 64-wide matrix: ceil(0.05·256) = 13, 5.1 %), against the exact
+    # per-tensor top-k (dgc5_exact). One threshold per bucket was worse than one per tensor.
+    "dgc5_chunk256": {"threshold": "exact", "selection_chunk": 256},
     "dgc5_localclip": {"clip_norm": 1.0, "_ds_clip": 0.0},
     "dgc1_localclip": {"density": 0.01, "clip_norm": 1.0, "_ds_clip": 0.0},
 }

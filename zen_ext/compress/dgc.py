@@ -37,8 +37,7 @@ Choices and why:
 * **local gradient clipping** (``clip_norm``): each parameter's local gradient is scaled to an L2 norm
   of at most ``clip_norm / sqrt(dp_size)`` before accumulation (DGC §3.2's ``N^{-1/2}`` rule, applied
   per tensor because a bucket hook never sees the whole model's gradient at once).
-* **warm-up**: density ramps exponentially from ``warmup_start_density`` to ``density`` over the first
-  ``warmup_steps`` steps.
+* **warm-up**: density ramps from ``warmup_start_density`` to ``density`` over ``warmup_steps``.
 * **memory in fp32** for fp16/bf16 gradients (``residual_dtype="bfloat16"`` halves it); values
   travel in the gradient's dtype, **clamped to its finite range** (an accumulated fp16 value past
   65504 would be sent as inf and turn the residual into −inf, then NaN, freezing the tensor), and the
@@ -56,8 +55,7 @@ each peer (``U`` selection units, ``S`` samples) plus ``REFINE_PASSES`` all-redu
 Momentum correction moves the momentum into the sparsifier: use an optimizer without momentum for
 DGC parameters (DGC's ``DGCSGD``), or set ``momentum_correction=False`` to keep plain error feedback.
 
-The ``zen.dgc`` section is ``dgc_config.DGCConfig``; the per-layout units, sampling grid and threshold
-search state are in ``dgc_units``.
+``zen.dgc`` is ``dgc_config.DGCConfig``; units, sampling grid and search state are in ``dgc_units``.
 
 Legend: ``_N`` elements of one gradient, ``_K`` selected, ``_S`` samples, ``_U`` selection units.
 """
@@ -78,7 +76,7 @@ from .base import NamedGrad, Sparsifier
 from .dgc_config import FEEDBACKS, RESIDUAL_DTYPES, SELECTIONS, THRESHOLDS, DGCConfig  # noqa: F401
 from .dgc_units import (CANDIDATE_FACTOR, CAPACITY_FACTOR, MIN_KEPT_SAMPLES, REFINE_BAND,  # noqa: F401
                         _at_rank, _gather_units, exact_thresholds, memory_dtype, _Layout, _SearchConstants, _sort_per_unit, _ThresholdSearch,
-                        normalized_residual, sample_shift)
+                        chunk_topk, normalized_residual, sample_shift)
 from .registry import register_sparsifier
 from .state import SparsifierState
 
@@ -295,6 +293,9 @@ class DGCSparsifier(Sparsifier):
         if density >= 1.0:  # dense_steps (or density 1): every non-zero entry travels
             thr_U = torch.full((lay.units,), tiny, dtype=mdt, device=R.device)
             pos_K = lay.select(R, thr_U).view(-1).nonzero().flatten()
+            v_K = R.index_select(0, pos_K)
+        elif cfg.selection_chunk:
+            thr_U, pos_K = chunk_topk(S, lay, density, cfg.selection_chunk, tiny, tp_comm)
             v_K = R.index_select(0, pos_K)
         elif cfg.threshold == "exact":
             thr_U = exact_thresholds(S, lay, density, tp_comm).clamp(min=tiny)

@@ -339,3 +339,28 @@ def normalized_residual(state, lay: "_Layout", R: torch.Tensor, gs: list[torch.T
         gm = [g.to(mdt) for g in gs]
         torch._foreach_addcmul_(s_T, gm, gm, value=1.0 - beta)
     return R / s.sqrt().clamp_min(torch.finfo(mdt).smallest_normal)
+
+
+def chunk_topk(R: torch.Tensor, lay: "_Layout", density: float, chunk: int, tiny: float,
+               tp_comm=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``zen.dgc.selection_chunk``: the exact top ``ceil(density·chunk)`` of every run of ``chunk``
+    elements of each tensor (a tensor's last, shorter run keeps its own share), non-zeros only.
+
+    Returns ``(thr_T, pos_K)``: each tensor's smallest run threshold (what the state records) and the
+    kept positions, ascending. One top-k per tensor: the experiment's path, not the GPU's."""
+    if tp_comm is not None and tp_comm.size > 1:
+        raise ValueError(f"zen.dgc.selection_chunk ({chunk}) must be 0 under tensor parallelism")
+    masks, thr_T, at = [], [], 0
+    for n in lay.numels:
+        r = R[at:at + n].abs()
+        full = n // chunk * chunk
+        parts, lows = [], []
+        for seg, width in ((r[:full].view(-1, chunk), chunk), (r[full:].view(1, -1), n - full)):
+            if seg.numel():
+                t = seg.topk(max(1, math.ceil(density * width)), dim=1).values[:, -1:].clamp(min=tiny)
+                parts.append((seg >= t).reshape(-1))
+                lows.append(t.min())
+        masks.append(torch.cat(parts))
+        thr_T.append(torch.stack(lows).min())
+        at += n
+    return torch.stack(thr_T), torch.cat(masks).nonzero().flatten()

@@ -1,0 +1,69 @@
+"""``zen.dgc.selection_chunk``: the exact top ``density`` of every run of ``chunk`` elements of each
+tensor (issue 21's finer-unit experiment): every run sends exactly its own top-k (a tensor's shorter last
+run its own share), zeros never travel, error feedback stays exact, and the unsupported combinations
+raise before anything runs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tests.unit.test_dgc import accumulated, compress
+from zen_ext.compress import DGCConfig, DGCSparsifier
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 64, 256, 5000])
+def test_every_run_sends_its_own_top_k(chunk):
+    gen = torch.Generator().manual_seed(chunk)
+    sizes = [4096, 1000, 33]
+    grads = [torch.randn(n, generator=gen) * (10.0 ** i) for i, n in enumerate(sizes)]
+    grads[1][:300] = 0.0  # zeros never travel, even where a run keeps more than its non-zeros
+    sp = DGCSparsifier(DGCConfig(enabled=True, density=0.05, threshold="exact", selection_chunk=chunk,
+                                 momentum_correction=False))
+    got = compress(sp, *grads).indices
+    want, at = [], 0
+    for g in grads:
+        n = g.numel()
+        for s in range(0, n, chunk):
+            run = g[s:s + chunk].abs()
+            k = max(1, math.ceil(0.05 * run.numel()))
+            t = run.topk(k).values[-1]
+            want.append(at + s + ((run >= t) & (run > 0)).nonzero().flatten())
+        at += n
+    assert torch.equal(got, torch.cat(want))
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("momentum_correction", [False, True])
+def test_conservation_is_exact(wire, momentum_correction):
+    gen = torch.Generator().manual_seed(7)
+    sp = DGCSparsifier(DGCConfig(enabled=True, density=0.05, threshold="exact", selection_chunk=256,
+                                 momentum_correction=momentum_correction))
+    shapes = [(64, 64), (1000,)]
+    for step in range(4):
+        grads = [torch.randn(s, generator=gen).to(wire) for s in shapes]
+        acc = accumulated(sp, grads, momentum_correction)
+        sg = compress(sp, *grads)
+        resid = torch.cat([sp.state.get(f"p{i}", "residual") for i in range(len(shapes))])
+        assert torch.equal(sg.to_dense().float() + resid, torch.cat(acc)), step
+        sp.state.step += 1
+
+
+def test_bad_values_raise():
+    with pytest.raises(ValueError, match=r'zen.dgc.selection_chunk \(256\) must be 0 or, with zen.dgc.threshold "exact" '
+                                         r"\(got 'sampled'\), a positive number of elements"):
+        DGCConfig(selection_chunk=256)
+    with pytest.raises(ValueError, match=r"zen.dgc.selection_chunk \(-1\) must be 0 or"):
+        DGCConfig(selection_chunk=-1, threshold="exact")
+
+
+def test_tensor_parallelism_raises():
+    class _TP:
+        size = 2
+
+    sp = DGCSparsifier(DGCConfig(enabled=True, density=0.05, threshold="exact", selection_chunk=64,
+                                 momentum_correction=False))
+    with pytest.raises(ValueError, match=r"zen.dgc.selection_chunk \(64\) must be 0 under tensor parallelism"):
+        compress(sp, torch.randn(4096), tp_comm=_TP())
