@@ -86,6 +86,7 @@ VARIANTS: dict[str, dict | None] = {
     "dgc5_per_bucket": {"selection": "per_bucket"},
     "dgc10": {"density": 0.10},
     "dgc20": {"density": 0.20},
+    "dgc25": {"density": 0.25},  # about the elements dgc5_attn_dense sends (26 % of the non-embedding gradient)
     # The sampled threshold search against the exact top-k (one sort per tensor): does the estimate's
     # error (units keep 0.8-1.25 k) cost quality?
     "dgc5_exact": {"threshold": "exact"},
@@ -124,6 +125,10 @@ VARIANTS: dict[str, dict | None] = {
     # 256 elements (four rows of a 64-wide matrix: ceil(0.05·256) = 13, 5.1 %), against the exact
     # per-tensor top-k (dgc5_exact). One threshold per bucket was worse than one per tensor.
     "dgc5_chunk256": {"threshold": "exact", "selection_chunk": 256},
+    # Which layers stay dense: attention (q, k, v, o: 16 K elements per layer) or the MLP (24 K per
+    # layer); the output layer (64 K) is dgc5_head_dense. Dense layers send more bytes than 5 %.
+    "dgc5_attn_dense": {"dense_params": ["self_attn"]},
+    "dgc5_mlp_dense": {"dense_params": [r"\.mlp\."]},
     "dgc5_localclip": {"clip_norm": 1.0, "_ds_clip": 0.0},
     "dgc1_localclip": {"density": 0.01, "clip_norm": 1.0, "_ds_clip": 0.0},
 }
