@@ -14,10 +14,10 @@ from tests.unit.test_dgc import accumulated, compress
 from zen_ext.compress import DGCConfig, DGCSparsifier
 
 
+@pytest.mark.parametrize("sizes", [[4096, 1000, 33], [4096, 1024, 256]])  # ragged (a loop); whole runs (one top-k)
 @pytest.mark.parametrize("chunk", [1, 7, 64, 256, 5000])
-def test_every_run_sends_its_own_top_k(chunk):
+def test_every_run_sends_its_own_top_k(chunk, sizes):
     gen = torch.Generator().manual_seed(chunk)
-    sizes = [4096, 1000, 33]
     grads = [torch.randn(n, generator=gen) * (10.0 ** i) for i, n in enumerate(sizes)]
     grads[1][:300] = 0.0  # zeros never travel, even where a run keeps more than its non-zeros
     sp = DGCSparsifier(DGCConfig(enabled=True, density=0.05, threshold="exact", selection_chunk=chunk,
@@ -33,6 +33,30 @@ def test_every_run_sends_its_own_top_k(chunk):
             want.append(at + s + ((run >= t) & (run > 0)).nonzero().flatten())
         at += n
     assert torch.equal(got, torch.cat(want))
+    for i, g in enumerate(grads):  # the state records each tensor's smallest run threshold
+        n = g.numel()
+        runs = [g[s:s + chunk].abs() for s in range(0, n, chunk)]
+        low = min(r.topk(max(1, math.ceil(0.05 * r.numel()))).values[-1].clamp(min=1e-45) for r in runs)
+        assert torch.equal(sp.state.get(f"p{i}", "threshold"), low), i
+
+
+def test_whole_runs_cost_the_same_ops_for_4_and_64_tensors():
+    """Where every tensor holds whole runs, the selection is one top-k over the bucket's runs."""
+    from tests.unit.test_dgc import _OpCounter
+    from zen_ext.compress.base import NamedGrad
+
+    def ops(num):
+        bucket = torch.randn(64 * 4096, generator=torch.Generator().manual_seed(num))
+        grads = [NamedGrad(f"p{i}", t) for i, t in enumerate(bucket.split(64 * 4096 // num))]
+        sp = DGCSparsifier(DGCConfig(enabled=True, density=0.05, threshold="exact", selection_chunk=256,
+                                     momentum_correction=False))
+        sp.compress(grads)
+        sp.state.step += 1
+        with _OpCounter() as c:
+            sp.compress(grads)
+        return c.ops
+
+    assert ops(4) == ops(64)
 
 
 @pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])

@@ -78,3 +78,21 @@ def test_bad_beta_raises(bad):
 def test_ef21_rejects_it():
     with pytest.raises(ValueError, match=r'zen.dgc.normalize_beta \(0.9\) must be 0 when zen.dgc.feedback is "ef21"'):
         DGCConfig(normalize_beta=0.9, feedback="ef21", momentum_correction=False)
+
+
+def test_ops_per_bucket_do_not_grow_with_the_number_of_tensors():
+    """The running mean is updated over the bucket at once (the gradients as one view), not per tensor."""
+    from tests.unit.test_dgc import _OpCounter
+    from zen_ext.compress.base import NamedGrad
+
+    def ops(num):
+        bucket = torch.randn(64 * 4096, generator=torch.Generator().manual_seed(num)).to(torch.bfloat16)
+        grads = [NamedGrad(f"p{i}", t) for i, t in enumerate(bucket.split(64 * 4096 // num))]
+        sp = DGCSparsifier(DGCConfig(enabled=True, density=0.05, normalize_beta=0.95, momentum_correction=False))
+        sp.compress(grads)
+        sp.state.step += 1
+        with _OpCounter() as c:
+            sp.compress(grads)
+        return c.ops
+
+    assert ops(4) == ops(64)
