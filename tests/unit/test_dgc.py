@@ -73,6 +73,16 @@ def accumulated(sp: DGCSparsifier, grads, momentum_correction: bool) -> list:
     return acc
 
 
+def compress_conserving(sp: DGCSparsifier, grads, momentum_correction: bool):
+    """``compress(sp, *grads)``, asserting error feedback's exactness: sent + new residual == the
+    accumulated input, bitwise (fp32 memory). Returns the SparseGrad."""
+    acc = accumulated(sp, grads, momentum_correction)
+    sg = compress(sp, *grads)
+    resid = torch.cat([sp.state.get(f"p{i}", "residual") for i in range(len(grads))])
+    assert torch.equal(sg.to_dense().float() + resid, torch.cat(acc))
+    return sg
+
+
 # --- config ------------------------------------------------------------------------------------------
 def test_config_defaults_match_the_documented_keys():
     c = DGCConfig()

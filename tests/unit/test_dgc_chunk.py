@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from tests.unit.test_dgc import accumulated, compress
+from tests.unit.test_dgc import _ops_of_second_step, compress, compress_conserving
 from zen_ext.compress import DGCConfig, DGCSparsifier
 
 
@@ -42,21 +42,9 @@ def test_every_run_sends_its_own_top_k(chunk, sizes):
 
 def test_whole_runs_cost_the_same_ops_for_4_and_64_tensors():
     """Where every tensor holds whole runs, the selection is one top-k over the bucket's runs."""
-    from tests.unit.test_dgc import _OpCounter
-    from zen_ext.compress.base import NamedGrad
-
-    def ops(num):
-        bucket = torch.randn(64 * 4096, generator=torch.Generator().manual_seed(num))
-        grads = [NamedGrad(f"p{i}", t) for i, t in enumerate(bucket.split(64 * 4096 // num))]
-        sp = DGCSparsifier(DGCConfig(enabled=True, density=0.05, threshold="exact", selection_chunk=256,
-                                     momentum_correction=False))
-        sp.compress(grads)
-        sp.state.step += 1
-        with _OpCounter() as c:
-            sp.compress(grads)
-        return c.ops
-
-    assert ops(4) == ops(64)
+    counts = _ops_of_second_step(torch.float32, dict(density=0.05, threshold="exact", selection_chunk=256,
+                                                     momentum_correction=False), seed=21)
+    assert counts[0] == counts[1], counts
 
 
 @pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
@@ -68,10 +56,7 @@ def test_conservation_is_exact(wire, momentum_correction):
     shapes = [(64, 64), (1000,)]
     for step in range(4):
         grads = [torch.randn(s, generator=gen).to(wire) for s in shapes]
-        acc = accumulated(sp, grads, momentum_correction)
-        sg = compress(sp, *grads)
-        resid = torch.cat([sp.state.get(f"p{i}", "residual") for i in range(len(shapes))])
-        assert torch.equal(sg.to_dense().float() + resid, torch.cat(acc)), step
+        compress_conserving(sp, grads, momentum_correction)
         sp.state.step += 1
 
 
