@@ -73,7 +73,7 @@ def accumulated(sp: DGCSparsifier, grads, momentum_correction: bool) -> list:
     return acc
 
 
-def compress_conserving(sp: DGCSparsifier, grads, momentum_correction: bool):
+def check_conservation(sp: DGCSparsifier, grads, momentum_correction: bool):
     """``compress(sp, *grads)``, asserting error feedback's exactness: sent + new residual == the
     accumulated input, bitwise (fp32 memory). Returns the SparseGrad."""
     acc = accumulated(sp, grads, momentum_correction)

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from tests.unit.test_dgc import compress, compress_conserving
+from tests.unit.test_dgc import compress, check_conservation
 from tests.unit.test_synchronizer import DGC, KINDS, NUMEL, SLICES, bucket_inputs, dgc_oracle, run_steps
 from zen_ext.compress import DGCConfig, DGCSparsifier
 
@@ -27,7 +27,7 @@ def test_conservation_with_the_flush_is_exact(wire, momentum_correction, thresho
                                  momentum_correction=momentum_correction))
     for step in range(5):
         grads = [torch.randn(s, generator=gen).to(wire) for s in SHAPES]
-        compress_conserving(sp, grads, momentum_correction)
+        check_conservation(sp, grads, momentum_correction)
         sp.state.step += 1
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.unit.test_dgc import _ops_of_second_step, compress, compress_conserving
+from tests.unit.test_dgc import _ops_of_second_step, compress, check_conservation
 from zen_ext.compress import DGCConfig, DGCSparsifier
 
 SHAPES = [(64, 33), (1000,), (7, 5, 11)]
@@ -27,7 +27,7 @@ def test_conservation_and_the_running_mean(wire, momentum_correction, threshold)
     want_s = [torch.zeros(s).reshape(-1) for s in SHAPES]
     for step in range(4):
         grads = [torch.randn(s, generator=gen).to(wire) for s in SHAPES]
-        compress_conserving(sp, grads, momentum_correction)
+        check_conservation(sp, grads, momentum_correction)
         for i, g in enumerate(grads):
             gf = g.float().reshape(-1)
             want_s[i] = want_s[i] * beta + gf * gf * (1 - beta)
