@@ -129,6 +129,11 @@ VARIANTS: dict[str, dict | None] = {
     # layer); the output layer (64 K) is dgc5_head_dense. Dense layers send more bytes than 5 %.
     "dgc5_attn_dense": {"dense_params": ["self_attn"]},
     "dgc5_mlp_dense": {"dense_params": [r"\.mlp\."]},
+    # A dense tail (zen.dgc.dense_from_step): DGC 5 %, then every entry for the last 20 % of the steps
+    # (fine-tuning: from step 160 of 200; from scratch: from 240 of 300), which releases the residuals
+    # and ends on dense gradients; the elements sent average 24 % (5 % · 0.8 + 100 % · 0.2).
+    "dgc5_densetail_ft": {"dense_from_step": 160},
+    "dgc5_densetail_sc": {"dense_from_step": 240},
     "dgc5_localclip": {"clip_norm": 1.0, "_ds_clip": 0.0},
     "dgc1_localclip": {"density": 0.01, "clip_norm": 1.0, "_ds_clip": 0.0},
 }

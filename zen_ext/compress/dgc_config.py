@@ -45,6 +45,12 @@ class DGCConfig:
     """Optimizer steps at the start that send every entry (density 1), before any warm-up ramp: what an
     optimizer that learns from dense gradients first needs (``FrozenVarianceAdamW``'s variance
     warm-up). 0 = off."""
+    dense_from_step: int = 0
+    """Optimizer step from which every entry is sent again (density 1) to the end: a dense tail that
+    releases the residuals and ends training on dense gradients, at dense's traffic for those steps.
+    0 (default) = off. Measured under AdamW, DGC 5 % with the last 20 % of the steps dense (24 % of the
+    elements on average; benchmarks/results/time_to_quality.md): +0.9 % fine-tuning and +6.8 % from
+    scratch, where a uniform 25 % gives +0.6 % and +1.9 %."""
     warmup_steps: int = 0
     """Steps over which density ramps exponentially from ``warmup_start_density`` down to
     ``density`` (after ``dense_steps``). 0 = off."""
@@ -102,6 +108,9 @@ class DGCConfig:
             check_number(s, name, getattr(self, name))
         check_int(s, "warmup_steps", self.warmup_steps)
         check_int(s, "dense_steps", self.dense_steps)
+        check_int(s, "dense_from_step", self.dense_from_step)
+        if self.dense_from_step < 0:
+            raise ValueError(f"zen.dgc.dense_from_step ({self.dense_from_step!r}) must be >= 0 (0: off)")
         check_int(s, "min_numel", self.min_numel)
         check_int(s, "selection_chunk", self.selection_chunk)
         if self.selection_chunk < 0 or (self.selection_chunk and self.threshold != "exact"):
@@ -165,8 +174,9 @@ class DGCConfig:
         return config_from_dict(cls, values, "dgc")
 
     def density_at(self, step: int) -> float:
-        """The density of optimizer step ``step`` (0-based): 1 for ``dense_steps``, then the warm-up ramp."""
-        if step < self.dense_steps:
+        """The density of optimizer step ``step`` (0-based): 1 for ``dense_steps``, then the warm-up ramp;
+        1 again from ``dense_from_step``."""
+        if step < self.dense_steps or 0 < self.dense_from_step <= step:
             return 1.0
         step -= self.dense_steps
         if step >= self.warmup_steps:
