@@ -11,8 +11,6 @@
 #include "feistel32.h"
 
 namespace zen_ext {
-namespace {
-
 FeistelKeys read_keys(const at::Tensor& keys) {
   TORCH_CHECK(keys.dtype() == at::kLong && keys.dim() == 1 && keys.numel() == kNumRounds,
               "keys must be an int64 tensor of ", kNumRounds, " round keys, got ", keys.dtype(), " of shape ",
@@ -22,6 +20,8 @@ FeistelKeys read_keys(const at::Tensor& keys) {
   for (int r = 0; r < kNumRounds; ++r) out.k[r] = uint32_t(k.data_ptr<int64_t>()[r]);
   return out;
 }
+
+namespace {
 
 void check_idx(const at::Tensor& idx, int64_t numel) {
   TORCH_CHECK(idx.device().is_cpu(), "idx must be a CPU tensor, got ", idx.device());

@@ -19,16 +19,6 @@ namespace {
 
 using namespace pull;
 
-FeistelKeys keys_of(const at::Tensor& keys) {
-  TORCH_CHECK(keys.dtype() == at::kLong && keys.dim() == 1 && keys.numel() == kNumRounds,
-              "keys must be an int64 tensor of ", kNumRounds, " round keys, got ", keys.dtype(), " of shape ",
-              keys.sizes());
-  auto k = keys.cpu().contiguous();
-  FeistelKeys out;
-  for (int r = 0; r < kNumRounds; ++r) out.k[r] = uint32_t(k.data_ptr<int64_t>()[r]);
-  return out;
-}
-
 at::ScalarType acc_type(at::ScalarType t) {
   return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
 }
@@ -262,7 +252,7 @@ void decode_pull_cpu(const at::Tensor& out, const at::Tensor& msg, int64_t part,
   const uint8_t* idx_in = p + kHeaderBytes;
   const uint8_t* val_in = idx_in + ib;
   uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr());
-  const FeistelKeys k = keys_of(keys);
+  const FeistelKeys k = read_keys(keys);
   const int bits = domain_bits(uint64_t(numel));
   // A row is copied byte for byte: the values are already in out's dtype (scaled by the server).
   const RowWriter write{dst, val_in, vsz, part, num_parts, uint64_t(numel), k, bits};
