@@ -47,7 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 # --- pieces of the run ----------------------------------------------------------------------------------
 def load_ds_config(args) -> dict:
-    """The DeepSpeed config, with ZEN's statistics file defaulted into the output directory."""
+    """The DeepSpeed config, with ZEN's statistics file defaulted into the output directory and a
+    scheduler's ``"total_num_steps": "auto"`` (HF Trainer's DeepSpeed convention) set to ``--steps``."""
     from zen_ext.config import load_json_config
 
     from zen_ext.config import ZenConfig
@@ -63,6 +64,9 @@ def load_ds_config(args) -> dict:
     if args.frozen_variance_after and str(opt_type).lower() not in ("adam", "adamw"):
         raise common.ConfigError(f"--frozen_variance_after ({args.frozen_variance_after}) needs an Adam or AdamW "
                                  f"\"optimizer\" section in the DeepSpeed config, got {opt_type!r}")
+    sched = (ds.get("scheduler") or {}).get("params") or {}
+    if sched.get("total_num_steps") == "auto":  # a decaying rate ends with the run, whatever its length
+        sched["total_num_steps"] = args.steps
     zen = ds.get("zen")
     if isinstance(zen, dict) and zen.get("enabled", True):
         stats = zen.setdefault("stats", {})

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -54,6 +55,10 @@ class TrainSettings:
     """AdamW weight decay, >= 0. Default 0."""
     warmup_steps: int = 0
     """Linear learning-rate warm-up from 0 over this many steps (DeepSpeed's WarmupLR), >= 0. Default 0."""
+    min_lr_ratio: float = 1.0
+    """After the warm-up, a cosine decay to this fraction of ``lr`` at the run's last step (``--steps``),
+    as DeepSpeed's WarmupCosineLR; in [0, 1], 1: constant. Default 1. Fine-tuning decays: DGC's gap to
+    dense shrinks with it (benchmarks/results/time_to_quality.md)."""
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainSettings":
@@ -71,11 +76,22 @@ class TrainSettings:
                  ("gradient_accumulation_steps", s.gradient_accumulation_steps >= 1, "be >= 1"),
                  ("lr", s.lr > 0, "be > 0"), ("beta1", 0 <= s.beta1 < 1, "be in [0, 1)"),
                  ("beta2", 0 <= s.beta2 < 1, "be in [0, 1)"), ("weight_decay", s.weight_decay >= 0, "be >= 0"),
-                 ("warmup_steps", s.warmup_steps >= 0, "be >= 0")]
+                 ("warmup_steps", s.warmup_steps >= 0, "be >= 0"),
+                 ("min_lr_ratio", 0 <= s.min_lr_ratio <= 1, "be in [0, 1]")]
         for name, ok, rule in rules:
             if not ok:
                 raise ValueError(f"train.{name} ({getattr(s, name)!r}) must {rule}")
         return s
+
+
+def lr_factor(train: TrainSettings, step: int, total_steps: int) -> float:
+    """The learning rate at ``step`` as a fraction of ``train.lr``: the linear warm-up, then constant or
+    a cosine decay to ``train.min_lr_ratio`` at ``total_steps``."""
+    warmup = train.warmup_steps
+    if step < warmup:
+        return step / warmup
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -166,8 +182,7 @@ def main(argv=None) -> list[dict]:
     model = build_model(args, tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=(train.beta1, train.beta2),
                                   weight_decay=train.weight_decay)
-    warmup = train.warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, s / warmup) if warmup else 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(train, s, args.steps))
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
     zen = plugin.zen
     dp_rank, dp_size, dp_group = data_parallel(plugin)
