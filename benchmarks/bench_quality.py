@@ -12,7 +12,8 @@ Steps:
 1. Build each variant's DeepSpeed config from the demo's (``VARIANTS``: overrides of ``zen.dgc``).
 2. Run every (setting, variant, seed) that has no result yet (a run's ``summary.json`` is its result, so
    an interrupted sweep resumes), with a progress line per run.
-3. Report per setting, against dense *of the same seed* (paired): eval loss at equal steps (median and
+3. Report per setting, against dense *of the same seed* (paired; on a decaying learning rate, against
+   dense on that schedule: ``baseline_of``): eval loss at equal steps (median and
    min–max over seeds), the gap to dense, steps to the target (dense's final eval loss + 1 %, linear
    between evaluations) and time to the target with per-step times measured in the emulated cluster
    (``benchmarks/results/cluster_e2e.jsonl``, 4 hosts at 1 Gbit/s), and plot the curves against steps
@@ -134,26 +135,46 @@ VARIANTS: dict[str, dict | None] = {
     # and ends on dense gradients; the elements sent average 24 % (5 % · 0.8 + 100 % · 0.2).
     "dgc5_densetail_ft": {"dense_from_step": 160},
     "dgc5_densetail_sc": {"dense_from_step": 240},
+    # A decaying learning rate, as fine-tuning recipes use (HF Trainer decays linearly by default): cosine
+    # from the peak to 10 % of it over the run (DeepSpeed's WarmupCosineLR, the same 10 warm-up steps),
+    # dense paired on the same schedule. Error feedback releases a coordinate's residual late; at a
+    # decaying rate a late step moves the weights less, and so does the noise of its delay.
+    "dense_cosine": {"_cosine": 0.1, "_dense": True},
+    "dgc5_cosine": {"_cosine": 0.1},
+    "dgc1_cosine": {"density": 0.01, "_cosine": 0.1},
+    "dgc10_cosine": {"density": 0.10, "_cosine": 0.1},
+    "dgc20_cosine": {"density": 0.20, "_cosine": 0.1},
+    # On the decaying rate, the two cheapest ways to spend more than 5 %: a longer density ramp
+    # (25 % → 5 % over 100 steps) and the last 10 % of the steps dense (fine-tuning: from step 180).
+    "dgc5_cosine_warm100": {"warmup_steps": 100, "_cosine": 0.1},
+    "dgc1_cosine_warm100": {"density": 0.01, "warmup_steps": 100, "_cosine": 0.1},
+    "dgc5_cosine_densetail_ft": {"dense_from_step": 180, "_cosine": 0.1},
+    # The same decay to 0, as HF Trainer's linear schedule ends.
+    "dense_cosine0": {"_cosine": 0.0, "_dense": True},
+    "dgc5_cosine0": {"_cosine": 0.0},
+    "dgc1_cosine0": {"density": 0.01, "_cosine": 0.0},
     "dgc5_localclip": {"clip_norm": 1.0, "_ds_clip": 0.0},
     "dgc1_localclip": {"density": 0.01, "clip_norm": 1.0, "_ds_clip": 0.0},
 }
 STEP_TIME_CONFIG = {"dense": "dense", "dense_lr2x": "dense", "dense_frozen60": "dense", "dense_noclip": "dense",
-                    "dense_b2_999": "dense",
+                    "dense_b2_999": "dense", "dense_cosine": "dense", "dense_cosine0": "dense",
                     "natural": "zen_natural",
                     "dgc_density1": "dense", "dgc_ef21_density1": "dense"}
 """Which emulated-cluster measurement times a variant's step: DGC variants take the ``zen_dgc<d>`` of
 their density; the per-step time of a variant with more dense tensors is then a lower bound."""
 
 
-def ds_config(variant: str) -> dict:
+def ds_config(variant: str, steps: int | None = None) -> dict:
     """Step 1: the demo's DeepSpeed config with the variant's ``zen.dgc`` overrides (keys starting with
     ``_`` are the benchmark's own: ``_dense`` for DeepSpeed without zen, ``_lr_scale`` for the rate,
-    ``_beta1`` / ``_beta2`` for AdamW's betas, ``_ds_clip`` for DeepSpeed's gradient clipping)."""
+    ``_beta1`` / ``_beta2`` for AdamW's betas, ``_ds_clip`` for DeepSpeed's gradient clipping,
+    ``_cosine`` for a cosine decay over the run's ``steps`` to that fraction of the rate)."""
     spec = copy.deepcopy(VARIANTS[variant]) if VARIANTS[variant] is not None else {"_dense": True}
     lr_scale, dense = spec.pop("_lr_scale", 1.0), spec.pop("_dense", False)
     spec.pop("_frozen_after", None)  # a recipe argument (run_one)
     beta1, beta2 = spec.pop("_beta1", None), spec.pop("_beta2", None)
     ds_clip = spec.pop("_ds_clip", None)
+    cosine = spec.pop("_cosine", None)
     with open(os.path.join(ROOT, "configs/demo_ds_dense.json" if dense else "configs/demo_ds.json")) as f:
         cfg = json.load(f)
     if not dense:
@@ -168,6 +189,13 @@ def ds_config(variant: str) -> dict:
     if lr_scale != 1.0:
         cfg["optimizer"]["params"]["lr"] *= lr_scale
         cfg["scheduler"]["params"]["warmup_max_lr"] *= lr_scale
+    if cosine is not None:
+        if steps is None:
+            raise ValueError(f"variant {variant} decays its rate over the run: ds_config needs its steps")
+        warmup = cfg["scheduler"]["params"]["warmup_num_steps"]
+        cfg["scheduler"] = {"type": "WarmupCosineLR",  # scales the optimizer's lr by a ratio: peak = lr
+                            "params": {"total_num_steps": steps, "warmup_num_steps": warmup,
+                                       "warmup_min_ratio": 0.0, "cos_min_ratio": cosine}}
     return cfg
 
 
@@ -206,7 +234,7 @@ def pretrained(runs: str, steps: int) -> str:
 def run_one(runs: str, setting: str, variant: str, seed: int, steps: int, eval_every: int,
             start: str | None, port: int) -> dict:
     """Step 2: one run (or its cached result): eval curve, train losses and wall time."""
-    cfg = ds_config(variant)
+    cfg = ds_config(variant, steps)
     run_args = ["--data", "pydoc", "--steps", str(steps), "--eval_every", str(eval_every), "--seed", str(seed)]
     frozen = (VARIANTS[variant] or {}).get("_frozen_after")
     if frozen:
@@ -263,6 +291,15 @@ def cluster_step_s(path: str) -> dict[tuple[int, str], dict[str, float]]:
     return {k: v for k, v in sorted(out.items()) if "dense" in v}
 
 
+def baseline_of(variant: str) -> str:
+    """The dense run a variant is measured against: dense on the same learning-rate schedule (a decaying
+    rate changes dense's loss too, so DGC on it is compared with dense on it)."""
+    cosine = (VARIANTS[variant] or {}).get("_cosine")
+    if cosine is None:
+        return "dense"
+    return next(v for v, spec in VARIANTS.items() if spec and spec.get("_dense") and spec.get("_cosine") == cosine)
+
+
 def step_time_key(variant: str) -> str:
     if variant in STEP_TIME_CONFIG:
         return STEP_TIME_CONFIG[variant]
@@ -280,7 +317,8 @@ def report(results: list[dict], step_s: dict[str, float], plot_path: str | None)
     """Step 3: the markdown tables (and the plot) of every setting.
 
     Everything is paired by seed (a seed fixes the initialization, the data order and the eval split):
-    a variant's gap and its target are against dense of the same seed; medians and ranges are over seeds.
+    a variant's gap and its target are against its dense baseline (``baseline_of``) of the same seed;
+    medians and ranges are over seeds.
     """
     lines = []
     for setting in ("scratch", "finetune"):
@@ -301,12 +339,13 @@ def report(results: list[dict], step_s: dict[str, float], plot_path: str | None)
                   + " | ".join(f"time × dense, {n} hosts {rate}" for n, rate in labs) + " |",
                   "|---|" + "---|" * (len(marks) + 3 + len(labs))]
         for variant, seeds in by.items():
-            paired = {s: r for s, r in seeds.items() if s in dense}
+            base = by.get(baseline_of(variant), {})
+            paired = {s: r for s, r in seeds.items() if s in base}
             evals_at = [[dict(map(tuple, r["eval"]))[m] for r in paired.values() if m in dict(map(tuple, r["eval"]))]
                         for m in marks]
             gaps, reach, equal, diverged = [], [], [], 0
             for s, r in paired.items():
-                d_final, final = dense[s]["eval"][-1][1], r["eval"][-1][1]
+                d_final, final = base[s]["eval"][-1][1], r["eval"][-1][1]
                 gaps.append(100 * (final / d_final - 1))
                 reach.append(steps_to(r["eval"], d_final * (1 + TARGET_MARGIN)))
                 # Equal loss: the steps this run needs to reach its best eval loss over the steps dense
@@ -316,7 +355,7 @@ def report(results: list[dict], step_s: dict[str, float], plot_path: str | None)
                 if not final < DIVERGED * best:  # a run that blew up has no equal-loss point
                     diverged += 1
                     continue
-                d_steps = steps_to(dense[s]["eval"], best)
+                d_steps = steps_to(base[s]["eval"], best)
                 equal.append(steps_to(r["eval"], best) / (d_steps or steps))
             reached = [x for x in reach if x is not None]
             times = []
@@ -324,6 +363,8 @@ def report(results: list[dict], step_s: dict[str, float], plot_path: str | None)
                 st, dense_st = step_s[lab].get(step_time_key(variant)), step_s[lab]["dense"]
                 times.append(f"**{_fmt_range([q * st / dense_st for q in equal], '.2f')}×**" if st and equal else "–")
             label = variant if len(paired) == len(dense) else f"{variant} ({len(paired)} seed{'s' * (len(paired) > 1)})"
+            if baseline_of(variant) not in ("dense", variant):
+                label += f" (against {baseline_of(variant)})"
             cells = [label, *(_fmt_range(v, ".4f") for v in evals_at), f"{_fmt_range(gaps, '+.2f')} %",
                      f"{len(reached)}/{len(reach)}" + (f"; {statistics.median(reached):.0f}" if reached else ""),
                      (_fmt_range(equal, ".2f") + "×" if equal else "–") + (f" ({diverged} diverged)" if diverged else ""),
@@ -381,8 +422,9 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="markdown report (and a .png next to it)")
     p.add_argument("--report_only", action="store_true", help="only tabulate the cached results")
     args = p.parse_args(argv)
-    if "dense" not in args.variants:
-        args.variants.insert(0, "dense")  # every gap is relative to dense of the same seed
+    for base in ["dense", *(baseline_of(v) for v in args.variants)]:
+        if base not in args.variants:  # every gap is relative to a dense run of the same seed
+            args.variants.insert(0 if base == "dense" else 1, base)
 
     # Step 2: the runs (cached ones are read back).
     jobs = [(s, v, seed) for s in args.settings for seed in args.seeds for v in args.variants]
@@ -415,7 +457,8 @@ def main(argv=None) -> None:
               "built-in text; `finetune`: from a model pretrained densely on the first half of the text "
               f"({args.pretrain_steps} steps), fine-tuned on the second half. Variants: `VARIANTS` in the script.", "",
               "Columns: eval loss median [min–max] over seeds; the gap to dense of the same seed at the last "
-              "step; how many seeds reach dense's final eval loss + 1 % (same seed) and the median step; "
+              "step (a variant on a decaying rate, \"against dense_cosine\", is measured against dense on the same "
+              "schedule, and so are its target and its equal loss); how many seeds reach dense's final eval loss + 1 % (same seed) and the median step; "
               "**steps × dense to equal loss** = the steps the run needs to reach its best eval loss over the steps "
               "dense needs to reach that loss (1.5× = dense gets there in two thirds of the steps); **time × "
               "dense** = that "

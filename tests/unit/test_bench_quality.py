@@ -25,6 +25,13 @@ def test_variant_configs():
     assert frozen["zen"]["dgc"]["dense_steps"] == 60 and not any(k.startswith("_") for k in frozen["zen"]["dgc"])
     assert bq.ds_config("dgc5_mc_dense60_frozen60")["optimizer"]["params"]["betas"][0] == 0.0
     assert not bq.ds_config("natural")["zen"]["dgc"]["enabled"]
+    # The cosine variants decay over the run's own steps; without them the config cannot be built.
+    cosine = bq.ds_config("dgc5_cosine", 300)["scheduler"]
+    assert cosine["type"] == "WarmupCosineLR" and cosine["params"]["total_num_steps"] == 300
+    assert cosine["params"]["cos_min_ratio"] == 0.1 and cosine["params"]["warmup_num_steps"] == 10
+    assert bq.ds_config("dense_cosine", 200)["scheduler"]["params"]["total_num_steps"] == 200
+    with pytest.raises(ValueError, match="needs its steps"):
+        bq.ds_config("dgc5_cosine")
 
 
 def test_steps_to_interpolates_between_evaluations():
@@ -66,3 +73,17 @@ def test_a_run_that_regresses_from_an_early_best_has_no_equal_loss_point():
             for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
     assert "1 diverged" in rows["dgc5_ef21"][5] and rows["dgc5_ef21"][6] == "–"
     assert "diverged" not in rows["dgc5"][5] and rows["dgc5"][6] != "–"
+
+
+def test_a_schedule_variant_is_measured_against_dense_on_the_same_schedule():
+    assert bq.baseline_of("dgc5") == "dense" and bq.baseline_of("dgc5_b2_999") == "dense"
+    assert bq.baseline_of("dgc5_cosine") == "dense_cosine" and bq.baseline_of("dgc1_cosine0") == "dense_cosine0"
+    dense = [_run("finetune", "dense", 0, [[100, 3.4], [200, 3.3]])]
+    cosine = [_run("finetune", "dense_cosine", 0, [[100, 3.3], [200, 3.0]])]
+    dgc = [_run("finetune", "dgc5_cosine", 0, [[100, 3.4], [200, 3.03]])]
+    text = bq.report(dense + cosine + dgc, {(4, "1gbit"): {"dense": 1.0, "zen_dgc5": 1.0}}, None)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
+    # +1 % against dense_cosine's 3.0, not −8.2 % against constant-rate dense's 3.3.
+    assert rows["dgc5_cosine (against dense_cosine)"][2] == f"{bq._fmt_range([1.0], '+.2f')} %"
+    assert rows["dense_cosine"][2].startswith("+0.00")
