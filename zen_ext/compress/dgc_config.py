@@ -17,7 +17,8 @@ FEEDBACKS = ("ef", "ef21")
 
 @dataclass(frozen=True)
 class DGCConfig:
-    """The ``zen.dgc`` section. Tuning: start at the defaults; lower ``density`` only with warm-up."""
+    """The ``zen.dgc`` section. Tuning: start at the defaults; lower ``density`` only with warm-up; fine-tune
+    on a decaying learning rate (DGC's loss gap to dense shrinks with it)."""
 
     enabled: bool = False
     """Sparsify dense gradients (lossy). Off by default: natural sparsity alone is lossless."""
