@@ -148,6 +148,9 @@ VARIANTS: dict[str, dict | None] = {
     # (25 % → 5 % over 100 steps) and the last 10 % of the steps dense (fine-tuning: from step 180).
     "dgc5_cosine_warm100": {"warmup_steps": 100, "_cosine": 0.1},
     "dgc1_cosine_warm100": {"density": 0.01, "warmup_steps": 100, "_cosine": 0.1},
+    # The paper configs' selection (one threshold per 128 MB bucket, as ZEN's paper applies DGC to DDP's
+    # fused buckets) on the decaying rate.
+    "dgc5_cosine_per_bucket": {"selection": "per_bucket", "_cosine": 0.1},
     "dgc5_cosine_densetail_ft": {"dense_from_step": 180, "_cosine": 0.1},
     # The same decay to 0, as HF Trainer's linear schedule ends.
     "dense_cosine0": {"_cosine": 0.0, "_dense": True},
