@@ -67,6 +67,11 @@ def load_ds_config(args) -> dict:
     sched = (ds.get("scheduler") or {}).get("params") or {}
     if sched.get("total_num_steps") == "auto":  # a decaying rate ends with the run, whatever its length
         sched["total_num_steps"] = args.steps
+    for section in ("optimizer", "scheduler"):  # HF Trainer fills other "auto"s from its arguments; we cannot
+        for key, value in ((ds.get(section) or {}).get("params") or {}).items():
+            if value == "auto":
+                raise common.ConfigError(f"{section}.params.{key} (\"auto\") must be a number: this recipe fills "
+                                         f"only scheduler.params.total_num_steps (with --steps)")
     zen = ds.get("zen")
     if isinstance(zen, dict) and zen.get("enabled", True):
         stats = zen.setdefault("stats", {})
@@ -87,6 +92,18 @@ def client_optimizer(args, ds_config: dict, model):
     return FrozenVarianceAdamW(model.parameters(), lr=params.get("lr", 1e-3), betas=tuple(params.get("betas", (0.9, 0.999))),
                                eps=params.get("eps", 1e-8), weight_decay=params.get("weight_decay", 0.01),
                                freeze_after=args.frozen_variance_after)
+
+
+def _describe_schedule(ds_config: dict) -> str:
+    """The scheduler in one token for the start line, e.g. ``WarmupCosineLR(warmup=100,total=1000,min=0.1)``."""
+    sched = ds_config.get("scheduler")
+    if not sched:
+        return "none"
+    p = sched.get("params") or {}
+    parts = [f"warmup={p['warmup_num_steps']}" if "warmup_num_steps" in p else None,
+             f"total={p['total_num_steps']}" if "total_num_steps" in p else None,
+             f"min={p['cos_min_ratio']}" if "cos_min_ratio" in p else None]
+    return f"{sched.get('type')}({','.join(x for x in parts if x)})"
 
 
 # --- the run --------------------------------------------------------------------------------------------
@@ -126,8 +143,8 @@ def main(argv=None) -> list[dict]:
     if rank == 0:
         print(f"deepspeed recipe: zen={'on (' + zen.cfg.scheme + ')' if zen else 'off'} ZeRO-"
               f"{engine.zero_optimization_stage()} world={dist.get_world_size()} dp={dp_size} micro_batch={micro} "
-              f"accum={accum} train_blocks={len(train_blocks)} eval_blocks={len(eval_blocks)} start_step={start}",
-              flush=True)
+              f"accum={accum} train_blocks={len(train_blocks)} eval_blocks={len(eval_blocks)} start_step={start} "
+              f"lr_schedule={_describe_schedule(ds_config)}", flush=True)
 
     # Step 3: train.
     batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)

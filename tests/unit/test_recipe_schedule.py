@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from recipes import finetune_llm
+from recipes import common, finetune_llm
 from recipes.finetune_llm_colossalai import TrainSettings, lr_factor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -68,3 +68,22 @@ def test_every_shipped_deepspeed_config_builds_its_scheduler(tmp_path, name):
     end = sched["params"].get("cos_min_ratio", 1.0) * 1e-3 if sched["type"] == "WarmupCosineLR" \
         else sched["params"]["warmup_max_lr"]
     assert abs(opt.param_groups[0]["lr"] - end) < 1e-9
+
+
+def test_an_auto_the_recipe_cannot_fill_is_a_clear_error(tmp_path):
+    cfg = json.load(open(os.path.join(ROOT, "configs", "demo_ds.json")))
+    cfg["optimizer"]["params"]["lr"] = "auto"
+    path = tmp_path / "auto_lr.json"
+    path.write_text(json.dumps(cfg))
+    args = finetune_llm.parse_args(["--deepspeed_config", str(path), "--output_dir", str(tmp_path / "out")])
+    with pytest.raises(common.ConfigError, match=r'optimizer.params.lr \("auto"\) must be a number: this recipe '
+                                                 r"fills only scheduler.params.total_num_steps"):
+        finetune_llm.load_ds_config(args)
+
+
+def test_the_start_line_names_the_schedule(tmp_path):
+    args = finetune_llm.parse_args(["--deepspeed_config", _config(tmp_path, "auto"), "--steps", "137",
+                                    "--output_dir", str(tmp_path / "out")])
+    text = finetune_llm._describe_schedule(finetune_llm.load_ds_config(args))
+    assert text == "WarmupCosineLR(warmup=10,total=137,min=0.1)"
+    assert finetune_llm._describe_schedule({}) == "none"
