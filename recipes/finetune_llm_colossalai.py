@@ -192,7 +192,8 @@ def main(argv=None) -> list[dict]:
     if rank == 0:
         print(f"colossalai recipe: {config_summary(cfg)} world={dist.get_world_size()} dp={dp_size} "
               f"micro_batch={micro} accum={accum} train_blocks={len(train_blocks)} eval_blocks={len(eval_blocks)} "
-              f"start_step={start}", flush=True)
+              f"start_step={start} lr_schedule=warmup={train.warmup_steps},"
+              f"{'constant' if train.min_lr_ratio == 1 else f'cosine_to={train.min_lr_ratio}@{args.steps}'}", flush=True)
 
     # Step 3: train.
     batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)
