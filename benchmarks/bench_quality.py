@@ -156,11 +156,22 @@ VARIANTS: dict[str, dict | None] = {
     "dense_cosine0": {"_cosine": 0.0, "_dense": True},
     "dgc5_cosine0": {"_cosine": 0.0},
     "dgc1_cosine0": {"density": 0.01, "_cosine": 0.0},
+    # A burst error feedback releases after k steps taken as k steps' worth by the optimizer
+    # (zen_ext.optim.CatchUpAdamW, the recipe's --catch_up_adam): a zero gradient waits, a burst G moves
+    # the weight as k steps of mean G/k and mean square G²/k would. Dense on the same optimizer is paired
+    # (it differs from AdamW only where a gradient is exactly zero: embedding rows no batch touched).
+    "dense_catchup": {"_catch_up": True, "_dense": True},
+    "dgc5_catchup": {"_catch_up": True},
+    "dgc1_catchup": {"density": 0.01, "_catch_up": True},
+    "dense_cosine_catchup": {"_catch_up": True, "_dense": True, "_cosine": 0.1},
+    "dgc5_cosine_catchup": {"_catch_up": True, "_cosine": 0.1},
+    "dgc1_cosine_catchup": {"density": 0.01, "_catch_up": True, "_cosine": 0.1},
     "dgc5_localclip": {"clip_norm": 1.0, "_ds_clip": 0.0},
     "dgc1_localclip": {"density": 0.01, "clip_norm": 1.0, "_ds_clip": 0.0},
 }
 STEP_TIME_CONFIG = {"dense": "dense", "dense_lr2x": "dense", "dense_frozen60": "dense", "dense_noclip": "dense",
                     "dense_b2_999": "dense", "dense_cosine": "dense", "dense_cosine0": "dense",
+                    "dense_catchup": "dense", "dense_cosine_catchup": "dense",
                     "natural": "zen_natural",
                     "dgc_density1": "dense", "dgc_ef21_density1": "dense"}
 """Which emulated-cluster measurement times a variant's step: DGC variants take the ``zen_dgc<d>`` of
@@ -175,6 +186,7 @@ def ds_config(variant: str, steps: int | None = None) -> dict:
     spec = copy.deepcopy(VARIANTS[variant]) if VARIANTS[variant] is not None else {"_dense": True}
     lr_scale, dense = spec.pop("_lr_scale", 1.0), spec.pop("_dense", False)
     spec.pop("_frozen_after", None)  # a recipe argument (run_one)
+    spec.pop("_catch_up", None)  # a recipe argument (run_one)
     beta1, beta2 = spec.pop("_beta1", None), spec.pop("_beta2", None)
     ds_clip = spec.pop("_ds_clip", None)
     cosine = spec.pop("_cosine", None)
@@ -242,6 +254,8 @@ def run_one(runs: str, setting: str, variant: str, seed: int, steps: int, eval_e
     frozen = (VARIANTS[variant] or {}).get("_frozen_after")
     if frozen:
         run_args += ["--frozen_variance_after", str(frozen)]
+    if (VARIANTS[variant] or {}).get("_catch_up"):
+        run_args += ["--catch_up_adam"]
     if setting == "finetune":
         run_args += ["--model", start, "--tokenizer", start, "--data_part", "second"]
     else:
@@ -316,7 +330,8 @@ def _fmt_range(values: list[float], fmt: str) -> str:
     return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}–{format(max(values), fmt)}]"
 
 
-def report(results: list[dict], step_s: dict[str, float], plot_path: str | None) -> str:
+def report(results: list[dict], step_s: dict[str, float], plot_path: str | None,
+           plot_variants=PLOT_VARIANTS) -> str:
     """Step 3: the markdown tables (and the plot) of every setting.
 
     Everything is paired by seed (a seed fixes the initialization, the data order and the eval split):
@@ -375,18 +390,18 @@ def report(results: list[dict], step_s: dict[str, float], plot_path: str | None)
             lines.append("| " + " | ".join(cells) + " |")
         lines.append("")
     if plot_path:
-        _plot(results, step_s, plot_path)
+        _plot(results, step_s, plot_path, plot_variants)
     return "\n".join(lines)
 
 
-def _plot(results: list[dict], step_s: dict[str, float], path: str) -> None:
+def _plot(results: list[dict], step_s: dict[str, float], path: str, plot_variants=PLOT_VARIANTS) -> None:
     """Eval loss (median over seeds) against steps and against emulated-cluster time, per setting."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    results = [r for r in results if r["variant"] in PLOT_VARIANTS] or results
+    results = [r for r in results if r["variant"] in plot_variants] or results
     settings = [s for s in ("scratch", "finetune") if any(r["setting"] == s for r in results)]
     fig, axes = plt.subplots(len(settings), 2, figsize=(11, 3.8 * len(settings)), squeeze=False)
     for row, setting in zip(axes, settings):
@@ -424,6 +439,8 @@ def main(argv=None) -> None:
     p.add_argument("--runs", default=os.path.join(ROOT, "runs", "quality"), help="run folders (cached results)")
     p.add_argument("--out", default=None, help="markdown report (and a .png next to it)")
     p.add_argument("--report_only", action="store_true", help="only tabulate the cached results")
+    p.add_argument("--plot_variants", nargs="+", default=list(PLOT_VARIANTS), choices=list(VARIANTS),
+                   help="the variants the plot draws (default: %(default)s)")
     args = p.parse_args(argv)
     for base in ["dense", *(baseline_of(v) for v in args.variants)]:
         if base not in args.variants:  # every gap is relative to a dense run of the same seed
@@ -451,7 +468,7 @@ def main(argv=None) -> None:
 
     # Step 3: the report.
     step_s = cluster_step_s(os.path.join(ROOT, "benchmarks/results/cluster_e2e.jsonl"))
-    text = report(results, step_s, args.out[:-3] + ".png" if args.out else None)
+    text = report(results, step_s, args.out[:-3] + ".png" if args.out else None, args.plot_variants)
     header = ["# Time to quality: dense vs DGC variants (issue 21)", "",
               f"Generated by `benchmarks/bench_quality.py` ({time.strftime('%Y-%m-%d')}; its docstring has the method). "
               "2 CPU ranks (deepspeed launcher), the demo's tiny Llama and DeepSpeed settings (AdamW lr 3e-3, "

@@ -41,6 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--frozen_variance_after", type=int, default=0,
                    help="N > 0: train with zen_ext.optim.FrozenVarianceAdamW (the config's AdamW settings, Adam's "
                    "second moment frozen after N steps: DGC's error feedback then conserves Adam's movement)")
+    p.add_argument("--catch_up_adam", action="store_true",
+                   help="train with zen_ext.optim.CatchUpAdamW (the config's AdamW settings): a coordinate DGC held "
+                   "back for k steps moves k steps' worth when it arrives")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     return p.parse_args(argv)
 
@@ -61,9 +64,14 @@ def load_ds_config(args) -> dict:
     if args.frozen_variance_after < 0:
         raise common.ConfigError(f"--frozen_variance_after ({args.frozen_variance_after}) must be >= 0 (0: off)")
     opt_type = (ds.get("optimizer") or {}).get("type")
-    if args.frozen_variance_after and str(opt_type).lower() not in ("adam", "adamw"):
-        raise common.ConfigError(f"--frozen_variance_after ({args.frozen_variance_after}) needs an Adam or AdamW "
-                                 f"\"optimizer\" section in the DeepSpeed config, got {opt_type!r}")
+    if args.frozen_variance_after and args.catch_up_adam:
+        raise common.ConfigError(f"--frozen_variance_after ({args.frozen_variance_after}) and --catch_up_adam each "
+                                 "replace the optimizer: choose one")
+    chosen = (f"--frozen_variance_after ({args.frozen_variance_after})" if args.frozen_variance_after
+              else "--catch_up_adam" if args.catch_up_adam else None)
+    if chosen and str(opt_type).lower() not in ("adam", "adamw"):
+        raise common.ConfigError(f"{chosen} needs an Adam or AdamW \"optimizer\" section in the DeepSpeed config, "
+                                 f"got {opt_type!r}")
     sched = (ds.get("scheduler") or {}).get("params") or {}
     if sched.get("total_num_steps") == "auto":  # a decaying rate ends with the run, whatever its length
         sched["total_num_steps"] = args.steps
@@ -81,17 +89,36 @@ def load_ds_config(args) -> dict:
 
 
 def client_optimizer(args, ds_config: dict, model):
-    """``--frozen_variance_after N``: FrozenVarianceAdamW built from the config's Adam/AdamW settings, whose
-    ``optimizer`` section is then removed (DeepSpeed takes one or the other); ``None`` otherwise."""
-    if args.frozen_variance_after <= 0:
+    """``--frozen_variance_after N`` (FrozenVarianceAdamW) or ``--catch_up_adam`` (CatchUpAdamW), built from
+    the config's Adam/AdamW settings, whose ``optimizer`` section is then removed (DeepSpeed takes one or
+    the other); ``None`` otherwise."""
+    if args.frozen_variance_after <= 0 and not args.catch_up_adam:
         return None
-    from zen_ext.optim import FrozenVarianceAdamW
+    from zen_ext.optim import CatchUpAdamW, FrozenVarianceAdamW
 
     params = (ds_config.pop("optimizer", None) or {}).get("params", {})  # checked by load_ds_config
     ds_config.setdefault("zero_allow_untested_optimizer", True)  # ZeRO 1-2 wrap any torch optimizer
-    return FrozenVarianceAdamW(model.parameters(), lr=params.get("lr", 1e-3), betas=tuple(params.get("betas", (0.9, 0.999))),
-                               eps=params.get("eps", 1e-8), weight_decay=params.get("weight_decay", 0.01),
-                               freeze_after=args.frozen_variance_after)
+    kw = dict(lr=params.get("lr", 1e-3), betas=tuple(params.get("betas", (0.9, 0.999))), eps=params.get("eps", 1e-8),
+              weight_decay=params.get("weight_decay", 0.01))
+    if args.catch_up_adam:
+        from zen_ext.config import ZenConfig
+        from zen_ext.optim import catch_up_param_groups
+
+        return CatchUpAdamW(catch_up_param_groups(model, ZenConfig.from_ds_config(ds_config)), **kw)
+    return FrozenVarianceAdamW(model.parameters(), freeze_after=args.frozen_variance_after, **kw)
+
+
+def _describe_optimizer(client, ds_config: dict) -> str:
+    """The optimizer in one token for the start line, e.g. ``CatchUpAdamW(catch_up=15/21)`` (tensors that
+    catch up / all) or the config's ``AdamW``."""
+    if client is None:
+        return str((ds_config.get("optimizer") or {}).get("type"))
+    if "catch_up" in client.defaults:
+        n = [(len(g["params"]), g["catch_up"]) for g in client.param_groups]
+        return f"{type(client).__name__}(catch_up={sum(k for k, c in n if c)}/{sum(k for k, _ in n)})"
+    if "freeze_after" in client.defaults:
+        return f"{type(client).__name__}(freeze_after={client.defaults['freeze_after']})"
+    return type(client).__name__
 
 
 def _describe_schedule(ds_config: dict) -> str:
@@ -125,6 +152,7 @@ def main(argv=None) -> list[dict]:
     vocab = len(tokenizer) if args.model.endswith(".json") else None
     model = common.build_model(args.model, seed=args.seed, vocab_size=vocab)
     optimizer = client_optimizer(args, ds_config, model)
+    optimizer_text = _describe_optimizer(optimizer, ds_config)  # before ZeRO flattens the groups
     engine, _, _, _ = zen_ext.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
                                                    optimizer=optimizer)
     zen = getattr(engine, "zen", None)
@@ -144,7 +172,8 @@ def main(argv=None) -> list[dict]:
         print(f"deepspeed recipe: zen={'on (' + zen.cfg.scheme + ')' if zen else 'off'} ZeRO-"
               f"{engine.zero_optimization_stage()} world={dist.get_world_size()} dp={dp_size} micro_batch={micro} "
               f"accum={accum} train_blocks={len(train_blocks)} eval_blocks={len(eval_blocks)} start_step={start} "
-              f"lr_schedule={_describe_schedule(ds_config)}", flush=True)
+              f"lr_schedule={_describe_schedule(ds_config)} optimizer={optimizer_text}",
+              flush=True)
 
     # Step 3: train.
     batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)

@@ -36,6 +36,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from recipes import common  # noqa: E402
 
 
+OPTIMIZERS = ("adamw", "catch_up_adamw")
+
+
 @dataclass(kw_only=True)
 class TrainSettings:
     """The ``"train"`` section of a ColossalAI config: what a DeepSpeed config says about batches and
@@ -59,6 +62,10 @@ class TrainSettings:
     """After the warm-up, a cosine decay to this fraction of ``lr`` at the run's last step (``--steps``),
     as DeepSpeed's WarmupCosineLR; in [0, 1], 1: constant. Default 1. Fine-tuning decays: DGC's gap to
     dense shrinks with it (benchmarks/results/time_to_quality.md)."""
+    optimizer: str = "adamw"
+    """``"adamw"`` (torch's AdamW) or ``"catch_up_adamw"`` (``zen_ext.optim.CatchUpAdamW``: the tensors
+    DGC sparsifies take a gradient held back for k steps as k steps' worth; the rest is AdamW). Default
+    ``"adamw"``."""
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainSettings":
@@ -69,6 +76,10 @@ class TrainSettings:
         s = cls(**d)
         for f in dataclasses.fields(cls):
             v = getattr(s, f.name)
+            if f.type == "str":
+                if not isinstance(v, str):
+                    raise TypeError(f"train.{f.name} ({v!r}) must be a string")
+                continue
             want = (int,) if f.type == "int" else (int, float)
             if isinstance(v, bool) or not isinstance(v, want):
                 raise TypeError(f"train.{f.name} ({v!r}) must be {'an integer' if f.type == 'int' else 'a number'}")
@@ -77,7 +88,8 @@ class TrainSettings:
                  ("lr", s.lr > 0, "be > 0"), ("beta1", 0 <= s.beta1 < 1, "be in [0, 1)"),
                  ("beta2", 0 <= s.beta2 < 1, "be in [0, 1)"), ("weight_decay", s.weight_decay >= 0, "be >= 0"),
                  ("warmup_steps", s.warmup_steps >= 0, "be >= 0"),
-                 ("min_lr_ratio", 0 <= s.min_lr_ratio <= 1, "be in [0, 1]")]
+                 ("min_lr_ratio", 0 <= s.min_lr_ratio <= 1, "be in [0, 1]"),
+                 ("optimizer", s.optimizer in OPTIMIZERS, f"be one of {list(OPTIMIZERS)}")]
         for name, ok, rule in rules:
             if not ok:
                 raise ValueError(f"train.{name} ({getattr(s, name)!r}) must {rule}")
@@ -92,6 +104,16 @@ def lr_factor(train: TrainSettings, step: int, total_steps: int) -> float:
         return step / warmup
     progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
     return train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def build_optimizer(train: TrainSettings, zen, model) -> torch.optim.Optimizer:
+    """``train.optimizer`` over ``model``'s parameters, before the booster wraps it."""
+    kw = dict(lr=train.lr, betas=(train.beta1, train.beta2), weight_decay=train.weight_decay)
+    if train.optimizer == "catch_up_adamw":
+        from zen_ext.optim import CatchUpAdamW, catch_up_param_groups
+
+        return CatchUpAdamW(catch_up_param_groups(model, zen), **kw)
+    return torch.optim.AdamW(model.parameters(), **kw)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -180,8 +202,7 @@ def main(argv=None) -> list[dict]:
     booster = build_booster(cfg)
     plugin = booster.plugin
     model = build_model(args, tokenizer)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=train.lr, betas=(train.beta1, train.beta2),
-                                  weight_decay=train.weight_decay)
+    optimizer = build_optimizer(train, cfg.zen, model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(train, s, args.steps))
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
     zen = plugin.zen
@@ -193,7 +214,8 @@ def main(argv=None) -> list[dict]:
         print(f"colossalai recipe: {config_summary(cfg)} world={dist.get_world_size()} dp={dp_size} "
               f"micro_batch={micro} accum={accum} train_blocks={len(train_blocks)} eval_blocks={len(eval_blocks)} "
               f"start_step={start} lr_schedule=warmup={train.warmup_steps},"
-              f"{'constant' if train.min_lr_ratio == 1 else f'cosine_to={train.min_lr_ratio}@{args.steps}'}", flush=True)
+              f"{'constant' if train.min_lr_ratio == 1 else f'cosine_to={train.min_lr_ratio}@{args.steps}'} "
+              f"optimizer={train.optimizer}", flush=True)
 
     # Step 3: train.
     batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)

@@ -92,3 +92,112 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
                 denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
                 p.addcdiv_(m, denom, value=-lr / bc1)
         return loss
+
+
+class CatchUpAdamW(torch.optim.Optimizer):
+    """AdamW that takes a gradient DGC held back for ``k`` steps as ``k`` steps' worth (a lazy catch-up).
+
+    Why it exists (issue 21): under error feedback a coordinate arrives as a burst ``G``, the sum of the
+    ``k`` gradients it missed, and nothing in between. Plain Adam takes the burst as one gradient: its
+    square lands in the second moment, and the coordinate moves about ``lr / sqrt(1 − β2)`` in total
+    whatever ``k`` is. Here a coordinate whose synchronized gradient is exactly zero (not sent, or an
+    embedding row no batch touched) waits: its moments and weight stay, as in a lazy Adam. When ``G``
+    arrives after ``k`` steps, it counts as ``k`` steps of gradients with mean ``G/k`` and mean square
+    ``G²/k``: ``m ← β1^k·m + (1 − β1^k)·G/k``, ``v ← β2^k·v + (1 − β2^k)·G²/k``, and the weight moves
+    ``k · lr · m̂ / (sqrt(v̂) + eps)``. ``G²/k`` is the mean square of ``k`` independent zero-mean
+    gradients (``E[G²] = k·E[g²]``): a coordinate whose gradients are mostly noise then moves about
+    ``sqrt(k) · lr``, as dense AdamW's random walk moves it, and one with a steady gradient moves
+    ``sqrt(k) · lr`` instead of dense's ``k · lr`` (conservative). Taking ``(G/k)²`` instead (right for a
+    steady gradient) moved noise ``k · lr`` and was far worse (benchmarks/results/time_to_quality.md).
+
+    The age is read from the synchronized gradient, so it is the same on every rank without a
+    collective. Where every coordinate has a non-zero gradient every step (``k = 1``), this is AdamW.
+    Use it as the client optimizer of ``deepspeed.initialize`` (the DeepSpeed recipe: ``--catch_up_adam``),
+    with ZeRO 0–2; its state (``exp_avg``, ``exp_avg_sq``, ``age``, ``step``) is saved with the engine's
+    checkpoints like any torch optimizer's.
+
+    Args:
+        params: parameters or parameter groups.
+        lr, betas, eps, weight_decay: as ``torch.optim.AdamW`` (weight decay is applied every step).
+        catch_up: the default of a group's ``"catch_up"``: False makes the group plain AdamW (a zero
+            gradient is a gradient), for parameters no compressor holds back.
+
+    Raises:
+        ValueError: a hyperparameter out of range (named as in ``torch.optim.AdamW``).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.01, catch_up: bool = True) -> None:
+        if not lr >= 0:
+            raise ValueError(f"CatchUpAdamW lr ({lr!r}) must be >= 0")
+        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+            raise ValueError(f"CatchUpAdamW betas ({betas!r}) must be in [0, 1)")
+        if not eps > 0:
+            raise ValueError(f"CatchUpAdamW eps ({eps!r}) must be > 0")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                                      catch_up=catch_up))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One step.
+
+        1. Decay every weight (decoupled: ``p ← p·(1 − lr·wd)``) and age every coordinate by one step.
+        2. Where the gradient is non-zero: fold ``k`` steps (``k`` = age) of mean ``G/k`` and mean square
+           ``G²/k`` into the moments.
+        3. There, step by ``k · lr · m̂ / (sqrt(v̂) + eps)``; reset the age.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            catch_up = group.get("catch_up", True)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["age"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["step"] += 1
+                t = st["step"]
+                m, v, age = st["exp_avg"], st["exp_avg_sq"], st["age"]
+                # Step 1: decoupled weight decay on every weight, as AdamW; every coordinate ages.
+                if wd:
+                    p.mul_(1 - lr * wd)
+                age.add_(1)
+                # Step 2: k steps of mean G/k and mean square G²/k, folded into the moments in closed form.
+                # A group with catch_up off (gradients no compressor delays: natural sparsity's rows
+                # were not held back) takes every gradient, zero or not: AdamW.
+                sent = g != 0 if catch_up else torch.ones_like(g, dtype=torch.bool)
+                g_mean = g / age
+                keep1 = torch.pow(b1, age)
+                keep2 = torch.pow(b2, age)
+                m.copy_(torch.where(sent, keep1 * m + (1 - keep1) * g_mean, m))
+                v.copy_(torch.where(sent, keep2 * v + (1 - keep2) * g * g_mean, v))  # G²/k
+                # Step 3: the k steps' movement at once, bias-corrected at the global step.
+                denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
+                update = torch.where(sent, age * m / denom, torch.zeros_like(m))
+                p.add_(update, alpha=-lr / (1 - b1 ** t))
+                age.masked_fill_(sent, 0)
+        return loss
+
+
+def catch_up_param_groups(model: torch.nn.Module, zen) -> list[dict]:
+    """CatchUpAdamW's parameter groups for ``model`` under the ``"zen"`` section ``zen`` (a ZenConfig):
+    the parameters zen routes to DGC, which holds gradients back, catch up; every other one (natural
+    sparsity's embedding rows, small and 1-D tensors, all of them with zen or DGC off) is plain AdamW,
+    since a zero gradient there is a real zero, not a delay. Call it on the model before the engine
+    wraps it (names as ``model.named_parameters()``)."""
+    from .compress.routing import classify_parameters
+
+    kinds = (classify_parameters(model, natural=zen.natural_options(), dgc=zen.dgc_options(),
+                                 sections=zen.sections(), log=False) if zen.enabled else {})
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for n, p in named if kinds.get(n) == "dgc"], "catch_up": True},
+              {"params": [p for n, p in named if kinds.get(n) != "dgc"], "catch_up": False}]
+    return [g for g in groups if g["params"]]

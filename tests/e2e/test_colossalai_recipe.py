@@ -1,6 +1,6 @@
 """recipes/finetune_llm_colossalai.py end to end under torchrun (slow): the lossless path reproduces the
 dense baseline's losses, and a resumed run (model, optimizer, DGC residuals) continues the
-uninterrupted trajectory exactly."""
+uninterrupted trajectory exactly, with AdamW and with CatchUpAdamW."""
 
 from __future__ import annotations
 
@@ -54,9 +54,12 @@ def test_recipe_tp2_natural_equals_dense_baseline(tmp_path):
 
 
 @pytest.mark.slow
-def test_recipe_resume_continues_the_dgc_trajectory(tmp_path):
+@pytest.mark.parametrize("optimizer", ["adamw", "catch_up_adamw"])
+def test_recipe_resume_continues_the_dgc_trajectory(tmp_path, optimizer):
+    """With ``catch_up_adamw`` the optimizer's per-coordinate ages travel with the booster's optimizer
+    checkpoint too: a lost age would change the first resumed step of every held-back coordinate."""
     config = {"plugin": "torch_ddp", "zen": {"dgc": {"enabled": True, "density": 0.05}},
-              "train": {**TRAIN, "gradient_accumulation_steps": 2}}
+              "train": {**TRAIN, "gradient_accumulation_steps": 2, "optimizer": optimizer}}
     full = _run(2, config, str(tmp_path / "full"), 6)
     _run(2, config, str(tmp_path / "part"), 3)
     resumed = _run(2, config, str(tmp_path / "part"), 6, "--resume")

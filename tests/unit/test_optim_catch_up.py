@@ -1,0 +1,175 @@
+"""``zen_ext.optim.CatchUpAdamW``: AdamW where every coordinate has a gradient; a held-back coordinate
+catches up by the steps it missed."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+import torch
+
+from recipes import common, finetune_llm
+from zen_ext.config import ZenConfig
+from zen_ext.optim import CatchUpAdamW, catch_up_param_groups
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+KW = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.01, eps=1e-8)
+
+
+def test_equals_torch_adamw_when_every_coordinate_has_a_gradient():
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(64))
+    b = torch.nn.Parameter(a.detach().clone())
+    opt_a, opt_b = torch.optim.AdamW([a], foreach=False, **KW), CatchUpAdamW([b], **KW)
+    for _ in range(12):
+        g = torch.randn(64)
+        a.grad, b.grad = g.clone(), g.clone()
+        opt_a.step()
+        opt_b.step()
+    torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=1e-6)
+    assert not torch.equal(a.detach(), torch.zeros(64))
+
+
+def test_a_zero_gradient_waits_and_a_burst_counts_as_the_steps_it_stood_for():
+    """A coordinate held back for k − 1 steps and then sent as G (error feedback's burst) moves nothing
+    meanwhile; then, momentum-free (b1 = 0, wd = 0, fresh state), m = G/k, v̂ = G²/k and the weight moves
+    k·lr·(G/k)/sqrt(G²/k) = sqrt(k)·lr·sign(G): as far as dense AdamW's random walk over k gradients of
+    independent signs. Plain AdamW moves the same burst by lr·sqrt((1 − b2^k)/(1 − b2)) whatever k is."""
+    k, lr, b2 = 16, 0.01, 0.95
+    kw = dict(lr=lr, betas=(0.0, b2), weight_decay=0.0, eps=1e-12)
+    burst_g = torch.tensor([0.5, -2.0, 3.0])
+    burst = torch.nn.Parameter(torch.zeros(3))
+    opt = CatchUpAdamW([burst], **kw)
+    for t in range(k):
+        burst.grad = torch.zeros(3) if t < k - 1 else burst_g.clone()
+        opt.step()
+        if t < k - 1:  # held back: nothing moves, the moments wait
+            assert torch.equal(burst.detach(), torch.zeros(3))
+            assert torch.equal(opt.state[burst]["exp_avg"], torch.zeros(3))
+            assert opt.state[burst]["age"].tolist() == [t + 1.0] * 3
+    torch.testing.assert_close(burst.detach(), -(k ** 0.5) * lr * burst_g.sign(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(opt.state[burst]["exp_avg_sq"], (1 - b2 ** k) * burst_g.square() / k)
+    assert torch.equal(opt.state[burst]["age"], torch.zeros(3))  # reset where sent
+    plain = torch.nn.Parameter(torch.zeros(3))
+    opt_p = torch.optim.AdamW([plain], foreach=False, **kw)
+    for t in range(k):
+        plain.grad = torch.zeros(3) if t < k - 1 else burst_g.clone()
+        opt_p.step()
+    torch.testing.assert_close(plain.detach(), -lr * ((1 - b2 ** k) / (1 - b2)) ** 0.5 * burst_g.sign(),
+                               rtol=1e-5, atol=0)
+
+
+def test_only_the_held_back_coordinates_age():
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = CatchUpAdamW([p], **KW)
+    for grad in ([1.0, 0.0, 0.0], [1.0, 0.0, 2.0], [1.0, 0.0, 0.0]):
+        p.grad = torch.tensor(grad)
+        opt.step()
+    assert opt.state[p]["age"].tolist() == [0.0, 3.0, 1.0]
+
+
+def test_state_dict_round_trip():
+    torch.manual_seed(2)
+    b = torch.nn.Parameter(torch.randn(64))
+    opt = CatchUpAdamW([b], **KW)
+    for _ in range(3):
+        b.grad = torch.randn(64) * (torch.rand(64) < 0.3)
+        opt.step()
+    c = torch.nn.Parameter(b.detach().clone())
+    opt2 = CatchUpAdamW([c], **KW)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))  # as from a checkpoint: the ages come back
+    assert torch.equal(opt2.state[c]["age"], opt.state[b]["age"]) and opt.state[b]["age"].max() > 0
+    g = torch.randn(64)
+    b.grad, c.grad = g.clone(), g.clone()
+    opt.step()
+    opt2.step()
+    assert torch.equal(b, c)
+
+
+@pytest.mark.parametrize("kw, text", [
+    (dict(betas=(0.9, 1.0)), r"betas \(\(0.9, 1.0\)\) must be in \[0, 1\)"),
+    (dict(lr=-1.0), r"lr \(-1.0\) must be >= 0"),
+    (dict(eps=0.0), r"eps \(0.0\) must be > 0"),
+])
+def test_bad_hyperparameters_raise(kw, text):
+    with pytest.raises(ValueError, match=text):
+        CatchUpAdamW([torch.nn.Parameter(torch.zeros(1))], **kw)
+
+
+# --- the DeepSpeed recipe's --catch_up_adam ---------------------------------------------------------------
+def test_recipe_builds_the_optimizer_from_the_config_adamw_settings(tmp_path):
+    args = finetune_llm.parse_args(["--deepspeed_config", os.path.join(ROOT, "configs", "demo_ds.json"),
+                                    "--output_dir", str(tmp_path), "--catch_up_adam"])
+    ds = finetune_llm.load_ds_config(args)
+    opt = finetune_llm.client_optimizer(args, ds, torch.nn.Linear(4, 4))
+    assert isinstance(opt, CatchUpAdamW) and "optimizer" not in ds and ds["zero_allow_untested_optimizer"]
+    assert opt.defaults["lr"] == 0.003 and opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["weight_decay"] == 0.01
+
+
+@pytest.mark.parametrize("extra, optimizer, text", [
+    (["--catch_up_adam"], {"type": "SGD", "params": {"lr": 0.1}}, "--catch_up_adam needs an Adam or AdamW"),
+    (["--catch_up_adam", "--frozen_variance_after", "60"], None,
+     r"--frozen_variance_after \(60\) and --catch_up_adam each replace the optimizer: choose one"),
+])
+def test_recipe_rejects_what_it_cannot_build_before_training(tmp_path, extra, optimizer, text):
+    cfg = json.load(open(os.path.join(ROOT, "configs", "demo_ds.json")))
+    if optimizer:
+        cfg["optimizer"] = optimizer
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    args = finetune_llm.parse_args(["--deepspeed_config", str(path), "--output_dir", str(tmp_path / "out"), *extra])
+    with pytest.raises(common.ConfigError, match=text):
+        finetune_llm.load_ds_config(args)
+
+
+def test_a_group_without_catch_up_is_adamw_even_for_zero_gradients():
+    """Natural sparsity's embedding rows are not held back: a zero there is a zero, and AdamW's moments
+    decay and its momentum moves the row, as in dense training."""
+    torch.manual_seed(3)
+    a = torch.nn.Parameter(torch.randn(32))
+    b = torch.nn.Parameter(a.detach().clone())
+    c = torch.nn.Parameter(torch.randn(8))
+    opt_a = torch.optim.AdamW([a], foreach=False, **KW)
+    opt_b = CatchUpAdamW([{"params": [b], "catch_up": False}, {"params": [c]}], **KW)
+    for t in range(8):
+        g = torch.randn(32) * (torch.rand(32) < 0.4)  # many exact zeros
+        a.grad, b.grad, c.grad = g.clone(), g.clone(), torch.zeros(8)
+        opt_a.step()
+        opt_b.step()
+    torch.testing.assert_close(b.detach(), a.detach(), rtol=0, atol=1e-6)
+    assert opt_b.param_groups[1]["catch_up"] and opt_b.state[c]["age"].tolist() == [8.0] * 8
+
+
+def test_groups_catch_up_only_the_parameters_zen_sends_through_dgc(tmp_path):
+    """The demo's tiny Llama: the DGC matrices catch up; the untied input embedding (natural sparsity),
+    the norms and anything below min_numel stay AdamW. Without zen every group is AdamW."""
+    model = common.build_model(os.path.join(ROOT, "configs", "models", "llama-tiny-untied.json"), seed=0,
+                               vocab_size=1024)
+    ds = json.load(open(os.path.join(ROOT, "configs", "demo_ds.json")))
+    groups = catch_up_param_groups(model, ZenConfig.from_ds_config(ds))
+    names = {id(p): n for n, p in model.named_parameters()}
+    up = sorted(names[id(p)] for g in groups if g["catch_up"] for p in g["params"])
+    rest = sorted(names[id(p)] for g in groups if not g["catch_up"] for p in g["params"])
+    assert len(up) == 15 and all(n.endswith("proj.weight") or n == "lm_head.weight" for n in up), up
+    assert "model.embed_tokens.weight" in rest and any("norm" in n for n in rest)
+    assert len(up) + len(rest) == len(list(model.parameters()))
+    ds.pop("zen")
+    assert [g["catch_up"] for g in catch_up_param_groups(model, ZenConfig.from_ds_config(ds))] == [False]
+
+
+def test_colossalai_train_optimizer_builds_catch_up_adamw_or_raises():
+    from recipes.finetune_llm_colossalai import TrainSettings, build_optimizer
+
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 32), torch.nn.Linear(32, 64))
+    zen = ZenConfig.from_json_section({"dgc": {"enabled": True}})
+    opt = build_optimizer(TrainSettings.from_dict({"optimizer": "catch_up_adamw", "lr": 0.01}), zen, model)
+    assert isinstance(opt, CatchUpAdamW) and opt.defaults["lr"] == 0.01
+    assert [(g["catch_up"], len(g["params"])) for g in opt.param_groups] == [(True, 1), (False, 2)]  # Linear.weight; embedding, bias
+    assert type(build_optimizer(TrainSettings.from_dict({}), zen, model)) is torch.optim.AdamW
+    with pytest.raises(ValueError, match=r"train.optimizer \('adam'\) must be one of \['adamw', 'catch_up_adamw'\]"):
+        TrainSettings.from_dict({"optimizer": "adam"})
+    with pytest.raises(TypeError, match=r"train.optimizer \(1\) must be a string"):
+        TrainSettings.from_dict({"optimizer": 1})
