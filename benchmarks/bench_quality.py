@@ -163,6 +163,8 @@ VARIANTS: dict[str, dict | None] = {
     "dense_catchup": {"_catch_up": True, "_dense": True},
     "dgc5_catchup": {"_catch_up": True},
     "dgc1_catchup": {"density": 0.01, "_catch_up": True},
+    "dgc10_catchup": {"density": 0.10, "_catch_up": True},
+    "dgc5_catchup_warm100": {"warmup_steps": 100, "_catch_up": True},
     "dense_cosine_catchup": {"_catch_up": True, "_dense": True, "_cosine": 0.1},
     "dgc5_cosine_catchup": {"_catch_up": True, "_cosine": 0.1},
     "dgc1_cosine_catchup": {"density": 0.01, "_catch_up": True, "_cosine": 0.1},
@@ -491,7 +493,9 @@ def main(argv=None) -> None:
               "the lab's bench models.", "",
               "Reproduce (cached runs are reused; a variant marked with fewer seeds ran only those): "
               f"`OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_quality.py --settings {' '.join(args.settings)} "
-              f"--seeds {' '.join(map(str, args.seeds))} --variants {' '.join(args.variants)} --out {os.path.relpath(args.out, ROOT) if args.out else '...'}`.", ""]
+              f"--seeds {' '.join(map(str, args.seeds))} --variants {' '.join(args.variants)}"
+              + (f" --plot_variants {' '.join(args.plot_variants)}" if list(args.plot_variants) != list(PLOT_VARIANTS) else "")
+              + f" --out {os.path.relpath(args.out, ROOT) if args.out else '...'}`.", ""]
     text = "\n".join(header) + "\n" + text
     print(text)
     if args.out:

@@ -174,6 +174,9 @@ def main(argv=None) -> list[dict]:
               f"accum={accum} train_blocks={len(train_blocks)} eval_blocks={len(eval_blocks)} start_step={start} "
               f"lr_schedule={_describe_schedule(ds_config)} optimizer={optimizer_text}",
               flush=True)
+        if zen and zen.cfg.dgc.enabled and optimizer_text.lower() in ("adam", "adamw"):
+            print("deepspeed recipe: hint: DGC under plain Adam ends well above dense's loss; --catch_up_adam "
+                  "closes most of that gap (README, Time to quality)", flush=True)
 
     # Step 3: train.
     batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)

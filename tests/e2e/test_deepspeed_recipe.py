@@ -42,6 +42,7 @@ def test_recipe_with_deepspeed_launcher_then_torchrun_resume(tmp_path):
     assert "zen=on (auto) ZeRO-1 world=2 dp=2" in first and "start_step=0" in first
     assert "lr_schedule=WarmupLR(warmup=10)" in first  # the demo config's schedule, named on the start line
     assert "optimizer=AdamW" in first  # the config's optimizer (no --catch_up_adam / --frozen_variance_after)
+    assert "hint: DGC under plain Adam" in first and "--catch_up_adam closes most of that gap" in first
     assert "ZEN gradient synchronization summary (2 ranks, 3 optimizer steps)" in first
     second = _run([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
                    *_recipe_args(out, 5, "--resume")])

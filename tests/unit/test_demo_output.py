@@ -42,7 +42,9 @@ def test_at_scale_prediction_is_labelled_and_picks_the_cheapest():
 
 def test_harmless_launcher_lines_are_the_known_ones():
     for line in ("[2026-11-26 05:37:17,404] [INFO] [launch.py:174:main] Setting CUDA_VISIBLE_DEVICES=0,1",
-                 "[WARNING] [runner.py:232:main] Unable to find hostfile, will proceed with training"):
+                 "[WARNING] [runner.py:232:main] Unable to find hostfile, will proceed with training",
+                 "[WARNING] [engine.py:2304:_do_optimizer_sanity_check] **** You are using ZeRO with an untested "
+                 "optimizer, proceed with caution *****"):
         assert any(h in line for h in demo.HARMLESS)
     for line in ("zen_ext: ZEN on DeepSpeed ZeRO-1 (dp=2 ...)", "ZEN gradient synchronization summary (2 ranks"):
         assert not any(h in line for h in demo.HARMLESS)
@@ -77,3 +79,15 @@ def test_steps_to_reach_interpolates_between_eval_points():
     zen = _run([7.0] * 200, [[200, 3.75]], [1.0] * 200, 1, 2, 1.0)
     dense = _run([7.0] * 200, evals, [1.0] * 200, 1, 2, 1.0)
     assert "dense gets there at step ~125 of 200" in demo.compare(zen, dense) and "~1.60x the steps" in demo.compare(zen, dense)
+
+
+def test_the_zen_run_trains_with_catch_up_adamw_unless_told_or_not_adam(tmp_path):
+    """CatchUpAdamW for an Adam/AdamW config (the demo's), the config's optimizer with --plain_adam or
+    for any other optimizer (the recipe would reject --catch_up_adam there)."""
+    assert demo._optimizer_args(demo.parse_args([])) == ("--catch_up_adam",)
+    assert demo._optimizer_args(demo.parse_args(["--plain_adam"])) == ()
+    cfg = json.load(open(os.path.join(demo.ROOT, "configs", "demo_ds.json")))
+    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
+    path = tmp_path / "sgd.json"
+    path.write_text(json.dumps(cfg))
+    assert demo._optimizer_args(demo.parse_args(["--config", str(path)])) == ()

@@ -17,8 +17,9 @@ FEEDBACKS = ("ef", "ef21")
 
 @dataclass(frozen=True)
 class DGCConfig:
-    """The ``zen.dgc`` section. Tuning: start at the defaults; lower ``density`` only with warm-up; fine-tune
-    on a decaying learning rate (DGC's loss gap to dense shrinks with it)."""
+    """The ``zen.dgc`` section. Tuning: start at the defaults; under Adam train with
+    ``zen_ext.optim.CatchUpAdamW`` (the recipes' ``--catch_up_adam``; it closes most of DGC's loss gap to
+    dense); lower ``density`` only with warm-up; fine-tune on a decaying learning rate."""
 
     enabled: bool = False
     """Sparsify dense gradients (lossy). Off by default: natural sparsity alone is lossless."""
