@@ -137,6 +137,17 @@ class CatchUpAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       catch_up=catch_up))
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As ``torch.optim.Optimizer.load_state_dict``, but the ages come back in fp32: torch casts every
+        other state tensor to its parameter's dtype, and a bf16 age cannot count past 256."""
+        ages = {i: st["age"] for i, st in state_dict["state"].items() if "age" in st}
+        super().load_state_dict(state_dict)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, p in zip(saved_ids, params):
+            if i in ages:
+                self.state[p]["age"] = ages[i].to(device=p.device, dtype=torch.float32)
+
     @torch.no_grad()
     def step(self, closure=None):
         """One step.
@@ -162,7 +173,9 @@ class CatchUpAdamW(torch.optim.Optimizer):
                     st["step"] = 0
                     st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["age"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    # fp32 whatever the parameter's dtype: a bf16 count stops at 256 (256 + 1 rounds
+                    # back to 256), fp16's at 2048.
+                    st["age"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
                 st["step"] += 1
                 t = st["step"]
                 m, v, age = st["exp_avg"], st["exp_avg_sq"], st["age"]

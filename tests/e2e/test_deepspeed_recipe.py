@@ -67,3 +67,21 @@ def test_recipe_with_deepspeed_launcher_then_torchrun_resume(tmp_path):
     assert os.path.isfile(os.path.join(out, "checkpoints", "step3", "zen_ext", "rank00001.pt"))
     with open(os.path.join(out, "checkpoints", "latest")) as f:
         assert f.read().strip() == "step5"
+
+
+def test_catch_up_adam_resumes_its_ages_from_the_engine_checkpoint(tmp_path):
+    """``--catch_up_adam`` through DeepSpeed (ZeRO-1, client optimizer): the start line names it, and a run
+    stopped at step 3 and resumed reproduces the uninterrupted run's losses exactly, which needs every
+    held-back coordinate's age back from the engine's optimizer checkpoint (a lost age would change the
+    first resumed step of each)."""
+    launch = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2"]
+    full_out, part_out = str(tmp_path / "full"), str(tmp_path / "part")
+    first = _run([*launch, "--master_port", str(free_port()), *_recipe_args(full_out, 6, "--catch_up_adam")])
+    assert "optimizer=CatchUpAdamW(catch_up=" in first and "hint: DGC under plain Adam" not in first
+    _run([*launch, "--master_port", str(free_port()), *_recipe_args(part_out, 3, "--catch_up_adam")])
+    _run([*launch, "--master_port", str(free_port()), *_recipe_args(part_out, 6, "--catch_up_adam", "--resume")])
+    losses = []
+    for out in (full_out, part_out):
+        with open(os.path.join(out, "train_log.jsonl")) as f:
+            losses.append([json.loads(line)["loss"] for line in f])
+    assert len(losses[0]) == 6 and losses[1] == losses[0]

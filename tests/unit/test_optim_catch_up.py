@@ -173,3 +173,19 @@ def test_colossalai_train_optimizer_builds_catch_up_adamw_or_raises():
         TrainSettings.from_dict({"optimizer": "adam"})
     with pytest.raises(TypeError, match=r"train.optimizer \(1\) must be a string"):
         TrainSettings.from_dict({"optimizer": 1})
+
+
+def test_ages_count_in_fp32_for_bf16_parameters_and_survive_a_checkpoint():
+    """A bf16 count stops at 256 (256 + 1 rounds to 256), and torch casts loaded state to the parameter's
+    dtype: the age is kept and restored in fp32, so a coordinate held back 300 steps catches up 300."""
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    opt = CatchUpAdamW([p], **KW)
+    for _ in range(300):
+        p.grad = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.bfloat16)
+        opt.step()
+    assert opt.state[p]["age"].dtype == torch.float32 and opt.state[p]["age"].tolist() == [0.0, 300.0, 300.0, 300.0]
+    q = torch.nn.Parameter(p.detach().clone())
+    opt2 = CatchUpAdamW([q], **KW)
+    opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert opt2.state[q]["age"].dtype == torch.float32 and opt2.state[q]["age"].tolist() == [0.0, 300.0, 300.0, 300.0]
+    assert opt2.state[q]["exp_avg"].dtype == torch.bfloat16  # the rest as torch loads it
