@@ -20,6 +20,33 @@ import math
 import torch
 
 
+def _check_adam_args(name: str, lr: float, betas, eps: float) -> None:
+    """The hyperparameter checks both optimizers share, named as in ``torch.optim.AdamW``."""
+    if not lr >= 0:
+        raise ValueError(f"{name} lr ({lr!r}) must be >= 0")
+    if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
+        raise ValueError(f"{name} betas ({betas!r}) must be in [0, 1)")
+    if not eps > 0:
+        raise ValueError(f"{name} eps ({eps!r}) must be > 0")
+
+
+def _run_closure(closure):
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _adam_state(st: dict, p: torch.Tensor) -> dict:
+    """``p``'s state with Adam's moments (created at the first step) and its step count advanced."""
+    if not st:
+        st["step"] = 0
+        st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    st["step"] += 1
+    return st
+
+
 class FrozenVarianceAdamW(torch.optim.Optimizer):
     """AdamW (decoupled weight decay) whose ``exp_avg_sq`` is updated for ``freeze_after`` steps, then kept.
 
@@ -35,12 +62,7 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, freeze_after: int = 100) -> None:
-        if not lr >= 0:
-            raise ValueError(f"FrozenVarianceAdamW lr ({lr!r}) must be >= 0")
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"FrozenVarianceAdamW betas ({betas!r}) must be in [0, 1)")
-        if not eps > 0:
-            raise ValueError(f"FrozenVarianceAdamW eps ({eps!r}) must be > 0")
+        _check_adam_args("FrozenVarianceAdamW", lr, betas, eps)
         if isinstance(freeze_after, bool) or not isinstance(freeze_after, int) or freeze_after < 1:
             raise ValueError(f"FrozenVarianceAdamW freeze_after ({freeze_after!r}) must be an int >= 1")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
@@ -55,10 +77,7 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
            is still zero: a coordinate's first gradient).
         3. Step by ``lr · m̂ / (sqrt(v̂) + eps)``, ``v̂`` bias-corrected at ``min(step, freeze_after)``.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _run_closure(closure)
         for group in self.param_groups:
             lr, (b1, b2), eps, wd, freeze = (group["lr"], group["betas"], group["eps"], group["weight_decay"],
                                              group["freeze_after"])
@@ -66,12 +85,7 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 g = p.grad
-                st = self.state[p]
-                if not st:
-                    st["step"] = 0
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                st["step"] += 1
+                st = _adam_state(self.state[p], p)
                 t = st["step"]
                 m, v = st["exp_avg"], st["exp_avg_sq"]
                 # Step 1: decoupled weight decay.
@@ -128,12 +142,7 @@ class CatchUpAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.01, catch_up: bool = True) -> None:
-        if not lr >= 0:
-            raise ValueError(f"CatchUpAdamW lr ({lr!r}) must be >= 0")
-        if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
-            raise ValueError(f"CatchUpAdamW betas ({betas!r}) must be in [0, 1)")
-        if not eps > 0:
-            raise ValueError(f"CatchUpAdamW eps ({eps!r}) must be > 0")
+        _check_adam_args("CatchUpAdamW", lr, betas, eps)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
                                       catch_up=catch_up))
 
@@ -157,10 +166,7 @@ class CatchUpAdamW(torch.optim.Optimizer):
            ``G²/k`` into the moments.
         3. There, step by ``k · lr · m̂ / (sqrt(v̂) + eps)``; reset the age.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _run_closure(closure)
         for group in self.param_groups:
             lr, (b1, b2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             catch_up = group.get("catch_up", True)
@@ -168,15 +174,11 @@ class CatchUpAdamW(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 g = p.grad
-                st = self.state[p]
-                if not st:
-                    st["step"] = 0
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st = _adam_state(self.state[p], p)
+                if "age" not in st:
                     # fp32 whatever the parameter's dtype: a bf16 count stops at 256 (256 + 1 rounds
                     # back to 256), fp16's at 2048.
                     st["age"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-                st["step"] += 1
                 t = st["step"]
                 m, v, age = st["exp_avg"], st["exp_avg_sq"], st["age"]
                 # Step 1: decoupled weight decay on every weight, as AdamW; every coordinate ages.
