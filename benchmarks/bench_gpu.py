@@ -14,6 +14,9 @@ Usage (on a GPU machine, after the extension is built; ~1 minute)::
    1 % and 5 % per rank): GPU busy time (sum of the profiled kernels) per rank, and against one memory
    pass over the rank's result (a write of ``numel`` elements).
 3. Hashing (``hash_partition``) at the paper's scale, 214 M elements at 5.2 %: median time.
+4. The optimizer step DGC runs under: ``zen_ext.optim.CatchUpAdamW`` against torch's AdamW (foreach;
+   fused on a GPU) on the ``large`` bucket's tensors and on one flat tensor of the same size (what a
+   ZeRO-1/2 partition is), a DGC-like gradient (5 % of the entries non-zero); kernel launches per step.
 
 Each figure is min / median / max over ``--reps`` repeats; ratios are taken per repeat.
 """
@@ -295,6 +298,61 @@ def bench_hash(device: str, reps: int, small: bool) -> list[str]:
     return rows
 
 
+# --- 4. the optimizer step ------------------------------------------------------------------------------------
+def bench_optimizer(device: str, reps: int, small: bool) -> list[str]:
+    from zen_ext import optim
+
+    timer = Timer(device)
+    shapes = BUCKETS["large"] if not small else BUCKETS["small"]
+    rows = ["| layout | optimizer | step ms (min/med/max) | × AdamW foreach | launches per step |", "|---|---|---|---|---|"]
+    numel = sum(r * c for r, c in shapes)
+    for layout, sizes in (("the large bucket's tensors" if not small else "the small bucket's tensors",
+                           [r * c for r, c in shapes]), ("one flat tensor (a ZeRO partition)", [numel])):
+        gen = torch.Generator(device=device).manual_seed(0)
+        grads = [torch.randn(n, generator=gen, device=device) * (torch.rand(n, generator=gen, device=device) < 0.05)
+                 for n in sizes]
+
+        def make(kind):
+            ps = [torch.nn.Parameter(torch.zeros(n, device=device)) for n in sizes]
+            for p, g in zip(ps, grads):
+                p.grad = g
+            kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+            if kind.startswith("CatchUpAdamW"):
+                opt = optim.CatchUpAdamW(ps, **kw)
+                if "torch path" in kind:  # the per-parameter torch ops, as where the fused op has no kernel
+                    opt.step = lambda: _torch_path_step(opt)
+                return opt
+            return torch.optim.AdamW(ps, **kw, **({"fused": True} if kind == "AdamW fused" else {"foreach": True}))
+
+        fused = ops.has_catch_up_adamw_op([torch.zeros(1, device=device)])
+        kinds = (["AdamW foreach", "CatchUpAdamW (fused op)" if fused else "CatchUpAdamW (torch path)"]
+                 + (["CatchUpAdamW (torch path)"] if fused else []) + (["AdamW fused"] if device == "cuda" else []))
+        opts = {k: make(k) for k in kinds}
+        for opt in opts.values():  # state allocated, kernels warm
+            for _ in range(3):
+                opt.step()
+        times = {k: [] for k in kinds}
+        for _ in range(reps):  # interleaved, so drift hits every optimizer alike
+            for k, opt in opts.items():
+                times[k].append(timer(opt.step))
+        for k in kinds:
+            ratio = [t / b for t, b in zip(times[k], times["AdamW foreach"])]
+            launches, _ = kernels_and_busy_s(opts[k].step, device)
+            rows.append(f"| {layout}, {len(sizes)} × {numel / len(sizes) / 1e6:.2f} M | {k} | {mmm(times[k], 1e3)} | "
+                        f"{mmm(ratio)} | {launches if device == 'cuda' else 'n/a (CPU)'} |")
+    return rows
+
+
+def _torch_path_step(opt) -> None:
+    """``opt.step()`` (a CatchUpAdamW) with the fused op turned off."""
+    saved = ops.has_catch_up_adamw_op
+    ops.has_catch_up_adamw_op = lambda params: False
+    try:
+        type(opt).step(opt)
+    finally:
+        ops.has_catch_up_adamw_op = saved
+
+
 def main(argv=None) -> int:
     a = parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -310,6 +368,8 @@ def main(argv=None) -> int:
     parts += ["", "## 2b. ZEN on embedding rows: bitmap pull vs COO pull (SimWorld on one device)", ""]
     parts += bench_zen_rows(a.device, a.reps, a.small)
     parts += ["", "## 3. Hashing", ""] + bench_hash(a.device, a.reps, a.small)
+    parts += ["", "## 4. Optimizer step: CatchUpAdamW vs torch's AdamW (5 % of the gradient non-zero)", ""]
+    parts += bench_optimizer(a.device, a.reps, a.small)
     text = "\n".join(parts) + "\n"
     print(text, flush=True)
     if a.out:

@@ -307,6 +307,7 @@ def check_ops(rep: Report, device: str) -> None:
     check_dgc_search(rep, device)
     check_dgc_select(rep, device)
     check_dgc_kept(rep, device)
+    check_catch_up_adamw(rep, device)
     check_dgc_sample(rep, device)
 
 
@@ -453,6 +454,45 @@ def check_dgc_kept(rep: Report, device: str) -> None:
         rep.add("ops", f"dgc_gather_kept {str(dtype)[6:]}: equal to the C++ CPU op", not bad,
                 "; ".join(bad[:4]) or f"{checked} cases (0 to 3 M candidates; kept at random/all/none/the ends; "
                 "flag true/false/absent): positions, values, padding, stats equal")
+
+
+def check_catch_up_adamw(rep: Report, device: str) -> None:
+    """``catch_up_adamw_`` (CatchUpAdamW's fused step) per parameter dtype, tensors of 0 to 3 M elements,
+    with and without catch-up, 6 steps of gradients that are mostly zero: weights and moments equal to the
+    C++ CPU op's to an ulp or two (``powf`` may round differently on the device), ages exactly."""
+    import torch
+
+    from zen_ext import ops
+
+    if device != "cuda":
+        return  # the CPU op is held to the torch path by tests/unit/test_optim_catch_up.py
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("zen_ext::catch_up_adamw_", "CUDA"):
+        rep.add("ops", "catch_up_adamw_ built for CUDA", False, "zen_ext._C lacks the kernel: rebuild")
+        return
+    for dtype, tol in ((torch.float32, 1e-6), (torch.bfloat16, 1e-2), (torch.float16, 2e-3)):
+        bad = []
+        for catch_up in (True, False):
+            g = torch.Generator().manual_seed(7)
+            sizes = [0, 1, 1000, 3_000_017]
+            cpu = [[torch.randn(n, generator=g).to(dtype) for n in sizes] for _ in range(3)] + [
+                [torch.zeros(n) for n in sizes]]
+            dev = [[t.to(device) for t in ts] for ts in cpu]
+            try:
+                for step in range(1, 7):
+                    grads = [(torch.randn(n, generator=g) * (torch.rand(n, generator=g) < 0.1)).to(dtype) for n in sizes]
+                    kw = dict(lr=1e-3, beta1=0.9, beta2=0.95, eps=1e-4, weight_decay=0.01, step=step, catch_up=catch_up)
+                    ops.catch_up_adamw_(cpu[0], grads, cpu[1], cpu[2], cpu[3], **kw)
+                    ops.catch_up_adamw_(dev[0], [x.to(device) for x in grads], dev[1], dev[2], dev[3], **kw)
+                for name, a_T, b_T in zip(("weights", "m", "v", "ages"), cpu, dev):
+                    for a, b in zip(a_T, b_T):
+                        t = 0.0 if name == "ages" else tol
+                        if not torch.allclose(a.float(), b.cpu().float(), rtol=t, atol=t):
+                            bad.append(f"catch_up={catch_up}, {a.numel()} elements: {name} differ")
+            except Exception as exc:  # noqa: BLE001 — a row of the report
+                bad.append(f"catch_up={catch_up}: {type(exc).__name__}: {str(exc)[:120]}")
+        rep.add("ops", f"catch_up_adamw_ {str(dtype)[6:]}: equal to the C++ CPU op", not bad,
+                "; ".join(bad[:4]) or "0 to 3 M elements, with and without catch-up, 6 steps: weights and moments "
+                f"within {tol:g}, ages equal")
 
 
 def check_dgc_sample(rep: Report, device: str) -> None:

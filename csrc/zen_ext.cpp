@@ -66,6 +66,11 @@ TORCH_LIBRARY(zen_ext, m) {
   m.def("dgc_sort_unkey(Tensor keys, Tensor low_U, float tiny, int key_bits) -> (Tensor, Tensor)");
   // Whether every element of the tensors g_T is finite, as one bool on their device (no host read).
   m.def("dgc_all_finite(Tensor[] g_T) -> Tensor");
+  // zen_ext.optim.CatchUpAdamW's step over parameters p_T (in place, with their gradients g_T, moments
+  // m_T, v_T of their dtype and float32 ages age_T): step is the global step of the bias corrections;
+  // catch_up false takes every gradient, zero or not (AdamW). Logic in csrc/catch_up_adamw.h.
+  m.def("catch_up_adamw_(Tensor(a!)[] p_T, Tensor[] g_T, Tensor(b!)[] m_T, Tensor(c!)[] v_T, Tensor(d!)[] age_T, "
+        "float lr, float beta1, float beta2, float eps, float weight_decay, int step, bool catch_up) -> ()");
   // Values of the concatenation of g_T at int64 positions pos, without the concatenation.
   m.def("gather_list(Tensor[] g_T, Tensor pos) -> Tensor");
 }

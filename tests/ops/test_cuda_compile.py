@@ -43,6 +43,7 @@ SEARCH_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_search.cu")
 SELECT_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_kernel.cu")
 SAMPLE_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_sample.cu")
 KEPT_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_kept.cu")
+CATCH_UP_CU = os.path.join(ROOT, "csrc", "cuda", "catch_up_adamw.cu")
 HARNESS_CU = os.path.join(ROOT, "tests", "ops", "hash_kernel_harness.cu")
 # One architecture keeps the check quick; sm_80 (A100) is the oldest the paper-class GPUs need.
 GENCODE = ["-gencode", "arch=compute_80,code=sm_80"]
@@ -174,6 +175,14 @@ def test_dgc_kept_kernels_compile(tmp_path):
     assert "kept_count_kernel" in entries, entries
     for tag in ("IfE", "IdE", "IN3c108BFloat16EE", "IN3c104HalfEE"):
         assert f"gather_kept_kernel{tag}" in entries, f"gather_kept_kernel not instantiated for {tag}: {entries}"
+
+
+def test_catch_up_adamw_kernel_compiles(tmp_path):
+    """``csrc/cuda/catch_up_adamw.cu`` (CatchUpAdamW's fused step) compiles and links, the kernel for
+    every parameter dtype it takes (the per-element logic, csrc/catch_up_adamw.h, runs in the CPU op)."""
+    entries = _compile_and_link(CATCH_UP_CU, tmp_path)
+    for tag in ("IfE", "IN3c108BFloat16EE", "IN3c104HalfEE"):
+        assert f"catch_up_adamw_kernel{tag}" in entries, f"catch_up_adamw_kernel not instantiated for {tag}: {entries}"
 
 
 @pytest.mark.timeout(1200)

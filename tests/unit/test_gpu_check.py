@@ -68,8 +68,10 @@ def test_gpu_bench_cpu_smoke(tmp_path):
     out = tmp_path / "gpu_bench.md"
     assert bench_gpu.main(["--device", "cpu", "--small", "--reps", "1", "--out", str(out)]) == 0
     text = out.read_text()
-    for heading in ("## 1. DGC per bucket", "## 2. ZEN vs AGsparse", "## 2b. ZEN on embedding rows", "## 3. Hashing"):
+    for heading in ("## 1. DGC per bucket", "## 2. ZEN vs AGsparse", "## 2b. ZEN on embedding rows", "## 3. Hashing",
+                    "## 4. Optimizer step"):
         assert heading in text
+    assert text.count("| AdamW foreach | ") == 2 and text.count("| CatchUpAdamW (") >= 2
     # Each bucket and dtype with the search op and with its torch loop; rows: the three schemes.
     assert text.count("| large |") == 4 and text.count("| bench |") == 4 and "| 16 | 5% |" in text
     assert text.count("| op |") == 4 and text.count("| torch loop |") == 4

@@ -189,3 +189,62 @@ def test_ages_count_in_fp32_for_bf16_parameters_and_survive_a_checkpoint():
     opt2.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert opt2.state[q]["age"].dtype == torch.float32 and opt2.state[q]["age"].tolist() == [0.0, 300.0, 300.0, 300.0]
     assert opt2.state[q]["exp_avg"].dtype == torch.bfloat16  # the rest as torch loads it
+
+
+# --- the fused CPU op against the torch path -------------------------------------------------------------
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2), (torch.float16, 2e-3)])
+def test_fused_op_equals_the_torch_path(monkeypatch, dtype, tol):
+    """``zen_ext.ops.catch_up_adamw_`` (one pass per tensor) against the torch path, its oracle, over 30
+    steps of DGC-like gradients: most coordinates wait, some every step, a few for long, in a group that
+    catches up and one that does not, with an empty tensor among them. Weights, moments and ages agree
+    to rounding (the op keeps the denominator in float32, the torch path in the parameter's dtype; fp16
+    takes eps 1e-4, since 1e-8 is 0 in fp16, and a v that underflows would divide the torch path by 0)."""
+    from zen_ext import ops
+
+    if not ops.HAVE_CPP_OP:
+        pytest.skip("zen_ext._C is not built")
+    gen = torch.Generator().manual_seed(5)
+    shapes = [(64, 48), (0,), (1000,), (7,)]
+    init = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+
+    def make():
+        ps = [torch.nn.Parameter(t.clone()) for t in init]
+        kw = dict(KW, eps=1e-4) if dtype == torch.float16 else KW
+        return ps, CatchUpAdamW([{"params": ps[:3]}, {"params": ps[3:], "catch_up": False}], **kw)
+
+    fused_p, fused = make()
+    torch_p, slow = make()
+    assert ops.has_catch_up_adamw_op(fused_p[:3]) and not ops.has_catch_up_adamw_op([fused_p[0].t()])
+    for step in range(30):
+        for a, b in zip(fused_p, torch_p):
+            keep = torch.rand(a.shape, generator=gen) < (0.05 if step % 7 else 0.6)
+            keep.view(-1)[:3] = True  # a few coordinates every step (k = 1: AdamW)
+            g = (torch.randn(a.shape, generator=gen) * keep).to(dtype)
+            a.grad, b.grad = g.clone(), g.clone()
+        fused.step()
+        with monkeypatch.context() as mp:
+            mp.setattr(ops, "has_catch_up_adamw_op", lambda params: False)
+            slow.step()
+    for a, b in zip(fused_p, torch_p):
+        torch.testing.assert_close(a.detach().float(), b.detach().float(), rtol=tol, atol=tol)
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(fused.state[a][key].float(), slow.state[b][key].float(), rtol=tol, atol=tol)
+        assert torch.equal(fused.state[a]["age"], slow.state[b]["age"])
+    assert fused.state[fused_p[2]]["age"].max() >= 5  # long waits were exercised
+    assert not fused.state[fused_p[3]]["age"].any()  # the group without catch-up never waits
+
+
+def test_fused_op_rejects_what_it_cannot_run():
+    from zen_ext import ops
+
+    if not ops.HAVE_CPP_OP:
+        pytest.skip("zen_ext._C is not built")
+    p = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="supported: float32, bfloat16, float16"):
+        ops.catch_up_adamw_([p], [p], [p.clone()], [p.clone()], [torch.zeros(4)], lr=0.1, beta1=0.9, beta2=0.95,
+                            eps=1e-8, weight_decay=0.0, step=1, catch_up=True)
+    f = torch.zeros(4)
+    with pytest.raises(RuntimeError, match="the ages of parameter 0 must be a contiguous float32"):
+        ops.catch_up_adamw_([f], [f], [f.clone()], [f.clone()], [torch.zeros(4, dtype=torch.bfloat16)], lr=0.1,
+                            beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1, catch_up=True)
+    assert not ops.has_catch_up_adamw_op([p])  # float64 takes the torch path

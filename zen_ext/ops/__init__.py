@@ -33,7 +33,7 @@ __all__ = [
     "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
     "aggregate_push", "aggregate_push_into", "read_aggregate_count", "has_aggregate_into_op", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
     "has_dgc_search_op", "dgc_threshold_search", "has_dgc_gather_kept_op", "dgc_gather_kept", "has_dgc_sample_op", "dgc_sample_keys", "dgc_sort_unkey", "dgc_all_finite",
-    "gather_list", "emulate_cuda_layout",
+    "gather_list", "emulate_cuda_layout", "has_catch_up_adamw_op", "catch_up_adamw_",
 ]
 
 # Fake (meta) kernels: shapes only, so torch.compile / FakeTensor tracing can see through the ops.
@@ -420,3 +420,22 @@ def concat_view(g_T: list[torch.Tensor]) -> torch.Tensor:
     if adjacent:
         return first.as_strided((total,), (1,))
     return torch.cat(g_T)
+
+
+# --- CatchUpAdamW's step --------------------------------------------------------------------------------------
+CATCH_UP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def has_catch_up_adamw_op(params: list[torch.Tensor]) -> bool:
+    """Whether ``catch_up_adamw_`` runs ``params``: a kernel for their device (CPU builds), contiguous
+    tensors of float32/bf16/fp16. Otherwise ``zen_ext.optim.CatchUpAdamW`` takes its torch path."""
+    return bool(params) and _has_kernel("catch_up_adamw_", params[0]) and all(
+        p.is_contiguous() and p.dtype in CATCH_UP_DTYPES for p in params)
+
+
+def catch_up_adamw_(p_T, g_T, m_T, v_T, age_T, *, lr: float, beta1: float, beta2: float, eps: float,
+                    weight_decay: float, step: int, catch_up: bool) -> None:
+    """CatchUpAdamW's step over the tensors in one pass each (csrc/catch_up_adamw.h; the torch path in
+    ``zen_ext/optim.py`` is its oracle). Callers check ``has_catch_up_adamw_op`` first."""
+    torch.ops.zen_ext.catch_up_adamw_(p_T, g_T, m_T, v_T, age_T, lr, beta1, beta2, eps, weight_decay, step,
+                                      catch_up)
