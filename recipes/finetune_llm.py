@@ -43,7 +43,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "second moment frozen after N steps: DGC's error feedback then conserves Adam's movement)")
     p.add_argument("--catch_up_adam", action="store_true",
                    help="train with zen_ext.optim.CatchUpAdamW (the config's AdamW settings): a coordinate DGC held "
-                   "back for k steps moves k steps' worth when it arrives")
+                   "back for k steps moves k steps' worth when it arrives. The default already when zen.dgc is "
+                   "on and the config's optimizer is Adam/AdamW; with this flag any other optimizer is an error")
+    p.add_argument("--plain_adam", action="store_true",
+                   help="keep the config's optimizer even when zen.dgc is on (by default DGC under Adam/AdamW "
+                   "trains with CatchUpAdamW, which closes most of DGC's loss gap to dense)")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     return p.parse_args(argv)
 
@@ -64,11 +68,11 @@ def load_ds_config(args) -> dict:
     if args.frozen_variance_after < 0:
         raise common.ConfigError(f"--frozen_variance_after ({args.frozen_variance_after}) must be >= 0 (0: off)")
     opt_type = (ds.get("optimizer") or {}).get("type")
-    if args.frozen_variance_after and args.catch_up_adam:
-        raise common.ConfigError(f"--frozen_variance_after ({args.frozen_variance_after}) and --catch_up_adam each "
-                                 "replace the optimizer: choose one")
-    chosen = (f"--frozen_variance_after ({args.frozen_variance_after})" if args.frozen_variance_after
-              else "--catch_up_adam" if args.catch_up_adam else None)
+    flags = [f for f, on in ((f"--frozen_variance_after ({args.frozen_variance_after})", args.frozen_variance_after),
+                             ("--catch_up_adam", args.catch_up_adam), ("--plain_adam", args.plain_adam)) if on]
+    if len(flags) > 1:
+        raise common.ConfigError(f"{' and '.join(flags)} each choose the optimizer: choose one")
+    chosen = flags[0] if flags and not args.plain_adam else None
     if chosen and str(opt_type).lower() not in ("adam", "adamw"):
         raise common.ConfigError(f"{chosen} needs an Adam or AdamW \"optimizer\" section in the DeepSpeed config, "
                                  f"got {opt_type!r}")
@@ -88,11 +92,32 @@ def load_ds_config(args) -> dict:
     return ds
 
 
+def optimizer_choice(args, ds_config: dict) -> tuple[str, str]:
+    """Which optimizer the run trains with, and why (for the start line): ``"frozen"``
+    (``--frozen_variance_after``), ``"catch_up"`` (``--catch_up_adam``, or the default for DGC under an
+    Adam/AdamW config: it closes most of DGC's loss gap to dense, README "Time to quality") or
+    ``"config"`` (the config's optimizer: no DGC, not Adam, or ``--plain_adam``)."""
+    if args.frozen_variance_after > 0:
+        return "frozen", "--frozen_variance_after"
+    if args.catch_up_adam:
+        return "catch_up", "--catch_up_adam"
+    if args.plain_adam:
+        return "config", "--plain_adam"
+    zen = ds_config.get("zen")
+    dgc_on = (isinstance(zen, dict) and zen.get("enabled", True) and isinstance(zen.get("dgc"), dict)
+              and zen["dgc"].get("enabled", False))
+    opt_type = str((ds_config.get("optimizer") or {}).get("type")).lower()
+    if dgc_on and opt_type in ("adam", "adamw"):
+        return "catch_up", "the default for DGC under Adam; --plain_adam keeps the config's"
+    return "config", "no DGC" if not dgc_on else "not Adam"
+
+
 def client_optimizer(args, ds_config: dict, model):
-    """``--frozen_variance_after N`` (FrozenVarianceAdamW) or ``--catch_up_adam`` (CatchUpAdamW), built from
-    the config's Adam/AdamW settings, whose ``optimizer`` section is then removed (DeepSpeed takes one or
-    the other); ``None`` otherwise."""
-    if args.frozen_variance_after <= 0 and not args.catch_up_adam:
+    """FrozenVarianceAdamW or CatchUpAdamW (``optimizer_choice``), built from the config's Adam/AdamW
+    settings, whose ``optimizer`` section is then removed (DeepSpeed takes one or the other); ``None``
+    for the config's optimizer."""
+    kind, _ = optimizer_choice(args, ds_config)
+    if kind == "config":
         return None
     from zen_ext.optim import CatchUpAdamW, FrozenVarianceAdamW
 
@@ -100,7 +125,7 @@ def client_optimizer(args, ds_config: dict, model):
     ds_config.setdefault("zero_allow_untested_optimizer", True)  # ZeRO 1-2 wrap any torch optimizer
     kw = dict(lr=params.get("lr", 1e-3), betas=tuple(params.get("betas", (0.9, 0.999))), eps=params.get("eps", 1e-8),
               weight_decay=params.get("weight_decay", 0.01))
-    if args.catch_up_adam:
+    if kind == "catch_up":
         from zen_ext.config import ZenConfig
         from zen_ext.optim import catch_up_param_groups
 
@@ -151,6 +176,7 @@ def main(argv=None) -> list[dict]:
     tokenizer, train_blocks, eval_blocks = common.prepare_data(args, rank)
     vocab = len(tokenizer) if args.model.endswith(".json") else None
     model = common.build_model(args.model, seed=args.seed, vocab_size=vocab)
+    optimizer_why = optimizer_choice(args, ds_config)[1]  # before client_optimizer takes the config's section
     optimizer = client_optimizer(args, ds_config, model)
     optimizer_text = _describe_optimizer(optimizer, ds_config)  # before ZeRO flattens the groups
     engine, _, _, _ = zen_ext.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
@@ -172,11 +198,11 @@ def main(argv=None) -> list[dict]:
         print(f"deepspeed recipe: zen={'on (' + zen.cfg.scheme + ')' if zen else 'off'} ZeRO-"
               f"{engine.zero_optimization_stage()} world={dist.get_world_size()} dp={dp_size} micro_batch={micro} "
               f"accum={accum} train_blocks={len(train_blocks)} eval_blocks={len(eval_blocks)} start_step={start} "
-              f"lr_schedule={_describe_schedule(ds_config)} optimizer={optimizer_text}",
+              f"lr_schedule={_describe_schedule(ds_config)} optimizer={optimizer_text} ({optimizer_why})",
               flush=True)
         if zen and zen.cfg.dgc.enabled and optimizer_text.lower() in ("adam", "adamw"):
-            print("deepspeed recipe: hint: DGC under plain Adam ends well above dense's loss; --catch_up_adam "
-                  "closes most of that gap (README, Time to quality)", flush=True)
+            print("deepspeed recipe: hint: DGC under plain Adam ends well above dense's loss; CatchUpAdamW (the "
+                  "default without --plain_adam) closes most of that gap (README, Time to quality)", flush=True)
 
     # Step 3: train.
     batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)

@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from recipes import common  # noqa: E402
 
 
-OPTIMIZERS = ("adamw", "catch_up_adamw")
+OPTIMIZERS = ("auto", "adamw", "catch_up_adamw")
 
 
 @dataclass(kw_only=True)
@@ -62,10 +62,11 @@ class TrainSettings:
     """After the warm-up, a cosine decay to this fraction of ``lr`` at the run's last step (``--steps``),
     as DeepSpeed's WarmupCosineLR; in [0, 1], 1: constant. Default 1. Fine-tuning decays: DGC's gap to
     dense shrinks with it (benchmarks/results/time_to_quality.md)."""
-    optimizer: str = "adamw"
-    """``"adamw"`` (torch's AdamW) or ``"catch_up_adamw"`` (``zen_ext.optim.CatchUpAdamW``: the tensors
-    DGC sparsifies take a gradient held back for k steps as k steps' worth; the rest is AdamW). Default
-    ``"adamw"``."""
+    optimizer: str = "auto"
+    """``"adamw"`` (torch's AdamW), ``"catch_up_adamw"`` (``zen_ext.optim.CatchUpAdamW``: the tensors
+    DGC sparsifies take a gradient held back for k steps as k steps' worth; the rest is AdamW) or
+    ``"auto"``: ``"catch_up_adamw"`` when ``zen.dgc`` is on (it closes most of DGC's loss gap to dense),
+    ``"adamw"`` otherwise. Default ``"auto"``."""
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainSettings":
@@ -106,10 +107,17 @@ def lr_factor(train: TrainSettings, step: int, total_steps: int) -> float:
     return train.min_lr_ratio + (1 - train.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
+def optimizer_name(train: TrainSettings, zen) -> str:
+    """``train.optimizer`` with ``"auto"`` decided: ``"catch_up_adamw"`` when zen's DGC is on."""
+    if train.optimizer != "auto":
+        return train.optimizer
+    return "catch_up_adamw" if zen.enabled and zen.dgc.enabled else "adamw"
+
+
 def build_optimizer(train: TrainSettings, zen, model) -> torch.optim.Optimizer:
     """``train.optimizer`` over ``model``'s parameters, before the booster wraps it."""
     kw = dict(lr=train.lr, betas=(train.beta1, train.beta2), weight_decay=train.weight_decay)
-    if train.optimizer == "catch_up_adamw":
+    if optimizer_name(train, zen) == "catch_up_adamw":
         from zen_ext.optim import CatchUpAdamW, catch_up_param_groups
 
         return CatchUpAdamW(catch_up_param_groups(model, zen), **kw)
@@ -210,12 +218,15 @@ def main(argv=None) -> list[dict]:
     start = load_checkpoint(booster, plugin, model, optimizer, scheduler, args.output_dir, rank) if args.resume else 0
     micro, accum = train.micro_batch_size, train.gradient_accumulation_steps
     device = common.model_device(model)
+    optimizer_text = optimizer_name(train, cfg.zen)
+    if train.optimizer == "auto":  # say why: DGC under AdamW catches up
+        optimizer_text += f" (auto: zen.dgc {'on' if cfg.zen.enabled and cfg.zen.dgc.enabled else 'off'})"
     if rank == 0:
         print(f"colossalai recipe: {config_summary(cfg)} world={dist.get_world_size()} dp={dp_size} "
               f"micro_batch={micro} accum={accum} train_blocks={len(train_blocks)} eval_blocks={len(eval_blocks)} "
               f"start_step={start} lr_schedule=warmup={train.warmup_steps},"
               f"{'constant' if train.min_lr_ratio == 1 else f'cosine_to={train.min_lr_ratio}@{args.steps}'} "
-              f"optimizer={train.optimizer}", flush=True)
+              f"optimizer={optimizer_text}", flush=True)
 
     # Step 3: train.
     batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)

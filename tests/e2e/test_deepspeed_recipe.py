@@ -41,8 +41,9 @@ def test_recipe_with_deepspeed_launcher_then_torchrun_resume(tmp_path):
                   *_recipe_args(out, 3)])
     assert "zen=on (auto) ZeRO-1 world=2 dp=2" in first and "start_step=0" in first
     assert "lr_schedule=WarmupLR(warmup=10)" in first  # the demo config's schedule, named on the start line
-    assert "optimizer=AdamW" in first  # the config's optimizer (no --catch_up_adam / --frozen_variance_after)
-    assert "hint: DGC under plain Adam" in first and "--catch_up_adam closes most of that gap" in first
+    # DGC under the config's AdamW: CatchUpAdamW by default, and the start line says why.
+    assert "optimizer=CatchUpAdamW(catch_up=15/21) (the default for DGC under Adam" in first
+    assert "hint: DGC under plain Adam" not in first
     assert "ZEN gradient synchronization summary (2 ranks, 3 optimizer steps)" in first
     second = _run([os.path.join(BIN, "torchrun"), "--nproc_per_node", "2", "--master_port", str(free_port()),
                    *_recipe_args(out, 5, "--resume")])
@@ -70,13 +71,13 @@ def test_recipe_with_deepspeed_launcher_then_torchrun_resume(tmp_path):
 
 
 def test_catch_up_adam_resumes_its_ages_from_the_engine_checkpoint(tmp_path):
-    """``--catch_up_adam`` through DeepSpeed (ZeRO-1, client optimizer): the start line names it, and a run
-    stopped at step 3 and resumed reproduces the uninterrupted run's losses exactly, which needs every
-    held-back coordinate's age back from the engine's optimizer checkpoint (a lost age would change the
-    first resumed step of each)."""
+    """CatchUpAdamW through DeepSpeed (ZeRO-1, client optimizer): a run stopped at step 3 and resumed
+    reproduces the uninterrupted run's losses exactly, which needs every held-back coordinate's age back
+    from the engine's optimizer checkpoint (a lost age would change the first resumed step of each). The
+    uninterrupted run takes the default (CatchUpAdamW for DGC under AdamW), the stopped one asks for it."""
     launch = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2"]
     full_out, part_out = str(tmp_path / "full"), str(tmp_path / "part")
-    first = _run([*launch, "--master_port", str(free_port()), *_recipe_args(full_out, 6, "--catch_up_adam")])
+    first = _run([*launch, "--master_port", str(free_port()), *_recipe_args(full_out, 6)])
     assert "optimizer=CatchUpAdamW(catch_up=" in first and "hint: DGC under plain Adam" not in first
     _run([*launch, "--master_port", str(free_port()), *_recipe_args(part_out, 3, "--catch_up_adam")])
     _run([*launch, "--master_port", str(free_port()), *_recipe_args(part_out, 6, "--catch_up_adam", "--resume")])

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from tests.e2e.test_deepspeed_engine import _batches, _ds_config, _engine, _train, _weights
+from tests.e2e.test_deepspeed_engine import MODEL, _batches, _ds_config, _engine, _train, _weights
 from tests.multiproc.launch import run_workers
 
 pytestmark = pytest.mark.slow
@@ -55,7 +55,28 @@ def _worker(rank, world):
     z = _engine(_ds_config(1, tensor_parallel={"autotp_size": 2}, zen={"scheme": "zen", "dgc": DGC}))
     fixed = _batches(groups.get_data_parallel_rank(), 2, seed=4)
     out["tp_dgc"] = {"losses": _train(z, fixed * 8), "totals": z.zen.totals}
+    out["tp_catch_up"] = _catch_up_under_autotp(fixed * 8)
     return out
+
+
+def _catch_up_under_autotp(batches):
+    """CatchUpAdamW (the recipe's default for DGC under Adam) as a client optimizer under AutoTP: its
+    groups are built on the unsharded model, and DeepSpeed re-points them at the sharded parameters."""
+    import zen_ext.deepspeed as zds
+    from recipes.common import build_model
+    from zen_ext.config import ZenConfig
+    from zen_ext.optim import CatchUpAdamW, catch_up_param_groups
+
+    cfg = _ds_config(0, tensor_parallel={"autotp_size": 2}, zen={"scheme": "zen", "dgc": DGC})
+    cfg.pop("optimizer")
+    model = build_model(MODEL, seed=0)
+    opt = CatchUpAdamW(catch_up_param_groups(model, ZenConfig.from_ds_config(cfg)), lr=2e-3)
+    engine, *_ = zds.initialize(model=model, config=cfg, optimizer=opt)
+    losses = _train(engine, batches)
+    up, rest = ([p for p in g["params"]] for g in opt.param_groups)
+    return {"losses": losses, "w": _weights(engine), "n_up": len(up),
+            "covers_live": {id(p) for p in up + rest} == {id(p) for p in engine.module.parameters()},
+            "max_age": max(float(opt.state[p]["age"].max()) for p in up)}
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +104,17 @@ def test_autotp_dgc_trains(runs):
         r = runs[rank]["tp_dgc"]
         assert sum(r["losses"][-2:]) < sum(r["losses"][:2]) - 0.3, r["losses"]
         assert 0 < r["totals"]["bytes_sent"] < 0.5 * r["totals"]["dense_bytes"]
+
+
+def test_catch_up_adamw_trains_the_sharded_parameters(runs):
+    """Every live (sharded) parameter is in CatchUpAdamW's groups, the DGC ones caught up after being held
+    back, the run trains, and the two DP replicas of each TP rank end with the same shard."""
+    for rank in range(4):
+        r = runs[rank]["tp_catch_up"]
+        assert r["covers_live"] and r["n_up"] > 0 and r["max_age"] >= 2, r
+        assert sum(r["losses"][-2:]) < sum(r["losses"][:2]) - 0.3, r["losses"]
+    for rank in (0, 1):
+        assert torch.equal(runs[rank]["tp_catch_up"]["w"], runs[rank + 2]["tp_catch_up"]["w"])
 
 
 def test_hierarchical_matches_dense(runs):

@@ -13,7 +13,7 @@ from zen_ext.comm.local import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _run(tmp_path, out: str, steps: int, extra: list[str]) -> list[dict]:
+def _run(tmp_path, out: str, steps: int, extra: list[str], stdout: list | None = None) -> list[dict]:
     env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     cmd = [sys.executable, os.path.join(ROOT, "recipes", "finetune_llm.py"), "--deepspeed_config",
@@ -21,6 +21,8 @@ def _run(tmp_path, out: str, steps: int, extra: list[str]) -> list[dict]:
            "--output_dir", str(tmp_path / out), *extra]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    if stdout is not None:
+        stdout.append(p.stdout)
     with open(tmp_path / out / "train_log.jsonl") as f:
         return [json.loads(line) for line in f if line.strip()]
 
@@ -39,8 +41,11 @@ def test_saved_model_is_the_start_of_the_next_run(tmp_path):
 def test_frozen_variance_optimizer_trains_as_adamw_until_the_freeze(tmp_path):
     """``--frozen_variance_after 3`` swaps in FrozenVarianceAdamW through DeepSpeed (ZeRO-1, client
     optimizer): the first 3 updates equal the config's AdamW bit for bit, so the losses of steps 1–4
-    match; afterwards the frozen second moment changes the steps."""
-    plain = _run(tmp_path, "adamw", 7, [])
+    match; afterwards the frozen second moment changes the steps. ``--plain_adam`` keeps the config's
+    AdamW (without it DGC under Adam trains with CatchUpAdamW), and the start line then hints at it."""
+    text: list[str] = []
+    plain = _run(tmp_path, "adamw", 7, ["--plain_adam"], stdout=text)
+    assert "optimizer=AdamW (--plain_adam)" in text[0] and "hint: DGC under plain Adam" in text[0]
     frozen = _run(tmp_path, "frozen", 7, ["--frozen_variance_after", "3"])
     assert [r["loss"] for r in frozen[:4]] == [r["loss"] for r in plain[:4]]
     assert [r["loss"] for r in frozen[4:]] != [r["loss"] for r in plain[4:]]

@@ -81,13 +81,14 @@ def test_steps_to_reach_interpolates_between_eval_points():
     assert "dense gets there at step ~125 of 200" in demo.compare(zen, dense) and "~1.60x the steps" in demo.compare(zen, dense)
 
 
-def test_the_zen_run_trains_with_catch_up_adamw_unless_told_or_not_adam(tmp_path):
-    """CatchUpAdamW for an Adam/AdamW config (the demo's), the config's optimizer with --plain_adam or
-    for any other optimizer (the recipe would reject --catch_up_adam there)."""
-    assert demo._optimizer_args(demo.parse_args([])) == ("--catch_up_adam",)
-    assert demo._optimizer_args(demo.parse_args(["--plain_adam"])) == ()
-    cfg = json.load(open(os.path.join(demo.ROOT, "configs", "demo_ds.json")))
-    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
-    path = tmp_path / "sgd.json"
-    path.write_text(json.dumps(cfg))
-    assert demo._optimizer_args(demo.parse_args(["--config", str(path)])) == ()
+def test_the_zen_run_trains_with_the_recipes_default_optimizer_unless_told(tmp_path):
+    """The recipe's default (CatchUpAdamW for DGC under Adam/AdamW, the demo's config), the config's
+    optimizer with --plain_adam."""
+    from recipes import finetune_llm
+
+    assert demo._optimizer_args(demo.parse_args([])) == ()
+    assert demo._optimizer_args(demo.parse_args(["--plain_adam"])) == ("--plain_adam",)
+    base = ["--deepspeed_config", os.path.join(demo.ROOT, "configs", "demo_ds.json"), "--output_dir", str(tmp_path)]
+    for extra, kind in (((), "catch_up"), (("--plain_adam",), "config")):
+        args = finetune_llm.parse_args([*base, *extra])
+        assert finetune_llm.optimizer_choice(args, finetune_llm.load_ds_config(args))[0] == kind

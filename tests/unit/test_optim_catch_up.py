@@ -109,10 +109,35 @@ def test_recipe_builds_the_optimizer_from_the_config_adamw_settings(tmp_path):
     assert opt.defaults["lr"] == 0.003 and opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["weight_decay"] == 0.01
 
 
+@pytest.mark.parametrize("extra, dgc, optimizer, want", [
+    ([], True, None, ("catch_up", "the default for DGC under Adam")),  # the demo's config: DGC 5 %, AdamW
+    ([], False, None, ("config", "no DGC")),
+    ([], True, {"type": "SGD", "params": {"lr": 0.1}}, ("config", "not Adam")),
+    (["--plain_adam"], True, None, ("config", "--plain_adam")),
+    (["--catch_up_adam"], False, None, ("catch_up", "--catch_up_adam")),
+    (["--frozen_variance_after", "60"], True, None, ("frozen", "--frozen_variance_after")),
+])
+def test_recipe_trains_dgc_under_adam_with_catch_up_unless_told(tmp_path, extra, dgc, optimizer, want):
+    cfg = json.load(open(os.path.join(ROOT, "configs", "demo_ds.json")))
+    cfg["zen"]["dgc"]["enabled"] = dgc
+    if optimizer:
+        cfg["optimizer"] = optimizer
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(cfg))
+    args = finetune_llm.parse_args(["--deepspeed_config", str(path), "--output_dir", str(tmp_path / "out"), *extra])
+    ds = finetune_llm.load_ds_config(args)
+    kind, why = finetune_llm.optimizer_choice(args, ds)
+    assert (kind, why.split(";")[0]) == want
+    opt = finetune_llm.client_optimizer(args, ds, torch.nn.Linear(4, 4))
+    assert type(opt).__name__ == {"catch_up": "CatchUpAdamW", "frozen": "FrozenVarianceAdamW", "config": "NoneType"}[kind]
+    assert ("optimizer" in ds) == (kind == "config")
+
+
 @pytest.mark.parametrize("extra, optimizer, text", [
     (["--catch_up_adam"], {"type": "SGD", "params": {"lr": 0.1}}, "--catch_up_adam needs an Adam or AdamW"),
     (["--catch_up_adam", "--frozen_variance_after", "60"], None,
-     r"--frozen_variance_after \(60\) and --catch_up_adam each replace the optimizer: choose one"),
+     r"--frozen_variance_after \(60\) and --catch_up_adam each choose the optimizer: choose one"),
+    (["--catch_up_adam", "--plain_adam"], None, r"--catch_up_adam and --plain_adam each choose the optimizer"),
 ])
 def test_recipe_rejects_what_it_cannot_build_before_training(tmp_path, extra, optimizer, text):
     cfg = json.load(open(os.path.join(ROOT, "configs", "demo_ds.json")))
@@ -168,8 +193,13 @@ def test_colossalai_train_optimizer_builds_catch_up_adamw_or_raises():
     opt = build_optimizer(TrainSettings.from_dict({"optimizer": "catch_up_adamw", "lr": 0.01}), zen, model)
     assert isinstance(opt, CatchUpAdamW) and opt.defaults["lr"] == 0.01
     assert [(g["catch_up"], len(g["params"])) for g in opt.param_groups] == [(True, 1), (False, 2)]  # Linear.weight; embedding, bias
-    assert type(build_optimizer(TrainSettings.from_dict({}), zen, model)) is torch.optim.AdamW
-    with pytest.raises(ValueError, match=r"train.optimizer \('adam'\) must be one of \['adamw', 'catch_up_adamw'\]"):
+    assert type(build_optimizer(TrainSettings.from_dict({"optimizer": "adamw"}), zen, model)) is torch.optim.AdamW
+    # "auto" (the default): CatchUpAdamW under DGC, AdamW without it.
+    assert type(build_optimizer(TrainSettings.from_dict({}), zen, model)) is CatchUpAdamW
+    no_dgc = ZenConfig.from_json_section({"dgc": {"enabled": False}})
+    assert type(build_optimizer(TrainSettings.from_dict({}), no_dgc, model)) is torch.optim.AdamW
+    with pytest.raises(ValueError, match=r"train.optimizer \('adam'\) must be one of \['auto', 'adamw', "
+                                         r"'catch_up_adamw'\]"):
         TrainSettings.from_dict({"optimizer": "adam"})
     with pytest.raises(TypeError, match=r"train.optimizer \(1\) must be a string"):
         TrainSettings.from_dict({"optimizer": 1})
