@@ -45,7 +45,10 @@ def test_every_coordinate_is_flushed_within_one_stride_and_the_budget_is_kept():
         ga = [torch.rand(s, generator=gen) * 1e-3 for s in SHAPES]
         gb = [torch.rand(s, generator=gen) * 1e-3 for s in SHAPES]
         sa, sb = compress(a, *ga), compress(b, *gb)
-        flushed = torch.arange(step % stride, TOTAL, stride)
+        # Every stride-th element of each tensor, from the step's phase (counted from the tensor's start).
+        offsets = [0, 64 * 33, 64 * 33 + 1000]
+        flushed = torch.cat([o + torch.arange(step % stride, torch.Size(s).numel(), stride)
+                             for o, s in zip(offsets, SHAPES)])
         for sg in (sa, sb):  # the same flush positions on both "ranks", whatever their gradients
             assert torch.isin(flushed, sg.indices).all()
         # The budget: the exact top-k keeps ceil(0.05 * (1 - 0.4) * n) per tensor, the flush TOTAL / 50
@@ -81,3 +84,24 @@ def test_synchronizer_result_is_the_reduction_of_what_each_rank_sent(n):
     for step in range(len(steps)):
         for r in range(n):
             assert torch.equal(res[r][0][step][mask], want[step][mask].float()), (step, r)
+
+
+def test_flush_positions_follow_each_tensor_not_the_bucket():
+    """A parameter flushes the same elements alone or in a bucket with others, in any order (DDP rebuilds
+    its buckets after the first iteration, and a resumed run starts on the unrebuilt ones), and a tensor
+    shorter than the phase flushes nothing."""
+    from zen_ext.compress.dgc_units import _Layout
+
+    sizes = {"a": 2112, "b": 1000, "c": 3, "d": 385}
+    for step in (0, 7, 49, 123):
+        alone = {k: _Layout((k,), (n,), True, "cpu").flush_positions(step, 50, "cpu") for k, n in sizes.items()}
+        for order in (("a", "b", "c", "d"), ("d", "c", "b", "a")):
+            lay = _Layout(order, tuple(sizes[k] for k in order), True, "cpu")
+            got = lay.flush_positions(step, 50, "cpu")
+            want, offset = [], 0
+            for k in order:
+                want.append(alone[k] + offset)
+                offset += sizes[k]
+            assert torch.equal(got, torch.cat(want)), (step, order)
+        assert torch.equal(alone["b"], torch.arange(step % 50, 1000, 50))
+        assert alone["c"].numel() == (1 if step % 50 < 3 else 0)

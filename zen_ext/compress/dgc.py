@@ -324,11 +324,11 @@ class DGCSparsifier(Sparsifier):
         sent = self._send(R, U, pos_K, v_K, wire, mdt)
         if not flush:
             return SparseGrad(pos_K, sent, total)
-        # The rotating flush: the same positions on every rank (a function of the step), disjoint from
-        # one step to the next until the start wraps. A position the top-k sent this step sends 0 and
+        # The rotating flush: the same positions on every rank (a function of the step and of each
+        # tensor's own indices, not of the bucket), disjoint from one step to the next until they wrap. A position the top-k sent this step sends 0 and
         # keeps its residual (a half-precision cast's rounding error), so the duplicate adds exactly
         # nothing in any dtype; the mark is one byte per element, on the device, no host read.
-        pos_F = torch.arange(self.state.step % flush, total, flush, device=R.device)
+        pos_F = lay.flush_positions(self.state.step, flush, R.device)
         taken = torch.zeros(total, dtype=torch.bool, device=R.device).index_fill_(0, pos_K, True)
         in_K = taken.index_select(0, pos_F)
         r_F = R.index_select(0, pos_F)

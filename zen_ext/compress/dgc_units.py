@@ -68,8 +68,29 @@ class _Layout:
         self._sample_grids: dict[tuple, tuple] = {}
         self._search_constants: dict[tuple, _SearchConstants] = {}
         self._run_lengths: dict[tuple, torch.Tensor] = {}
+        self._tensor_bounds: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.capacity_factor = CAPACITY_FACTOR
         self._capacity_k = 1
+
+    def flush_positions(self, step: int, stride: int, device) -> torch.Tensor:
+        """The rotating flush's positions (``zen.dgc.flush_fraction``) in the flat bucket, int64 on
+        ``device``: in every tensor its elements ``step % stride``, ``+ stride``, ..., counted from the
+        tensor's own start. So a parameter flushes the same elements whatever bucket holds it: DDP
+        rebuilds its buckets after the first iteration, so a resumed run's first step sees other buckets
+        than the uninterrupted run did. The sizes come from the layout (no host read); the launches do
+        not grow with the number of tensors."""
+        phase = step % stride
+        total = sum(max(0, -(-(n - phase) // stride)) for n in self.numels)
+        bounds = self._tensor_bounds.get(str(device))
+        if bounds is None:
+            numel_T = torch.tensor(self.numels, dtype=torch.int64, device=device)
+            bounds = self._tensor_bounds[str(device)] = (numel_T, torch.cumsum(numel_T, 0) - numel_T)
+        numel_T, offset_T = bounds
+        count_T = torch.clamp_min(torch.div(numel_T - phase + stride - 1, stride, rounding_mode="floor"), 0)
+        ends_T = torch.cumsum(count_T, 0)
+        i = torch.arange(total, dtype=torch.int64, device=device)
+        t = torch.searchsorted(ends_T, i, right=True)  # the tensor of the i-th flushed element
+        return offset_T[t] + phase + stride * (i - (ends_T - count_T)[t])
 
     def run_lengths(self, chunk: int, device) -> torch.Tensor:
         """Runs of ``chunk`` elements per tensor (``zen.dgc.selection_chunk``; every numel a multiple),
