@@ -1,8 +1,12 @@
-"""The ``"zen"`` section's defaults that depend on the engine's optimizer: DGC's momentum correction.
+"""The ``"zen"`` section's defaults that depend on the engine's optimizer: DGC's momentum correction
+and its rotating flush.
 
 DGC's DGCSGD moves momentum into the sparsifier; with an optimizer that keeps its own moments that
 would apply momentum twice, so ``zen.dgc.momentum_correction: null`` is decided here, once the engine
-has its optimizer (before the first step), and the reason goes into the start-up log.
+has its optimizer (before the first step), and the reason goes into the start-up log. So is
+``zen.dgc.flush_fraction: null``: a bound on how long error feedback holds a coordinate back pays
+under ``zen_ext.optim.CatchUpAdamW`` (which moves a held-back coordinate as far as the steps it
+missed) and not under plain Adam (benchmarks/results/time_to_quality_catch_up.md).
 """
 
 from __future__ import annotations
@@ -17,6 +21,36 @@ if TYPE_CHECKING:
 log = logging.getLogger("zen_ext.config")  # the config's logger: users filter zen's config messages by it
 
 
+FLUSH_WITH_CATCH_UP = 0.1
+"""``zen.dgc.flush_fraction`` chosen for null under a catching-up optimizer at ``density >=
+FLUSH_MIN_DENSITY``: at 5 % every coordinate is then sent at least once per 200 steps (0.1 and 0.2
+measured alike, 0.5 worse)."""
+FLUSH_MIN_DENSITY = 0.05
+"""Below this density the flush's stride (500 steps at 1 %) rarely binds, and the fifth of the top-k
+budget it takes cost more than it bought (measured at 1 %)."""
+
+
+def _innermost(optimizer):
+    """The real optimizer inside wrappers (``.optimizer`` / ``.optim``: DeepSpeed's ZeRO, BF16 and FP16
+    optimizers, ColossalAI's OptimizerWrapper, Accelerate's AcceleratedOptimizer): the innermost object
+    with param groups, or ``optimizer`` itself."""
+    chain = [optimizer]
+    while optimizer is not None and len(chain) < 8:
+        nxt = next((getattr(chain[-1], a) for a in ("optimizer", "optim")
+                    if getattr(chain[-1], a, None) is not None), None)
+        if nxt is None or any(nxt is c for c in chain):
+            break
+        chain.append(nxt)
+    return next((c for c in reversed(chain) if getattr(c, "param_groups", None)), optimizer)
+
+
+def optimizer_catches_up(optimizer) -> bool:
+    """Whether ``optimizer`` (wrapped or not) moves a held-back gradient as the steps it missed: a
+    ``zen_ext.optim.CatchUpAdamW`` with a group that catches up."""
+    groups = getattr(_innermost(optimizer), "param_groups", None) or []
+    return any(g.get("catch_up", False) for g in groups)
+
+
 def optimizer_momentum(optimizer) -> tuple[bool | None, str]:
     """Whether ``optimizer`` applies momentum of its own, and its description.
 
@@ -28,15 +62,7 @@ def optimizer_momentum(optimizer) -> tuple[bool | None, str]:
         keep moments (any with ``betas``: the Adam family, LAMB, Lion; SGD with momentum > 0), and
         ``(None, ...)`` when unknown (no optimizer, or one without either hint).
     """
-    chain = [optimizer]
-    while optimizer is not None and len(chain) < 8:
-        nxt = next((getattr(chain[-1], a) for a in ("optimizer", "optim")
-                    if getattr(chain[-1], a, None) is not None), None)
-        if nxt is None or any(nxt is c for c in chain):
-            break
-        chain.append(nxt)
-    # The innermost object with param groups is the real optimizer.
-    inner = next((c for c in reversed(chain) if getattr(c, "param_groups", None)), optimizer)
+    inner = _innermost(optimizer)
     groups = getattr(inner, "param_groups", None)
     if not groups:
         return None, "no optimizer given" if optimizer is None else f"{type(optimizer).__name__} (param groups unknown)"
@@ -52,35 +78,55 @@ def optimizer_momentum(optimizer) -> tuple[bool | None, str]:
 
 
 def resolve_dgc_defaults(cfg: "ZenConfig", optimizer) -> "tuple[ZenConfig, str]":
-    """Decide ``zen.dgc.momentum_correction`` when it is null, from the optimizer the engine has.
+    """Decide ``zen.dgc.momentum_correction`` and ``zen.dgc.flush_fraction`` where null, from the
+    optimizer the engine has.
 
-    DGC's momentum correction (``u ← m·u + g; v ← v + u``) moves the momentum into the sparsifier,
-    which is right only when the optimizer applies none (DGC's DGCSGD: SGD with momentum 0). With
-    Adam-family optimizers or momentum-SGD it would apply momentum twice, so null becomes false
-    there and whenever the optimizer is unknown (plain error feedback, right for every optimizer).
-    An explicit true with an optimizer that keeps moments is kept, with a warning.
+    1. Momentum correction (``u ← m·u + g; v ← v + u``) moves the momentum into the sparsifier, which is
+       right only when the optimizer applies none (DGC's DGCSGD: SGD with momentum 0). With Adam-family
+       optimizers or momentum-SGD it would apply momentum twice, so null becomes false there and
+       whenever the optimizer is unknown (plain error feedback, right for every optimizer). An explicit
+       true with an optimizer that keeps moments is kept, with a warning.
+    2. The rotating flush: null becomes ``FLUSH_WITH_CATCH_UP`` under a catching-up optimizer
+       (``CatchUpAdamW``) at ``density >= FLUSH_MIN_DENSITY``, 0 otherwise.
 
     Args:
         cfg: the validated ``"zen"`` section.
         optimizer: the engine's optimizer (wrapped or not), or None when the caller has none.
 
     Returns:
-        The config with the field decided (a copy when it changed) and a short reason for logs
+        The config with the fields decided (a copy when one changed) and a short reason for logs
         (empty when DGC is off).
     """
     d = cfg.dgc
     if not d.enabled:
         return cfg, ""
+    # Step 1: momentum correction.
     has_momentum, what = optimizer_momentum(optimizer)
     if d.momentum_correction is None:
-        value = has_momentum is False and d.feedback != "ef21"  # EF21 estimates the gradient itself
-        cfg = dataclasses.replace(cfg, dgc=dataclasses.replace(d, momentum_correction=value))
-        why = ("DGC supplies the momentum (dgc.momentum %g), as DGC's DGCSGD" % d.momentum if value else
+        correction = has_momentum is False and d.feedback != "ef21"  # EF21 estimates the gradient itself
+        why = ("DGC supplies the momentum (dgc.momentum %g), as DGC's DGCSGD" % d.momentum if correction else
                "momentum correction would apply momentum twice" if has_momentum else
                "plain error feedback is right for any optimizer")
-        return cfg, f"momentum_correction={str(value).lower()} (chosen: {what}; {why})"
-    if d.momentum_correction and has_momentum:
-        log.warning("zen: zen.dgc.momentum_correction is true but the optimizer (%s) applies momentum too, so "
-                    "momentum is applied twice; set it false (or null to choose from the optimizer), or use SGD "
-                    "with momentum 0 as DGC's DGCSGD does", what)
-    return cfg, f"momentum_correction={str(d.momentum_correction).lower()} (set in the config; optimizer: {what})"
+        note = f"momentum_correction={str(correction).lower()} (chosen: {what}; {why})"
+    else:
+        correction = d.momentum_correction
+        if correction and has_momentum:
+            log.warning("zen: zen.dgc.momentum_correction is true but the optimizer (%s) applies momentum too, so "
+                        "momentum is applied twice; set it false (or null to choose from the optimizer), or use "
+                        "SGD with momentum 0 as DGC's DGCSGD does", what)
+        note = f"momentum_correction={str(correction).lower()} (set in the config; optimizer: {what})"
+    # Step 2: the rotating flush, said only where it is on or a catching-up optimizer goes without it.
+    flush = d.flush_fraction
+    if flush is None:
+        up = optimizer_catches_up(optimizer)
+        flush = FLUSH_WITH_CATCH_UP if up and d.density >= FLUSH_MIN_DENSITY else 0.0
+        if flush:
+            stride = dataclasses.replace(d, flush_fraction=flush).flush_stride(d.density)
+            note += (f"; flush_fraction={flush:g} (chosen: the optimizer catches up held-back gradients; each "
+                     f"coordinate is sent at least every {stride} steps)")
+        elif up:
+            note += f"; flush_fraction=0 (chosen: density {d.density:g} < {FLUSH_MIN_DENSITY:g})"
+    if (correction, flush) != (d.momentum_correction, d.flush_fraction):
+        cfg = dataclasses.replace(cfg, dgc=dataclasses.replace(d, momentum_correction=correction,
+                                                               flush_fraction=flush))
+    return cfg, note

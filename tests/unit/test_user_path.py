@@ -100,6 +100,33 @@ def test_momentum_correction_default_follows_the_optimizer():
     assert off.dgc.momentum_correction is None and why == ""  # DGC off: nothing to decide
 
 
+def test_flush_default_follows_whether_the_optimizer_catches_up():
+    """null flush_fraction: 0.1 under CatchUpAdamW at density >= 0.05 (wrapped too, as ZeRO wraps it), 0
+    under plain AdamW, without an optimizer and at 1 %; an explicit value is kept."""
+    from zen_ext.optim import CatchUpAdamW
+
+    class Wrapper:  # as DeepSpeed's ZeRO optimizer holds the client optimizer
+        def __init__(self, inner):
+            self.optimizer = inner
+
+    cfg = ZenConfig.from_dict({"dgc": {"enabled": True}})
+    assert cfg.dgc.flush_fraction is None and cfg.dgc.flush_stride(0.05) == 0
+    up = CatchUpAdamW([{"params": _params(), "catch_up": True}])
+    out, why = resolve_dgc_defaults(cfg, Wrapper(up))
+    assert out.dgc.flush_fraction == 0.1 and out.dgc.flush_stride(0.05) == 200
+    assert why.endswith("; flush_fraction=0.1 (chosen: the optimizer catches up held-back gradients; each "
+                        "coordinate is sent at least every 200 steps)"), why
+    adam, why = resolve_dgc_defaults(cfg, torch.optim.AdamW(_params()))
+    assert adam.dgc.flush_fraction == 0.0 and "flush" not in why
+    assert resolve_dgc_defaults(cfg, None)[0].dgc.flush_fraction == 0.0
+    none_up = CatchUpAdamW([{"params": _params(), "catch_up": False}])  # no DGC tensor catches up
+    assert resolve_dgc_defaults(cfg, none_up)[0].dgc.flush_fraction == 0.0
+    low, why = resolve_dgc_defaults(ZenConfig.from_dict({"dgc": {"enabled": True, "density": 0.01}}), up)
+    assert low.dgc.flush_fraction == 0.0 and why.endswith("; flush_fraction=0 (chosen: density 0.01 < 0.05)")
+    kept, why = resolve_dgc_defaults(ZenConfig.from_dict({"dgc": {"enabled": True, "flush_fraction": 0.5}}), up)
+    assert kept.dgc.flush_fraction == 0.5 and "flush" not in why
+
+
 def test_explicit_momentum_correction_with_adam_is_kept_with_a_warning(caplog):
     cfg = ZenConfig.from_dict({"dgc": {"enabled": True, "momentum_correction": True}})
     with caplog.at_level(logging.WARNING, logger="zen_ext.config"):

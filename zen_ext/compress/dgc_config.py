@@ -18,7 +18,7 @@ FEEDBACKS = ("ef", "ef21")
 @dataclass(frozen=True)
 class DGCConfig:
     """The ``zen.dgc`` section. Tuning: start at the defaults; under Adam train with
-    ``zen_ext.optim.CatchUpAdamW`` (the recipes' ``--catch_up_adam``; it closes most of DGC's loss gap to
+    ``zen_ext.optim.CatchUpAdamW`` (the recipes' default under DGC; it closes most of DGC's loss gap to
     dense); lower ``density`` only with warm-up; fine-tune on a decaying learning rate."""
 
     enabled: bool = False
@@ -72,13 +72,15 @@ class DGCConfig:
     ``"ef21"`` needs ``momentum_correction`` false, no ``clip_norm`` and no fp16 loss scaling. Measured
     under Adam (benchmarks/results/time_to_quality.md): far worse than ``"ef"`` at 5 %, since every
     stale estimate is applied again each step; kept as a measured alternative, not a recommendation."""
-    flush_fraction: float = 0.0
+    flush_fraction: float | None = None
     """Share of each step's density spent on a rotating stride of coordinates, in [0, 1): every
     ``1/(flush_fraction·density)``-th element from a start that moves by one each step, the same on
     every rank, sends its residual whatever its size; the top-k keeps the rest of the budget. It bounds
-    how long error feedback holds a coordinate back (each is flushed once per stride of steps). 0
-    (default) = off. Measured under Adam (benchmarks/results/time_to_quality.md): worse than off at 5 %
-    (0.2 and 0.5: +10.3 / +11.7 % from scratch against +8.4 %); kept as a measured alternative."""
+    how long error feedback holds a coordinate back (each is flushed once per stride of steps). 0 = off.
+    null (default): 0.2 when the optimizer is ``zen_ext.optim.CatchUpAdamW`` (the recipes' default under
+    DGC) and ``density >= 0.05``, else 0, decided when zen attaches. Measured (3 seeds, from scratch at
+    5 %): with CatchUpAdamW 0.2 lowers the gap to dense from +2.7 % to +1.4 %, and at 1 % it raises it;
+    under plain Adam it is worse than off (time_to_quality_catch_up.md, time_to_quality.md)."""
     normalize_beta: float = 0.0
     """Adam-aware selection: rank the residuals by ``|r| / sqrt(s)``, ``s`` each element's running mean
     of its squared local gradient with this decay (AdamW's ``beta2``, e.g. 0.95), in place of ``|r|``:
@@ -105,9 +107,10 @@ class DGCConfig:
             check_bool(s, name, getattr(self, name))
         if self.momentum_correction is not None:  # null: resolved from the optimizer when attached
             check_bool(s, "momentum_correction", self.momentum_correction)
-        for name in ("density", "sample_fraction", "momentum", "warmup_start_density", "flush_fraction",
-                     "normalize_beta"):
+        for name in ("density", "sample_fraction", "momentum", "warmup_start_density", "normalize_beta"):
             check_number(s, name, getattr(self, name))
+        if self.flush_fraction is not None:  # null: decided from the optimizer when attached
+            check_number(s, "flush_fraction", self.flush_fraction)
         check_int(s, "warmup_steps", self.warmup_steps)
         check_int(s, "dense_steps", self.dense_steps)
         check_int(s, "dense_from_step", self.dense_from_step)
@@ -130,7 +133,7 @@ class DGCConfig:
                              "is set: the estimate tracks the unclipped gradient")
         if not 0 < self.density <= 1:
             raise ValueError(f"zen.dgc.density ({self.density!r}) must be in (0, 1]")
-        if not 0 <= self.flush_fraction < 1:
+        if self.flush_fraction is not None and not 0 <= self.flush_fraction < 1:
             raise ValueError(f"zen.dgc.flush_fraction ({self.flush_fraction!r}) must be in [0, 1)")
         if not 0 <= self.normalize_beta < 1:
             raise ValueError(f"zen.dgc.normalize_beta ({self.normalize_beta!r}) must be in [0, 1)")
