@@ -74,13 +74,13 @@ class DGCConfig:
     stale estimate is applied again each step; kept as a measured alternative, not a recommendation."""
     flush_fraction: float | None = None
     """Share of each step's density spent on a rotating stride of coordinates, in [0, 1): every
-    ``1/(flush_fraction·density)``-th element from a start that moves by one each step, the same on
-    every rank, sends its residual whatever its size; the top-k keeps the rest of the budget. It bounds
-    how long error feedback holds a coordinate back (each is flushed once per stride of steps). 0 = off.
-    null (default): 0.2 when the optimizer is ``zen_ext.optim.CatchUpAdamW`` (the recipes' default under
-    DGC) and ``density >= 0.05``, else 0, decided when zen attaches. Measured (3 seeds, from scratch at
-    5 %): with CatchUpAdamW 0.2 lowers the gap to dense from +2.7 % to +1.4 %, and at 1 % it raises it;
-    under plain Adam it is worse than off (time_to_quality_catch_up.md, time_to_quality.md)."""
+    ``1/(flush_fraction·density)``-th element of each tensor, from a start that moves by one each step,
+    the same on every rank, sends its residual whatever its size; the top-k keeps the rest of the budget.
+    It bounds how long error feedback holds a coordinate back (each is flushed once per stride of
+    steps). 0 = off. null (default): 0.1 when the optimizer is ``zen_ext.optim.CatchUpAdamW`` (the
+    recipes' default under DGC) and ``density >= 0.05``, else 0, decided when zen attaches. Measured
+    from scratch with CatchUpAdamW (time_to_quality_catch_up_scratch.md, 5 seeds): +2.3 % → +1.4 % at
+    5 % with the demo's density ramp, no change without a ramp or at 1 %; under plain Adam worse than off."""
     normalize_beta: float = 0.0
     """Adam-aware selection: rank the residuals by ``|r| / sqrt(s)``, ``s`` each element's running mean
     of its squared local gradient with this decay (AdamW's ``beta2``, e.g. 0.95), in place of ``|r|``:
