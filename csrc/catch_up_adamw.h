@@ -4,6 +4,7 @@
 // the decay, after each moment's update, after the step), so bf16/fp16 round as that path does.
 #pragma once
 #include <cmath>
+#include <cstdint>
 
 #include "hashing.h"  // ZEN_HD
 
@@ -18,6 +19,20 @@ struct CatchUpStep {
   float eps;
   bool catch_up;       // false: every gradient, zero or not, is one step's (AdamW)
 };
+
+// The step's constants from the op's arguments (host code; the CPU op and the CUDA op both call it).
+inline CatchUpStep catch_up_step(double lr, double beta1, double beta2, double eps, double weight_decay,
+                                 int64_t step, bool catch_up) {
+  CatchUpStep c;
+  c.decay = static_cast<float>(1.0 - lr * weight_decay);
+  c.beta1 = static_cast<float>(beta1);
+  c.beta2 = static_cast<float>(beta2);
+  c.sqrt_bc2 = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
+  c.step_scale = static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
+  c.eps = static_cast<float>(eps);
+  c.catch_up = catch_up;
+  return c;
+}
 
 // Step 1: decay; every coordinate ages. Step 2: where the gradient is non-zero (or catch_up is off),
 // fold k = age steps of mean g/k and mean square g²/k into the moments. Step 3: there, move k steps'

@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "../catch_up_adamw.h"
+#include "../catch_up_adamw_check.h"
 
 namespace zen_ext {
 namespace {
@@ -34,35 +35,15 @@ __global__ void catch_up_adamw_kernel(T* __restrict__ p, const T* __restrict__ g
 void catch_up_adamw_cuda(at::TensorList p_T, at::TensorList g_T, at::TensorList m_T, at::TensorList v_T,
                          at::TensorList age_T, double lr, double beta1, double beta2, double eps,
                          double weight_decay, int64_t step, bool catch_up) {
-  const size_t n = p_T.size();
-  TORCH_CHECK(g_T.size() == n && m_T.size() == n && v_T.size() == n && age_T.size() == n,
-              "catch_up_adamw_: the five tensor lists must have the same length");
-  TORCH_CHECK(step >= 1, "catch_up_adamw_: step (", step, ") must be >= 1");
-  optim::CatchUpStep c;
-  c.decay = static_cast<float>(1.0 - lr * weight_decay);
-  c.beta1 = static_cast<float>(beta1);
-  c.beta2 = static_cast<float>(beta2);
-  c.sqrt_bc2 = static_cast<float>(std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
-  c.step_scale = static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
-  c.eps = static_cast<float>(eps);
-  c.catch_up = catch_up;
-  for (size_t i = 0; i < n; ++i) {
+  optim::check_catch_up_lists(p_T, g_T, m_T, v_T, age_T, step);
+  const optim::CatchUpStep c = optim::catch_up_step(lr, beta1, beta2, eps, weight_decay, step, catch_up);
+  for (size_t i = 0; i < p_T.size(); ++i) {
     const auto& p = p_T[i];
-    const auto dt = p.scalar_type();
+    const auto& age = age_T[i];
     TORCH_CHECK(p.is_cuda() && p.is_contiguous(), "catch_up_adamw_: parameter ", i,
                 " must be a contiguous CUDA tensor");
-    TORCH_CHECK(dt == at::kFloat || dt == at::kBFloat16 || dt == at::kHalf, "catch_up_adamw_: parameters of ", dt,
-                " (supported: float32, bfloat16, float16; the arithmetic is float32)");
-    for (const auto* t : {&g_T[i], &m_T[i], &v_T[i]}) {
-      TORCH_CHECK(t->device() == p.device() && t->is_contiguous() && t->scalar_type() == dt &&
-                      t->numel() == p.numel(),
-                  "catch_up_adamw_: gradient and moments of parameter ", i,
-                  " must be contiguous tensors of its device, dtype and size");
-    }
-    const auto& age = age_T[i];
-    TORCH_CHECK(age.device() == p.device() && age.is_contiguous() && age.scalar_type() == at::kFloat &&
-                    age.numel() == p.numel(),
-                "catch_up_adamw_: the ages of parameter ", i, " must be a contiguous float32 tensor of its size");
+    optim::check_catch_up_tensors(i, p, g_T[i], m_T[i], v_T[i], age);
+    const auto dt = p.scalar_type();
     const int64_t numel = p.numel();
     if (numel == 0) continue;
     const c10::cuda::CUDAGuard guard(p.device());
