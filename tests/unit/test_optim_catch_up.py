@@ -278,3 +278,6 @@ def test_fused_op_rejects_what_it_cannot_run():
         ops.catch_up_adamw_([f], [f], [f.clone()], [f.clone()], [torch.zeros(4, dtype=torch.bfloat16)], lr=0.1,
                             beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1, catch_up=True)
     assert not ops.has_catch_up_adamw_op([p])  # float64 takes the torch path
+    q = torch.nn.Parameter(torch.zeros(4, 3))
+    q.grad = torch.zeros(3, 4).t()  # a non-contiguous gradient takes the torch path too
+    assert ops.has_catch_up_adamw_op([torch.nn.Parameter(torch.zeros(4, 3))]) and not ops.has_catch_up_adamw_op([q])

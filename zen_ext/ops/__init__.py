@@ -428,9 +428,11 @@ CATCH_UP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 def has_catch_up_adamw_op(params: list[torch.Tensor]) -> bool:
     """Whether ``catch_up_adamw_`` runs ``params``: a kernel for their device (CPU builds), contiguous
-    tensors of float32/bf16/fp16. Otherwise ``zen_ext.optim.CatchUpAdamW`` takes its torch path."""
+    tensors of float32/bf16/fp16 on one device, each gradient (if set) contiguous of its parameter's
+    dtype. Otherwise ``zen_ext.optim.CatchUpAdamW`` takes its torch path."""
     return bool(params) and _has_kernel("catch_up_adamw_", params[0]) and all(
-        p.is_contiguous() and p.dtype in CATCH_UP_DTYPES for p in params)
+        p.is_contiguous() and p.dtype in CATCH_UP_DTYPES and p.device == params[0].device
+        and (p.grad is None or (p.grad.is_contiguous() and p.grad.dtype == p.dtype)) for p in params)
 
 
 def catch_up_adamw_(p_T, g_T, m_T, v_T, age_T, *, lr: float, beta1: float, beta2: float, eps: float,
