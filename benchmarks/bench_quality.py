@@ -188,6 +188,14 @@ VARIANTS: dict[str, dict | None] = {
     "dgc5_defaults_catchup": {"_dgc_defaults": True, "_catch_up": True},
     "dgc5_defaults_catchup_flush20": {"_dgc_defaults": True, "_catch_up": True, "flush_fraction": 0.2},
     "dgc5_defaults_catchup_flush10": {"_dgc_defaults": True, "_catch_up": True, "flush_fraction": 0.1},
+    # The same with a density ramp (DGC's warm-up, 25 % → 5 %) of 20 / 50 / 100 steps: which length, if
+    # any, should zen.dgc.warmup_steps default to?
+    "dgc5_defaults_catchup_flush10_warm20": {"_dgc_defaults": True, "_catch_up": True, "flush_fraction": 0.1,
+                                             "warmup_steps": 20},
+    "dgc5_defaults_catchup_flush10_warm50": {"_dgc_defaults": True, "_catch_up": True, "flush_fraction": 0.1,
+                                             "warmup_steps": 50},
+    "dgc5_defaults_catchup_flush10_warm100": {"_dgc_defaults": True, "_catch_up": True, "flush_fraction": 0.1,
+                                              "warmup_steps": 100},
     # What the recipe does when told nothing: the demo's config, the optimizer and flush it chooses
     # (CatchUpAdamW, and zen.dgc.flush_fraction null decided for it). It must equal the variant whose
     # choices it makes (dgc5_catchup_flush10).
