@@ -353,6 +353,41 @@ class ConfigError(Exception):
     """A bad configuration, found before training starts (the message is the validator's one line)."""
 
 
+# --- which optimizer a checkpoint was saved with -------------------------------------------------------
+OPTIMIZER_FILE = "recipe_optimizer.json"
+"""Written next to a checkpoint's files: the optimizer's name, so that a resume under another optimizer
+(CatchUpAdamW's state has an age per element and its own groups) fails with a line that says which flag
+or field brings back the saved one, not inside torch's ``load_state_dict``."""
+
+
+def save_optimizer_name(ckpt_path: str, name: str, rank: int) -> None:
+    """Rank 0 records ``name`` (the run's optimizer) in the checkpoint folder ``ckpt_path``."""
+    if rank == 0:
+        with open(os.path.join(ckpt_path, OPTIMIZER_FILE), "w") as f:
+            json.dump({"optimizer": name}, f)
+
+
+def check_optimizer_name(ckpt_path: str, name: str, how_to_get, why: str = "") -> None:
+    """Raise a ``ConfigError`` before the checkpoint in ``ckpt_path`` is loaded when it was saved with
+    another optimizer than ``name`` (checkpoints from before the file existed are not checked).
+
+    Args:
+        ckpt_path: the checkpoint's folder.
+        name: this run's optimizer, as ``save_optimizer_name`` would record it.
+        how_to_get: maps the saved name to what the user sets to resume with it (a flag, a config field).
+        why: why this run chose ``name`` (the start line's reason), for the message.
+    """
+    path = os.path.join(ckpt_path, OPTIMIZER_FILE)
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        saved = json.load(f).get("optimizer")
+    if saved != name:
+        raise ConfigError(f"--resume: the checkpoint {ckpt_path} was saved with optimizer {saved}, but this run "
+                          f"trains with {name}{f' ({why})' if why else ''}, whose state differs; resume with "
+                          f"{how_to_get(saved)}, or start a new --output_dir")
+
+
 def exit_on_config_error(main, *args):
     """Run a recipe's ``main``; a ``ConfigError`` is printed once, by rank 0, as its one line, and every
     rank exits with status 2. ``ZEN_DEBUG=1`` re-raises it with the full traceback."""

@@ -112,6 +112,23 @@ def optimizer_choice(args, ds_config: dict) -> tuple[str, str]:
     return "config", "no DGC" if not dgc_on else "not Adam"
 
 
+def optimizer_identity(args, ds_config: dict) -> str:
+    """The name a checkpoint records for the run's optimizer (``common.save_optimizer_name``):
+    ``CatchUpAdamW``, ``FrozenVarianceAdamW`` or the config's optimizer type."""
+    kind, _ = optimizer_choice(args, ds_config)
+    return {"catch_up": "CatchUpAdamW", "frozen": "FrozenVarianceAdamW"}.get(
+        kind, str((ds_config.get("optimizer") or {}).get("type")))
+
+
+def _flag_for(saved: str) -> str:
+    """What brings back the optimizer a checkpoint was saved with (``optimizer_identity``'s names)."""
+    if saved == "CatchUpAdamW":
+        return "--catch_up_adam"
+    if saved == "FrozenVarianceAdamW":
+        return "--frozen_variance_after <the saved run's>"
+    return f"--plain_adam and the config's optimizer {saved}"
+
+
 def client_optimizer(args, ds_config: dict, model):
     """FrozenVarianceAdamW or CatchUpAdamW (``optimizer_choice``), built from the config's Adam/AdamW
     settings, whose ``optimizer`` section is then removed (DeepSpeed takes one or the other); ``None``
@@ -177,6 +194,7 @@ def main(argv=None) -> list[dict]:
     vocab = len(tokenizer) if args.model.endswith(".json") else None
     model = common.build_model(args.model, seed=args.seed, vocab_size=vocab)
     optimizer_why = optimizer_choice(args, ds_config)[1]  # before client_optimizer takes the config's section
+    optimizer_id = optimizer_identity(args, ds_config)
     optimizer = client_optimizer(args, ds_config, model)
     optimizer_text = _describe_optimizer(optimizer, ds_config)  # before ZeRO flattens the groups
     engine, _, _, _ = zen_ext.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
@@ -190,6 +208,9 @@ def main(argv=None) -> list[dict]:
     ckpt_dir = os.path.join(args.output_dir, "checkpoints")
     start = 0
     if args.resume and os.path.isfile(os.path.join(ckpt_dir, "latest")):
+        with open(os.path.join(ckpt_dir, "latest")) as f:  # DeepSpeed's pointer to the newest tag
+            common.check_optimizer_name(os.path.join(ckpt_dir, f.read().strip()), optimizer_id, _flag_for,
+                                        optimizer_why)
         engine.load_checkpoint(ckpt_dir)
         start = engine.global_steps
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -234,6 +255,7 @@ def main(argv=None) -> list[dict]:
         progress(rec)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             engine.save_checkpoint(ckpt_dir, tag=f"step{step}")
+            common.save_optimizer_name(os.path.join(ckpt_dir, f"step{step}"), optimizer_id, rank)
 
     # Step 4: summary, and the final model where asked (ZeRO-1/2 keep full parameters on every rank).
     text = zen.summary() if zen is not None else None

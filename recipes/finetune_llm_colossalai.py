@@ -148,8 +148,10 @@ def data_parallel(plugin) -> tuple[int, int, object]:
     return dist.get_rank(group), dist.get_world_size(group), group
 
 
-def save_checkpoint(booster, plugin, model, optimizer, scheduler, out_dir: str, step: int, rank: int) -> None:
-    """Model and optimizer (sharded, through the booster), the scheduler, each rank's ZEN state, the step."""
+def save_checkpoint(booster, plugin, model, optimizer, scheduler, out_dir: str, step: int, rank: int,
+                    optimizer_id: str) -> None:
+    """Model and optimizer (sharded, through the booster), the scheduler, each rank's ZEN state, the step
+    and the optimizer's name (``train.optimizer`` decided)."""
     path = os.path.join(out_dir, "checkpoints", f"step_{step}")
     os.makedirs(path, exist_ok=True)
     booster.save_model(model, os.path.join(path, "model"), shard=True)
@@ -158,6 +160,7 @@ def save_checkpoint(booster, plugin, model, optimizer, scheduler, out_dir: str, 
     if plugin.zen is not None:  # DGC residuals and momenta differ per rank
         torch.save(plugin.zen.state_dict(), os.path.join(path, f"zen_rank{rank:05d}.pt"))
     dist.barrier()
+    common.save_optimizer_name(path, optimizer_id, rank)
     if rank == 0:
         with open(os.path.join(path, "trainer_state.json"), "w") as f:
             json.dump({"step": step}, f)
@@ -166,13 +169,16 @@ def save_checkpoint(booster, plugin, model, optimizer, scheduler, out_dir: str, 
     dist.barrier()
 
 
-def load_checkpoint(booster, plugin, model, optimizer, scheduler, out_dir: str, rank: int) -> int:
-    """Restore the latest checkpoint; returns its step (0 when there is none)."""
+def load_checkpoint(booster, plugin, model, optimizer, scheduler, out_dir: str, rank: int,
+                    optimizer_id: str) -> int:
+    """Restore the latest checkpoint; returns its step (0 when there is none). One saved with another
+    optimizer than ``optimizer_id`` is a ``ConfigError`` naming the ``train.optimizer`` to resume with."""
     latest = os.path.join(out_dir, "checkpoints", "latest")
     if not os.path.isfile(latest):
         return 0
     with open(latest) as f:
         path = os.path.join(out_dir, "checkpoints", f.read().strip())
+    common.check_optimizer_name(path, optimizer_id, lambda saved: f'train.optimizer "{saved}"')
     booster.load_model(model, os.path.join(path, "model"))
     booster.load_optimizer(optimizer, os.path.join(path, "optimizer"))
     booster.load_lr_scheduler(scheduler, os.path.join(path, "scheduler.pt"))
@@ -215,7 +221,8 @@ def main(argv=None) -> list[dict]:
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
     zen = plugin.zen
     dp_rank, dp_size, dp_group = data_parallel(plugin)
-    start = load_checkpoint(booster, plugin, model, optimizer, scheduler, args.output_dir, rank) if args.resume else 0
+    start = (load_checkpoint(booster, plugin, model, optimizer, scheduler, args.output_dir, rank,
+                             optimizer_name(train, cfg.zen)) if args.resume else 0)
     micro, accum = train.micro_batch_size, train.gradient_accumulation_steps
     device = common.model_device(model)
     optimizer_text = optimizer_name(train, cfg.zen)
@@ -261,7 +268,8 @@ def main(argv=None) -> list[dict]:
         records.append(rec)
         progress(rec)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
-            save_checkpoint(booster, plugin, model, optimizer, scheduler, args.output_dir, step, rank)
+            save_checkpoint(booster, plugin, model, optimizer, scheduler, args.output_dir, step, rank,
+                            optimizer_name(train, cfg.zen))
 
     # Step 4: summary.
     text = zen.summary() if zen is not None else None

@@ -19,7 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RECIPE = os.path.join(ROOT, "recipes", "finetune_llm_colossalai.py")
 
 
-def _run(nproc: int, config: dict, out_dir: str, steps: int, *extra: str) -> list[dict]:
+def _run(nproc: int, config: dict, out_dir: str, steps: int, *extra: str, rc: int = 0):
+    """The recipe under torchrun; its train log (``rc`` 0), or its stderr where it must exit with ``rc``."""
     os.makedirs(out_dir, exist_ok=True)
     cfg_path = os.path.join(out_dir, "config.json")
     with open(cfg_path, "w") as f:
@@ -29,7 +30,9 @@ def _run(nproc: int, config: dict, out_dir: str, steps: int, *extra: str) -> lis
            "--output_dir", out_dir, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-5000:]
+    if rc:
+        return proc.stderr
     with open(os.path.join(out_dir, "train_log.jsonl")) as f:
         return [json.loads(line) for line in f]
 
@@ -62,6 +65,11 @@ def test_recipe_resume_continues_the_dgc_trajectory(tmp_path, optimizer):
               "train": {**TRAIN, "gradient_accumulation_steps": 2, "optimizer": optimizer}}
     full = _run(2, config, str(tmp_path / "full"), 6)
     _run(2, config, str(tmp_path / "part"), 3)
+    if optimizer == "adamw":  # resumed under "auto" (CatchUpAdamW for DGC): refused, naming the saved optimizer
+        other = {**config, "train": {**config["train"], "optimizer": "auto"}}
+        err = _run(2, other, str(tmp_path / "part"), 6, "--resume", rc=1)  # torchrun: 1 when a rank fails
+        assert ('was saved with optimizer adamw, but this run trains with catch_up_adamw, whose state differs; '
+                'resume with train.optimizer "adamw"') in err
     resumed = _run(2, config, str(tmp_path / "part"), 6, "--resume")
     assert [r["step"] for r in resumed] == list(range(1, 7))  # the log appends
     assert [r["loss"] for r in resumed] == [r["loss"] for r in full]

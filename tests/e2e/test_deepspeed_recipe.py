@@ -21,11 +21,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 BIN = os.path.dirname(sys.executable)
 
 
-def _run(cmd):
+def _run(cmd, rc=0):
+    """The command's stdout (``rc`` 0), or its stderr where it must exit with ``rc``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stderr if rc else proc.stdout
 
 
 def _recipe_args(out, steps, *extra):
@@ -80,6 +81,11 @@ def test_catch_up_adam_resumes_its_ages_from_the_engine_checkpoint(tmp_path):
     first = _run([*launch, "--master_port", str(free_port()), *_recipe_args(full_out, 6)])
     assert "optimizer=CatchUpAdamW(catch_up=" in first and "hint: DGC under plain Adam" not in first
     _run([*launch, "--master_port", str(free_port()), *_recipe_args(part_out, 3, "--catch_up_adam")])
+    # Resumed with the config's AdamW instead: refused before any state loads, naming the flag that fits.
+    err = _run([*launch, "--master_port", str(free_port()), *_recipe_args(part_out, 6, "--plain_adam", "--resume")],
+               rc=2)
+    assert ("was saved with optimizer CatchUpAdamW, but this run trains with AdamW (--plain_adam), whose state "
+            "differs; resume with --catch_up_adam") in err
     _run([*launch, "--master_port", str(free_port()), *_recipe_args(part_out, 6, "--catch_up_adam", "--resume")])
     losses = []
     for out in (full_out, part_out):

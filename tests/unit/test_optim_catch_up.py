@@ -128,9 +128,30 @@ def test_recipe_trains_dgc_under_adam_with_catch_up_unless_told(tmp_path, extra,
     ds = finetune_llm.load_ds_config(args)
     kind, why = finetune_llm.optimizer_choice(args, ds)
     assert (kind, why.split(";")[0]) == want
+    assert finetune_llm.optimizer_identity(args, ds) == {"catch_up": "CatchUpAdamW", "frozen": "FrozenVarianceAdamW",
+                                                         "config": (optimizer or {"type": "AdamW"})["type"]}[kind]
     opt = finetune_llm.client_optimizer(args, ds, torch.nn.Linear(4, 4))
     assert type(opt).__name__ == {"catch_up": "CatchUpAdamW", "frozen": "FrozenVarianceAdamW", "config": "NoneType"}[kind]
     assert ("optimizer" in ds) == (kind == "config")
+
+
+def test_a_checkpoint_saved_with_another_optimizer_is_refused_with_the_flag_that_resumes_it(tmp_path):
+    """A resume under another optimizer than the checkpoint's (e.g. saved with --plain_adam, resumed with
+    the default CatchUpAdamW) is a ConfigError naming what brings the saved one back, raised before any
+    state is loaded; the same optimizer, or a checkpoint without the record, passes."""
+    common.save_optimizer_name(str(tmp_path), "AdamW", rank=0)
+    common.check_optimizer_name(str(tmp_path), "AdamW", finetune_llm._flag_for)  # same: no error
+    with pytest.raises(common.ConfigError, match=r"saved with optimizer AdamW, but this run trains with CatchUpAdamW "
+                                                 r"\(the default\).*resume with --plain_adam and the config's "
+                                                 r"optimizer AdamW"):
+        common.check_optimizer_name(str(tmp_path), "CatchUpAdamW", finetune_llm._flag_for, "the default")
+    common.save_optimizer_name(str(tmp_path), "CatchUpAdamW", rank=0)
+    with pytest.raises(common.ConfigError, match="resume with --catch_up_adam"):
+        common.check_optimizer_name(str(tmp_path), "AdamW", finetune_llm._flag_for)
+    (tmp_path / "older").mkdir()
+    common.save_optimizer_name(str(tmp_path / "older"), "AdamW", rank=1)  # only rank 0 writes the record
+    assert not os.listdir(tmp_path / "older")
+    common.check_optimizer_name(str(tmp_path / "older"), "CatchUpAdamW", finetune_llm._flag_for)  # no record
 
 
 @pytest.mark.parametrize("extra, optimizer, text", [
