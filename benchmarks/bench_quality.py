@@ -182,8 +182,8 @@ VARIANTS: dict[str, dict | None] = {
     "dgc5_catchup_flush50": {"_catch_up": True, "flush_fraction": 0.5},
     "dgc1_catchup_flush20": {"density": 0.01, "_catch_up": True, "flush_fraction": 0.2},
     "dgc10_catchup_flush20": {"density": 0.10, "_catch_up": True, "flush_fraction": 0.2},
-    # zen.dgc's own defaults (no density ramp: only enabled and density set), as issue 21's "+9.2 %" row
-    # was measured, with each optimizer.
+    # zen.dgc's defaults before the density ramp became one (only enabled and density set, warmup_steps
+    # pinned to 0), as issue 21's "+9.2 %" row was measured, with each optimizer.
     "dgc5_defaults": {"_dgc_defaults": True},
     "dgc5_defaults_catchup": {"_dgc_defaults": True, "_catch_up": True},
     "dgc5_defaults_catchup_flush20": {"_dgc_defaults": True, "_catch_up": True, "flush_fraction": 0.2},
@@ -200,6 +200,9 @@ VARIANTS: dict[str, dict | None] = {
     # (CatchUpAdamW, and zen.dgc.flush_fraction null decided for it). It must equal the variant whose
     # choices it makes (dgc5_catchup_flush10).
     "dgc5_recipe_default": {"_recipe_default": True},
+    # The project's defaults end to end: only enabled and density set, and the recipe choosing the rest
+    # (CatchUpAdamW, flush 0.1, the default 100-step ramp). It must equal dgc5_defaults_catchup_flush10_warm100.
+    "dgc5_project_defaults": {"_dgc_defaults": True, "_recipe_default": True},
     "dgc10_catchup_flush10": {"density": 0.10, "_catch_up": True, "flush_fraction": 0.1},
     "dgc1_catchup_flush10": {"density": 0.01, "_catch_up": True, "flush_fraction": 0.1},
     "dgc5_localclip": {"clip_norm": 1.0, "_ds_clip": 0.0},
@@ -236,6 +239,7 @@ def ds_config(variant: str, steps: int | None = None) -> dict:
             cfg["zen"]["dgc"] = {"enabled": True, "density": 0.05}
         if not recipe_default:  # no flush unless the variant asks (null would choose one for CatchUpAdamW)
             cfg["zen"]["dgc"]["flush_fraction"] = 0.0
+            cfg["zen"]["dgc"].setdefault("warmup_steps", 0)  # nor the default ramp (the demo's sets its own)
         cfg["zen"]["dgc"].update(spec)
         cfg["zen"]["stats"] = {"summary": False}
     if beta1 is not None:
@@ -291,12 +295,14 @@ def pretrained(runs: str, steps: int) -> str:
 
 def _key_of(cfg: dict, run_args: list[str]) -> list:
     """What identifies a run for the cache: its config and arguments, less what only spells out the
-    behaviour every earlier run had implicitly (``--plain_adam`` and ``zen.dgc.flush_fraction: 0``, before
-    CatchUpAdamW and its flush became the recipe's defaults), so those cached results stay valid."""
+    behaviour every earlier run had implicitly (``--plain_adam``, ``zen.dgc.flush_fraction: 0`` and
+    ``zen.dgc.warmup_steps: 0``, before CatchUpAdamW, its flush and the density ramp became defaults), so
+    those cached results stay valid."""
     cfg = copy.deepcopy(cfg)
     dgc = (cfg.get("zen") or {}).get("dgc") or {}
-    if dgc.get("flush_fraction") == 0.0:
-        del dgc["flush_fraction"]
+    for name in ("flush_fraction", "warmup_steps"):
+        if dgc.get(name) == 0:
+            del dgc[name]
     return [cfg, [a for a in run_args if a != "--plain_adam"]]
 
 

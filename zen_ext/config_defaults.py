@@ -1,5 +1,5 @@
-"""The ``"zen"`` section's defaults that depend on the engine's optimizer: DGC's momentum correction
-and its rotating flush.
+"""The ``"zen"`` section's defaults decided when zen attaches to an engine: DGC's momentum correction
+and its rotating flush (from the engine's optimizer), and DGC's density ramp.
 
 DGC's DGCSGD moves momentum into the sparsifier; with an optimizer that keeps its own moments that
 would apply momentum twice, so ``zen.dgc.momentum_correction: null`` is decided here, once the engine
@@ -78,8 +78,8 @@ def optimizer_momentum(optimizer) -> tuple[bool | None, str]:
 
 
 def resolve_dgc_defaults(cfg: "ZenConfig", optimizer) -> "tuple[ZenConfig, str]":
-    """Decide ``zen.dgc.momentum_correction`` and ``zen.dgc.flush_fraction`` where null, from the
-    optimizer the engine has.
+    """Decide ``zen.dgc.momentum_correction``, ``zen.dgc.flush_fraction`` and ``zen.dgc.warmup_steps``
+    where null (the first two from the optimizer the engine has).
 
     1. Momentum correction (``u ← m·u + g; v ← v + u``) moves the momentum into the sparsifier, which is
        right only when the optimizer applies none (DGC's DGCSGD: SGD with momentum 0). With Adam-family
@@ -88,6 +88,8 @@ def resolve_dgc_defaults(cfg: "ZenConfig", optimizer) -> "tuple[ZenConfig, str]"
        true with an optimizer that keeps moments is kept, with a warning.
     2. The rotating flush: null becomes ``FLUSH_WITH_CATCH_UP`` under a catching-up optimizer
        (``CatchUpAdamW``) at ``density >= FLUSH_MIN_DENSITY``, 0 otherwise.
+    3. DGC's density ramp: null ``warmup_steps`` becomes ``DEFAULT_WARMUP_STEPS`` where ``density <
+       warmup_start_density`` (``DGCConfig.default_ramp_steps``), 0 otherwise.
 
     Args:
         cfg: the validated ``"zen"`` section.
@@ -126,7 +128,13 @@ def resolve_dgc_defaults(cfg: "ZenConfig", optimizer) -> "tuple[ZenConfig, str]"
                      f"coordinate is sent at least every {stride} steps)")
         elif up:
             note += f"; flush_fraction=0 (chosen: density {d.density:g} < {FLUSH_MIN_DENSITY:g})"
-    if (correction, flush) != (d.momentum_correction, d.flush_fraction):
+    # Step 3: DGC's density ramp, said where it is on by default (it sends more in its first steps).
+    ramp = d.warmup_steps
+    if ramp is None:
+        ramp = d.default_ramp_steps()
+        if ramp:
+            note += f"; warmup_steps={ramp} (default: DGC's warm-up, density {d.warmup_start_density:g} → {d.density:g})"
+    if (correction, flush, ramp) != (d.momentum_correction, d.flush_fraction, d.warmup_steps):
         cfg = dataclasses.replace(cfg, dgc=dataclasses.replace(d, momentum_correction=correction,
-                                                               flush_fraction=flush))
+                                                               flush_fraction=flush, warmup_steps=ramp))
     return cfg, note

@@ -18,7 +18,8 @@ def test_defaults_match_the_documented_ones():
         False, 0.05, "per_tensor", "sampled", 0.01)
     assert (c.dgc.momentum, c.dgc.momentum_correction, c.dgc.momentum_masking, c.dgc.clip_norm) == (
         0.9, None, True, None)
-    assert (c.dgc.warmup_steps, c.dgc.warmup_start_density, c.dgc.min_numel) == (0, 0.25, 1024)
+    assert (c.dgc.warmup_steps, c.dgc.ramp_steps, c.dgc.warmup_start_density, c.dgc.min_numel) == (None, 0, 0.25, 1024)
+    assert c.dgc.default_ramp_steps() == 100
     assert (c.natural.enabled, c.natural.row_granularity) == (True, True)
     assert (c.planner.bandwidth_gbps, c.planner.latency_us, c.planner.profile_steps, c.planner.reprofile_every) == (
         None, None, 3, 1000)  # null: measured at start

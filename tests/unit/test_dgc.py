@@ -89,7 +89,7 @@ def test_config_defaults_match_the_documented_keys():
     assert (c.enabled, c.density, c.selection, c.threshold, c.sample_fraction, c.momentum) == (
         False, 0.05, "per_tensor", "sampled", 0.01, 0.9)
     assert (c.momentum_correction, c.momentum_masking, c.clip_norm, c.warmup_steps,
-            c.warmup_start_density, c.min_numel) == (None, True, None, 0, 0.25, 1024)
+            c.warmup_start_density, c.min_numel) == (None, True, None, None, 0.25, 1024)
 
 
 @pytest.mark.parametrize("values, exc, text", [

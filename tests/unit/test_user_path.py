@@ -89,7 +89,7 @@ def test_momentum_correction_default_follows_the_optimizer():
     adam, why = resolve_dgc_defaults(cfg, torch.optim.AdamW(_params()))
     assert adam.dgc.momentum_correction is False and cfg.dgc.momentum_correction is None  # a copy
     assert why == ("momentum_correction=false (chosen: AdamW keeps its own moments; momentum correction would "
-                   "apply momentum twice)")
+                   "apply momentum twice); warmup_steps=100 (default: DGC's warm-up, density 0.25 → 0.05)")
     sgd, why = resolve_dgc_defaults(cfg, torch.optim.SGD(_params(), lr=0.1))
     assert sgd.dgc.momentum_correction is True and "DGC supplies the momentum (dgc.momentum 0.9)" in why
     msgd, _ = resolve_dgc_defaults(cfg, torch.optim.SGD(_params(), lr=0.1, momentum=0.9))
@@ -98,6 +98,23 @@ def test_momentum_correction_default_follows_the_optimizer():
     assert none.dgc.momentum_correction is False and "plain error feedback" in why
     off, why = resolve_dgc_defaults(ZenConfig(), torch.optim.AdamW(_params()))
     assert off.dgc.momentum_correction is None and why == ""  # DGC off: nothing to decide
+
+
+def test_warmup_default_is_dgc_ramp_where_it_sends_more():
+    """null warmup_steps: 100 steps from 0.25 down to the density where the density is below 0.25,
+    none at or above it; an explicit value is kept and not reported. A sparsifier built without an engine
+    reads null as no ramp."""
+    adam = torch.optim.AdamW(_params())
+    cfg = ZenConfig.from_dict({"dgc": {"enabled": True, "density": 0.01}})
+    assert cfg.dgc.warmup_steps is None and cfg.dgc.density_at(0) == 0.01
+    out, why = resolve_dgc_defaults(cfg, adam)
+    assert out.dgc.warmup_steps == 100 and why.endswith("; warmup_steps=100 (default: DGC's warm-up, density 0.25 → 0.01)")
+    assert out.dgc.density_at(0) == 0.25 and out.dgc.density_at(50) == pytest.approx(0.05)  # geometric mean
+    assert out.dgc.density_at(99) > 0.01 and out.dgc.density_at(100) == 0.01
+    high, why = resolve_dgc_defaults(ZenConfig.from_dict({"dgc": {"enabled": True, "density": 0.3}}), adam)
+    assert high.dgc.warmup_steps == 0 and "warmup" not in why and high.dgc.density_at(0) == 0.3
+    mine, why = resolve_dgc_defaults(ZenConfig.from_dict({"dgc": {"enabled": True, "warmup_steps": 20}}), adam)
+    assert mine.dgc.warmup_steps == 20 and "warmup" not in why
 
 
 def test_flush_default_follows_whether_the_optimizer_catches_up():
@@ -115,14 +132,14 @@ def test_flush_default_follows_whether_the_optimizer_catches_up():
     out, why = resolve_dgc_defaults(cfg, Wrapper(up))
     assert out.dgc.flush_fraction == 0.1 and out.dgc.flush_stride(0.05) == 200
     assert why.endswith("; flush_fraction=0.1 (chosen: the optimizer catches up held-back gradients; each "
-                        "coordinate is sent at least every 200 steps)"), why
+                        "coordinate is sent at least every 200 steps); warmup_steps=100 (default: DGC's warm-up, density 0.25 → 0.05)"), why
     adam, why = resolve_dgc_defaults(cfg, torch.optim.AdamW(_params()))
     assert adam.dgc.flush_fraction == 0.0 and "flush" not in why
     assert resolve_dgc_defaults(cfg, None)[0].dgc.flush_fraction == 0.0
     none_up = CatchUpAdamW([{"params": _params(), "catch_up": False}])  # no DGC tensor catches up
     assert resolve_dgc_defaults(cfg, none_up)[0].dgc.flush_fraction == 0.0
     low, why = resolve_dgc_defaults(ZenConfig.from_dict({"dgc": {"enabled": True, "density": 0.01}}), up)
-    assert low.dgc.flush_fraction == 0.0 and why.endswith("; flush_fraction=0 (chosen: density 0.01 < 0.05)")
+    assert low.dgc.flush_fraction == 0.0 and "; flush_fraction=0 (chosen: density 0.01 < 0.05);" in why
     kept, why = resolve_dgc_defaults(ZenConfig.from_dict({"dgc": {"enabled": True, "flush_fraction": 0.5}}), up)
     assert kept.dgc.flush_fraction == 0.5 and "flush" not in why
 
@@ -172,4 +189,4 @@ def test_startup_line():
     assert line == ("zen_ext: ZEN on DeepSpeed ZeRO-1 (dp=2, tp=1, hierarchical=False): scheme=auto, buckets 128 MB | "
                     "natural: 1 tensor (65.5 K elements), dgc 0.05: 2 tensors (8.2 K elements), dense: 1 tensor "
                     "(64 elements) | dgc momentum_correction=false (chosen: AdamW keeps its own moments; momentum "
-                    "correction would apply momentum twice)")
+                    "correction would apply momentum twice); warmup_steps=100 (default: DGC's warm-up, density 0.25 → 0.05)")
