@@ -88,6 +88,8 @@ def ds_config(name: str, a) -> dict:
     zen = CONFIGS[name]["zen"]
     if zen is not None:
         cfg["zen"] = {**zen, "stats": {"summary": False}}
+        if (zen.get("dgc") or {}).get("enabled"):  # steady-state steps: no default density ramp (25 % at first)
+            cfg["zen"]["dgc"] = {**zen["dgc"], "warmup_steps": 0}
     return cfg
 
 

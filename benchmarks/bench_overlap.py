@@ -41,7 +41,8 @@ def run(a) -> int:
             model = torch.nn.Sequential(*[torch.nn.Sequential(l, torch.nn.Tanh()) for l in layers])
             ddp = DDP(model, bucket_cap_mb=a.width * a.width * 4 / 2**20 * 1.01)
             state = register_zen_hook(ddp, {"async_sync": async_sync, "stats": {"summary": False},
-                                            "dgc": {"enabled": True, "density": a.density, "min_numel": 1024}})
+                                            "dgc": {"enabled": True, "density": a.density, "min_numel": 1024,
+                                                    "warmup_steps": 0}})  # steady state: no ramp
             x = torch.randn(a.batch, a.width, generator=torch.Generator().manual_seed(rank))
             times = []
             for step in range(a.steps + 2):
