@@ -203,6 +203,7 @@ VARIANTS: dict[str, dict | None] = {
     # The project's defaults end to end: only enabled and density set, and the recipe choosing the rest
     # (CatchUpAdamW, flush 0.1, the default 100-step ramp). It must equal dgc5_defaults_catchup_flush10_warm100.
     "dgc5_project_defaults": {"_dgc_defaults": True, "_recipe_default": True},
+    "dgc1_project_defaults": {"_dgc_defaults": True, "_recipe_default": True, "density": 0.01},  # no flush at 1 %
     "dgc10_catchup_flush10": {"density": 0.10, "_catch_up": True, "flush_fraction": 0.1},
     "dgc1_catchup_flush10": {"density": 0.01, "_catch_up": True, "flush_fraction": 0.1},
     "dgc5_localclip": {"clip_norm": 1.0, "_ds_clip": 0.0},
