@@ -6,7 +6,10 @@ Usage (``benchmarks/run_cluster_report.sh`` runs it)::
 
 Runs ``recipes/finetune_llm.py`` itself, one process per emulated host (``launch/netlab/launch.sh``),
 once per configuration and repeat. The configurations differ only in the DeepSpeed config's
-``"zen"`` section (ZeRO-0 unless a configuration names other ZeRO settings, AdamW, micro-batch ``--micro-batch`` × ``--seq-len`` tokens per rank):
+``"zen"`` section (ZeRO-0 unless a configuration names other ZeRO settings, AdamW, micro-batch ``--micro-batch`` × ``--seq-len`` tokens per rank).
+The recipe trains the DGC configurations with its default for DGC under Adam, ``CatchUpAdamW`` (one
+fused step), and dense on the config's AdamW: each as a user gets it. DGC's density ramp is pinned off
+(``warmup_steps: 0``) so that the timed steps are steady-state ones:
 
 * ``dense``: no section, DeepSpeed's own gradient all-reduce;
 * ``zen_dgc1`` / ``zen_dgc5``: ``{"scheme": "zen", "dgc": {"enabled": true, "density": 0.01 / 0.05}}``
