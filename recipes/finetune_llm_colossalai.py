@@ -221,11 +221,12 @@ def main(argv=None) -> list[dict]:
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
     zen = plugin.zen
     dp_rank, dp_size, dp_group = data_parallel(plugin)
-    start = (load_checkpoint(booster, plugin, model, optimizer, scheduler, args.output_dir, rank,
-                             optimizer_name(train, cfg.zen)) if args.resume else 0)
+    optimizer_id = optimizer_name(train, cfg.zen)  # recorded with each checkpoint, checked on resume
+    start = (load_checkpoint(booster, plugin, model, optimizer, scheduler, args.output_dir, rank, optimizer_id)
+             if args.resume else 0)
     micro, accum = train.micro_batch_size, train.gradient_accumulation_steps
     device = common.model_device(model)
-    optimizer_text = optimizer_name(train, cfg.zen)
+    optimizer_text = optimizer_id
     if train.optimizer == "auto":  # say why: DGC under AdamW catches up
         optimizer_text += f" (auto: zen.dgc {'on' if cfg.zen.enabled and cfg.zen.dgc.enabled else 'off'})"
     if rank == 0:
@@ -269,7 +270,7 @@ def main(argv=None) -> list[dict]:
         progress(rec)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             save_checkpoint(booster, plugin, model, optimizer, scheduler, args.output_dir, step, rank,
-                            optimizer_name(train, cfg.zen))
+                            optimizer_id)
 
     # Step 4: summary.
     text = zen.summary() if zen is not None else None

@@ -60,8 +60,8 @@ class DGCConfig:
     """Steps over which density ramps exponentially from ``warmup_start_density`` down to ``density``
     (after ``dense_steps``): DGC's warm-up. null (default): decided when zen attaches to the engine
     (``config_defaults.resolve_dgc_defaults``): ``DEFAULT_WARMUP_STEPS`` (100) where ``density <
-    warmup_start_density``, else 0 (a sparsifier built without an engine reads null as 0); 0 = off. Measured from scratch at 5 % (5 seeds,
-    benchmarks/results/time_to_quality_catch_up_scratch.md): gap to dense +2.24 % without a ramp, +1.98 %
+    warmup_start_density``, else 0 (a sparsifier built without an engine reads null as 0); 0 = off.
+    Measured from scratch at 5 % (5 seeds, benchmarks/results/time_to_quality_catch_up_scratch.md): gap to dense +2.24 % without a ramp, +1.98 %
     / +1.87 % / +1.67 % with 20 / 50 / 100 steps under CatchUpAdamW; +8.4 % → +8.0 % under AdamW; it
     never hurt fine-tuning. The ramp's first 100 steps send about 2.5× the elements of 100 steps at 5 %."""
     warmup_start_density: float = 0.25
@@ -119,7 +119,7 @@ class DGCConfig:
             check_number(s, name, getattr(self, name))
         if self.flush_fraction is not None:  # null: decided from the optimizer when attached
             check_number(s, "flush_fraction", self.flush_fraction)
-        if self.warmup_steps is not None:  # null: DEFAULT_WARMUP_STEPS where the ramp sends more (ramp_steps)
+        if self.warmup_steps is not None:  # null: decided when zen attaches (default_ramp_steps)
             check_int(s, "warmup_steps", self.warmup_steps)
         check_int(s, "dense_steps", self.dense_steps)
         check_int(s, "dense_from_step", self.dense_from_step)
