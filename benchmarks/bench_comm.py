@@ -80,7 +80,7 @@ def cmd_scale(a) -> int:
     """Bytes per rank at more hosts than the lab holds: the cost model's prediction (exact per rank for
     SimWorld, tests/unit/test_planner.py) on the synthetic workloads, nested over ``n`` (rank r's
     gradient does not depend on n)."""
-    from zen_ext.analysis import cost_model as cm
+    from zen_ext.planner import cost_model as cm
 
     ranks = [int(x) for x in a.ranks.split(",")]
     for label, slices in synthetic_workloads(max(ranks), a.dgc_numel, a.emb_row_width, a.seed).items():
@@ -123,7 +123,7 @@ def load_workload(spec: str) -> tuple[str, str, "TraceStep"]:
 # --- one workload --------------------------------------------------------------------------------
 def _predictions(step, n: int, schemes: list[str], net) -> dict[str, dict]:
     """Planner-model prediction (time and max bytes sent) per scheme, summed over the step's slices."""
-    from zen_ext.analysis import cost_model as cm
+    from zen_ext.planner import cost_model as cm
 
     out = {s: dict(predicted_s=0.0, predicted_max_sent=0) for s in schemes if s in cm.PREDICTORS}
     for grads in step.slices.values():
@@ -148,7 +148,7 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
     import torch.distributed as dist
 
     from zen_ext import build_scheme
-    from zen_ext.analysis import cost_model as cm
+    from zen_ext.planner import cost_model as cm
 
     # Step 1: inputs, schemes, predictions.
     if step.world_size < n:

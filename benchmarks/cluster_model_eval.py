@@ -32,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from zen_ext.analysis import cost_model as cm  # noqa: E402
+from zen_ext.planner import cost_model as cm  # noqa: E402
 
 DTYPE_BYTES = {"torch.float32": 4, "torch.bfloat16": 2, "torch.float16": 2, "torch.float64": 8}
 

@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from zen_ext.analysis import cost_model as cm  # noqa: E402
+from zen_ext.planner import cost_model as cm  # noqa: E402
 from zen_ext.analysis import sim_cli  # noqa: E402
 from zen_ext.analysis.workloads import zipf_embedding  # noqa: E402
 

@@ -197,7 +197,7 @@ def plot_both(zen: dict, dense: dict, path: str) -> bool:
 
 def at_scale(output_dir: str) -> str | None:
     """``auto``'s cost-model prediction for this run's gradients at 8 and 16 hosts (analysis/at_scale.py)."""
-    from zen_ext.analysis import cost_model as cm
+    from zen_ext.planner import cost_model as cm
     from zen_ext.analysis.at_scale import format_predictions, predict_at_scale
 
     path = os.path.join(output_dir, "zen_stats.jsonl")

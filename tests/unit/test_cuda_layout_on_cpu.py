@@ -14,7 +14,7 @@ import torch
 
 from tests.unit.test_zen_scheme import int_inputs
 from zen_ext import SimWorld, SparseGrad, build_scheme, ops
-from zen_ext.analysis import cost_model as cm
+from zen_ext.planner import cost_model as cm
 from zen_ext.core.hashing import HashPartitioner
 
 

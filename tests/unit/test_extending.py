@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from zen_ext import SimWorld, build_scheme
-from zen_ext.analysis import cost_model as cm
+from zen_ext.planner import cost_model as cm
 from zen_ext.analysis import workloads as W
 from zen_ext.core.scheme import _REGISTRY, SyncScheme, register_scheme
 from zen_ext.core.types import as_dense
@@ -65,7 +65,7 @@ def test_outside_scheme_by_name_equals_dense(n, op):
 
 
 def test_auto_considers_an_outside_scheme_and_picks_it_when_its_model_says_it_is_fastest(monkeypatch):
-    from zen_ext.analysis.planner import AutoScheme
+    from zen_ext.planner.auto import AutoScheme
 
     assert "gather_dense" in AutoScheme.valid_candidates()
     # A model that claims no cost at all: auto must pick the scheme, and the result stays exact.
@@ -82,7 +82,7 @@ def test_auto_considers_an_outside_scheme_and_picks_it_when_its_model_says_it_is
 
 
 def test_a_lossless_scheme_without_cost_model_is_skipped_with_a_reason(monkeypatch, caplog):
-    from zen_ext.analysis import planner
+    from zen_ext.planner import auto as planner
 
     class NoModel(GatherDenseScheme):
         name = "gather_dense_unmodelled"

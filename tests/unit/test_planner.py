@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from zen_ext import CommStats, SimWorld, SparseGrad, build_scheme
-from zen_ext.analysis import cost_model as cm
+from zen_ext.planner import cost_model as cm
 from zen_ext.analysis import workloads as W
-from zen_ext.analysis.planner import AutoScheme
+from zen_ext.planner.auto import AutoScheme
 
 SCHEMES = ["dense", "zen", "zen_coo", "agsparse", "sparcml", "omnireduce", "sparse_ps"]
 
@@ -342,7 +342,7 @@ def test_auto_measures_close_candidates_before_its_choice_is_final():
     predicted within 1.5x of the best runs twice (profiling goes on meanwhile), then the choice is
     taken on the refined predictions. Here ``zen`` and ``zen_coo`` are predicted alike (no bitmap at
     this density) and ``zen`` is made to report a slow decode; results stay exact throughout."""
-    from zen_ext.analysis.planner import EXPLORE_MARGIN
+    from zen_ext.planner.auto import EXPLORE_MARGIN
 
     inputs = W.dgc_topk(4, numel=1 << 14, density=0.01)
     expected = sum(x.to_dense() for x in inputs)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import cost_model as cm
+from ..planner import cost_model as cm
 from .workloads import dgc_topk, zipf_embedding
 
 

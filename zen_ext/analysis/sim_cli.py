@@ -29,7 +29,7 @@ import torch
 from ..comm.simulated import SimWorld
 from ..core.scheme import available_schemes, build_scheme
 from ..core.types import SparseGrad
-from . import cost_model as cm
+from ..planner import cost_model as cm
 from . import metrics
 from .traces import load_trace
 from .workloads import WORKLOADS, build_workload

@@ -224,7 +224,7 @@ _BUILTIN_MODULES = (
     "zen_ext.core.sparcml",
     "zen_ext.core.omnireduce",
     "zen_ext.core.sparse_ps",
-    "zen_ext.analysis.planner",
+    "zen_ext.planner.auto",
 )
 
 

@@ -65,7 +65,7 @@ from ..core.scheme import SyncScheme, available_schemes, build_scheme, register_
 from ..core.types import SparseGrad, as_sparse
 from . import cost_model as cm
 from .calibration import _Calibration, calibrate
-from .planner_state import _SliceState
+from .state import _SliceState
 
 logger = logging.getLogger("zen_ext.planner")
 _SKIP_LOGGED: set[str] = set()
@@ -162,7 +162,7 @@ class AutoScheme(SyncScheme):
             elif s not in _SKIP_LOGGED:
                 _SKIP_LOGGED.add(s)
                 logger.info("auto: scheme %r has no cost model, so auto never picks it (register one with "
-                         "zen_ext.analysis.cost_model.register_cost_model; docs/extending.md)", s)
+                         "zen_ext.planner.cost_model.register_cost_model; docs/extending.md)", s)
         return sorted(names, key=_priority)
 
     def options(self) -> dict:
