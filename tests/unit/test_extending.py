@@ -4,6 +4,7 @@ on its class, registered with the decorator, used by name and picked by ``auto``
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -15,41 +16,26 @@ from zen_ext.core.registry import register_scheme, unregister_scheme
 from zen_ext.core.scheme import SyncScheme
 from zen_ext.core.types import as_dense
 
-
-# --- the example of docs/extending.md, "Add a scheme" (kept in step with the document; the decorator
-# runs in the ``registered`` fixture, so that other test modules never see the toy scheme among auto's
-# candidates) ---------------------------------------------------------------------------------------------
-class GatherDenseScheme(SyncScheme):
-    """Every rank all-gathers every rank's dense gradient and sums locally (lossless, and slow)."""
-
-    name = "gather_dense"
-    wire_phases = ("comm_s",)  # declares a cost model: auto considers the scheme
-
-    def _sync(self, comm, grad, op="sum", timings=None, key=None, out=None):
-        mine = as_dense(grad)
-        total = torch.zeros_like(mine)
-        for part in comm.all_gather_v(mine):  # rank order: every rank sums in the same order
-            total += part
-        return total.div_(comm.size) if op == "mean" else total
-
-    @staticmethod
-    def predict_traffic(profile, options):  # bytes and messages per rank, in the Communicator's byte model
-        tr = Traffic(profile.n)
-        tr.all_gather_v([profile.numel * profile.row_width * profile.value_bytes] * profile.n)
-        return tr
-
-    @staticmethod
-    def predict_work(w, options):  # computation per phase, in ComputeRates primitives, on the slowest rank
-        return {"comm_s": {"fill_s_per_byte": w.n * w.numel * w.row_width * w.value_bytes}}
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs",
+                   "extending.md")
 
 
-# ------------------------------------------------------------------------------------------------------
+def doc_example() -> dict:
+    """Run the code block of docs/extending.md's "Add a scheme" as a user's module: its names (the
+    ``@register_scheme`` decorator registers ``gather_dense`` as it runs)."""
+    text = open(DOC).read()
+    section = text[text.index("## Add a scheme"):text.index("## Add a sparsifier")]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    names: dict = {"__name__": "gather_dense_example"}
+    exec(compile(code, DOC, "exec"), names)
+    return names
 
 
 @pytest.fixture(autouse=True)
-def registered():
-    register_scheme(GatherDenseScheme)
-    yield
+def gather_dense():
+    """The document's scheme, registered for one test only, so that other test modules never see the
+    toy scheme among auto's candidates."""
+    yield doc_example()["GatherDenseScheme"]
     unregister_scheme("gather_dense")
 
 
@@ -63,13 +49,13 @@ def test_outside_scheme_by_name_equals_dense(n, op):
         assert torch.equal(g, w)
 
 
-def test_auto_considers_an_outside_scheme_and_picks_it_when_its_model_says_it_is_fastest(monkeypatch):
+def test_auto_considers_an_outside_scheme_and_picks_it_when_its_model_says_it_is_fastest(monkeypatch, gather_dense):
     from zen_ext.planner.auto import AutoScheme
 
     assert "gather_dense" in AutoScheme.valid_candidates()
     # A model that claims no cost at all: auto must pick the scheme, and the result stays exact.
-    monkeypatch.setattr(GatherDenseScheme, "predict_traffic", staticmethod(lambda p, o: Traffic(p.n)))
-    monkeypatch.setattr(GatherDenseScheme, "predict_work", staticmethod(lambda w, o: {}))
+    monkeypatch.setattr(gather_dense, "predict_traffic", staticmethod(lambda p, o: Traffic(p.n)))
+    monkeypatch.setattr(gather_dense, "predict_work", staticmethod(lambda w, o: {}))
     n = 4
     inputs = W.zipf_embedding(n, row_width=4)
     autos = [build_scheme("auto", bandwidth_gbps=1.0, latency_us=50.0, model="alpha_beta") for _ in range(n)]
@@ -80,10 +66,10 @@ def test_auto_considers_an_outside_scheme_and_picks_it_when_its_model_says_it_is
         assert torch.equal(g, expected)
 
 
-def test_a_lossless_scheme_without_cost_model_is_skipped_with_a_reason(monkeypatch, caplog):
+def test_a_lossless_scheme_without_cost_model_is_skipped_with_a_reason(caplog, gather_dense):
     from zen_ext.planner.auto import AutoScheme
 
-    class NoModel(GatherDenseScheme):
+    class NoModel(gather_dense):
         name = "gather_dense_unmodelled"
         wire_phases = ()
 
@@ -112,8 +98,8 @@ def test_a_half_declared_cost_model_is_refused():
         build_scheme("wire_phases_only")
 
 
-def test_a_taken_name_is_refused():
-    class Impostor(GatherDenseScheme):
+def test_a_taken_name_is_refused(gather_dense):
+    class Impostor(gather_dense):
         name = "zen"
 
     with pytest.raises(ValueError, match="scheme name 'zen' is already registered by ZenScheme"):
