@@ -105,3 +105,24 @@ def test_a_taken_name_is_refused(gather_dense):
     with pytest.raises(ValueError, match="scheme name 'zen' is already registered by ZenScheme"):
         register_scheme(Impostor)
 
+
+
+def test_a_builtin_scheme_is_named_only_by_its_own_file():
+    """Adding a built-in scheme touches its own file, the registry's list and its tests: no other module
+    of zen_ext names it (the planner, the simulator and the metrics find schemes through the registry).
+    ``zen`` and ``dense`` are left out: they are also the config section, the default scheme and the
+    routing kind of dense parameters."""
+    import inspect
+
+    from zen_ext.core.registry import BUILTIN_SCHEMES
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(inspect.getsourcefile(SyncScheme))))
+    files = [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".py")]
+    named = []
+    for cls in BUILTIN_SCHEMES:
+        if cls.name in ("zen", "dense"):
+            continue
+        own = os.path.abspath(inspect.getsourcefile(cls))
+        named += [f"{os.path.relpath(f, root)} names {cls.name!r}" for f in files
+                  if os.path.abspath(f) != own and f'"{cls.name}"' in open(f).read()]
+    assert len(BUILTIN_SCHEMES) == 7 and not named, named

@@ -5,9 +5,9 @@ socket). This module takes what a run recorded about its gradients (one ``zen_st
 elements and non-zeros per sparsifier kind, the embedding's union over ranks) and predicts, for more
 hosts and other links, every lossless scheme's sync time with the same model ``auto`` uses:
 
-1. Build ``n`` synthetic ranks with the recorded densities (``analysis/workloads.py``): the embedding
+1. Build ``n`` synthetic ranks with the recorded densities (``workloads.py``): the embedding
    rows from a Zipf draw of the run's tokens per rank, the DGC bucket as top-k at the recorded density.
-2. Profile them (``cost_model.profile_from_grads``) and predict each scheme's traffic (α–β wire at the
+2. Profile them (``planner/profile.py``: ``profile_from_grads``) and predict each scheme's traffic (α–β wire at the
    link rate and latency) plus its computation at ``ComputeRates`` (calibrated on this machine by the
    caller, or the defaults).
 3. Per slice, the cheapest scheme (what ``auto`` would pick) against a dense all-reduce.
@@ -60,7 +60,7 @@ def predict_at_scale(record: dict, row_width: int, tokens_per_rank: int, hosts=(
         row_width: the embedding's row width (elements per row).
         tokens_per_rank: tokens in one rank's micro-batch (the embedding rows it touches come from them).
         hosts, gbps, latency_us: the scales and links to predict.
-        rates: computation rates (``cost_model.calibrate_compute``); the model's defaults when None.
+        rates: computation rates (``planner/compute_model.py``: ``calibrate_compute``); the model's defaults when None.
     """
     rates = rates or ComputeRates()
     schemes = cm.modeled_schemes()

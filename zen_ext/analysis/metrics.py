@@ -14,13 +14,14 @@ from typing import Sequence
 
 import torch
 
+from ..core.cost import BLOCK_SIZE
 from ..core.hashing import imbalance
 from ..core.registry import scheme_class
 from ..core.scheme import PartitionFn
 from ..core.types import SparseGrad
 
 __all__ = [
-    "block_ids", "densification_curve", "densification_ratio", "density", "imbalance", "index_set", "overlap_ratio",
+    "block_ids", "densification_curve", "densification_ratio", "density", "index_set", "overlap_ratio",
     "partition_fn", "pull_imbalance", "push_imbalance", "skewness", "union_density",
 ]
 
@@ -110,7 +111,7 @@ def pull_imbalance(grads: Sequence[SparseGrad], part_of: PartitionFn, n: int) ->
 
 
 def partition_fn(
-    scheme: str, numel: int, n: int, *, seed: int = 0, row_width: int = 1, block_size: int = 256
+    scheme: str, numel: int, n: int, *, seed: int = 0, row_width: int = 1, block_size: int = BLOCK_SIZE
 ) -> PartitionFn | None:
     """The index → server map of a Parallelism scheme, for ``push_imbalance``/``pull_imbalance``: the
     scheme's own ``partition_fn`` (``zen``/``zen_coo``: h0; ``sparse_ps``: contiguous ranges;
@@ -121,7 +122,7 @@ def partition_fn(
     return scheme_class(scheme).partition_fn(numel, n, seed=seed, row_width=row_width, block_size=block_size)
 
 
-def block_ids(x: SparseGrad, block_size: int = 256) -> SparseGrad:
+def block_ids(x: SparseGrad, block_size: int = BLOCK_SIZE) -> SparseGrad:
     """The non-zero ``block_size``-element blocks of ``x`` as an index-only gradient (OmniReduce's unit)."""
     w = x.row_width
     idx = index_set(x)

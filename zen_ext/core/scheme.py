@@ -19,7 +19,7 @@ from typing import Callable, ClassVar
 import torch
 
 from ..comm.base import Communicator
-from .cost import ProfileView, Traffic, WorkCounts
+from .cost import BLOCK_SIZE, ProfileView, Traffic, WorkCounts
 from .types import SparseGrad
 
 REDUCE_OPS = ("sum", "mean")
@@ -192,7 +192,7 @@ class SyncScheme(abc.ABC):
 
     @classmethod
     def partition_fn(cls, numel: int, n: int, *, seed: int = 0, row_width: int = 1,
-                     block_size: int = 256) -> PartitionFn | None:
+                     block_size: int = BLOCK_SIZE) -> PartitionFn | None:
         """The index → server map of a Parallelism scheme (for the Push/Pull imbalance of paper
         Def. 8, ``analysis/metrics.py``), over ``partition_unit``s; None for Centralization schemes."""
         return None

@@ -25,7 +25,7 @@ import torch
 from .. import ops
 from ..comm.base import Communicator
 from .coo import decode_coo, encode_coo, finish
-from .cost import Dims, ProfileView, Traffic, WorkCounts
+from .cost import BLOCK_SIZE, Dims, ProfileView, Traffic, WorkCounts
 from .hashing import contiguous_partition_of
 from .scheme import PartitionFn, SyncScheme
 from .timing import PhaseTimer
@@ -158,6 +158,6 @@ class SparsePSScheme(SyncScheme):
 
     @classmethod
     def partition_fn(cls, numel: int, n: int, *, seed: int = 0, row_width: int = 1,
-                     block_size: int = 256) -> PartitionFn | None:
+                     block_size: int = BLOCK_SIZE) -> PartitionFn | None:
         """Contiguous ranges of indices (rows)."""
         return lambda idx: contiguous_partition_of(idx, numel, n)

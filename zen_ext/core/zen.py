@@ -31,7 +31,7 @@ import torch
 from ..comm.base import Communicator
 from .. import ops
 from .bitmap import bitmap_bytes
-from .cost import Dims, ProfileView, Traffic, WorkCounts
+from .cost import BLOCK_SIZE, Dims, ProfileView, Traffic, WorkCounts
 from .hashing import HashConfig, HashPartitioner
 from .scheme import PartitionFn, SyncScheme
 from .timing import PhaseTimer
@@ -321,7 +321,7 @@ class ZenScheme(SyncScheme):
 
     @classmethod
     def partition_fn(cls, numel: int, n: int, *, seed: int = 0, row_width: int = 1,
-                     block_size: int = 256) -> PartitionFn | None:
+                     block_size: int = BLOCK_SIZE) -> PartitionFn | None:
         """h0, the hash partition of indices (rows)."""
         return HashPartitioner(numel, n, seed).partition_of
 

@@ -11,10 +11,10 @@ Calibration (once per rank, at its first profiling sync; all ranks take part, in
 * link: unless ``bandwidth_gbps`` and ``latency_us`` are both given, a probe times all-reduces of 8 B
   and 1 MiB over the data-parallel group (best of 3 each) and solves the ring all-reduce's α–β time
   for latency and bandwidth;
-* compute: ``cost_model.calibrate_compute`` on the gradient's device (``model="compute"`` only);
+* compute: ``compute_model.calibrate_compute`` on the gradient's device (``model="compute"`` only);
 * agreement: one all-reduce MAX of those few numbers — every rank plans with the slowest rank's;
 * refinement: the phase times of every real sync (the ``timings`` the schemes fill) fit a line per
-  scheme and phase (``cost_model.Refinement``); the ranks merge their fits on profiling syncs, inside
+  scheme and phase (``refinement.Refinement``); the ranks merge their fits on profiling syncs, inside
   the profile's all-gather.
 
 Per slice ``key``:
