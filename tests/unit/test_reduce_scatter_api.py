@@ -107,3 +107,46 @@ def test_reduce_scatter_flat_is_sync_flat_cut_to_the_range(n, op):
         for want, mine in got:
             assert torch.equal(want, mine), r
         assert stats["buckets"] == 2
+
+
+@pytest.mark.parametrize("scheme", ["direct", "zen", "auto"])
+def test_reduce_scatter_flat_sparse_schemes_equal_dense(scheme):
+    n = 4
+    steps = [bucket_inputs(n, seed=11 + s) for s in range(2)]
+    ranges = [(0, 10), (10, 1300), (1300, 1300), (1300, NUMEL)]
+
+    def fn(comm):
+        def sync(rs):
+            return Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC, natural={},
+                                reduce_scatter=rs)
+        dense, sparse = sync("dense"), sync(scheme)
+        got = []
+        for x in steps:
+            want = dense.reduce_scatter_flat(x[comm.rank].clone(), SLICES, ranges, "sum")
+            lo, hi = ranges[comm.rank]
+            out = torch.full((hi - lo,), float("nan"))
+            mine = sparse.reduce_scatter_flat(x[comm.rank].clone(), SLICES, ranges, "sum", out=out)
+            assert mine is out
+            got.append((want, mine))
+            dense.end_step()
+            sparse.end_step()
+        return got, sparse.pop_step_stats()
+
+    for r, (got, stats) in enumerate(SimWorld(n).run(fn)):
+        for want, mine in got:
+            assert torch.equal(want, mine), r
+        assert set(stats["schemes"]) <= {"dense", "direct", "zen"}
+
+
+def test_reduce_scatter_flat_default_is_the_schemes_form():
+    x = bucket_inputs(1, seed=1)[0]
+
+    def fn(comm):
+        sync = Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC, natural={})
+        shard = sync.reduce_scatter_flat(x.clone(), SLICES, [(0, NUMEL)], "sum")
+        assert sync.rs_scheme.name == "zen"
+        return shard, Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC,
+                                   natural={}).sync_flat(x.clone(), SLICES, "sum")
+
+    shard, whole = SimWorld(1).run(fn)[0]
+    assert torch.equal(shard, whole)
