@@ -15,7 +15,7 @@ Workloads (every rank's gradient over one bucket, owner ranges even as FSDP2's c
 
 Rows per (workload, n): the dense reduce-scatter, ``direct``, ``zen``, ``auto`` (and its choice), and
 today's path under ZeRO-1/2: ``zen``'s all-reduce, after which each rank keeps its partition.
-Columns: the busiest rank's bytes sent and received and messages sent; ``dense RS /`` is the dense
+Columns: the busiest rank's bytes sent and received, the ranks' mean, messages sent; ``dense RS /`` is the dense
 reduce-scatter's bytes (every rank sends and receives the same) over the scheme's busiest rank
 (max of sent and received); ``AR-keep /`` the same against the all-reduce-then-keep path. Bytes are
 counted by the Communicator's logical model (identical in SimWorld and on gloo) and are deterministic:
@@ -84,6 +84,7 @@ def measure(kind: str, name: str, inputs: list[SparseGrad], ranges) -> dict:
     outs = world.run(fn, inputs)
     st = world.stats
     return dict(sent=max(x.bytes_sent for x in st), recv=max(x.bytes_recv for x in st),
+                mean=sum(x.bytes_sent + x.bytes_recv for x in st) / (2 * n),
                 msgs=max(x.msgs_sent for x in st), choice=choice.get("scheme", ""), why=choice.get("why", ""),
                 outs=outs, wall_s=time.perf_counter() - t0)
 
@@ -101,11 +102,14 @@ def main(argv=None) -> int:
         "Regenerate: `.venv/bin/python benchmarks/bench_reduce_scatter.py`. Busiest rank's bytes per bucket,",
         "counted by the Communicator's logical model (deterministic). `dense RS /` and `AR-keep /`: the",
         "dense reduce-scatter's and the all-reduce-then-keep path's busiest-rank bytes over this row's",
-        "(max of sent, received); > 1 means fewer bytes. Every sparse row's result equals the dense",
+        "(max of sent, received); `(mean)`: the same over the ranks' mean of sent and received (the arithmetic",
+        "of issue 39 is a mean; hot ranges make the busiest owner receive more). > 1 means fewer bytes.",
+        "Every sparse row's result equals the dense",
         "reduce-scatter's exactly (checked by the script).",
         "",
-        "| workload | n | scheme | max sent | max recv | max msgs sent | dense RS / | AR-keep / |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | n | scheme | max sent | max recv | mean (sent+recv)/2 | max msgs sent | dense RS / | "
+        "AR-keep / | dense RS / (mean) | AR-keep / (mean) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     notes = []
     for n in ranks:
@@ -128,11 +132,13 @@ def main(argv=None) -> int:
                         raise AssertionError(f"{wname} n={n} {label}: rank {rank}'s range differs from the dense RS")
             base = max(rows["dense RS"]["sent"], rows["dense RS"]["recv"])
             keep = max(rows["zen all-reduce, keep"]["sent"], rows["zen all-reduce, keep"]["recv"])
+            base_mean, keep_mean = rows["dense RS"]["mean"], rows["zen all-reduce, keep"]["mean"]
             for label, r in rows.items():
                 worst = max(r["sent"], r["recv"])
                 shown = f"{label} → {r['choice']}" if r["choice"] and label.startswith("auto") else label
-                lines.append(f"| {wname} | {n} | {shown} | {r['sent']:,} | {r['recv']:,} | {r['msgs']} | "
-                             f"{base / worst:.1f}× | {keep / worst:.2f}× |")
+                lines.append(f"| {wname} | {n} | {shown} | {r['sent']:,} | {r['recv']:,} | {r['mean']:,.0f} | "
+                             f"{r['msgs']} | {base / worst:.1f}× | {keep / worst:.2f}× | {base_mean / r['mean']:.1f}× | "
+                             f"{keep_mean / r['mean']:.2f}× |")
             density = sum(x.nnz * x.row_width for x in inputs) / (n * numel)
             notes.append(f"- {wname}, n = {n}: {numel:,} elements, mean density {density:.2%}; auto: "
                          f"{rows['auto RS']['why']}")
