@@ -13,7 +13,7 @@ from zen_ext.core.reduce_scatter import (
     build_reduce_scatter, check_ranges, even_ranges, reduce_scatter_for, reduce_scatter_of,
 )
 from zen_ext.core.types import SparseGrad
-from zen_ext.reduction.synchronizer import Synchronizer
+from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
 
 @pytest.mark.parametrize("ranges, rule", [
@@ -187,3 +187,58 @@ def test_bucket_reducer_reduce_scatter_is_reduce_cut_to_the_range(scheme):
         for want, mine in got:
             assert torch.equal(want, mine), r
         assert nan_filled and stats["nonfinite_steps"] == 1
+
+
+def _fsdp_layout(n: int, params: dict[str, tuple[int, int]]):
+    """FSDP2's reduce-scatter input: ``[n, C]``, row r = rank r's dim-0 chunk of every parameter (rows
+    padded to a multiple of n). Returns C and the slices (one per parameter and rank, start = the
+    piece's offset in the parameter; padding rows are uncovered)."""
+    C, slices, at = 0, [], {}
+    for name, (rows, width) in params.items():
+        at[name] = C
+        C += -(-rows // n) * width
+    for r in range(n):
+        for name, (rows, width) in params.items():
+            chunk = -(-rows // n)
+            real = max(0, min(rows, (r + 1) * chunk) - r * chunk)
+            shape = (real, width) if width > 1 else (real,)
+            slices.append(GradSlice(name, r * C + at[name], real * width, shape, start=r * chunk * width))
+    return C, slices
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_fsdp_chunk_layout_merges_each_parameters_pieces(n):
+    params = {"emb": (37, 4), "w": (50, 6), "b": (7, 1)}
+    kinds = {"emb": "natural", "w": "dgc", "b": "dense"}
+    C, slices = _fsdp_layout(n, params)
+    ranges = [(r * C, (r + 1) * C) for r in range(n)]
+    gen = torch.Generator().manual_seed(n)
+    flats = []
+    for r in range(n):
+        x = torch.zeros(n * C)
+        for s in slices:
+            if s.name == "emb":
+                rows = torch.zeros(s.numel)
+                rows.view(-1, 4)[torch.randint(0, max(1, s.numel // 4), (2,), generator=gen) % max(1, s.numel // 4)] = 1
+                x[s.offset : s.offset + s.numel] = rows * torch.randint(1, 4, (1,), generator=gen)
+            else:
+                x[s.offset : s.offset + s.numel] = torch.randint(-3, 4, (s.numel,), generator=gen).float()
+        flats.append(x)
+
+    def fn(comm):
+        calls = []
+        inner = comm.exchange_v
+        comm.exchange_v = lambda send: (calls.append(1), inner(send))[1]
+
+        def sync(rs):
+            return Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=kinds, dgc=DGC, natural={},
+                                reduce_scatter=rs)
+        want = sync("dense").reduce_scatter_flat(flats[comm.rank].clone(), slices, ranges, "sum")
+        calls.clear()
+        mine = sync("zen").reduce_scatter_flat(flats[comm.rank].clone(), slices, ranges, "sum")
+        return want, mine, len(calls)
+
+    for r, (want, mine, exchanges) in enumerate(SimWorld(n).run(fn)):
+        assert torch.equal(want, mine), r
+        # Two rounds for the embedding's n pieces together and two for the DGC group, whatever n.
+        assert exchanges == 4, exchanges
