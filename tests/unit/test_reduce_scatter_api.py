@@ -242,3 +242,25 @@ def test_fsdp_chunk_layout_merges_each_parameters_pieces(n):
         assert torch.equal(want, mine), r
         # Two rounds for the embedding's n pieces together and two for the DGC group, whatever n.
         assert exchanges == 4, exchanges
+
+
+def test_config_builds_the_reduce_scatter_form_of_its_scheme():
+    from zen_ext.config import ZenConfig
+
+    rs = ZenConfig.from_dict({"scheme": "zen", "seed": 3, "pull_format": "bitmap"}).build_reduce_scatter()
+    assert (rs.name, rs.options()["seed"], rs.options()["pull_format"]) == ("zen", 3, "bitmap")
+    assert ZenConfig.from_dict({"scheme": "zen_coo"}).build_reduce_scatter().options()["pull_format"] == "coo"
+    auto = ZenConfig.from_dict({"scheme": "auto", "planner": {"bandwidth_gbps": 5.0}}).build_reduce_scatter()
+    assert (auto.name, auto.bandwidth_gbps) == ("auto", 5.0)
+    assert ZenConfig.from_dict({"scheme": "dense"}).build_reduce_scatter().name == "dense"
+    with pytest.raises(NotImplementedError, match=r"zen.scheme \('agsparse'\) has no reduce-scatter form"):
+        ZenConfig.from_dict({"scheme": "agsparse"}).build_reduce_scatter()
+
+
+def test_ranks_with_different_scheme_options_raise():
+    def fn(comm):
+        rs = build_reduce_scatter("zen", seed=comm.rank)
+        return rs.reduce_scatter(comm, SparseGrad(torch.tensor([1, 5]), torch.ones(2), 10), even_ranges(10, 2))
+
+    with pytest.raises(RuntimeError, match=r"ranks disagree on the scheme: rank \d has .ZenReduceScatter\(seed="):
+        SimWorld(2).run(fn)

@@ -236,7 +236,7 @@ def _explain_disagreement(comm: Communicator, scheme: ReduceScatterScheme, op: s
             field = next(k for k in mine if theirs.get(k) != mine.get(k))
             raise RuntimeError(f"zen.reduce_scatter: ranks disagree on the {field}: rank {r} has {theirs[field]!r}, "
                                f"rank {comm.rank} has {mine[field]!r}; every rank must pass the same numel, dtype, "
-                               f"op and ranges to the same scheme") from exc
+                               f"op and ranges to the same scheme built with the same options") from exc
 
 
 def register_reduce_scatter(cls: type[ReduceScatterScheme]) -> type[ReduceScatterScheme]:
