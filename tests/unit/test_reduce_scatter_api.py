@@ -264,3 +264,10 @@ def test_ranks_with_different_scheme_options_raise():
 
     with pytest.raises(RuntimeError, match=r"ranks disagree on the scheme: rank \d has .ZenReduceScatter\(seed="):
         SimWorld(2).run(fn)
+
+
+def test_an_index_outside_the_gradient_is_named():
+    rs = build_reduce_scatter("zen")
+    bad = SparseGrad(torch.tensor([3, 10]), torch.ones(2), 10)
+    with pytest.raises(ValueError, match=r"reduce-scatter 'zen': grad.indices \(10\) must lie in \[0, 10\)"):
+        SimWorld(1).run(lambda comm: rs.reduce_scatter(comm, bad, [(0, 10)]))

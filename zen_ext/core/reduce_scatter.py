@@ -122,10 +122,10 @@ class ReduceScatterScheme(abc.ABC):
             results[i] = res
         return results
 
-    @staticmethod
-    def _facts(grad: SparseGrad | torch.Tensor):
+    def _facts(self, grad: SparseGrad | torch.Tensor):
+        """``(dense numel, dtype, device)``, after the index check (one host read unless in range by construction)."""
         if isinstance(grad, SparseGrad):
-            grad.check_range(where="reduce-scatter")
+            grad.check_range(where=f"reduce-scatter {self.name!r}")
             return grad.dense_numel, grad.values.dtype, grad.values.device
         return grad.numel(), grad.dtype, grad.device
 

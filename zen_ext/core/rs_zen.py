@@ -60,7 +60,8 @@ def predict_zen_bytes(p: RSProfile) -> dict:
 class _Layout:
     """The pull's tables for one (numel, n, ranges, rank): which of this server's positions each owner
     gets (``own_order`` grouped by owner at ``own_cuts``, position order inside) and where each server's
-    entries land in this rank's range (``tgt`` offsets grouped by server at ``tgt_cuts``)."""
+    entries land in this rank's range (``tgt`` offsets grouped by server at ``tgt_cuts``). Kept as int32
+    where they fit: ``4·(|𝕀_rank| + |R_rank|)`` bytes per layout, about ``8·N/n``."""
 
     def __init__(self, part, ranges: list[tuple[int, int]], rank: int, device: torch.device) -> None:
         n, numel = part.num_parts, part.numel
@@ -68,16 +69,18 @@ class _Layout:
         # Server side: the owner of each of this server's positions.
         m = part.part_size(rank)
         x_M = part.indices_of(rank, torch.arange(m, dtype=torch.int64, device=device))
-        owner_sorted, self.own_order = torch.sort(torch.searchsorted(ends, x_M, right=True), stable=True)
-        self.own_owner = owner_sorted
+        owner_sorted, own_order = torch.sort(torch.searchsorted(ends, x_M, right=True), stable=True)
+        idt = torch.int32 if numel < 2**31 else torch.int64
+        self.own_order = own_order.to(idt)
         # Owner side: the server and position of each unit of this rank's range.
         lo, hi = ranges[rank]
         y_R = ops.permute(torch.arange(lo, hi, dtype=torch.int64, device=device), numel, part.keys_on(device))
         srv_R = y_R % n
-        self.tgt = torch.argsort(srv_R * (numel // n + 2) + y_R // n)
+        self.tgt = torch.argsort(srv_R * (numel // n + 2) + y_R // n).to(idt)
         counts = torch.stack([torch.bincount(owner_sorted, minlength=n), torch.bincount(srv_R, minlength=n)])
-        own, tgt = counts.cumsum(1).tolist()  # once per layout
-        self.own_cuts, self.tgt_cuts = [0] + own, [0] + tgt
+        cuts = torch.cat([counts.new_zeros(2, 1), counts.cumsum(1)], 1)
+        self.own_cuts_dev = cuts[0]
+        self.own_cuts, self.tgt_cuts = cuts.tolist()  # once per layout
 
 
 @register_reduce_scatter
@@ -133,7 +136,9 @@ class ZenReduceScatter(ReduceScatterScheme):
             c.lay = self._layout(c.part, urs, rank, c.device)
             touched = words_to_mask(c.words, c.m)
             c.ts = touched[c.lay.own_order]
-            c.oc = torch.zeros(n, dtype=torch.int64, device=c.device).index_add_(0, c.lay.own_owner, c.ts.to(torch.int64))
+            csum = torch.zeros(c.m + 1, dtype=torch.int64, device=c.device)
+            torch.cumsum(c.ts, 0, out=csum[1:])
+            c.oc = csum[c.lay.own_cuts_dev[1:]] - csum[c.lay.own_cuts_dev[:-1]]
         flat = torch.cat([c.count_1.reshape(-1) for c in calls] + [c.oc for c in calls]).tolist()
         at = 0
         for c in calls:
@@ -160,7 +165,7 @@ class ZenReduceScatter(ReduceScatterScheme):
                     continue
                 fmt, cnt = head_vals[2 * h], head_vals[2 * h + 1]
                 h += 1
-                tg = c.lay.tgt[c.lay.tgt_cuts[i] : c.lay.tgt_cuts[i + 1]]
+                tg = c.lay.tgt[c.lay.tgt_cuts[i] : c.lay.tgt_cuts[i + 1]].long()
                 rows.index_copy_(0, *self._decode(buf, fmt, cnt, tg, c))
             if op == "mean":
                 res.div_(n)
