@@ -13,8 +13,10 @@
 Bytes per rank: push ``≈ K·(n−1)/n·(i + v)`` as the all-reduce; pull: server ``i`` sends
 ``Σ_{r≠i} cost(u_r/n)``, owner ``r`` receives ``(n−1)·cost(u_r/n)``, with ``u_r`` the union of
 entries in ``R_r`` and ``cost`` the cheapest encoding plus a 16-byte header (``predict_zen_bytes``).
-Two exchanges per gradient; host reads per group of gradients: the push counts, the aggregated
-per-owner counts, the pulled headers (flat in ``n``), plus the layout's tables once per layout.
+Two exchanges per group of gradients (a bucket's DGC group and embeddings together: ``exchange_packed``
+in core/wire.py); host reads per group: the push counts, the aggregated per-owner counts, the pulled
+headers, and with several gradients the packed messages' size tables (flat in ``n``), plus the layout's
+tables once per layout.
 
 Pull wire format per (server, owner): empty when no entry, else ``[header int64×2 = (format, count) |
 body]``: COO ``positions in S_ir (int32, or int64 past 2^31) | values``; bitmap ``⌈|S_ir|/64⌉``
@@ -33,7 +35,7 @@ import torch
 from .. import ops
 from ..ops._reference import mask_to_words, words_to_mask
 from .reduce_scatter import ReduceScatterScheme, RSProfile, as_units, register_reduce_scatter
-from .wire import pack, view_as
+from .wire import exchange_packed, pack, view_as
 from .zen import _FMT_BITMAP, _FMT_COO, _FMT_DENSE, _HEADER_BYTES, ZenScheme, _Call, pull_costs
 
 _MAX_LAYOUTS = 64
@@ -117,11 +119,11 @@ class ZenReduceScatter(ReduceScatterScheme):
         return lay
 
     def _reduce_scatter_group(self, comm, grads, ranges, op, outs, timings, keys):
-        """1–3. Partition, push, aggregate: ``ZenScheme.push_aggregate`` for the whole group (under the
-           reduce-scatter's signature).
+        """1–3. Partition, push, aggregate: ``ZenScheme.push_aggregate`` for the whole group, its push one
+           packed exchange (under the reduce-scatter's signature).
         4. Per owner, count this server's aggregated entries in ``S_ir``; one host read for the group
            (with the aggregated counts, which also carry the CUDA op's outside-partition check).
-        5. Targeted pull: per gradient one exchange, each owner's message in its cheapest format.
+        5. Targeted pull: one exchange for the group, each owner's message in its cheapest format.
         6. One host read of every pulled header of the group, then each server's entries are copied
            into this rank's range (zeroed first); ``mean`` divides it.
         """
@@ -129,7 +131,7 @@ class ZenReduceScatter(ReduceScatterScheme):
         units = [as_units(g, rs) for g, rs in zip(grads, ranges)]
         calls = [_Call(sg, t) for (sg, _), t in zip(units, timings)]
         # Steps 1-3: partition, push, aggregate.
-        self.zen.push_aggregate(comm, calls, op, own_signature=False)
+        self.zen.push_aggregate(comm, calls, op, exchange=lambda sends: exchange_packed(comm, sends))
         # Step 4: per-owner counts.
         for c, (_, urs) in zip(calls, units):
             c.timer.start("pull_s")
@@ -148,8 +150,9 @@ class ZenReduceScatter(ReduceScatterScheme):
                 raise RuntimeError(f"aggregate_push: {words[1]} pushed position(s) lie outside this server's partition")
         owner_counts = [flat[at + i * n : at + (i + 1) * n] for i in range(len(calls))]
         # Step 5: targeted pull.
-        for c, oc in zip(calls, owner_counts):
-            c.recv = comm.exchange_v(self._encode(c, oc, n))
+        pulled = exchange_packed(comm, [self._encode(c, oc, n) for c, oc in zip(calls, owner_counts)])
+        for c, recv in zip(calls, pulled):
+            c.recv = recv
             del c.acc, c.words, c.ts
         # Step 6: decode.
         heads = [b[:_HEADER_BYTES] for c in calls for b in c.recv if b.numel()]
