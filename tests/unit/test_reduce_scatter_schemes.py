@@ -172,3 +172,13 @@ def test_groups_equal_dense_in_packed_exchanges(scheme, n):
         for a, b in zip(mine, want):
             assert torch.equal(a, b), r
         assert n_ex == {"zen": 2, "direct": 1}.get(scheme, n_ex), n_ex
+
+
+def test_zen_reads_the_cuda_ops_layout():
+    """Under the CUDA ops' output conventions (``ops.emulate_cuda_layout``: the ``[count, outside]``
+    count, the hash slots' order), zen's reduce-scatter still equals dense."""
+    from zen_ext import ops
+
+    with ops.emulate_cuda_layout():
+        check_case("zen", 5, "random", 3, torch.float32, "cut", "sum", seed=8)
+        check_case("zen", 4, "hot", 1, torch.bfloat16, "uneven", "mean", seed=9)
