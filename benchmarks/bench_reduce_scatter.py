@@ -35,7 +35,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from zen_ext import SimWorld, build_scheme  # noqa: E402
 from zen_ext.analysis.workloads import dgc_topk  # noqa: E402
-from zen_ext.core.reduce_scatter import build_reduce_scatter, even_ranges  # noqa: E402
+from zen_ext.core.reduce_scatter import build_reduce_scatter  # noqa: E402
+from zen_ext.core.rs_base import even_ranges  # noqa: E402
 from zen_ext.core.types import SparseGrad  # noqa: E402
 
 TEXT_VOCAB, TEXT_WIDTH, TEXT_BATCH, TEXT_SEQ = 8192, 256, 8, 256

@@ -9,7 +9,8 @@ import torch
 
 from tests.multiproc.launch import run_workers
 from zen_ext import SimWorld, SparseGrad
-from zen_ext.core.reduce_scatter import build_reduce_scatter, even_ranges
+from zen_ext.core.reduce_scatter import build_reduce_scatter
+from zen_ext.core.rs_base import even_ranges
 
 SCHEMES = ["dense", "direct", "zen", "auto"]
 

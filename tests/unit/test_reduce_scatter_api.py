@@ -9,9 +9,8 @@ import torch
 
 from tests.unit.test_synchronizer import DGC, KINDS, NUMEL, SLICES, bucket_inputs
 from zen_ext import SimWorld, build_scheme
-from zen_ext.core.reduce_scatter import (
-    build_reduce_scatter, check_ranges, even_ranges, reduce_scatter_for, reduce_scatter_of,
-)
+from zen_ext.core.reduce_scatter import build_reduce_scatter, reduce_scatter_for, reduce_scatter_of
+from zen_ext.core.rs_base import check_ranges, even_ranges
 from zen_ext.core.types import SparseGrad
 from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 

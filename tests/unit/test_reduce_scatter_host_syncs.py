@@ -10,7 +10,8 @@ import torch
 from tests.unit.test_zen_host_syncs import SyncCounter
 from tests.unit.test_zen_scheme import int_inputs
 from zen_ext import SimWorld
-from zen_ext.core.reduce_scatter import build_reduce_scatter, even_ranges
+from zen_ext.core.reduce_scatter import build_reduce_scatter
+from zen_ext.core.rs_base import even_ranges
 
 MAX_SYNCS = {"zen": 4, "direct": 2}
 """zen: the index check, the push counts, the per-owner aggregated counts, the pulled headers; direct: the

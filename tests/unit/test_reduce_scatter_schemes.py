@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from zen_ext import SimWorld
-from zen_ext.core.reduce_scatter import build_reduce_scatter, even_ranges
+from zen_ext.core.reduce_scatter import build_reduce_scatter
+from zen_ext.core.rs_base import even_ranges
 from zen_ext.core.types import SparseGrad
 
 SCHEMES = ["direct", "zen", "auto"]

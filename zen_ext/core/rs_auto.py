@@ -21,10 +21,10 @@ import threading
 
 import torch
 
-from .reduce_scatter import RSProfile, ReduceScatterScheme, as_units, build_reduce_scatter, register_reduce_scatter
-from .rs_dense import predict_dense_bytes
-from .rs_direct import predict_direct_bytes
-from .rs_zen import predict_zen_bytes
+from .rs_base import RSProfile, ReduceScatterScheme, as_units
+from .rs_dense import DenseReduceScatter, predict_dense_bytes
+from .rs_direct import DirectReduceScatter, predict_direct_bytes
+from .rs_zen import ZenReduceScatter, predict_zen_bytes
 from .types import index_dtype
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,6 @@ def predict(name: str, p: RSProfile, itemsize: int, width: int) -> dict:
     return {"direct": predict_direct_bytes, "zen": predict_zen_bytes}[name](p)
 
 
-@register_reduce_scatter
 class AutoReduceScatter(ReduceScatterScheme):
     """Choose a reduce-scatter per gradient key from a byte and round cost model.
 
@@ -68,7 +67,8 @@ class AutoReduceScatter(ReduceScatterScheme):
         self.bandwidth_gbps = DEFAULT_BANDWIDTH_GBPS if bandwidth_gbps is None else float(bandwidth_gbps)
         self.latency_us = DEFAULT_LATENCY_US if latency_us is None else float(latency_us)
         self.seed, self.reprofile_every, self.schemes = int(seed), reprofile_every, schemes
-        self._built = {s: build_reduce_scatter(s, **({"seed": self.seed} if s == "zen" else {})) for s in schemes}
+        classes = {"dense": DenseReduceScatter, "direct": DirectReduceScatter, "zen": ZenReduceScatter}
+        self._built = {s: classes[s](**({"seed": self.seed} if s == "zen" else {})) for s in schemes}
         self._decisions: dict[tuple, list] = {}  # (rank, key, ...) -> [choice, why, calls]
         self._lock = threading.Lock()
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ..comm.base import Communicator
-from .reduce_scatter import ReduceScatterScheme, register_reduce_scatter
+from .rs_base import ReduceScatterScheme
 from .timing import PhaseTimer
 from .types import SparseGrad
 
@@ -22,7 +22,6 @@ def predict_dense_bytes(n: int, range_lengths: list[int], itemsize: int) -> dict
     return {"bytes": (n - 1) * block * itemsize if n > 1 else 0, "msgs": n - 1, "rounds": 1 if n > 1 else 0}
 
 
-@register_reduce_scatter
 class DenseReduceScatter(ReduceScatterScheme):
     """Reduce-scatter of the densified gradient, uneven ranges padded to equal blocks."""
 

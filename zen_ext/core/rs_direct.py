@@ -20,7 +20,7 @@ import torch
 
 from ..comm.base import Communicator
 from .coo import finish
-from .reduce_scatter import ReduceScatterScheme, RSProfile, as_units, register_reduce_scatter
+from .rs_base import ReduceScatterScheme, RSProfile, as_units
 from .timing import PhaseTimer
 from .types import acc_dtype, index_dtype
 from .wire import exchange_packed, pack, view_as
@@ -37,7 +37,6 @@ def predict_direct_bytes(p: RSProfile) -> dict:
     return {"bytes": max(sent + recv), "msgs": msgs, "rounds": 1 if n > 1 else 0}
 
 
-@register_reduce_scatter
 class DirectReduceScatter(ReduceScatterScheme):
     """COO entries straight to the owner of their range, one exchange."""
 

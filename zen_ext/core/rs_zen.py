@@ -34,7 +34,7 @@ import torch
 
 from .. import ops
 from ..ops._reference import mask_to_words, words_to_mask
-from .reduce_scatter import ReduceScatterScheme, RSProfile, as_units, register_reduce_scatter
+from .rs_base import ReduceScatterScheme, RSProfile, as_units
 from .wire import exchange_packed, pack, view_as
 from .zen import _FMT_BITMAP, _FMT_COO, _FMT_DENSE, _FMT_NAMES, _HEADER_BYTES, ZenScheme, _Call, pull_costs
 
@@ -85,7 +85,6 @@ class _Layout:
         self.own_cuts, self.tgt_cuts = cuts.tolist()  # once per layout
 
 
-@register_reduce_scatter
 class ZenReduceScatter(ReduceScatterScheme):
     """Balanced push (hash partition) → aggregate → targeted pull to the owners of the ranges.
 

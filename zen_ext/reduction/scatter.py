@@ -23,7 +23,8 @@ from typing import Sequence
 
 import torch
 
-from ..core.reduce_scatter import ReduceScatterScheme, build_reduce_scatter, check_ranges, reduce_scatter_of
+from ..core.reduce_scatter import build_reduce_scatter, reduce_scatter_of
+from ..core.rs_base import ReduceScatterScheme, check_ranges
 from ..core.rs_dense import predict_dense_bytes
 from ..core.types import SparseGrad
 from .plan import GradSlice
