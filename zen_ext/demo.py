@@ -195,12 +195,13 @@ def compare(zen: dict, dense: dict) -> str:
     reach = steps_to_reach(dense["eval"], ze)
     steps = len(zen["losses"])
     if reach is not None and reach < steps:
-        lines.append(f"  steps to ZEN's final eval loss: dense gets there at step ~{reach:.0f} of {steps}, so at these "
-                     f"settings ZEN needs ~{steps / reach:.2f}x the steps for the same quality")
-    lines.append("  (dense bytes: a ring all-reduce of the same gradients; DeepSpeed does not time its own all-reduce. "
-                 "The eval-loss gap is DGC's: with natural sparsity alone ZEN equals dense bit for bit. Start-up is "
-                 "not training: the first DeepSpeed run on a machine, the ZEN run here, also compiles DeepSpeed's "
-                 "shm comm op, once.)")
+        lines.append(f"  steps to ZEN's final eval loss: dense gets there at step ~{reach:.0f} of {steps},\n"
+                     f"    so at these settings ZEN needs ~{steps / reach:.2f}x the steps for the same quality")
+    lines += ["  Dense bytes: a ring all-reduce of the same gradients (DeepSpeed does not time its own all-reduce).",
+              "  The eval-loss gap is DGC's: with natural sparsity alone ZEN equals dense bit for bit.",
+              "  Compare the training loops: start-up is not training (a machine's first DeepSpeed run, the ZEN run",
+              "  when the demo runs first, also compiles DeepSpeed's shm comm op, once), and the runs take turns on",
+              "  this machine, so another program's load slows whichever loop it overlaps."]
     return "\n".join(lines)
 
 
