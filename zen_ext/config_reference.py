@@ -1,4 +1,4 @@
-"""The configuration reference (``python -m zen_ext.config``; docs/deepspeed.md embeds it): every key of
+"""The configuration reference (``python -m zen_ext.config``; the README and docs embed it): every key of
 the ``zen`` section and its subsections with its default and the docstring under its field."""
 
 from __future__ import annotations
