@@ -223,7 +223,8 @@ def main(argv=None) -> list[dict]:
               flush=True)
         if zen and zen.cfg.dgc.enabled and optimizer_text.lower() in ("adam", "adamw"):
             print("deepspeed recipe: hint: DGC under plain Adam ends well above dense's loss; CatchUpAdamW (the "
-                  "default without --plain_adam) closes most of that gap (README, Time to quality)", flush=True)
+                  "default without --plain_adam) closes most of that gap (docs/results/time_to_quality_history.md)",
+                  flush=True)
 
     # Step 3: train.
     batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)
@@ -241,8 +242,9 @@ def main(argv=None) -> list[dict]:
                 zen.annotate(loss=loss_sum / accum)  # the step wrapper closes this step's record
             engine.backward(loss)
             engine.step()
-        rec = {"step": step, "loss": common.all_reduce_mean(loss_sum / accum, dp_group),
-               "tokens_per_s": accum * micro * args.seq_len * dp_size / (time.perf_counter() - t0)}
+        step_s = time.perf_counter() - t0  # the step alone: evaluation and checkpoints come after
+        rec = {"step": step, "loss": common.all_reduce_mean(loss_sum / accum, dp_group), "step_s": step_s,
+               "tokens_per_s": accum * micro * args.seq_len * dp_size / step_s}
         if zen is not None:
             rec["bytes_sent"] = zen.totals["bytes_sent"]
             rec["dense_bytes"] = zen.totals["dense_bytes"]

@@ -11,15 +11,18 @@ directory. Nothing is downloaded. It prints, in order:
 1. the ZEN run: the recipe's summary (loss curve, bytes sent against a dense all-reduce, the schemes
    the planner chose) and its eval losses; ``loss.png`` next to them;
 2. with ``--dense``, the dense DeepSpeed baseline (same model, data and seed), then one table of both
-   runs side by side (eval and train loss and the gap, bytes per rank, tokens/s, wall time) and one
-   plot of both loss curves (``compare.png``);
+   runs side by side (eval and train loss and the gap, bytes per rank, tokens/s, the training loop's
+   time, and apart from it the start-up and the rest of the run) and one plot of both loss curves
+   (``compare.png``);
 3. ``auto``'s cost-model prediction for the same gradients at 8 and 16 hosts on 1 and 10 Gbit/s links
    (``analysis/at_scale.py``), labelled as a prediction: where ZEN would win.
 
 DeepSpeed's launcher log lines that say nothing to a demo user are hidden (``--verbose`` shows them).
 
 Ranks run with ``OMP_NUM_THREADS=1`` and ``DS_ACCELERATOR=cpu``. The first DeepSpeed run on a
-machine JIT-compiles its shared-memory comm op (about 30–80 s, then cached).
+machine JIT-compiles its shared-memory comm op (about 30–80 s, then cached): a one-time cost of
+whichever run comes first (the ZEN run), so the comparison sets the training loops side by side (the
+sum of the step times) and shows each run's start-up apart (``split_times``).
 """
 
 from __future__ import annotations
@@ -78,6 +81,27 @@ HARMLESS = ("[launch.py:", "[runner.py:", "Unable to find hostfile", "Setting CU
             "You are using ZeRO with an untested optimizer")
 
 
+# The recipe's start line (recipes/finetune_llm.py, rank 0), printed once the engine is built and right
+# before the first step: its arrival ends the run's start-up.
+START_LINE = "deepspeed recipe: zen="
+
+
+def split_times(run: dict) -> dict:
+    """A run's wall time in three parts, in seconds: ``startup_s`` (launcher, imports, data and tokenizer,
+    model, engine and its comm op, which the first DeepSpeed run on a machine compiles), ``loop_s`` (the
+    training loop: the sum of the step times the recipe records) and ``other_s`` (evaluation, checkpoints,
+    the summary, exit). Only ``loop_s`` compares two runs' training; NaN where the start line never came."""
+    loop = sum(r.get("step_s", 0.0) for r in run["records"])
+    start = run.get("startup_s", float("nan"))
+    return {"startup_s": start, "loop_s": loop, "other_s": run["wall_s"] - start - loop}
+
+
+def _times_text(run: dict) -> str:
+    t = split_times(run)
+    return (f"training loop {t['loop_s']:.0f} s ({len(run['records'])} steps), start-up {t['startup_s']:.0f} s "
+            f"(launcher, data, engine and its comm op), evaluation, checkpoints and exit {t['other_s']:.0f} s")
+
+
 def _rel(path: str) -> str:
     rel = os.path.relpath(path)
     return rel if not rel.startswith("..") else path
@@ -86,7 +110,8 @@ def _rel(path: str) -> str:
 def run_recipe(config: str, output_dir: str, steps: int, nproc: int, verbose: bool = False,
                extra: tuple[str, ...] = ()) -> dict:
     """Launch recipes/finetune_llm.py with the ``deepspeed`` launcher; returns its summary.json plus the
-    per-step records (``records``) and the run's wall time (``wall_s``)."""
+    per-step records (``records``), the run's wall time (``wall_s``) and its start-up (``startup_s``:
+    launch to the recipe's start line)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
     cmd = [*_launcher(), "--num_gpus", str(nproc), "--master_port", str(_free_port()),
@@ -99,8 +124,10 @@ def run_recipe(config: str, output_dir: str, steps: int, nproc: int, verbose: bo
     t0 = time.time()
     # stdout through the filter (log lines); stderr (the progress bar) straight to the terminal.
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, text=True, bufsize=1)
-    hidden = 0
+    hidden, startup = 0, float("nan")
     for line in proc.stdout:
+        if startup != startup and START_LINE in line:  # the first one only (NaN != NaN until set)
+            startup = time.time() - t0
         if not verbose and any(h in line for h in HARMLESS):
             hidden += 1
             continue
@@ -112,6 +139,7 @@ def run_recipe(config: str, output_dir: str, steps: int, nproc: int, verbose: bo
     with open(os.path.join(output_dir, "train_log.jsonl")) as f:
         out["records"] = [json.loads(line) for line in f if line.strip()]
     out["wall_s"] = time.time() - t0
+    out["startup_s"] = startup
     out["hidden_lines"] = hidden
     stats = os.path.join(output_dir, "zen_stats.jsonl")
     if os.path.exists(stats):  # ZEN's own sync timer, per step on rank 0 (a dense run has none)
@@ -141,6 +169,7 @@ def compare(zen: dict, dense: dict) -> str:
 
     ze, de = zen["eval"][-1][1], dense["eval"][-1][1]
     zf = zen["final"]
+    zt, dt = split_times(zen), split_times(dense)
     ranks = zen.get("nproc", 2)
     rows = [
         ("final eval loss", f"{ze:.4f}", f"{de:.4f}", f"{(ze - de) / de:+.1%}"),
@@ -153,7 +182,10 @@ def compare(zen: dict, dense: dict) -> str:
          "not timed", ""),
         ("median tokens/s (all ranks)", f"{median([r['tokens_per_s'] for r in zen['records']]):,.0f}",
          f"{median([r['tokens_per_s'] for r in dense['records']]):,.0f}", ""),
-        ("wall time of the run", f"{zen['wall_s']:.0f} s", f"{dense['wall_s']:.0f} s", ""),
+        ("training loop (sum of step times)", f"{zt['loop_s']:.1f} s", f"{dt['loop_s']:.1f} s",
+         f"{zt['loop_s'] / dt['loop_s']:.2f}x" if dt["loop_s"] > 0 else ""),
+        ("start-up (launch to first step)", f"{zt['startup_s']:.0f} s", f"{dt['startup_s']:.0f} s", ""),
+        ("evaluation, checkpoints, exit", f"{zt['other_s']:.0f} s", f"{dt['other_s']:.0f} s", ""),
     ]
     w = max(len(r[0]) for r in rows)
     lines = [f"ZEN (DGC 5 % + natural, auto) vs dense DeepSpeed, {len(zen['losses'])} steps, {ranks} ranks:",
@@ -163,10 +195,13 @@ def compare(zen: dict, dense: dict) -> str:
     reach = steps_to_reach(dense["eval"], ze)
     steps = len(zen["losses"])
     if reach is not None and reach < steps:
-        lines.append(f"  steps to ZEN's final eval loss: dense gets there at step ~{reach:.0f} of {steps}, so at these "
-                     f"settings ZEN needs ~{steps / reach:.2f}x the steps for the same quality")
-    lines.append("  (dense bytes: a ring all-reduce of the same gradients; DeepSpeed does not time its own all-reduce. "
-                 "The eval-loss gap is DGC's: with natural sparsity alone ZEN equals dense bit for bit.)")
+        lines.append(f"  steps to ZEN's final eval loss: dense gets there at step ~{reach:.0f} of {steps},\n"
+                     f"    so at these settings ZEN needs ~{steps / reach:.2f}x the steps for the same quality")
+    lines += ["  Dense bytes: a ring all-reduce of the same gradients (DeepSpeed does not time its own all-reduce).",
+              "  The eval-loss gap is DGC's: with natural sparsity alone ZEN equals dense bit for bit.",
+              "  Compare the training loops: start-up is not training (a machine's first DeepSpeed run, the ZEN run",
+              "  when the demo runs first, also compiles DeepSpeed's shm comm op, once), and the runs take turns on",
+              "  this machine, so another program's load slows whichever loop it overlaps."]
     return "\n".join(lines)
 
 
@@ -218,7 +253,7 @@ def at_scale(output_dir: str) -> str | None:
 
 def _optimizer_args(args) -> tuple[str, ...]:
     """The ZEN run's optimizer: the recipe's default, CatchUpAdamW when DGC trains under Adam/AdamW (DGC's
-    loss gap to dense shrinks most with it: README, Time to quality), or the config's with
+    loss gap to dense shrinks most with it: docs/results/time_to_quality_history.md), or the config's with
     ``--plain_adam``. The dense baseline keeps the config's optimizer: it is what a user compares against."""
     return ("--plain_adam",) if args.plain_adam else ()
 
@@ -236,10 +271,10 @@ def main(argv=None) -> int:
           f"-> {_rel(args.output_dir)}", flush=True)
     zen = run_recipe(args.config, args.output_dir, args.steps, args.nproc, args.verbose, _optimizer_args(args))
     zen["nproc"] = args.nproc
-    print(f"ZEN run finished in {zen['wall_s']:.0f} s: {_rel(args.output_dir)}/ holds summary.json, loss.png, "
-          "train_log.jsonl (per step), zen_stats.jsonl (ZEN per step), checkpoints/"
-          + (f"; {zen['hidden_lines']} DeepSpeed launcher log lines hidden (--verbose shows them)"
-             if zen["hidden_lines"] else ""), flush=True)
+    print(f"ZEN run finished in {zen['wall_s']:.0f} s: {_times_text(zen)}", flush=True)
+    print(f"  {_rel(args.output_dir)}/ holds summary.json, loss.png, train_log.jsonl (per step), zen_stats.jsonl "
+          "(ZEN per step), checkpoints/" + (f"; {zen['hidden_lines']} DeepSpeed launcher log lines hidden (--verbose "
+                                            "shows them)" if zen["hidden_lines"] else ""), flush=True)
     if zen["eval"]:
         print("eval loss: " + "  ".join(f"step {s}: {v:.4f}" for s, v in zen["eval"]), flush=True)
     # Step 2: the dense baseline and the comparison.
@@ -251,6 +286,7 @@ def main(argv=None) -> int:
         print(f"\n[2/3] dense DeepSpeed baseline ({_rel(dense_cfg)}, same model, data and seed) -> {_rel(dense_dir)}",
               flush=True)
         base = run_recipe(dense_cfg, dense_dir, args.steps, args.nproc, args.verbose)
+        print(f"dense run finished in {base['wall_s']:.0f} s: {_times_text(base)}", flush=True)
         print("\n" + compare(zen, base), flush=True)
         png = os.path.join(args.output_dir, "compare.png")
         if plot_both(zen, base, png):

@@ -13,22 +13,53 @@ from zen_ext.analysis.at_scale import format_predictions, predict_at_scale
 RECORD = {"numel": {"dense": 320, "natural": 65536, "dgc": 147456}, "nnz": {"dense": 320, "natural": 23616, "dgc": 7274}}
 
 
-def _run(losses, evals, tps, sent, dense, wall):
-    recs = [{"step": i + 1, "loss": v, "tokens_per_s": t} for i, (v, t) in enumerate(zip(losses, tps))]
+def _run(losses, evals, tps, sent, dense, wall, step_s=1.0, startup_s=1.0):
+    recs = [{"step": i + 1, "loss": v, "tokens_per_s": t, "step_s": step_s}
+            for i, (v, t) in enumerate(zip(losses, tps))]
     return {"losses": losses, "eval": evals, "final": {"bytes_sent": sent, "dense_bytes": dense}, "records": recs,
-            "wall_s": wall, "nproc": 2}
+            "wall_s": wall, "startup_s": startup_s, "nproc": 2}
+
+
+def _row(text, label):
+    """The cells of the comparison table's row ``label``, split on runs of two spaces."""
+    line = next(x for x in text.split("\n") if x.strip().startswith(label))
+    return [c.strip() for c in line[len(line) - len(line.lstrip()) + len(label):].split("  ") if c.strip()]
 
 
 def test_comparison_table_has_both_runs_and_the_gaps(tmp_path):
-    zen = {**_run([7.0, 4.2], [[2, 4.4]], [100.0, 300.0], 50 * 2**20, 100 * 2**20, 40.0), "sync_s": 12.5}
-    dense = _run([7.0, 4.0], [[2, 4.0]], [200.0, 200.0], 0, 0, 30.0)
+    # ZEN's run took 60 s, 35 of them start-up (the first DeepSpeed run compiles its shm op), its loop 2 x 10 s;
+    # dense's 30 s, 5 s start-up, its loop 2 x 10.5 s: the table compares the loops, not the wall times.
+    zen = {**_run([7.0, 4.2], [[2, 4.4]], [100.0, 300.0], 50 * 2**20, 100 * 2**20, 60.0, 10.0, 35.0), "sync_s": 12.5}
+    dense = _run([7.0, 4.0], [[2, 4.0]], [200.0, 200.0], 0, 0, 30.0, 10.5, 5.0)
     text = demo.compare(zen, dense)
     assert "final eval loss" in text and "4.4000" in text and "4.0000" in text and "+10.0%" in text
     assert "50.0 MiB" in text and "100.0 MiB" in text and "50.0% of dense" in text
-    assert "40 s" in text and "30 s" in text and "12.5 s" in text
+    assert "12.5 s" in text
+    assert _row(text, "training loop (sum of step times)") == ["20.0 s", "21.0 s", "0.95x"]
+    assert _row(text, "start-up (launch to first step)") == ["35 s", "5 s"]
+    assert _row(text, "evaluation, checkpoints, exit") == ["5 s", "4 s"]
+    assert "wall time" not in text  # the whole run's time is not set side by side (issue 37)
     pytest.importorskip("matplotlib")
     png = tmp_path / "c.png"
     assert demo.plot_both(zen, dense, str(png)) and png.stat().st_size > 1000
+
+
+def test_split_times_parts_add_up_to_the_wall_time():
+    run = _run([7.0] * 4, [], [1.0] * 4, 1, 2, 50.0, 2.5, 30.0)
+    assert demo.split_times(run) == {"startup_s": 30.0, "loop_s": 10.0, "other_s": 10.0}
+    assert demo._times_text(run).startswith("training loop 10 s (4 steps), start-up 30 s (")
+    # No start line seen (a run that failed before training, or a recipe that changed its line): NaN, said so.
+    t = demo.split_times({**run, "startup_s": float("nan")})
+    assert t["loop_s"] == 10.0 and t["startup_s"] != t["startup_s"]
+
+
+def test_the_start_line_is_the_recipe_s():
+    """The demo ends a run's start-up when the recipe's start line arrives: the recipe must print it."""
+    from recipes import finetune_llm
+
+    src = open(finetune_llm.__file__).read()
+    assert f'print(f"{demo.START_LINE}' in src
+    assert '"step_s": step_s' in src
 
 
 def test_at_scale_prediction_is_labelled_and_picks_the_cheapest():

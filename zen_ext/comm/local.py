@@ -4,7 +4,7 @@ Each worker gets ``fn(rank, world_size, *args)`` after ``init_process_group("glo
 a picklable result; results come back in rank order. A worker's exception fails the test with its
 traceback; a hung worker fails it after ``timeout_s``. Workers end with ``destroy_process_group()``
 and ``os._exit`` because DDP + gloo on torch 2.13 aborts at interpreter exit in ~5–10 % of runs
-(shared/research/feasibility.md §3a).
+(docs/colossalai.md, "Ending a run").
 
 With ``ZEN_NCCL_GUARD=1`` in the environment (``tests/conftest.py`` sets it), each worker runs under
 ``zen_ext.comm.nccl_guard``: a lone ``isend``/``irecv`` or a tensor on the wrong device fails the test.

@@ -9,7 +9,7 @@ receives ~1/n of the non-zeros: Push and Pull imbalance (paper Def. 8) stay near
 Because ``P`` is a bijection, partition ``i``'s index set in its fixed order is ``𝕀_i[p] =
 P⁻¹(i + p·n)`` for ``p < |𝕀_i| = ⌈(numel − i)/n⌉``: a server aggregates into a compact buffer at
 position ``P(idx) // n``, and a decoder maps bitmap positions back to indices on the fly, with no
-``numel``-sized table (design note in README "Hash bitmap without a table").
+``numel``-sized table (design note: docs/design.md, "h0: a keyed permutation").
 
 The second hashing level of Algorithm 1 (``k`` rehash functions into parallel memory, serial memory
 with an atomic counter) only places indices in GPU memory without sorting; it lives in the CUDA op

@@ -4,7 +4,7 @@ The paper ran ZEN inside ColossalAI as a DDP ``custom_comm_hook`` with 128 MB bu
 parallelism and for tensor (8) + data hybrid parallelism. With zero_stage 0 both plugins below wrap
 the model in torch DDP, so no ColossalAI source patch is needed: each plugin's ``configure`` (run by
 ``Booster.boost``) calls the stock one and registers ``zen_ext.engines.ddp.zen_comm_hook`` on the DDP
-it built (shared/research/engines.md B7, C9).
+it built (docs/colossalai.md, "How it works").
 
 ==========================  ======================================  ===========================  ==========
 plugin (JSON ``plugin``)    DDP spans                               hook registered on           checked on

@@ -1,7 +1,8 @@
 """DeepSpeed integration: ``initialize`` = ``deepspeed.initialize`` + ZEN attached to the engine.
 
-DeepSpeed has no gradient-reduction hook, so ``attach`` replaces, on the engine instance only, the
-method that all-reduces one flat gradient bucket (shared/research/engines.md A1.4):
+DeepSpeed has no gradient-reduction hook (no ``register_comm_hook``, config entry or plugin registry),
+so ``attach`` replaces, on the engine instance only, the method that all-reduces one flat gradient
+bucket (docs/deepspeed.md, "What is supported"):
 
 =============================  ===================================================  =================
 who reduces                    overridden instance method                           checked on
