@@ -3,9 +3,9 @@
 Per optimizer step each parameter accumulates its (locally clipped) gradient into a velocity ``v``
 (with momentum correction: ``u ← m·u + g; v ← v + u``), sends the entries of ``v`` whose magnitude
 reaches a threshold chosen to keep a ``density`` fraction, and keeps the rest as the residual:
-``residual = v − sent`` exactly, so nothing is lost, only delayed. Sent positions of ``u`` are zeroed
-(momentum factor masking). Semantics follow the DGC paper (ICLR'18) and its public code
-(research/seeds.md §3.2, research/reference_code.md §5–6).
+``residual = v − sent`` exactly, so nothing is lost, only delayed (error feedback). Sent positions of
+``u`` are zeroed (momentum factor masking). Semantics follow the DGC paper (Lin et al., ICLR'18,
+Algorithm 1 and §3) and its public code (github.com/synxlin/deep-gradient-compression).
 
 Choices and why:
 
@@ -55,7 +55,7 @@ each peer (``U`` selection units, ``S`` samples) plus ``REFINE_PASSES`` all-redu
 Momentum correction moves the momentum into the sparsifier: use an optimizer without momentum for
 DGC parameters (DGC's ``DGCSGD``), or set ``momentum_correction=False`` to keep plain error feedback.
 
-``zen.dgc`` is ``dgc_config.DGCConfig``; units, sampling grid and search state are in ``dgc_units``.
+``zen.dgc`` is ``config.DGCConfig``; units, sampling grid and search state are in ``units.py``.
 
 Legend: ``_N`` elements of one gradient, ``_K`` selected, ``_S`` samples, ``_U`` selection units.
 """
@@ -68,17 +68,15 @@ from typing import Sequence
 
 import torch
 
-from .. import ops
-from ..core.types import SparseGrad
-from . import dgc_ef21
-from .base import NamedGrad, Sparsifier
-# The config and the units live in their own modules; their names stay importable from here.
-from .dgc_config import FEEDBACKS, RESIDUAL_DTYPES, SELECTIONS, THRESHOLDS, DGCConfig  # noqa: F401
-from .dgc_units import (CANDIDATE_FACTOR, CAPACITY_FACTOR, MIN_KEPT_SAMPLES, REFINE_BAND,  # noqa: F401
-                        _at_rank, _gather_units, exact_thresholds, memory_dtype, _Layout, _SearchConstants, _sort_per_unit, _ThresholdSearch,
-                        chunk_topk, normalized_residual, sample_shift)
-from .registry import register_sparsifier
-from .state import SparsifierState
+from ... import ops
+from ...core.types import SparseGrad
+from ..base import NamedGrad, Sparsifier
+from ..registry import register_sparsifier
+from ..state import SparsifierState
+from .config import DGCConfig
+from .defaults import resolve_dgc_defaults
+from .units import (CANDIDATE_FACTOR, _at_rank, _gather_units, _Layout, _SearchConstants, _sort_per_unit,
+                    _ThresholdSearch, exact_thresholds, memory_dtype, sample_shift)
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +110,21 @@ class DGCSparsifier(Sparsifier):
     lossless = False
     bucket_mode = "fused"  # every DGC slice of a bucket in one SparseGrad: constant ops per bucket
     uses_tp_group = True  # per-layer thresholds agreed over the TP group
+    once_per_step = True  # momentum correction and the residual advance once per optimizer step
 
     @classmethod
     def from_config(cls, config, *, state, dp_size: int) -> "DGCSparsifier":
         return cls(config, state, dp_size=dp_size)
+
+    @classmethod
+    def label(cls, config: DGCConfig) -> str:
+        """``dgc <density>``, e.g. ``dgc 0.05``."""
+        return f"dgc {config.density:.4g}"
+
+    @classmethod
+    def resolve_defaults(cls, config: DGCConfig, optimizer, *, quiet: bool = False) -> tuple[DGCConfig, str]:
+        """Momentum correction, the rotating flush and the density ramp where null (``defaults.py``)."""
+        return resolve_dgc_defaults(config, optimizer, quiet=quiet)
 
     @classmethod
     def claims(cls, param, config: DGCConfig) -> bool:
@@ -128,16 +137,12 @@ class DGCSparsifier(Sparsifier):
         self.config = DGCConfig.from_dict(config)
         self.state = state if state is not None else SparsifierState()
         self.dp_size = int(dp_size)
-        if self.config.feedback == "ef21":  # only EF21 reads the synchronized result
-            self.after_sync = self._ef21_after_sync
         self._layouts: dict[tuple, _Layout] = {}
         self.loss_scale: float | None = None
         """The loss scale the memory is accumulated at (``set_loss_scale``); ``None``: never set."""
         self._journal: dict[int, tuple] = {}
         """id(flat residual) → (residual, momentum, their copies at the step's first touch)."""
         self._discard = False
-        self._overflowed = False
-        """Whether the last ``_compress_ef`` found a non-finite gradient (and touched no memory)."""
 
     # --- loss scaling and skipped steps -------------------------------------------------------------
     def set_loss_scale(self, scale: float) -> None:
@@ -155,12 +160,8 @@ class DGCSparsifier(Sparsifier):
         scale = float(scale)
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"zen: loss scale ({scale!r}) must be a finite number > 0")
-        if self.config.feedback == "ef21":
-            raise ValueError('zen.dgc.feedback ("ef21") must be "ef" with fp16 loss scaling: a skipped step '
-                             "would have to undo every rank's estimate and the aggregate")
         if self.loss_scale is not None and scale != self.loss_scale:
             self.state.rescale(scale / self.loss_scale)
-            self.state.rescale((scale / self.loss_scale) ** 2, ("sq_mean",))  # normalize_beta's squares
             for _, _, old_r, old_u in self._journal.values():
                 old_r.mul_(scale / self.loss_scale)
                 if old_u is not None:
@@ -182,17 +183,6 @@ class DGCSparsifier(Sparsifier):
 
     # --- compression --------------------------------------------------------------------------------
     def compress(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad:
-        """Select what ``grads`` send this step (``_compress_ef``, or ``_compress_ef21`` when
-        ``feedback`` is ``"ef21"``)."""
-        if self.config.feedback == "ef21":
-            return dgc_ef21.compress(self, grads, tp_comm)
-        return self._compress_ef(grads, tp_comm)
-
-    def _ef21_after_sync(self, names: Sequence[str], outs: Sequence[torch.Tensor]) -> None:
-        """EF21: the synchronized result is the aggregate's change (``dgc_ef21.add_aggregate_``)."""
-        dgc_ef21.add_aggregate_(self, names, outs)
-
-    def _compress_ef(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad:
         """Select what ``grads`` send this step and keep the rest in the residuals.
 
         1. Guard: if any gradient is non-finite, send its non-finite entries and leave the memory alone.
@@ -228,7 +218,7 @@ class DGCSparsifier(Sparsifier):
         # the thresholds are sampled from R + the pending update at the sample positions. There the
         # flag stays on the device (the op skips the update where it is false) and is read with the
         # selection's counts: one host read for the bucket.
-        one_pass = (density < 1.0 and cfg.threshold != "exact" and cfg.clip_norm is None and not cfg.normalize_beta
+        one_pass = (density < 1.0 and cfg.threshold != "exact" and cfg.clip_norm is None
                     and (mdt == wire if mdt == torch.float64 else mdt == torch.float32 and wire in _ONE_PASS_WIRE)
                     and ops.has_dgc_select_op(flats[0]) and all(f.is_contiguous() for f in flats))
 
@@ -285,7 +275,6 @@ class DGCSparsifier(Sparsifier):
             R.add_(gs[0])
         else:
             torch._foreach_add_(R_T, gs)
-        S = normalized_residual(self.state, lay, R, gs, cfg.normalize_beta, mdt) if cfg.normalize_beta else R
         del gs
 
         # Step 3 + 4: thresholds, one per selection unit, and the selection mask they give.
@@ -294,16 +283,12 @@ class DGCSparsifier(Sparsifier):
             thr_U = torch.full((lay.units,), tiny, dtype=mdt, device=R.device)
             pos_K = lay.select(R, thr_U).view(-1).nonzero().flatten()
             v_K = R.index_select(0, pos_K)
-        elif cfg.selection_chunk:
-            thr_U, pos_K = chunk_topk(S, lay, density, cfg.selection_chunk, tiny, tp_comm)
-            v_K = R.index_select(0, pos_K)
         elif cfg.threshold == "exact":
-            thr_U = exact_thresholds(S, lay, density, tp_comm).clamp(min=tiny)
-            pos_K = lay.select(S, thr_U).view(-1).nonzero().flatten()  # one host synchronization
+            thr_U = exact_thresholds(R, lay, density, tp_comm).clamp(min=tiny)
+            pos_K = lay.select(R, thr_U).view(-1).nonzero().flatten()  # one host synchronization
             v_K = R.index_select(0, pos_K)
         else:
-            thr_U, pos_K, v_K = self._sampled_thresholds(S, lay, density, tp_comm, tiny)
-            v_K = v_K if S is R else R.index_select(0, pos_K)
+            thr_U, pos_K, v_K = self._sampled_thresholds(R, lay, density, tp_comm, tiny)
         return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total, v_K, flush)
 
     def _non_finite(self, flats: list[torch.Tensor], total: int) -> SparseGrad | None:
@@ -313,7 +298,6 @@ class DGCSparsifier(Sparsifier):
         bad = (~torch.isfinite(cat)).nonzero().flatten()
         if not bad.numel():
             return None
-        self._overflowed = True
         return SparseGrad(bad, cat[bad], total)
 
     def _finish(self, R, U, lay: "_Layout", thr_U, pos_K, wire, mdt, total: int, v_K, flush: int = 0) -> SparseGrad:
