@@ -44,6 +44,10 @@ def reference_markdown() -> str:
             value = getattr(defaults, f.name)
             shown = "(section)" if dataclasses.is_dataclass(value) else f"`{json.dumps(value)}`"
             out.append(f"| `{f.name}` | {shown} | {docs.get(f.name, '')} |")
+        if cls is ZenConfig:  # a row per sparsifier section, described by its sparsifier's docstring
+            for s in registered():
+                what = " ".join(inspect.getdoc(s.cls).split("\n\n")[0].split()).rstrip(".")
+                out.append(f"| `{s.kind}` | (section) | {what} (see the ``zen.{s.kind}`` table). |")
         out.append("")
     return "\n".join(out)
 
