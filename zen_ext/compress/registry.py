@@ -58,7 +58,7 @@ class SparsifierSpec:
         return from_dict(values) if from_dict is not None else config_from_dict(self.config, values, self.kind)
 
     def disabled(self) -> Any:
-        """The config with ``enabled=False`` (the value of an absent section where a kind is opt-in)."""
+        """The config with ``enabled=False``: a kind the Synchronizer was given no section for."""
         return dataclasses.replace(self.parse(None), enabled=False)
 
 
@@ -69,8 +69,10 @@ def register_sparsifier(*, config: type, priority: int = 0):
     """Class decorator: register a ``Sparsifier`` subclass under its ``kind``.
 
     Args:
-        config: the dataclass of its ``zen.<kind>`` section: every field has a default (an absent
-            section is the defaults with ``enabled=False``), and a bool field ``enabled``.
+        config: the dataclass of its ``zen.<kind>`` section: every field has a default, and a bool field
+            ``enabled``. A ``ZenConfig`` without the section holds the defaults (so an opt-in kind
+            defaults ``enabled`` to false); the Synchronizer and ``classify_parameters`` treat a kind
+            they are given no section for as disabled.
         priority: classification order (lower first); the built-ins use 100 and 200.
 
     Raises:
