@@ -318,7 +318,7 @@ def check_dgc_search(rep: Report, device: str) -> None:
 
     import torch
 
-    import zen_ext.compress.dgc.sparsifier as dgc
+    import zen_ext.compress.dgc.thresholds as dgc
     import zen_ext.compress.dgc.units as units
     from zen_ext import ops
 
@@ -346,7 +346,7 @@ def check_dgc_search(rep: Report, device: str) -> None:
                     want = ops.dgc_threshold_search(*args, dgc.REFINE_PASSES)
                     got = ops.dgc_threshold_search(*(a.to(device) for a in args), dgc.REFINE_PASSES)
                 else:
-                    want = dgc.DGCSparsifier._search_loop(sorted_S, consts, v_C, unit_C, t_low, None, lay)
+                    want = dgc.search_loop(sorted_S, consts, v_C, unit_C, t_low, None, lay)
                     got = ops.dgc_threshold_search(*args, dgc.REFINE_PASSES)
                 if not (torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])):
                     bad.append(f"{len(sizes)} units: thresholds or keep mask differ")

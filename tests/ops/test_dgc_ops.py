@@ -180,7 +180,7 @@ def test_gather_list_any_order_and_range_check():
 
 # --- zen_ext::dgc_threshold_search against the torch search loop (its oracle) -------------------------
 def _search_case(dtype, unit_sizes, density, seed, spread=True):
-    """A bucket's samples, constants and candidates as ``DGCSparsifier._sampled_thresholds`` builds them."""
+    """A bucket's samples, constants and candidates as ``thresholds.sampled_thresholds`` builds them."""
     import zen_ext.compress.dgc.units as units
 
     g = torch.Generator().manual_seed(seed)
@@ -213,11 +213,11 @@ def _search_case(dtype, unit_sizes, density, seed, spread=True):
 def test_search_op_equals_the_torch_loop(dtype, unit_sizes, density, passes, monkeypatch):
     """Same thresholds and keep mask as the torch loop, after any number of passes (the early stop of a
     unit in the band changes nothing)."""
-    import zen_ext.compress.dgc.sparsifier as dgc
+    import zen_ext.compress.dgc.thresholds as dgc
 
     lay, consts, sorted_S, v_C, unit_C, t_low = _search_case(dtype, unit_sizes, density, seed=len(unit_sizes))
     monkeypatch.setattr(dgc, "REFINE_PASSES", passes)
-    want_thr, want_keep = dgc.DGCSparsifier._search_loop(sorted_S, consts, v_C, unit_C, t_low, None, lay)
+    want_thr, want_keep = dgc.search_loop(sorted_S, consts, v_C, unit_C, t_low, None, lay)
     thr, keep = ops.dgc_threshold_search(sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U,
                                          v_C, unit_C, t_low, passes)
     assert thr.dtype == dtype and keep.dtype == torch.bool and keep.shape == v_C.shape
@@ -233,16 +233,16 @@ def test_search_op_equals_the_torch_loop(dtype, unit_sizes, density, passes, mon
 def test_search_op_units_without_candidates_and_no_candidates_at_all():
     """A unit with no candidate keeps t_low or a probe above it and selects nothing; an empty candidate
     list gives every unit a threshold and an empty mask."""
-    import zen_ext.compress.dgc.sparsifier as dgc
+    import zen_ext.compress.dgc.thresholds as dgc
 
     lay, consts, sorted_S, v_C, unit_C, t_low = _search_case(torch.float32, [4096, 4096, 4096], 0.01, seed=3)
     drop = unit_C != 1  # unit 1 loses its candidates
     args = (sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U)
-    want = dgc.DGCSparsifier._search_loop(sorted_S, consts, v_C[drop], unit_C[drop], t_low, None, lay)
+    want = dgc.search_loop(sorted_S, consts, v_C[drop], unit_C[drop], t_low, None, lay)
     got = ops.dgc_threshold_search(*args, v_C[drop], unit_C[drop], t_low, 4)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[0][1] >= t_low[1]
     empty = ops.dgc_threshold_search(*args, v_C[:0], unit_C[:0], t_low, 4)
-    want = dgc.DGCSparsifier._search_loop(sorted_S, consts, v_C[:0], unit_C[:0], t_low, None, lay)
+    want = dgc.search_loop(sorted_S, consts, v_C[:0], unit_C[:0], t_low, None, lay)
     assert torch.equal(empty[0], want[0]) and empty[1].numel() == 0
 
 
@@ -251,7 +251,7 @@ def test_search_op_units_without_candidates_and_no_candidates_at_all():
 def test_search_padding_of_a_capacity_buffer_belongs_to_no_unit(pad):
     """Candidates padded as dgc_accumulate_select_ pads them (value 0, unit U): op and torch loop give the
     unpadded thresholds and mask, and never keep the padding (the op does not even scan it)."""
-    import zen_ext.compress.dgc.sparsifier as dgc
+    import zen_ext.compress.dgc.thresholds as dgc
 
     lay, consts, sorted_S, v_C, unit_C, t_low = _search_case(torch.float32, [4096, 70000, 512], 0.02, seed=9)
     args = (sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U)
@@ -259,7 +259,7 @@ def test_search_padding_of_a_capacity_buffer_belongs_to_no_unit(pad):
     v_P = torch.cat([v_C, torch.zeros(pad)])
     unit_P = torch.cat([unit_C, torch.full((pad,), lay.units, dtype=torch.int64)])
     for thr, keep in (ops.dgc_threshold_search(*args, v_P, unit_P, t_low, 4),
-                      dgc.DGCSparsifier._search_loop(sorted_S, consts, v_P, unit_P, t_low, None, lay)):
+                      dgc.search_loop(sorted_S, consts, v_P, unit_P, t_low, None, lay)):
         assert torch.equal(thr, want_thr) and torch.equal(keep[: v_C.numel()], want_keep)
         assert not keep[v_C.numel():].any()
 

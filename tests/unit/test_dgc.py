@@ -10,7 +10,7 @@ import torch
 
 from zen_ext import SimWorld
 from zen_ext.compress import DGCConfig, DGCSparsifier, NamedGrad
-from zen_ext.compress.dgc import sparsifier as dgc_module
+from zen_ext.compress.dgc import thresholds as dgc_module
 from zen_ext.compress.dgc import units
 from zen_ext.compress.dgc.units import REFINE_BAND
 
