@@ -4,8 +4,8 @@ Per optimizer step each parameter accumulates its (locally clipped) gradient int
 (with momentum correction: ``u ← m·u + g; v ← v + u``), sends the entries of ``v`` whose magnitude
 reaches a threshold chosen to keep a ``density`` fraction, and keeps the rest as the residual:
 ``residual = v − sent`` exactly, so nothing is lost, only delayed (error feedback). Sent positions of
-``u`` are zeroed (momentum factor masking). Semantics follow the DGC paper (Lin et al., ICLR'18,
-Algorithm 1 and §3) and its public code (github.com/synxlin/deep-gradient-compression).
+``u`` are zeroed (momentum factor masking). Semantics follow the DGC paper (Lin et al., ICLR'18, §3)
+and its public code (github.com/synxlin/deep-gradient-compression).
 
 Choices and why:
 
