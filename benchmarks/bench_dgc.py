@@ -3,7 +3,7 @@
 Usage::
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_dgc.py [--dtypes fp32,fp16] [--memory]   # this code
-    git show <old-commit>:zen_ext/compress/dgc.py > /tmp/dgc_old.py
+    git show <old-commit>:zen_ext/compress/dgc/sparsifier.py > /tmp/dgc_old.py   # zen_ext/compress/dgc.py before the package
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_dgc.py --old-src /tmp/dgc_old.py   # before
 
 1. Buckets of LLM-shaped DGC tensors (a decoder layer at hidden 640: q/o 640×640, GQA k/v 160×640,
@@ -42,7 +42,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from zen_ext.compress import DGCConfig, NamedGrad  # noqa: E402
-from zen_ext.compress import dgc as dgc_new  # noqa: E402
+from zen_ext.compress.dgc import sparsifier as dgc_new  # noqa: E402
 
 LAYER = [(640, 640), (160, 640), (160, 640), (640, 640), (1728, 640), (1728, 640), (640, 1728)]
 # The DGC tensors of benchmarks/configs/llama-bench.json (the end-to-end bench model, 21 M elements):
@@ -53,12 +53,15 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def load_impl(old_src: str | None):
-    """The DGC module to measure: this tree's, or an older ``dgc.py`` loaded inside the package."""
+    """The DGC module to measure: this tree's, or an older one loaded inside its package (``dgc.py`` in
+    ``zen_ext.compress`` before DGC became a package, ``sparsifier.py`` in ``zen_ext.compress.dgc`` since)."""
     if not old_src:
         return dgc_new
-    spec = importlib.util.spec_from_file_location("zen_ext.compress._dgc_old", old_src)
+    with open(old_src) as f:
+        package = "zen_ext.compress.dgc" if "from ..base import" in f.read() else "zen_ext.compress"
+    spec = importlib.util.spec_from_file_location(f"{package}._dgc_old", old_src)
     mod = importlib.util.module_from_spec(spec)
-    mod.__package__ = "zen_ext.compress"
+    mod.__package__ = package
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
     return mod

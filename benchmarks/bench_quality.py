@@ -43,10 +43,10 @@ MODEL = "configs/models/llama-tiny-untied.json"
 RUN_TIMEOUT_S = 1200
 DIVERGED = 1.05
 """A run whose final eval loss exceeds its best by more than this factor got worse as it trained (it blew
-up, or regressed from an early best, as EF21 under Adam did): its best is then an early point that says
+up, or regressed from an early best): its best is then an early point that says
 nothing of reaching dense's quality, so it gets no equal-loss ratio and is counted as diverged."""
 PLOT_LAB = (4, "1gbit")
-PLOT_VARIANTS = ("dense", "dgc5", "dgc1", "dgc5_dense60_frozen60")
+PLOT_VARIANTS = ("dense", "dgc5", "dgc1", "dgc5_catchup")
 """The curves the plot shows (all variants would not be readable); the tables show every variant."""
 """The emulated-cluster setting whose measured step times put the curves on a time axis."""
 TARGET_MARGIN = 0.01
@@ -69,19 +69,8 @@ VARIANTS: dict[str, dict | None] = {
     # twice the rate says whether the baseline itself was tuned.
     "dense_lr2x": {"_lr_scale": 2.0, "_dense": True},
     "dgc5_lr2x": {"_lr_scale": 2.0},
-    # Adam's second moment frozen after 60 steps (zen_ext.optim.FrozenVarianceAdamW, 1-bit Adam's design):
-    # Adam's step is then linear in the gradients, and error feedback conserves it.
-    "dense_frozen60": {"_frozen_after": 60, "_dense": True},
-    "dgc5_frozen60": {"_frozen_after": 60},
-    "dgc1_frozen60": {"density": 0.01, "_frozen_after": 60},
-    "dgc5_dense_start_frozen60": {"warmup_steps": 60, "warmup_start_density": 1.0, "_frozen_after": 60},
-    # 1-bit Adam's recipe proper: fully dense while the variance learns, then DGC with it frozen.
+    # Dense while Adam's second moment learns, then DGC.
     "dgc5_dense60": {"dense_steps": 60},
-    "dgc5_dense60_frozen60": {"dense_steps": 60, "_frozen_after": 60},
-    "dgc1_dense60_frozen60": {"density": 0.01, "dense_steps": 60, "_frozen_after": 60},
-    # DGC's own design (ICLR'18: momentum correction and masking in the compressor, an optimizer without
-    # momentum) with Adam's frozen variance as a fixed per-coordinate preconditioner: the optimizer's
-    # beta1 is 0, DGC accumulates the momentum instead.
     # A check of the pipeline itself: DGC's path at density 1 all run long must track dense.
     "dgc_density1": {"dense_steps": 100000},
     "dgc5_per_bucket": {"selection": "per_bucket"},
@@ -91,16 +80,6 @@ VARIANTS: dict[str, dict | None] = {
     # The sampled threshold search against the exact top-k (one sort per tensor): does the estimate's
     # error (units keep 0.8-1.25 k) cost quality?
     "dgc5_exact": {"threshold": "exact"},
-    "dgc5_mc_dense60_frozen60": {"dense_steps": 60, "momentum_correction": True, "momentum_masking": True,
-                                 "_frozen_after": 60, "_beta1": 0.0},
-    "dgc1_mc_dense60_frozen60": {"density": 0.01, "dense_steps": 60, "momentum_correction": True,
-                                 "momentum_masking": True, "_frozen_after": 60, "_beta1": 0.0},
-    # EF21 (zen.dgc.feedback "ef21"): Adam gets a dense, smooth estimate every step (the previous aggregate
-    # plus the synchronized top-k of each rank's g − G_i) instead of error feedback's delayed bursts.
-    "dgc5_ef21": {"feedback": "ef21"},
-    "dgc1_ef21": {"density": 0.01, "feedback": "ef21"},
-    "dgc5_ef21_dense60_frozen60": {"feedback": "ef21", "dense_steps": 60, "_frozen_after": 60},
-    "dgc_ef21_density1": {"feedback": "ef21", "dense_steps": 100000},  # EF21's path at density 1: = dense
     # Where the gradient is clipped. DeepSpeed clips the *synchronized* gradient's global norm (1.0 in the
     # demo): under DGC that gradient is the top-k of residuals that accumulated for ~1/density steps, a
     # norm several times dense's, so the clip scales every step down (a smaller effective rate) and the
@@ -118,23 +97,10 @@ VARIANTS: dict[str, dict | None] = {
     # keeps moving the weight for longer; dense with the same betas is the paired baseline.
     "dense_b2_999": {"_beta2": 0.999, "_dense": True},
     "dgc5_b2_999": {"_beta2": 0.999},
-    # Adam-aware selection: rank residuals by |r| / sqrt(running mean of g²) (zen.dgc.normalize_beta, the
-    # demo's AdamW beta2), so a coordinate is sent once its residual is large against its own scale, as
-    # Adam's step is, not only where gradients are large.
-    "dgc5_norm95": {"normalize_beta": 0.95},
-    # Finer selection units than a tensor (zen.dgc.selection_chunk): the exact top 5 % of every run of
-    # 256 elements (four rows of a 64-wide matrix: ceil(0.05·256) = 13, 5.1 %), against the exact
-    # per-tensor top-k (dgc5_exact). One threshold per bucket was worse than one per tensor.
-    "dgc5_chunk256": {"threshold": "exact", "selection_chunk": 256},
     # Which layers stay dense: attention (q, k, v, o: 16 K elements per layer) or the MLP (24 K per
     # layer); the output layer (64 K) is dgc5_head_dense. Dense layers send more bytes than 5 %.
     "dgc5_attn_dense": {"dense_params": ["self_attn"]},
     "dgc5_mlp_dense": {"dense_params": [r"\.mlp\."]},
-    # A dense tail (zen.dgc.dense_from_step): DGC 5 %, then every entry for the last 20 % of the steps
-    # (fine-tuning: from step 160 of 200; from scratch: from 240 of 300), which releases the residuals
-    # and ends on dense gradients; the elements sent average 24 % (5 % · 0.8 + 100 % · 0.2).
-    "dgc5_densetail_ft": {"dense_from_step": 160},
-    "dgc5_densetail_sc": {"dense_from_step": 240},
     # A decaying learning rate, as fine-tuning recipes use (HF Trainer decays linearly by default): cosine
     # from the peak to 10 % of it over the run (DeepSpeed's WarmupCosineLR, the same 10 warm-up steps),
     # dense paired on the same schedule. Error feedback releases a coordinate's residual late; at a
@@ -144,14 +110,13 @@ VARIANTS: dict[str, dict | None] = {
     "dgc1_cosine": {"density": 0.01, "_cosine": 0.1},
     "dgc10_cosine": {"density": 0.10, "_cosine": 0.1},
     "dgc20_cosine": {"density": 0.20, "_cosine": 0.1},
-    # On the decaying rate, the two cheapest ways to spend more than 5 %: a longer density ramp
-    # (25 % → 5 % over 100 steps) and the last 10 % of the steps dense (fine-tuning: from step 180).
+    # On the decaying rate, a cheap way to spend more than 5 %: a longer density ramp (25 % → 5 % over
+    # 100 steps).
     "dgc5_cosine_warm100": {"warmup_steps": 100, "_cosine": 0.1},
     "dgc1_cosine_warm100": {"density": 0.01, "warmup_steps": 100, "_cosine": 0.1},
     # The paper configs' selection (one threshold per 128 MB bucket, as ZEN's paper applies DGC to DDP's
     # fused buckets) on the decaying rate.
     "dgc5_cosine_per_bucket": {"selection": "per_bucket", "_cosine": 0.1},
-    "dgc5_cosine_densetail_ft": {"dense_from_step": 180, "_cosine": 0.1},
     # The same decay to 0, as HF Trainer's linear schedule ends.
     "dense_cosine0": {"_cosine": 0.0, "_dense": True},
     "dgc5_cosine0": {"_cosine": 0.0},
@@ -170,11 +135,10 @@ VARIANTS: dict[str, dict | None] = {
     "dgc1_cosine_catchup": {"density": 0.01, "_catch_up": True, "_cosine": 0.1},
     # CatchUpAdamW with the other levers, from scratch at the demo's settings (a 20-step ramp): does any
     # close the rest of the gap there? (DeepSpeed's global clip off; local clipping instead; a rotating
-    # flush; Adam-aware or exact selection; the output layer dense; a 50-step ramp.)
+    # flush; exact selection; the output layer dense; a 50-step ramp.)
     "dgc5_catchup_noclip": {"_catch_up": True, "_ds_clip": 0.0},
     "dgc5_catchup_localclip": {"_catch_up": True, "clip_norm": 1.0, "_ds_clip": 0.0},
     "dgc5_catchup_flush20": {"_catch_up": True, "flush_fraction": 0.2},
-    "dgc5_catchup_norm95": {"_catch_up": True, "normalize_beta": 0.95},
     "dgc5_catchup_exact": {"_catch_up": True, "threshold": "exact"},
     "dgc5_catchup_head_dense": {"_catch_up": True, "dense_params": ["lm_head"]},
     "dgc5_catchup_warm50": {"_catch_up": True, "warmup_steps": 50},
@@ -209,11 +173,11 @@ VARIANTS: dict[str, dict | None] = {
     "dgc5_localclip": {"clip_norm": 1.0, "_ds_clip": 0.0},
     "dgc1_localclip": {"density": 0.01, "clip_norm": 1.0, "_ds_clip": 0.0},
 }
-STEP_TIME_CONFIG = {"dense": "dense", "dense_lr2x": "dense", "dense_frozen60": "dense", "dense_noclip": "dense",
+STEP_TIME_CONFIG = {"dense": "dense", "dense_lr2x": "dense", "dense_noclip": "dense",
                     "dense_b2_999": "dense", "dense_cosine": "dense", "dense_cosine0": "dense",
                     "dense_catchup": "dense", "dense_cosine_catchup": "dense",
                     "natural": "zen_natural",
-                    "dgc_density1": "dense", "dgc_ef21_density1": "dense"}
+                    "dgc_density1": "dense"}
 """Which emulated-cluster measurement times a variant's step: DGC variants take the ``zen_dgc<d>`` of
 their density; the per-step time of a variant with more dense tensors is then a lower bound."""
 
@@ -226,7 +190,6 @@ def ds_config(variant: str, steps: int | None = None) -> dict:
     for a ``zen.dgc`` section of only ``enabled`` and ``density`` in place of the demo's)."""
     spec = copy.deepcopy(VARIANTS[variant]) if VARIANTS[variant] is not None else {"_dense": True}
     lr_scale, dense = spec.pop("_lr_scale", 1.0), spec.pop("_dense", False)
-    spec.pop("_frozen_after", None)  # a recipe argument (run_one)
     spec.pop("_catch_up", None)  # a recipe argument (run_one)
     beta1, beta2 = spec.pop("_beta1", None), spec.pop("_beta2", None)
     ds_clip = spec.pop("_ds_clip", None)
@@ -312,13 +275,10 @@ def run_one(runs: str, setting: str, variant: str, seed: int, steps: int, eval_e
     """Step 2: one run (or its cached result): eval curve, train losses and wall time."""
     cfg = ds_config(variant, steps)
     run_args = ["--data", "pydoc", "--steps", str(steps), "--eval_every", str(eval_every), "--seed", str(seed)]
-    frozen = (VARIANTS[variant] or {}).get("_frozen_after")
-    if frozen:
-        run_args += ["--frozen_variance_after", str(frozen)]
     spec = VARIANTS[variant] or {}
     if spec.get("_catch_up"):
         run_args += ["--catch_up_adam"]
-    elif not frozen and not spec.get("_recipe_default"):
+    elif not spec.get("_recipe_default"):
         run_args += ["--plain_adam"]  # the config's AdamW, which the recipe otherwise swaps for CatchUpAdamW
     if setting == "finetune":
         run_args += ["--model", start, "--tokenizer", start, "--data_part", "second"]

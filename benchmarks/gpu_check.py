@@ -318,7 +318,8 @@ def check_dgc_search(rep: Report, device: str) -> None:
 
     import torch
 
-    import zen_ext.compress.dgc as dgc
+    import zen_ext.compress.dgc.thresholds as dgc
+    import zen_ext.compress.dgc.units as units
     from zen_ext import ops
 
     if not ops.has_dgc_search_op(torch.zeros(1)) or (device == "cuda" and not torch._C._dispatch_has_kernel_for_dispatch_key(
@@ -329,14 +330,14 @@ def check_dgc_search(rep: Report, device: str) -> None:
         bad, checked = [], 0
         for sizes, density in (([4096] * 7, 0.01), ([1, 64, 5000, 65536, 3, 20000], 0.05), ([8192, 24576, 1024] * 20, 0.02)):
             g = torch.Generator().manual_seed(len(sizes))
-            lay = dgc._Layout(tuple(f"p{i}" for i in range(len(sizes))), tuple(sizes), True, "cpu")
+            lay = units._Layout(tuple(f"p{i}" for i in range(len(sizes))), tuple(sizes), True, "cpu")
             R = torch.cat([torch.randn(n, generator=g, dtype=torch.float64) ** 3 * 10.0 ** (i % 5 - 2)
                            for i, n in enumerate(sizes)]).to(dtype)
             pos_S, ns_U = lay.sample_positions(density, 0.01, 7, "cpu")
             consts = lay.search_constants(ns_U, [max(1, math.ceil(density * n)) for n in sizes], list(sizes), "cpu")
-            sorted_S = dgc._sort_per_unit(R.index_select(0, pos_S).abs(), consts.unit_S)
+            sorted_S = units._sort_per_unit(R.index_select(0, pos_S).abs(), consts.unit_S)
             tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
-            t_low = dgc._at_rank(sorted_S, consts, consts.first_U * dgc.CANDIDATE_FACTOR).clamp(min=tiny)
+            t_low = units._at_rank(sorted_S, consts, consts.first_U * units.CANDIDATE_FACTOR).clamp(min=tiny)
             pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
             v_C, unit_C = R.index_select(0, pos_C), torch.searchsorted(lay.unit_ends_N, pos_C, right=True)
             args = (sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U, v_C, unit_C, t_low)
@@ -345,7 +346,7 @@ def check_dgc_search(rep: Report, device: str) -> None:
                     want = ops.dgc_threshold_search(*args, dgc.REFINE_PASSES)
                     got = ops.dgc_threshold_search(*(a.to(device) for a in args), dgc.REFINE_PASSES)
                 else:
-                    want = dgc.DGCSparsifier._search_loop(sorted_S, consts, v_C, unit_C, t_low, None, lay)
+                    want = dgc.search_loop(sorted_S, consts, v_C, unit_C, t_low, None, lay)
                     got = ops.dgc_threshold_search(*args, dgc.REFINE_PASSES)
                 if not (torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])):
                     bad.append(f"{len(sizes)} units: thresholds or keep mask differ")
@@ -502,7 +503,7 @@ def check_dgc_sample(rep: Report, device: str) -> None:
     import torch
 
     from zen_ext import ops
-    from zen_ext.compress.dgc_units import _Layout, sample_shift
+    from zen_ext.compress.dgc.units import _Layout, sample_shift
 
     if device != "cuda":
         return  # the CPU ops are held to the torch path by tests/ops/test_dgc_ops.py

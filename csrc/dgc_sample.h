@@ -1,7 +1,7 @@
 // DGC's sampling step as sort keys (zen_ext::dgc_sample_keys) and their decoding (zen_ext::dgc_sort_unkey):
 // the per-sample logic shared by the CPU op (csrc/cpu/dgc_sample.cpp) and the CUDA kernels
 // (csrc/cuda/dgc_sample.cu). It mirrors, operation for operation, the torch path of
-// ``DGCSparsifier._sampled_thresholds`` (zen_ext/compress/dgc.py, steps 1-3, fp32 memory): the sample
+// ``sampled_thresholds`` (zen_ext/compress/dgc/thresholds.py, steps 1-3, fp32 memory): the sample
 // positions ``grid + (hash + shift) mod stride`` of the unit, the value ``|R + U·m + g|`` the pending
 // velocity update would give there (two roundings, never a fused multiply-add), NaN as 0 and ±inf as the
 // largest float (``nan_to_num``), then ``_sort_per_unit``'s int64 key ``unit·2³² + (2³¹ − 1 − bits(v))``,

@@ -1,6 +1,6 @@
 // DGC's per-unit threshold search (zen_ext::dgc_threshold_search), the logic shared by the CPU op
 // (csrc/cpu/dgc_search.cpp) and the CUDA kernel (csrc/cuda/dgc_search.cu). It mirrors, operation for
-// operation, ``_ThresholdSearch`` of zen_ext/compress/dgc.py (the torch path: tensor parallelism, where
+// operation, ``_ThresholdSearch`` of zen_ext/compress/dgc/units.py (the torch path: tensor parallelism, where
 // every pass's counts are all-reduced, and the tests' oracle). Thresholds are carried as doubles, which
 // hold every float, bf16 and fp16 value exactly; a new probe is rounded through the memory's dtype as
 // the torch path's ``.to(thr.dtype)`` rounds it.
@@ -13,7 +13,7 @@
 namespace zen_ext {
 namespace dgc {
 
-constexpr double kBandLo = 0.8, kBandHi = 1.25;  // REFINE_BAND of zen_ext/compress/dgc.py
+constexpr double kBandLo = 0.8, kBandHi = 1.25;  // REFINE_BAND of zen_ext/compress/dgc/units.py
 
 // A product that nvcc must not contract into a fused multiply-add with a neighbouring sum: the CPU
 // rounds the product first, and the two devices must compute the same probe.

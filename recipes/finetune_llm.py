@@ -38,9 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     common.add_run_args(p, default_output_dir="runs/deepspeed")
     p.add_argument("--save_model", default=None, help="save the final model and tokenizer here with save_pretrained "
                    "(a later run fine-tunes from it: --model DIR --tokenizer DIR)")
-    p.add_argument("--frozen_variance_after", type=int, default=0,
-                   help="N > 0: train with zen_ext.optim.FrozenVarianceAdamW (the config's AdamW settings, Adam's "
-                   "second moment frozen after N steps: DGC's error feedback then conserves Adam's movement)")
+    p.add_argument("--frozen_variance_after", default=None, help=argparse.SUPPRESS)  # removed: load_ds_config
     p.add_argument("--catch_up_adam", action="store_true",
                    help="train with zen_ext.optim.CatchUpAdamW (the config's AdamW settings): a coordinate DGC held "
                    "back for k steps moves k steps' worth when it arrives. The default already when zen.dgc is "
@@ -65,11 +63,11 @@ def load_ds_config(args) -> dict:
         ZenConfig.from_ds_config(ds)
     except (ValueError, TypeError) as exc:
         raise common.ConfigError(str(exc)) from exc
-    if args.frozen_variance_after < 0:
-        raise common.ConfigError(f"--frozen_variance_after ({args.frozen_variance_after}) must be >= 0 (0: off)")
+    if args.frozen_variance_after is not None:
+        raise common.ConfigError("--frozen_variance_after was removed (its optimizer measured worse than CatchUpAdamW, "
+                                 "the default under DGC: docs/results/dgc_history.md); remove the flag")
     opt_type = (ds.get("optimizer") or {}).get("type")
-    flags = [f for f, on in ((f"--frozen_variance_after ({args.frozen_variance_after})", args.frozen_variance_after),
-                             ("--catch_up_adam", args.catch_up_adam), ("--plain_adam", args.plain_adam)) if on]
+    flags = [f for f, on in (("--catch_up_adam", args.catch_up_adam), ("--plain_adam", args.plain_adam)) if on]
     if len(flags) > 1:
         raise common.ConfigError(f"{' and '.join(flags)} each choose the optimizer: choose one")
     chosen = flags[0] if flags and not args.plain_adam else None
@@ -93,12 +91,10 @@ def load_ds_config(args) -> dict:
 
 
 def optimizer_choice(args, ds_config: dict) -> tuple[str, str]:
-    """Which optimizer the run trains with, and why (for the start line): ``"frozen"``
-    (``--frozen_variance_after``), ``"catch_up"`` (``--catch_up_adam``, or the default for DGC under an
-    Adam/AdamW config: it closes most of DGC's loss gap to dense, README "Time to quality") or
-    ``"config"`` (the config's optimizer: no DGC, not Adam, or ``--plain_adam``)."""
-    if args.frozen_variance_after > 0:
-        return "frozen", "--frozen_variance_after"
+    """Which optimizer the run trains with, and why (for the start line): ``"catch_up"``
+    (``--catch_up_adam``, or the default for DGC under an Adam/AdamW config: it closes most of DGC's loss
+    gap to dense, README "Time to quality") or ``"config"`` (the config's optimizer: no DGC, not Adam, or
+    ``--plain_adam``)."""
     if args.catch_up_adam:
         return "catch_up", "--catch_up_adam"
     if args.plain_adam:
@@ -114,40 +110,33 @@ def optimizer_choice(args, ds_config: dict) -> tuple[str, str]:
 
 def optimizer_identity(args, ds_config: dict) -> str:
     """The name a checkpoint records for the run's optimizer (``common.save_optimizer_name``):
-    ``CatchUpAdamW``, ``FrozenVarianceAdamW`` or the config's optimizer type."""
+    ``CatchUpAdamW`` or the config's optimizer type."""
     kind, _ = optimizer_choice(args, ds_config)
-    return {"catch_up": "CatchUpAdamW", "frozen": "FrozenVarianceAdamW"}.get(
-        kind, str((ds_config.get("optimizer") or {}).get("type")))
+    return "CatchUpAdamW" if kind == "catch_up" else str((ds_config.get("optimizer") or {}).get("type"))
 
 
 def _flag_for(saved: str) -> str:
     """What brings back the optimizer a checkpoint was saved with (``optimizer_identity``'s names)."""
     if saved == "CatchUpAdamW":
         return "--catch_up_adam"
-    if saved == "FrozenVarianceAdamW":
-        return "--frozen_variance_after <the saved run's>"
     return f"--plain_adam and the config's optimizer {saved}"
 
 
 def client_optimizer(args, ds_config: dict, model):
-    """FrozenVarianceAdamW or CatchUpAdamW (``optimizer_choice``), built from the config's Adam/AdamW
-    settings, whose ``optimizer`` section is then removed (DeepSpeed takes one or the other); ``None``
-    for the config's optimizer."""
+    """CatchUpAdamW when ``optimizer_choice`` says so, built from the config's Adam/AdamW settings, whose
+    ``optimizer`` section is then removed (DeepSpeed takes one or the other); ``None`` for the config's
+    optimizer."""
     kind, _ = optimizer_choice(args, ds_config)
     if kind == "config":
         return None
-    from zen_ext.optim import CatchUpAdamW, FrozenVarianceAdamW
+    from zen_ext.config import ZenConfig
+    from zen_ext.optim import CatchUpAdamW, catch_up_param_groups
 
     params = (ds_config.pop("optimizer", None) or {}).get("params", {})  # checked by load_ds_config
     ds_config.setdefault("zero_allow_untested_optimizer", True)  # ZeRO 1-2 wrap any torch optimizer
     kw = dict(lr=params.get("lr", 1e-3), betas=tuple(params.get("betas", (0.9, 0.999))), eps=params.get("eps", 1e-8),
               weight_decay=params.get("weight_decay", 0.01))
-    if kind == "catch_up":
-        from zen_ext.config import ZenConfig
-        from zen_ext.optim import catch_up_param_groups
-
-        return CatchUpAdamW(catch_up_param_groups(model, ZenConfig.from_ds_config(ds_config)), **kw)
-    return FrozenVarianceAdamW(model.parameters(), freeze_after=args.frozen_variance_after, **kw)
+    return CatchUpAdamW(catch_up_param_groups(model, ZenConfig.from_ds_config(ds_config)), **kw)
 
 
 def _describe_optimizer(client, ds_config: dict) -> str:

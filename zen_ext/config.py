@@ -6,12 +6,15 @@ docstring with its unit, default and why. Validation runs before the first step:
 
 * an unknown key raises ``ValueError`` listing the valid keys of its section;
 * a wrong type raises ``TypeError`` and a value out of range ``ValueError``, both in the form
-  ``zen.<field> (<value>) must <rule>`` (nested fields as ``zen.dgc.density``);
+  ``zen.<field> (<value>) must <rule>`` (nested fields as ``zen.<section>.<field>``);
 * an engine setting ZEN cannot serve (ZeRO-3, pipeline parallelism) raises ``NotImplementedError``
   naming what is supported (``check_deepspeed_settings``).
 
+Each registered sparsifier (``zen_ext/compress/registry.py``) has its section at ``zen.<kind>``, parsed
+by the config class it registered with; this module names none of them.
+
 This module is engine-neutral: it reads plain dicts and imports neither DeepSpeed nor ColossalAI.
-``python -m zen_ext.config`` prints the Markdown reference of every key (``config_reference.py``).
+``python -m zen_ext.config_reference`` prints the Markdown reference of every key.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 from ._keys import unknown_keys_message
-from .compress import DGCConfig, NaturalConfig
+from .compress import registered, spec_of
 
 SUPPORTED_ZERO_STAGES = (0, 1, 2)
 MAX_BUCKET_CAP_MB = 2.0**20
@@ -120,17 +123,14 @@ class ZenConfig(_Section):
     nodes with the same number (> 1) of ranks on each, decided from every rank's host name (gathered
     once at start; ``ZEN_EXT_HOST`` overrides it), else flat ZEN with one log line saying why; true
     forces it (an error naming what is supported if it cannot apply); false never. Default auto."""
-    dgc: DGCConfig = field(default_factory=DGCConfig)
-    """DGC top-k sparsification of dense gradients (see the ``zen.dgc`` table)."""
-    natural: NaturalConfig = field(default_factory=NaturalConfig)
-    """Natural (embedding row) sparsity (see the ``zen.natural`` table)."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """Cost-model inputs of ``scheme: "auto"`` (see the ``zen.planner`` table)."""
     stats: StatsConfig = field(default_factory=StatsConfig)
     """Statistics output (see the ``zen.stats`` table)."""
-    sparsifier_sections: dict = field(default_factory=dict, repr=False, metadata={"internal": True})
-    """The ``zen.<kind>`` sections of sparsifiers registered from outside the package, by kind (parsed
-    with their config class). Not a JSON key itself: the sections sit at ``zen.<kind>`` like ``zen.dgc``."""
+    sparsifier_sections: dict = field(default_factory=dict, metadata={"internal": True})
+    """Every registered sparsifier's ``zen.<kind>`` section, by kind, in the registry's order, parsed
+    with the config class it registered (an absent section: that class's defaults). Not a JSON key
+    itself: the sections sit at ``zen.<kind>``; read one as ``cfg.<kind>`` or ``cfg.section(kind)``."""
 
     # --- construction ---------------------------------------------------------------------------------
     @classmethod
@@ -182,8 +182,65 @@ class ZenConfig(_Section):
     def to_dict(self) -> dict:
         """The section as a JSON-ready dict (round-trips through ``from_dict``)."""
         out = dataclasses.asdict(self)
-        out.update(out.pop("sparsifier_sections"))  # zen.<kind>, like zen.dgc
+        out.update(out.pop("sparsifier_sections"))  # each at zen.<kind>
         return out
+
+    # --- the sparsifier sections ----------------------------------------------------------------------
+    def __getattr__(self, name: str):
+        """``cfg.<kind>``: the section of a registered sparsifier (``section``)."""
+        sections = self.__dict__.get("sparsifier_sections")
+        if sections is None or name.startswith("_"):
+            raise AttributeError(name)
+        if name in sections:
+            return sections[name]
+        if any(s.kind == name for s in registered()):  # registered after this config was built
+            return self.section(name)
+        raise AttributeError(f"{type(self).__name__} has no attribute or sparsifier section {name!r}")
+
+    def section(self, kind: str):
+        """The ``zen.<kind>`` section of the registered sparsifier ``kind`` (its defaults where the
+        sparsifier was registered after this config was built).
+
+        Raises:
+            ValueError: ``kind`` is not registered (the registered kinds are listed).
+        """
+        if kind in self.sparsifier_sections:
+            return self.sparsifier_sections[kind]
+        return spec_of(kind).parse(None)
+
+    def sections(self) -> dict:
+        """The enabled sparsifier sections, by kind (for ``classify_parameters`` and the Synchronizer)."""
+        return {k: v for k, v in self.sparsifier_sections.items() if v.enabled}
+
+    def sections_line(self) -> str:
+        """Which sparsifiers are on, for summaries: ``"natural=on dgc=off"`` (the registry's order)."""
+        return " ".join(f"{k}={'on' if v.enabled else 'off'}" for k, v in self.sparsifier_sections.items())
+
+    def with_section(self, kind: str, section) -> "ZenConfig":
+        """A copy with ``zen.<kind>`` replaced by ``section`` (validated as when parsed)."""
+        return dataclasses.replace(self, sparsifier_sections={**self.sparsifier_sections, kind: section})
+
+    def resolve_defaults(self, optimizer, *, quiet: bool = False) -> "tuple[ZenConfig, str]":
+        """Decide the fields the enabled sparsifiers leave null until zen attaches to an engine
+        (``Sparsifier.resolve_defaults``: DGC's momentum correction, from ``optimizer``, the engine's,
+        or None).
+
+        Returns:
+            ``(config, note)``: the config (a copy when a field was decided) and, for the start-up
+            line, ``"<kind> <what was decided>"`` per sparsifier that decided something, joined by
+            ``" | "`` ("" for nothing).
+        """
+        cfg, notes = self, []
+        for spec in registered():
+            section = cfg.section(spec.kind)
+            if not section.enabled:
+                continue
+            decided, note = spec.cls.resolve_defaults(section, optimizer, quiet=quiet)
+            if decided is not section:
+                cfg = cfg.with_section(spec.kind, decided)
+            if note:
+                notes.append(f"{spec.kind} {note}")
+        return cfg, " | ".join(notes)
 
     # --- what the config builds -----------------------------------------------------------------------
     def scheme_options(self) -> dict:
@@ -209,19 +266,6 @@ class ZenConfig(_Section):
         from .core.reduce_scatter import reduce_scatter_of
 
         return reduce_scatter_of(self.build_scheme())
-
-    def dgc_options(self) -> DGCConfig | None:
-        """The DGC section for the Synchronizer and ``classify_parameters`` (None when DGC is off)."""
-        return self.dgc if self.dgc.enabled else None
-
-    def natural_options(self) -> NaturalConfig | None:
-        """The natural-sparsity section for the Synchronizer (None when off)."""
-        return self.natural if self.natural.enabled else None
-
-    def sections(self) -> dict:
-        """The enabled sections of sparsifiers registered from outside, by kind (for ``classify_parameters``
-        and the Synchronizer)."""
-        return {k: v for k, v in self.sparsifier_sections.items() if v.enabled}
 
     @property
     def bucket_cap_bytes(self) -> int:
@@ -314,28 +358,28 @@ def warn_near_miss_sections(config: dict) -> list[str]:
 
 
 # --- validation ---------------------------------------------------------------------------------------
+def _parse_sparsifier_section(spec, data, path: str):
+    """A ``zen.<kind>`` section from the JSON: a JSON object, every float finite (what only the JSON
+    text shows), then the sparsifier's own config class parses and validates it."""
+    if not isinstance(data, dict):
+        raise TypeError(f"{path} ({data!r}) must be a JSON object (dict)")
+    for name, value in data.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise _range_error(f"{path}.{name}", value, "be a finite number")
+    return spec.parse(data)
+
+
 def _from_dict(cls, data, path: str):
     if not isinstance(data, dict):
         raise TypeError(f"{path} ({data!r}) must be a JSON object (dict)")
-    if hasattr(cls, "from_dict") and cls not in _RULES:
-        # zen.dgc / zen.natural validate in zen_ext.compress; what only the JSON text shows is checked here.
-        for name, value in data.items():
-            if isinstance(value, float) and not math.isfinite(value):
-                raise _range_error(f"{path}.{name}", value, "be a finite number")
-        if cls is DGCConfig and data.get("momentum_correction") is False and data.get("momentum_masking") is True:
-            raise _range_error(f"{path}.momentum_masking", True,
-                               f"be false when {path}.momentum_correction is false, because masking zeroes "
-                               f"the momentum that only momentum correction keeps")
-        return cls.from_dict(data)
     names = [f.name for f in dataclasses.fields(cls) if not f.metadata.get("internal")]
     kwargs = {}
     if cls is ZenConfig:
-        # zen.<kind> of a sparsifier registered from outside the package: parsed by its own config class.
-        from .compress import registered
-
-        outside = [s for s in registered() if s.kind not in names]
-        names += [s.kind for s in outside]
-        kwargs["sparsifier_sections"] = {s.kind: s.parse(data[s.kind]) for s in outside if s.kind in data}
+        # zen.<kind> of every registered sparsifier: parsed by its own config class.
+        specs = registered()
+        names += [s.kind for s in specs]
+        kwargs["sparsifier_sections"] = {s.kind: _parse_sparsifier_section(s, data[s.kind], f"{path}.{s.kind}")
+                                         for s in specs if s.kind in data}
         data = {k: v for k, v in data.items() if k not in kwargs["sparsifier_sections"]}
     unknown = sorted(set(data) - set(names))
     if unknown:
@@ -385,7 +429,7 @@ def _check_type(path: str, value: Any, hint) -> Any:
         if not isinstance(value, str):
             raise _type_error(path, value, "a string")
         return value
-    if hint is dict:  # ZenConfig.sparsifier_sections: each value was parsed by its sparsifier's config class
+    if hint is dict:  # ZenConfig.sparsifier_sections: each value is parsed by its sparsifier's config class
         if not isinstance(value, dict):
             raise _type_error(path, value, "a dict")
         return value
@@ -427,10 +471,12 @@ def _rules_zen(c: ZenConfig, p: str) -> None:
         raise _range_error(f"{p}.bucket_cap_mb", c.bucket_cap_mb, f"be in (0, {int(MAX_BUCKET_CAP_MB)}]")
     if isinstance(c.hierarchical, str) and c.hierarchical != "auto":
         raise _range_error(f"{p}.hierarchical", c.hierarchical, 'be true, false or "auto"')
-    if c.sparsifier_sections:  # built in code rather than parsed: each value becomes its config class
-        from .compress import spec_of
-
-        c.sparsifier_sections = {k: spec_of(k).parse(v) for k, v in c.sparsifier_sections.items()}
+    # Every registered kind's section, in the registry's order: an absent one is its defaults, and one
+    # built in code (a dict) becomes its config class.
+    given = dict(c.sparsifier_sections)
+    for kind in given:
+        spec_of(kind)  # an unregistered kind: ValueError listing the registered ones
+    c.sparsifier_sections = {s.kind: s.parse(given.get(s.kind)) for s in registered()}
 
 
 def _rules_planner(c: PlannerConfig, p: str) -> None:
@@ -450,17 +496,3 @@ def _rules_stats(c: StatsConfig, p: str) -> None:
 
 
 _RULES = {ZenConfig: _rules_zen, PlannerConfig: _rules_planner, StatsConfig: _rules_stats}
-
-
-def config_reference_markdown() -> str:
-    """Markdown tables of every key with its default and meaning (``config_reference.py``)."""
-    from .config_reference import reference_markdown
-    return reference_markdown()
-
-
-if __name__ == "__main__":
-    print(config_reference_markdown())
-
-
-# The DGC defaults decided from the engine's optimizer live in their own module; importable from here.
-from .config_defaults import optimizer_momentum, resolve_dgc_defaults  # noqa: E402,F401

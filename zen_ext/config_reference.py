@@ -1,5 +1,7 @@
-"""The configuration reference (``python -m zen_ext.config``; the README and docs embed it): every key of
-the ``zen`` section and its subsections with its default and the docstring under its field."""
+"""The configuration reference (``python -m zen_ext.config_reference``; the README and docs embed it, and
+tests/unit/test_config.py checks they hold the current one): every key of the ``zen`` section and its
+subsections (one per registered sparsifier, then the planner and the statistics) with its default and
+the docstring under its field."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import dataclasses
 import inspect
 import json
 
-from .compress import DGCConfig, NaturalConfig
+from .compress import registered
 from .config import PlannerConfig, StatsConfig, ZenConfig
 
 
@@ -29,7 +31,7 @@ def _field_docs(cls) -> dict[str, str]:
 def reference_markdown() -> str:
     """Markdown tables of every key with its default and meaning (the docs' config reference)."""
     out = []
-    sections = [(ZenConfig, "zen"), (DGCConfig, "zen.dgc"), (NaturalConfig, "zen.natural"),
+    sections = [(ZenConfig, "zen"), *((s.config, f"zen.{s.kind}") for s in registered()),
                 (PlannerConfig, "zen.planner"), (StatsConfig, "zen.stats")]
     for cls, path in sections:
         docs = _field_docs(cls)
@@ -42,5 +44,13 @@ def reference_markdown() -> str:
             value = getattr(defaults, f.name)
             shown = "(section)" if dataclasses.is_dataclass(value) else f"`{json.dumps(value)}`"
             out.append(f"| `{f.name}` | {shown} | {docs.get(f.name, '')} |")
+        if cls is ZenConfig:  # a row per sparsifier section, described by its sparsifier's docstring
+            for s in registered():
+                what = " ".join(inspect.getdoc(s.cls).split("\n\n")[0].split()).rstrip(".")
+                out.append(f"| `{s.kind}` | (section) | {what} (see the ``zen.{s.kind}`` table). |")
         out.append("")
     return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print(reference_markdown())

@@ -1,16 +1,9 @@
-"""``FrozenVarianceAdamW``: AdamW whose second moment stops moving after a warm-up (1-bit Adam's design).
+"""``CatchUpAdamW``: AdamW for the parameters DGC holds back, and the parameter groups it needs.
 
-Why it exists (issue 21): Adam divides each coordinate's step by the RMS of its recent gradients. DGC
-sends a small coordinate once every ``T`` steps, as the sum of ``T`` gradients, so Adam sees a burst
-``T·g`` and nothing in between: the burst's square inflates the second moment, and the coordinate moves
-about ``1/sqrt(T)`` as far as dense training would move it (a smaller effective learning rate on most
-coordinates). With the second moment frozen after a dense-enough warm-up (1-bit Adam, Tang et al. 2021;
-0/1 Adam), the step is ``m / sqrt(v_frozen)``, linear in the gradients, so DGC's error feedback (which
-delays but never drops gradient) conserves the total movement, as it does for momentum SGD.
-
-Use it as the client optimizer of ``deepspeed.initialize`` (the DeepSpeed recipe: ``--frozen_variance_after
-N``), with ZeRO 0–2; its state (``exp_avg``, ``exp_avg_sq``, ``step``) is saved with the engine's
-checkpoints like any torch optimizer's.
+Under DGC's error feedback a coordinate's gradient arrives late, as the sum of the steps it missed;
+``CatchUpAdamW`` moves such a coordinate as far as those steps would have (the recipes' optimizer under
+DGC; ``zen.dgc``'s defaults decide the rotating flush from it). The other optimizers tried for this
+were measured worse and removed (docs/results/dgc_history.md).
 """
 
 from __future__ import annotations
@@ -21,7 +14,7 @@ import torch
 
 
 def _check_adam_args(name: str, lr: float, betas, eps: float) -> None:
-    """The hyperparameter checks both optimizers share, named as in ``torch.optim.AdamW``."""
+    """The hyperparameter checks, named as in ``torch.optim.AdamW``."""
     if not lr >= 0:
         raise ValueError(f"{name} lr ({lr!r}) must be >= 0")
     if not (0 <= betas[0] < 1 and 0 <= betas[1] < 1):
@@ -45,67 +38,6 @@ def _adam_state(st: dict, p: torch.Tensor) -> dict:
         st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
     st["step"] += 1
     return st
-
-
-class FrozenVarianceAdamW(torch.optim.Optimizer):
-    """AdamW (decoupled weight decay) whose ``exp_avg_sq`` is updated for ``freeze_after`` steps, then kept.
-
-    Args:
-        params: parameters or parameter groups.
-        lr, betas, eps, weight_decay: as ``torch.optim.AdamW``.
-        freeze_after: optimizer steps that update the second moment (its bias correction stays at that
-            step's afterwards); a coordinate still at zero then takes its first gradient's square, once.
-
-    Raises:
-        ValueError: a hyperparameter out of range (named as in ``torch.optim.AdamW``).
-    """
-
-    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.01, freeze_after: int = 100) -> None:
-        _check_adam_args("FrozenVarianceAdamW", lr, betas, eps)
-        if isinstance(freeze_after, bool) or not isinstance(freeze_after, int) or freeze_after < 1:
-            raise ValueError(f"FrozenVarianceAdamW freeze_after ({freeze_after!r}) must be an int >= 1")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                                      freeze_after=freeze_after))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        """One AdamW step; the second moment moves only during the first ``freeze_after`` steps.
-
-        1. Decay the weights (decoupled: ``p ← p·(1 − lr·wd)``).
-        2. Update the first moment; the second moment only before the freeze (after it, only where it
-           is still zero: a coordinate's first gradient).
-        3. Step by ``lr · m̂ / (sqrt(v̂) + eps)``, ``v̂`` bias-corrected at ``min(step, freeze_after)``.
-        """
-        loss = _run_closure(closure)
-        for group in self.param_groups:
-            lr, (b1, b2), eps, wd, freeze = (group["lr"], group["betas"], group["eps"], group["weight_decay"],
-                                             group["freeze_after"])
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                st = _adam_state(self.state[p], p)
-                t = st["step"]
-                m, v = st["exp_avg"], st["exp_avg_sq"]
-                # Step 1: decoupled weight decay.
-                if wd:
-                    p.mul_(1 - lr * wd)
-                # Step 2: moments; the second only until the freeze.
-                m.lerp_(g, 1 - b1)
-                if t <= freeze:
-                    v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                else:
-                    # A coordinate that never had a gradient before the freeze (an embedding row no
-                    # batch touched, a coordinate DGC had not sent yet) has v = 0 and would step by
-                    # lr·m/eps: it takes its first gradient's square instead, then stays frozen.
-                    torch.where(v > 0, v, g.square().mul_(1 - b2), out=v)
-                # Step 3: the bias-corrected step.
-                bc1 = 1 - b1 ** t
-                bc2 = 1 - b2 ** min(t, freeze)
-                denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
-                p.addcdiv_(m, denom, value=-lr / bc1)
-        return loss
 
 
 class CatchUpAdamW(torch.optim.Optimizer):
@@ -230,11 +162,13 @@ def catch_up_param_groups(model: torch.nn.Module, zen) -> list[dict]:
     sparsity's embedding rows, small and 1-D tensors, all of them with zen or DGC off) is plain AdamW,
     since a zero gradient there is a real zero, not a delay. Call it on the model before the engine
     wraps it (names as ``model.named_parameters()``)."""
+    from .compress.registry import registered
     from .compress.routing import classify_parameters
 
-    kinds = (classify_parameters(model, natural=zen.natural_options(), dgc=zen.dgc_options(),
-                                 sections=zen.sections(), log=False) if zen.enabled else {})
+    kinds = classify_parameters(model, sections=zen.sections(), log=False) if zen.enabled else {}
+    # A lossy kind (DGC) holds gradient back; a lossless one (and dense) sends every non-zero at once.
+    lossy = {s.kind for s in registered() if not s.cls.lossless}
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = [{"params": [p for n, p in named if kinds.get(n) == "dgc"], "catch_up": True},
-              {"params": [p for n, p in named if kinds.get(n) != "dgc"], "catch_up": False}]
+    groups = [{"params": [p for n, p in named if kinds.get(n) in lossy], "catch_up": True},
+              {"params": [p for n, p in named if kinds.get(n) not in lossy], "catch_up": False}]
     return [g for g in groups if g["params"]]

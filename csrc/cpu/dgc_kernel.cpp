@@ -1,8 +1,8 @@
 // CPU kernel of DGC's accumulate-and-select pass (zen_ext::dgc_accumulate_select_): the velocity update
 // and the candidate selection of the sampled threshold search in one pass over the bucket, where the
 // torch path makes four (add, two compares, nonzero), and the candidates' values with their positions
-// (no gather from the bucket afterwards). Bit-identical to that path (zen_ext/compress/dgc.py,
-// ``DGCSparsifier._sampled_thresholds`` is its caller; tests/ops/test_dgc_ops.py and
+// (no gather from the bucket afterwards). Bit-identical to that path (zen_ext/compress/dgc/sparsifier.py,
+// ``sampled_thresholds`` (zen_ext/compress/dgc/thresholds.py) is its caller; tests/ops/test_dgc_ops.py and
 // tests/unit/test_dgc.py hold it to the torch path).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>

@@ -1,6 +1,6 @@
 // CPU ops of DGC's sampling step (zen_ext::dgc_sample_keys) and of sorting and reading the samples back
 // (zen_ext::dgc_sort_unkey); the per-sample logic is csrc/dgc_sample.h, shared with the CUDA kernels
-// (csrc/cuda/dgc_sample.cu). The torch path they replace (``DGCSparsifier._sampled_thresholds``,
+// (csrc/cuda/dgc_sample.cu). The torch path they replace (``sampled_thresholds`` (zen_ext/compress/dgc/thresholds.py),
 // steps 1-3) dispatched about thirty small ops per bucket: offsets, two gathers, the velocity, abs,
 // nan_to_num, the key, then the decoding and the rank lookup; on a GPU each was a kernel launch.
 // tests/ops/test_dgc_ops.py holds both ops to that torch path bit for bit.

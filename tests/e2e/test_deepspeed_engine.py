@@ -356,9 +356,9 @@ def test_fp16_overflow_is_seen_on_every_rank(dgc_run):
 def test_refused_settings(dgc_run):
     res, _ = dgc_run
     assert res[0]["zero2_ga_dgc"] == (
-        "zen with DGC supports ZeRO-2 only with gradient_accumulation_steps = 1: ZeRO-2 reduces every "
-        "micro-batch, and DGC's momentum correction must run once per optimizer step; use ZeRO-1 (reduces once "
-        "per step) or ZeRO-0")
+        "zen with zen.dgc on supports ZeRO-2 only with gradient_accumulation_steps = 1: ZeRO-2 reduces every "
+        "micro-batch, and the dgc sparsifier's memory (e.g. momentum correction) must advance once per optimizer "
+        "step; use ZeRO-1 (reduces once per step) or ZeRO-0")
     assert res[0]["zero3"].startswith("zen supports zero_optimization.stage in [0, 1, 2]")
 
 

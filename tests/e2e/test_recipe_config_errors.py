@@ -57,12 +57,11 @@ def test_colossalai_recipe_reports_a_typo_once(tmp_path):
     assert len(lines) == 1 and "did you mean 'scheme' for 'sheme'?" in lines[0], p.stderr[-2000:]
 
 
-def test_frozen_variance_needs_an_adam_optimizer_before_any_process_starts(tmp_path):
-    """``--frozen_variance_after`` with a non-Adam optimizer section: one line, exit 2, before the
-    process group, the data or the model exist."""
+def test_a_removed_option_is_refused_before_any_process_starts(tmp_path):
+    """``--frozen_variance_after`` (removed) and a removed ``zen.dgc`` key: one line each saying so, exit 2,
+    before the process group, the data or the model exist."""
     cfg = json.load(open(os.path.join(ROOT, "configs", "demo_ds.json")))
-    cfg["optimizer"] = {"type": "SGD", "params": {"lr": 0.1}}
-    path = tmp_path / "sgd.json"
+    path = tmp_path / "demo.json"
     path.write_text(json.dumps(cfg))
     env = dict(os.environ, RANK="0", ZEN_DEBUG="0", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
     p = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "finetune_llm.py"), "--deepspeed_config",
@@ -70,5 +69,14 @@ def test_frozen_variance_needs_an_adam_optimizer_before_any_process_starts(tmp_p
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert p.returncode == 2, p.stderr[-2000:]
     lines = [line for line in p.stderr.splitlines() if "configuration error" in line]
-    assert len(lines) == 1 and "--frozen_variance_after (60) needs an Adam or AdamW" in lines[0], p.stderr[-2000:]
-    assert "'SGD'" in lines[0] and not os.path.exists(tmp_path / "out")
+    assert len(lines) == 1 and "--frozen_variance_after was removed" in lines[0], p.stderr[-2000:]
+    assert "docs/results/dgc_history.md" in lines[0] and not os.path.exists(tmp_path / "out")
+    cfg["zen"]["dgc"]["normalize_beta"] = 0.95
+    path.write_text(json.dumps(cfg))
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "recipes", "finetune_llm.py"), "--deepspeed_config",
+                        str(path), "--output_dir", str(tmp_path / "out")], env=env,
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [line for line in p.stderr.splitlines() if "configuration error" in line]
+    assert len(lines) == 1 and "zen.dgc.normalize_beta was removed" in lines[0], p.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "out")

@@ -98,7 +98,7 @@ def _build(dp_comm, tp_comm, dgc):
     cfg = ZenConfig.from_dict({"dgc": {"enabled": dgc, "min_numel": 10, "density": 0.2}})
     kinds = {"emb": "natural", "w": "dgc" if dgc else "dense", "b": "dense"}
     return Synchronizer(dp_comm=dp_comm, scheme=cfg.build_scheme(), param_kinds=kinds,
-                        dgc=cfg.dgc_options(), natural=cfg.natural_options(), tp_comm=tp_comm)
+                        sections=cfg.sections(), tp_comm=tp_comm)
 
 
 def _hierarchical_worker(rank, world, cases):

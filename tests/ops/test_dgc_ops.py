@@ -180,11 +180,11 @@ def test_gather_list_any_order_and_range_check():
 
 # --- zen_ext::dgc_threshold_search against the torch search loop (its oracle) -------------------------
 def _search_case(dtype, unit_sizes, density, seed, spread=True):
-    """A bucket's samples, constants and candidates as ``DGCSparsifier._sampled_thresholds`` builds them."""
-    import zen_ext.compress.dgc as dgc
+    """A bucket's samples, constants and candidates as ``thresholds.sampled_thresholds`` builds them."""
+    import zen_ext.compress.dgc.units as units
 
     g = torch.Generator().manual_seed(seed)
-    lay = dgc._Layout(tuple(f"p{i}" for i in range(len(unit_sizes))), tuple(unit_sizes), True, "cpu")
+    lay = units._Layout(tuple(f"p{i}" for i in range(len(unit_sizes))), tuple(unit_sizes), True, "cpu")
     # Units of very different scales (and heavy tails), as a bucket's layers are.
     R = torch.cat([torch.randn(n, generator=g, dtype=torch.float64) ** 3 * (10.0 ** (i % 5 - 2) if spread else 1.0)
                    for i, n in enumerate(unit_sizes)]).to(dtype)
@@ -192,9 +192,9 @@ def _search_case(dtype, unit_sizes, density, seed, spread=True):
     samples = R.index_select(0, pos_S).abs()
     k_U = [max(1, math.ceil(density * n)) for n in unit_sizes]
     consts = lay.search_constants(ns_U, k_U, list(unit_sizes), "cpu")
-    sorted_S = dgc._sort_per_unit(samples, consts.unit_S)
+    sorted_S = units._sort_per_unit(samples, consts.unit_S)
     tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
-    t_low = dgc._at_rank(sorted_S, consts, consts.first_U * dgc.CANDIDATE_FACTOR).clamp(min=tiny)
+    t_low = units._at_rank(sorted_S, consts, consts.first_U * units.CANDIDATE_FACTOR).clamp(min=tiny)
     pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
     v_C = R.index_select(0, pos_C)
     unit_C = torch.searchsorted(lay.unit_ends_N, pos_C, right=True)
@@ -213,11 +213,11 @@ def _search_case(dtype, unit_sizes, density, seed, spread=True):
 def test_search_op_equals_the_torch_loop(dtype, unit_sizes, density, passes, monkeypatch):
     """Same thresholds and keep mask as the torch loop, after any number of passes (the early stop of a
     unit in the band changes nothing)."""
-    import zen_ext.compress.dgc as dgc
+    import zen_ext.compress.dgc.thresholds as dgc
 
     lay, consts, sorted_S, v_C, unit_C, t_low = _search_case(dtype, unit_sizes, density, seed=len(unit_sizes))
     monkeypatch.setattr(dgc, "REFINE_PASSES", passes)
-    want_thr, want_keep = dgc.DGCSparsifier._search_loop(sorted_S, consts, v_C, unit_C, t_low, None, lay)
+    want_thr, want_keep = dgc.search_loop(sorted_S, consts, v_C, unit_C, t_low, None, lay)
     thr, keep = ops.dgc_threshold_search(sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U,
                                          v_C, unit_C, t_low, passes)
     assert thr.dtype == dtype and keep.dtype == torch.bool and keep.shape == v_C.shape
@@ -233,16 +233,16 @@ def test_search_op_equals_the_torch_loop(dtype, unit_sizes, density, passes, mon
 def test_search_op_units_without_candidates_and_no_candidates_at_all():
     """A unit with no candidate keeps t_low or a probe above it and selects nothing; an empty candidate
     list gives every unit a threshold and an empty mask."""
-    import zen_ext.compress.dgc as dgc
+    import zen_ext.compress.dgc.thresholds as dgc
 
     lay, consts, sorted_S, v_C, unit_C, t_low = _search_case(torch.float32, [4096, 4096, 4096], 0.01, seed=3)
     drop = unit_C != 1  # unit 1 loses its candidates
     args = (sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U)
-    want = dgc.DGCSparsifier._search_loop(sorted_S, consts, v_C[drop], unit_C[drop], t_low, None, lay)
+    want = dgc.search_loop(sorted_S, consts, v_C[drop], unit_C[drop], t_low, None, lay)
     got = ops.dgc_threshold_search(*args, v_C[drop], unit_C[drop], t_low, 4)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[0][1] >= t_low[1]
     empty = ops.dgc_threshold_search(*args, v_C[:0], unit_C[:0], t_low, 4)
-    want = dgc.DGCSparsifier._search_loop(sorted_S, consts, v_C[:0], unit_C[:0], t_low, None, lay)
+    want = dgc.search_loop(sorted_S, consts, v_C[:0], unit_C[:0], t_low, None, lay)
     assert torch.equal(empty[0], want[0]) and empty[1].numel() == 0
 
 
@@ -251,7 +251,7 @@ def test_search_op_units_without_candidates_and_no_candidates_at_all():
 def test_search_padding_of_a_capacity_buffer_belongs_to_no_unit(pad):
     """Candidates padded as dgc_accumulate_select_ pads them (value 0, unit U): op and torch loop give the
     unpadded thresholds and mask, and never keep the padding (the op does not even scan it)."""
-    import zen_ext.compress.dgc as dgc
+    import zen_ext.compress.dgc.thresholds as dgc
 
     lay, consts, sorted_S, v_C, unit_C, t_low = _search_case(torch.float32, [4096, 70000, 512], 0.02, seed=9)
     args = (sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U)
@@ -259,7 +259,7 @@ def test_search_padding_of_a_capacity_buffer_belongs_to_no_unit(pad):
     v_P = torch.cat([v_C, torch.zeros(pad)])
     unit_P = torch.cat([unit_C, torch.full((pad,), lay.units, dtype=torch.int64)])
     for thr, keep in (ops.dgc_threshold_search(*args, v_P, unit_P, t_low, 4),
-                      dgc.DGCSparsifier._search_loop(sorted_S, consts, v_P, unit_P, t_low, None, lay)):
+                      dgc.search_loop(sorted_S, consts, v_P, unit_P, t_low, None, lay)):
         assert torch.equal(thr, want_thr) and torch.equal(keep[: v_C.numel()], want_keep)
         assert not keep[v_C.numel():].any()
 
@@ -283,7 +283,7 @@ needs_sample_op = pytest.mark.skipif(not ops.has_dgc_sample_op(torch.zeros(1)),
 
 def _sample_oracle(R, U, g_T, m, lay, density, step):
     """The torch path the ops replace: positions, the pending update's value, nan_to_num, the sort key."""
-    from zen_ext.compress.dgc_units import _sort_per_unit
+    from zen_ext.compress.dgc.units import _sort_per_unit
     pos_S, ns_U = lay.sample_positions(density, 0.01, step, R.device)
     g_S = ops.concat_view(g_T).index_select(0, pos_S)
     delta = g_S if U is None else U.index_select(0, pos_S) * m + g_S
@@ -293,7 +293,7 @@ def _sample_oracle(R, U, g_T, m, lay, density, step):
 
 
 def _sample_case(gdt, numels, seed, specials=True):
-    from zen_ext.compress.dgc_units import _Layout
+    from zen_ext.compress.dgc.units import _Layout
     gen = torch.Generator().manual_seed(seed)
     N = sum(numels)
     R = torch.randn(N, generator=gen) * 3
@@ -318,7 +318,7 @@ def test_sample_keys_and_sort_unkey_equal_the_torch_path(gdt, with_u, numels, de
     """Keys, their order, the decoded values and the candidates' threshold equal the torch path bit for
     bit: every sample position (index 0 and the last of each unit among them, since a unit of 1..8
     elements samples all of it), NaN/±inf/−0/huge values, ties, bf16/fp16 gradients widened."""
-    from zen_ext.compress.dgc_units import _at_rank, CANDIDATE_FACTOR, sample_shift
+    from zen_ext.compress.dgc.units import _at_rank, CANDIDATE_FACTOR, sample_shift
     R, U, g_T, lay = _sample_case(gdt, numels, seed=len(numels))
     U = U if with_u else None
     for step in (0, 1, 977):
@@ -341,7 +341,7 @@ def test_sample_keys_and_sort_unkey_equal_the_torch_path(gdt, with_u, numels, de
 def test_sample_keys_read_apart_tensors_and_zero_thresholds():
     """Gradients in separate allocations (not back to back) read like one concatenation; a unit whose
     samples are all zero gets the floor ``tiny`` as its candidates' threshold."""
-    from zen_ext.compress.dgc_units import _Layout, sample_shift
+    from zen_ext.compress.dgc.units import _Layout, sample_shift
     numels = (300, 1, 4000)
     lay = _Layout(("a", "b", "c"), numels, True, "cpu")
     R = torch.zeros(sum(numels))
@@ -362,7 +362,7 @@ def test_sample_keys_read_apart_tensors_and_zero_thresholds():
 
 @needs_sample_op
 def test_sample_ops_reject_bad_input():
-    from zen_ext.compress.dgc_units import _Layout
+    from zen_ext.compress.dgc.units import _Layout
     lay = _Layout(("a",), (100,), True, "cpu")
     grid_S, _, stride_U, unit_S, hash_U = lay.sample_grid(0.1, 0.01, "cpu")
     R, g = torch.zeros(100), [torch.zeros(100)]

@@ -21,9 +21,9 @@ def test_variant_configs():
     dgc1 = bq.ds_config("dgc1")
     assert dgc1["zen"]["dgc"]["density"] == 0.01 and dgc1["zen"]["dgc"]["enabled"]
     # The benchmark's own keys never reach the zen section.
-    frozen = bq.ds_config("dgc5_dense60_frozen60")
-    assert frozen["zen"]["dgc"]["dense_steps"] == 60 and not any(k.startswith("_") for k in frozen["zen"]["dgc"])
-    assert bq.ds_config("dgc5_mc_dense60_frozen60")["optimizer"]["params"]["betas"][0] == 0.0
+    catch_up = bq.ds_config("dgc5_catchup_flush20")
+    assert catch_up["zen"]["dgc"]["flush_fraction"] == 0.2 and not any(k.startswith("_") for k in catch_up["zen"]["dgc"])
+    assert bq.ds_config("dgc5_b2_999")["optimizer"]["params"]["betas"][1] == 0.999
     assert not bq.ds_config("natural")["zen"]["dgc"]["enabled"]
     # The cosine variants decay over the run's own steps; without them the config cannot be built.
     cosine = bq.ds_config("dgc5_cosine", 300)["scheduler"]
@@ -66,12 +66,12 @@ def test_report_pairs_by_seed_and_marks_divergence():
 def test_a_run_that_regresses_from_an_early_best_has_no_equal_loss_point():
     dense = [_run("finetune", "dense", 0, [[50, 3.6], [100, 3.4], [200, 3.3]])]
     # Best at its first evaluation, 14 % worse at the end: not "as fast as dense to its best loss".
-    worse = [_run("finetune", "dgc5_ef21", 0, [[50, 4.09], [100, 4.46], [200, 4.67]])]
+    worse = [_run("finetune", "dgc1", 0, [[50, 4.09], [100, 4.46], [200, 4.67]])]
     kept = [_run("finetune", "dgc5", 0, [[50, 3.7], [100, 3.45], [200, 3.46]])]  # 0.3 % above its best
     text = bq.report(dense + worse + kept, {(4, "1gbit"): {"dense": 1.0, "zen_dgc5": 1.0}}, None)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
-    assert "1 diverged" in rows["dgc5_ef21"][5] and rows["dgc5_ef21"][6] == "–"
+    assert "1 diverged" in rows["dgc1"][5] and rows["dgc1"][6] == "–"
     assert "diverged" not in rows["dgc5"][5] and rows["dgc5"][6] != "–"
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import zen_ext.compress.dgc as dgc_module
+import zen_ext.compress.dgc.thresholds as dgc_module
 from tests.unit.test_synchronizer import DGC, KINDS, NUMEL, SLICES, bucket_inputs
 from tests.unit.test_zen_host_syncs import SyncCounter
 from zen_ext import SimWorld, build_scheme

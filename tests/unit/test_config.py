@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from zen_ext.config import PlannerConfig, StatsConfig, ZenConfig, config_reference_markdown
+from zen_ext.config import PlannerConfig, StatsConfig, ZenConfig
+from zen_ext.config_reference import reference_markdown
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -42,9 +43,12 @@ def test_sections_build_what_the_engine_needs():
     c = ZenConfig.from_dict({"seed": 3, "pull_format": "bitmap", "dgc": {"enabled": True}})
     assert c.scheme_options() == {"seed": 3, "pull_format": "bitmap"}
     assert c.build_scheme().options()["seed"] == 3
-    assert c.dgc_options() is c.dgc and c.natural_options() is c.natural
+    assert c.sections() == {"natural": c.natural, "dgc": c.dgc} and c.section("dgc") is c.dgc
     off = ZenConfig.from_dict({"natural": {"enabled": False}})
-    assert off.dgc_options() is None and off.natural_options() is None
+    assert off.sections() == {} and off.sections_line() == "natural=off dgc=off"
+    assert off.with_section("dgc", {"enabled": True}).dgc.enabled and not off.dgc.enabled  # a validated copy
+    with pytest.raises(AttributeError, match="no attribute or sparsifier section 'dgcc'"):
+        off.dgcc  # noqa: B018
     # Schemes without a seed or pull format do not receive them.
     assert ZenConfig.from_dict({"scheme": "dense"}).scheme_options() == {}
 
@@ -63,8 +67,8 @@ def test_from_ds_config_reads_path_and_dict(tmp_path):
      "zen got unknown key(s) ['sceme']; did you mean 'scheme' for 'sceme'? valid keys are ['async_sync', 'bucket_cap_mb', 'dgc', 'enabled', 'exchange_impl', "
      "'hierarchical', 'natural', 'planner', 'pull_format', 'scheme', 'seed', 'stats']"),
     ({"dgc": {"densty": 0.1}}, ValueError,
-     "zen.dgc got unknown key(s) ['densty']; did you mean 'density' for 'densty'? valid keys are ['clip_norm', 'dense_from_step', 'dense_params', 'dense_steps', 'density', 'enabled', 'feedback', 'flush_fraction', 'min_numel', "
-     "'momentum', 'momentum_correction', 'momentum_masking', 'normalize_beta', 'residual_dtype', 'sample_fraction', 'selection', 'selection_chunk', 'threshold', "
+     "zen.dgc got unknown key(s) ['densty']; did you mean 'density' for 'densty'? valid keys are ['clip_norm', 'dense_params', 'dense_steps', 'density', 'enabled', 'flush_fraction', 'min_numel', "
+     "'momentum', 'momentum_correction', 'momentum_masking', 'residual_dtype', 'sample_fraction', 'selection', 'threshold', "
      "'warmup_start_density', 'warmup_steps']"),
     ({"planner": {"bandwith_gbps": 1}}, ValueError,
      "zen.planner got unknown key(s) ['bandwith_gbps']; did you mean 'bandwidth_gbps' for 'bandwith_gbps'? valid keys are ['bandwidth_gbps', 'latency_us', "
@@ -154,10 +158,10 @@ def test_every_shipped_config_validates():
 
 
 def test_docs_hold_the_generated_reference():
-    """docs/deepspeed.md embeds ``python -m zen_ext.config``'s tables (regenerate on change); the README
+    """docs/deepspeed.md embeds ``python -m zen_ext.config_reference``'s tables (regenerate on change); the README
     links to them rather than repeating them."""
     with open(os.path.join(ROOT, "docs", "deepspeed.md")) as f:
-        assert config_reference_markdown() in f.read(), "docs/deepspeed.md lacks the current reference"
+        assert reference_markdown() in f.read(), "docs/deepspeed.md lacks the current reference"
     with open(os.path.join(ROOT, "README.md")) as f:
         assert "(docs/deepspeed.md#config-reference)" in f.read()
 

@@ -10,8 +10,9 @@ import torch
 
 from zen_ext import SimWorld
 from zen_ext.compress import DGCConfig, DGCSparsifier, NamedGrad
-from zen_ext.compress import dgc as dgc_module
-from zen_ext.compress.dgc import REFINE_BAND
+from zen_ext.compress.dgc import thresholds as dgc_module
+from zen_ext.compress.dgc import units
+from zen_ext.compress.dgc.units import REFINE_BAND
 
 
 def run_grid(dp: int, tp: int, fn, inputs):
@@ -695,7 +696,7 @@ def test_one_pass_select_equals_the_torch_path(monkeypatch, momentum_correction,
     if candidates != "exact":
         monkeypatch.setattr(dgc_module, "FREE_HOST_READ_DEVICES", ())
     if candidates == "overflow":
-        monkeypatch.setattr(dgc_module._Layout, "candidate_capacity", lambda self, k: 5)
+        monkeypatch.setattr(units._Layout, "candidate_capacity", lambda self, k: 5)
     cfg = dict(density=0.02, min_numel=1, momentum_correction=momentum_correction, selection=selection)
     g = torch.Generator().manual_seed(11)
     steps = []

@@ -90,7 +90,7 @@ def test_flush_positions_follow_each_tensor_not_the_bucket():
     """A parameter flushes the same elements alone or in a bucket with others, in any order (DDP rebuilds
     its buckets after the first iteration, and a resumed run starts on the unrebuilt ones), and a tensor
     shorter than the phase flushes nothing."""
-    from zen_ext.compress.dgc_units import _Layout
+    from zen_ext.compress.dgc.units import _Layout
 
     sizes = {"a": 2112, "b": 1000, "c": 3, "d": 385}
     for step in (0, 7, 49, 123):

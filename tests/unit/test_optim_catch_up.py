@@ -115,7 +115,6 @@ def test_recipe_builds_the_optimizer_from_the_config_adamw_settings(tmp_path):
     ([], True, {"type": "SGD", "params": {"lr": 0.1}}, ("config", "not Adam")),
     (["--plain_adam"], True, None, ("config", "--plain_adam")),
     (["--catch_up_adam"], False, None, ("catch_up", "--catch_up_adam")),
-    (["--frozen_variance_after", "60"], True, None, ("frozen", "--frozen_variance_after")),
 ])
 def test_recipe_trains_dgc_under_adam_with_catch_up_unless_told(tmp_path, extra, dgc, optimizer, want):
     cfg = json.load(open(os.path.join(ROOT, "configs", "demo_ds.json")))
@@ -128,10 +127,10 @@ def test_recipe_trains_dgc_under_adam_with_catch_up_unless_told(tmp_path, extra,
     ds = finetune_llm.load_ds_config(args)
     kind, why = finetune_llm.optimizer_choice(args, ds)
     assert (kind, why.split(";")[0]) == want
-    assert finetune_llm.optimizer_identity(args, ds) == {"catch_up": "CatchUpAdamW", "frozen": "FrozenVarianceAdamW",
+    assert finetune_llm.optimizer_identity(args, ds) == {"catch_up": "CatchUpAdamW",
                                                          "config": (optimizer or {"type": "AdamW"})["type"]}[kind]
     opt = finetune_llm.client_optimizer(args, ds, torch.nn.Linear(4, 4))
-    assert type(opt).__name__ == {"catch_up": "CatchUpAdamW", "frozen": "FrozenVarianceAdamW", "config": "NoneType"}[kind]
+    assert type(opt).__name__ == {"catch_up": "CatchUpAdamW", "config": "NoneType"}[kind]
     assert ("optimizer" in ds) == (kind == "config")
 
 
@@ -156,8 +155,9 @@ def test_a_checkpoint_saved_with_another_optimizer_is_refused_with_the_flag_that
 
 @pytest.mark.parametrize("extra, optimizer, text", [
     (["--catch_up_adam"], {"type": "SGD", "params": {"lr": 0.1}}, "--catch_up_adam needs an Adam or AdamW"),
-    (["--catch_up_adam", "--frozen_variance_after", "60"], None,
-     r"--frozen_variance_after \(60\) and --catch_up_adam each choose the optimizer: choose one"),
+    (["--frozen_variance_after", "60"], None,
+     r"--frozen_variance_after was removed \(its optimizer measured worse than CatchUpAdamW, the default under DGC: "
+     r"docs/results/dgc_history.md\); remove the flag"),
     (["--catch_up_adam", "--plain_adam"], None, r"--catch_up_adam and --plain_adam each choose the optimizer"),
 ])
 def test_recipe_rejects_what_it_cannot_build_before_training(tmp_path, extra, optimizer, text):

@@ -10,8 +10,16 @@ import os
 import pytest
 import torch
 
-from zen_ext.config import ZenConfig, near_miss_sections, optimizer_momentum, resolve_dgc_defaults
+from zen_ext.compress.dgc.defaults import optimizer_momentum
+from zen_ext.config import ZenConfig, near_miss_sections
 from zen_ext.reduction.stats import startup_line
+
+
+def resolve_dgc_defaults(cfg: ZenConfig, optimizer):
+    """``ZenConfig.resolve_defaults`` as the engines call it, and the note without its ``dgc `` prefix."""
+    out, note = cfg.resolve_defaults(optimizer)
+    assert note == "" or note.startswith("dgc ")
+    return out, note[len("dgc "):]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -181,8 +189,8 @@ def test_every_shipped_deepspeed_config_has_no_near_miss():
 
 # --- the start-up line --------------------------------------------------------------------------------------
 def test_startup_line():
-    cfg, note = resolve_dgc_defaults(ZenConfig.from_dict({"scheme": "auto", "dgc": {"enabled": True}}),
-                                     torch.optim.AdamW(_params()))
+    cfg, note = ZenConfig.from_dict({"scheme": "auto", "dgc": {"enabled": True}}).resolve_defaults(
+        torch.optim.AdamW(_params()))
     kinds = {"emb.weight": "natural", "l1.weight": "dgc", "l2.weight": "dgc", "l1.bias": "dense"}
     numels = {"emb.weight": 65536, "l1.weight": 4096, "l2.weight": 4096, "l1.bias": 64}
     line = startup_line("DeepSpeed ZeRO-1 (dp=2, tp=1, hierarchical=False)", cfg, kinds, numels, note)

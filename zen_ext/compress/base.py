@@ -22,10 +22,6 @@ import torch
 from .._keys import unknown_keys_message
 from ..core.types import SparseGrad, acc_dtype  # noqa: F401 (acc_dtype: part of this module's API)
 
-KINDS = ("natural", "dgc", "dense")
-"""The built-in values of ``param_kinds``; ``registry.all_kinds()`` adds the kinds registered from outside."""
-
-
 @dataclass(frozen=True)
 class NamedGrad:
     """One parameter's gradient: a view into the flat bucket, shaped like the parameter."""
@@ -38,7 +34,10 @@ class Sparsifier(abc.ABC):
     """Select what a group of gradients sends; the ``kind`` in ``param_kinds`` that it serves.
 
     A sparsifier the Synchronizer routes parameters to is registered with
-    ``registry.register_sparsifier`` and declares the class attributes below; the hooks after
+    ``registry.register_sparsifier`` and declares the class attributes below. The generic layers
+    (the Synchronizer, the reducer, the engine adapters, ``ZenConfig``, the statistics) never name a
+    kind: what differs between kinds, they ask of these attributes and class methods (``label``,
+    ``resolve_defaults``, ``row_sparse``, ``once_per_step``, ``uses_tp_group``). The hooks after
     ``compress`` default to doing nothing.
     """
 
@@ -51,12 +50,38 @@ class Sparsifier(abc.ABC):
     uses_tp_group: ClassVar[bool] = False
     """Whether ``compress`` talks over the tensor-parallel group (then every TP rank must route each
     parameter of the kind alike: the agreement compares their names)."""
+    row_sparse: ClassVar[bool] = False
+    """Whether its gradients are sparse by rows (embeddings: only the rows of the batch's tokens are
+    non-zero), synchronized in row form. The reducer then counts their non-zero rows before and after
+    the synchronization (``gamma_<kind>`` in the step statistics: the paper's densification γ), and
+    splits such a parameter that is replicated across the tensor-parallel group by rows: each TP rank
+    synchronizes its share, and the TP ranks exchange the non-zero rows of the results."""
+    once_per_step: ClassVar[bool] = False
+    """Whether ``compress`` must see each optimizer step's gradient once, whole (memory that advances
+    per step, e.g. DGC's momentum correction): an engine that reduces every micro-batch (DeepSpeed
+    ZeRO-2 with gradient accumulation) refuses the kind."""
 
     @classmethod
     def from_config(cls, config, *, state, dp_size: int) -> "Sparsifier":
         """The Synchronizer's constructor call: its ``zen.<kind>`` config, the shared ``SparsifierState``
         (memory keyed by parameter name, checkpointed with the engine) and the data-parallel size."""
         return cls(config)
+
+    @classmethod
+    def label(cls, config) -> str:
+        """How the start-up line and the summary name this kind's parameters (default: the kind)."""
+        return cls.kind
+
+    @classmethod
+    def resolve_defaults(cls, config, optimizer, *, quiet: bool = False) -> tuple:
+        """Decide the section's fields left null until zen attaches to an engine, from the engine's
+        ``optimizer`` (None when the caller has none); ``quiet``: log no warning (ranks other than 0).
+
+        Returns:
+            ``(config, note)``: the section (a copy when a field was decided) and what was decided and
+            why, for the start-up line ("" for nothing). Default: the section as it is.
+        """
+        return config, ""
 
     @classmethod
     def claims(cls, param, config) -> bool:
@@ -83,8 +108,8 @@ class Sparsifier(abc.ABC):
 
     def after_sync(self, names: Sequence[str], outs: Sequence[torch.Tensor]) -> None:
         """Called with the synchronized result of this kind's slices (views into the output bucket, in
-        bucket order; ``names`` their memory keys) before the bucket is handed back: e.g. EF21 adds the
-        synchronized change to its aggregate here. Must do the same on every rank. The Synchronizer calls it
+        bucket order; ``names`` their memory keys) before the bucket is handed back: e.g. a feedback that
+        keeps an aggregate of the synchronized gradient updates it here. Must do the same on every rank. The Synchronizer calls it
         only where a class or instance overrides it (the views cost work per slice)."""
 
     def set_loss_scale(self, scale: float) -> None:

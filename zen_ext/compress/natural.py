@@ -50,6 +50,7 @@ class NaturalSparsifier(Sparsifier):
     kind = "natural"
     lossless = True
     bucket_mode = "per_slice"  # row widths differ between embeddings: one SparseGrad each
+    row_sparse = True  # only the batch's tokens' rows are non-zero
 
     @classmethod
     def claims(cls, param, config) -> bool:
@@ -101,7 +102,3 @@ class NaturalSparsifier(Sparsifier):
             idx = torch.nonzero_static(mark, size=int(k)).flatten()
             out.append(SparseGrad(idx, src.index_select(0, idx), src.shape[0], in_range=True))
         return out
-
-
-# Moved to routing.py (classification reads every registered sparsifier); importable from here.
-from .routing import classify_parameters  # noqa: E402,F401

@@ -9,15 +9,22 @@ A sparsifier class declares, next to its code:
   kind in the bucket, flat views: DGC);
 * ``claims(param, config)`` — whether it takes a parameter (the classification hook);
 
+* the hooks the generic layers ask instead of naming a kind (``Sparsifier.label``,
+  ``resolve_defaults``, ``row_sparse``, ``once_per_step``, ``uses_tp_group``: ``base.py``);
+
 and ``@register_sparsifier(config=..., priority=...)`` names its config dataclass (a ``zen.<kind>``
 section with an ``enabled`` field) and where it stands in the classification order: parameters go to
 the first enabled sparsifier, by ascending priority, that claims them, and to ``"dense"`` (the
-all-reduce; not a registered kind) when none does. The built-ins: ``natural`` (priority 100),
-``dgc`` (200); a sparsifier registered from outside defaults to priority 0, so it sees every
-parameter first.
+all-reduce; not a registered kind) when none does. The built-ins register when ``zen_ext.compress``
+is imported (its ``__init__.py`` imports them; that import list is the list of built-ins):
+``natural`` (priority 100), ``dgc`` (200); a sparsifier registered from outside defaults to priority 0,
+so it sees every parameter first.
 
-The Synchronizer, ``classify_parameters``, the cross-rank agreement and ``ZenConfig`` all read this
-registry; nothing else names a kind. docs/extending.md has a worked example.
+The Synchronizer, ``classify_parameters``, the cross-rank agreement, the reducer's row statistics,
+the engine adapters and ``ZenConfig`` (one ``zen.<kind>`` section per registered kind) read this
+registry and those hooks; the modules of ``zen_ext.reduction``, ``zen_ext.engines`` and
+``zen_ext/config.py`` name no kind (tests/unit/test_sparsifier_hooks.py checks it). docs/extending.md has a
+worked example.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ class SparsifierSpec:
         return from_dict(values) if from_dict is not None else config_from_dict(self.config, values, self.kind)
 
     def disabled(self) -> Any:
-        """The config with ``enabled=False`` (the value of an absent section where a kind is opt-in)."""
+        """The config with ``enabled=False``: a kind the Synchronizer was given no section for."""
         return dataclasses.replace(self.parse(None), enabled=False)
 
 
@@ -62,9 +69,11 @@ def register_sparsifier(*, config: type, priority: int = 0):
     """Class decorator: register a ``Sparsifier`` subclass under its ``kind``.
 
     Args:
-        config: the dataclass of its ``zen.<kind>`` section: every field has a default (an absent
-            section is the defaults with ``enabled=False``), and a bool field ``enabled``.
-        priority: classification order (lower first); the built-ins use 100 (natural) and 200 (dgc).
+        config: the dataclass of its ``zen.<kind>`` section: every field has a default, and a bool field
+            ``enabled``. A ``ZenConfig`` without the section holds the defaults (so an opt-in kind
+            defaults ``enabled`` to false); the Synchronizer and ``classify_parameters`` treat a kind
+            they are given no section for as disabled.
+        priority: classification order (lower first); the built-ins use 100 and 200.
 
     Raises:
         TypeError: the class is not a Sparsifier, or ``config`` is not a dataclass with ``enabled``.
@@ -93,16 +102,20 @@ def register_sparsifier(*, config: type, priority: int = 0):
 
 def unregister_sparsifier(kind: str) -> None:
     """Remove a kind registered from outside (tests, plugins that unload); built-ins stay."""
-    if kind in ("natural", "dgc"):
+    spec = _REGISTRY.get(kind)
+    if spec is not None and is_builtin(spec):
         raise ValueError(f"sparsifier kind ({kind!r}) must not be a built-in to unregister")
     _REGISTRY.pop(kind, None)
+
+
+def is_builtin(spec: SparsifierSpec) -> bool:
+    """Whether ``spec`` is one of the package's own sparsifiers (defined under ``zen_ext.compress``)."""
+    return spec.cls.__module__.startswith(__package__ + ".")
 
 
 def registered() -> list[SparsifierSpec]:
     """Every registered sparsifier by ascending priority (ties by kind): the classification order, and
     the order in which a bucket's kinds are compressed and handed to the scheme."""
-    from . import dgc, natural  # noqa: F401  (the built-ins register on import)
-
     return sorted(_REGISTRY.values(), key=lambda s: (s.priority, s.kind))
 
 

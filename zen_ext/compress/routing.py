@@ -47,8 +47,7 @@ def _hf_embeddings(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None
 
 
 def classify_parameters(
-    model: nn.Module, *, natural=None, dgc=None, sections: "dict | None" = None, log: bool = True,
-    tp_comm=None,
+    model: nn.Module, *, sections: "dict | None" = None, log: bool = True, tp_comm=None, **by_kind,
 ) -> dict[str, str]:
     """Each trainable parameter's path, keyed by its ``named_parameters()`` name.
 
@@ -65,13 +64,14 @@ def classify_parameters(
 
     Args:
         model: the model (unwrapped or wrapped: names are those of ``model.named_parameters()``).
-        natural: the ``zen.natural`` section (dict or NaturalConfig); ``None`` = disabled.
-        dgc: the ``zen.dgc`` section (dict or DGCConfig); ``None`` = disabled.
-        sections: the sections of sparsifiers registered from outside, by kind (absent = disabled).
+        sections: the ``zen.<kind>`` section of each sparsifier to use, by kind, as a dict or its config
+            class (``ZenConfig.sections()``); a kind without one is disabled.
         log: log a summary and each tied embedding once.
         tp_comm: the tensor-parallel group (a Communicator), or None. With more than one rank, the
             TP ranks gather their parameter names and shard sizes once (a collective: every TP rank
             must call this).
+        **by_kind: sections given one by one as keywords, e.g. ``natural={}``, ``dgc={"enabled": True}``
+            (merged with ``sections``; a value None = disabled).
 
     Returns:
         ``{name: kind}`` for parameters with ``requires_grad`` (a registered kind or ``"dense"``),
@@ -82,7 +82,7 @@ def classify_parameters(
         RuntimeError: TP ranks hold different trainable parameter names or shapes of different rank.
     """
     # Step 1: the enabled sparsifiers, in classification order.
-    given = {"natural": natural, "dgc": dgc, **(sections or {})}
+    given = {**by_kind, **(sections or {})}
     specs = {s.kind: s for s in registered()}
     unknown = sorted(set(given) - set(specs))
     if unknown:

@@ -171,6 +171,6 @@ def config_summary(cfg: ColossalAIConfig) -> str:
     """One line for logs: plugin, its arguments and the zen switches."""
     z = cfg.zen
     return (f"plugin={cfg.plugin} {json.dumps(cfg.plugin_kwargs, sort_keys=True)} zen={'on' if z.enabled else 'off'}"
-            f" scheme={z.scheme} dgc={'on' if z.dgc.enabled else 'off'} natural={'on' if z.natural.enabled else 'off'}"
+            f" scheme={z.scheme} {z.sections_line()}"
             f" bucket_cap_mb={z.bucket_cap_mb}")
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..comm.torch_dist import TorchCommunicator
-from ..config import ZenConfig, resolve_dgc_defaults
+from ..config import ZenConfig
 from ..reduction import BucketReducer, CommWorker, locate_slices
 from ..reduction.attachment import ZenAttachment, assemble
 from ..reduction.stats import StepStats, startup_line
@@ -102,9 +102,9 @@ class ZenHookState(ZenAttachment):
             guard_nonfinite: make a NaN/Inf gradient on any rank NaN-fill every rank's bucket instead
                 of synchronizing it, so a loss scaler (fp16, AMP ``GradScaler``) still sees the overflow
                 that DGC could otherwise drop, and no residual memory is polluted.
-            optimizer: the training optimizer, from which a null ``zen.dgc.momentum_correction`` is
-                decided (``config.resolve_dgc_defaults``); None: false (plain error feedback, right for
-                any optimizer), with a warning when DGC is on.
+            optimizer: the training optimizer, from which the sparsifiers decide their null fields
+                (``ZenConfig.resolve_defaults``: DGC's momentum correction); None: DGC takes false
+                (plain error feedback, right for any optimizer), with a warning.
 
         Raises:
             ValueError, TypeError: an invalid ``"zen"`` section.
@@ -118,11 +118,7 @@ class ZenHookState(ZenAttachment):
                 "reduction is implemented for zen_ext.deepspeed only; \"auto\" runs ZEN over the whole "
                 "data-parallel group")
         rank = dist.get_rank()
-        if optimizer is None and cfg.dgc.enabled and cfg.dgc.momentum_correction is None and rank == 0:
-            log.warning("zen: zen.dgc.momentum_correction is null and no optimizer was given: using false (plain "
-                        "error feedback, right for Adam and momentum-SGD); pass optimizer= to register_zen_hook, or "
-                        "set it true for SGD with momentum 0 (DGC's DGCSGD)")
-        cfg, dgc_note = resolve_dgc_defaults(cfg, optimizer)
+        cfg, note = cfg.resolve_defaults(optimizer, quiet=rank != 0)
         # Step 2: routing and the Synchronizer.
         names = {id(p): n for n, p in module.named_parameters()}
         dp_comm = TorchCommunicator(dp_group, cfg.exchange_impl)
@@ -143,7 +139,7 @@ class ZenHookState(ZenAttachment):
             log.info("zen: DDP comm hook (dp=%d, tp=%d, guard_nonfinite=%s, async_sync=%s): %s", dp_comm.size,
                      tp_comm.size if tp_comm else 1, guard_nonfinite, built.worker is not None, cfg.to_dict())
             print(startup_line(f"a DDP comm hook (dp={dp_comm.size}, tp={tp_comm.size if tp_comm else 1})", cfg,
-                               built.kinds, {n: p.numel() for n, p in module.named_parameters()}, dgc_note), flush=True)
+                               built.kinds, {n: p.numel() for n, p in module.named_parameters()}, note), flush=True)
         return cls(sync=built.sync, reducer=built.reducer, names=names, cfg=cfg, stats=built.stats, rank=rank,
                    worker=built.worker)
 

@@ -13,7 +13,8 @@ import time
 import torch
 
 from ..comm.torch_dist import TorchCommunicator
-from ..config import ZenConfig, check_deepspeed_settings, resolve_dgc_defaults
+from ..compress.registry import spec_of
+from ..config import ZenConfig, check_deepspeed_settings
 from ..reduction import NodeShardedReduce, locate_slices, maybe_node_sharding
 from ..reduction.attachment import ZenAttachment, assemble
 from ..reduction.stats import startup_line
@@ -28,9 +29,10 @@ VERIFIED_DEEPSPEED = ("0.19.8", "0.19.8")
 class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin):
     """ZEN attached to one DeepSpeed engine: the Synchronizer, the overrides, statistics, checkpoints.
 
-    1. Decide the DGC defaults that depend on the optimizer (``resolve_dgc_defaults``), and refuse
-       what the overrides cannot serve (ZeRO-3, pipeline/sequence parallelism, MoE, ZeRO-1/2 with
-       reduce-scatter, DGC with ZeRO-2 gradient accumulation).
+    1. Decide the sparsifier defaults that depend on the optimizer (``ZenConfig.resolve_defaults``:
+       DGC's), and refuse what the overrides cannot serve (ZeRO-3, pipeline/sequence parallelism, MoE,
+       ZeRO-1/2 with reduce-scatter, a ``once_per_step`` sparsifier such as DGC with ZeRO-2 gradient
+       accumulation).
     2. Groups: the data-parallel group (split by node when hierarchical) and the TP group.
     3. The Synchronizer and the BucketReducer around it (re-bucketing, TP-shared embedding rows, the
        fp16 non-finite guard).
@@ -46,8 +48,8 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin):
         import torch.distributed as dist
         from deepspeed.utils import groups
 
-        # Step 1: refuse what the overrides cannot serve; DGC defaults that depend on the optimizer.
-        cfg, self.dgc_note = resolve_dgc_defaults(cfg, engine.optimizer)
+        # Step 1: refuse what the overrides cannot serve; sparsifier defaults that depend on the optimizer.
+        cfg, self.defaults_note = cfg.resolve_defaults(engine.optimizer)
         self.engine, self.cfg = engine, cfg
         self.stage = engine.zero_optimization_stage()
         # The ZeRO optimizer reduces its own buckets; everything else (ZeRO-0, fp16/bf16 wrappers, and
@@ -66,11 +68,12 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin):
                 "zen with ZeRO-1/2 needs zero_optimization.reduce_scatter = false (ZEN reduces the whole bucket "
                 "itself); build the engine with zen_ext.deepspeed.initialize, or zen_ext.deepspeed.enable(), "
                 "which set it")
-        if (self.stage == 2 and cfg.dgc.enabled and engine.gradient_accumulation_steps() > 1):
+        once = [k for k in cfg.sections() if spec_of(k).cls.once_per_step]
+        if self.stage == 2 and once and engine.gradient_accumulation_steps() > 1:
             raise NotImplementedError(
-                "zen with DGC supports ZeRO-2 only with gradient_accumulation_steps = 1: ZeRO-2 reduces every "
-                "micro-batch, and DGC's momentum correction must run once per optimizer step; use ZeRO-1 "
-                "(reduces once per step) or ZeRO-0")
+                f"zen with zen.{once[0]} on supports ZeRO-2 only with gradient_accumulation_steps = 1: ZeRO-2 "
+                f"reduces every micro-batch, and the {once[0]} sparsifier's memory (e.g. momentum correction) "
+                f"must advance once per optimizer step; use ZeRO-1 (reduces once per step) or ZeRO-0")
         self.rank = dist.get_rank()
         self.op = "mean" if engine.gradient_average else "sum"
 
@@ -122,7 +125,7 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin):
                      self.dp_size, tp_size or 1, self.hierarchical, self.op, cfg.to_dict())
             numels = {n: p.numel() for n, p in engine.module.named_parameters()}
             print(startup_line(f"DeepSpeed ZeRO-{self.stage} (dp={self.dp_size}, tp={tp_size or 1}, "
-                               f"hierarchical={self.hierarchical})", cfg, kinds, numels, self.dgc_note), flush=True)
+                               f"hierarchical={self.hierarchical})", cfg, kinds, numels, self.defaults_note), flush=True)
 
     log_name = log.name
 

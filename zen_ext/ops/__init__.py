@@ -310,7 +310,7 @@ def dgc_accumulate_select_(
     (position ``numel``, value 0, run ``len(ends_U)``: past every run, so the threshold search never
     scans it); ``count`` may exceed ``capacity`` (some candidates are
     then missing). With ``ok`` false nothing is written and ``count`` is 0. Callers check
-    ``has_dgc_select_op`` first; the torch path of ``zen_ext.compress.dgc`` is its oracle.
+    ``has_dgc_select_op`` first; the torch path of ``zen_ext.compress.dgc.sparsifier`` is its oracle.
     """
     return torch.ops.zen_ext.dgc_accumulate_select_(R, U, g_T, momentum, thr_U, ends_U, ok, int(capacity))
 
@@ -330,7 +330,7 @@ def dgc_threshold_search(
     to keep, first probe at sample rank ``first_U[u]`` (``ns_U``, ``k_U``, ``first_U`` float64), lower
     bound ``t_low_U[u]``; candidates ``v_C`` (signed values) with ascending units ``unit_C``. Returns
     ``(thr_U, keep_C)``: each unit's threshold after ``passes`` refinements and ``|v_C| ≥ thr_U[unit_C]``.
-    Callers check ``has_dgc_search_op`` first; ``_ThresholdSearch`` in ``zen_ext.compress.dgc`` is
+    Callers check ``has_dgc_search_op`` first; ``_ThresholdSearch`` in ``zen_ext.compress.dgc.units`` is
     its oracle (and the path under tensor parallelism, whose counts are all-reduced every pass).
     Candidates of unit ``≥ U`` (a capacity-sized buffer's padding) belong to no unit: never kept.
     """
@@ -374,7 +374,7 @@ def dgc_sample_keys(
     its value is ``|R + U·momentum + g|`` there (``|R + g|`` without ``U``; ``g`` the concatenation of
     ``g_T``, never built; NaN as 0, inf as the largest float), the value the pending velocity update
     would give, and its key ``u·2³² + (2³¹ − 1 − bits(value))``: ascending keys are ascending units and
-    descending values. ``_Layout.sample_positions`` and ``_sort_per_unit`` (``zen_ext.compress.dgc_units``)
+    descending values. ``_Layout.sample_positions`` and ``_sort_per_unit`` (``zen_ext.compress.dgc.units``)
     are its torch oracle.
     """
     return torch.ops.zen_ext.dgc_sample_keys(R, U, g_T, float(momentum), grid_S, unit_S, hash_U, stride_U,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from ..compress import classify_parameters
+from ..compress.routing import classify_parameters
 from ..config import ZenConfig
 from .synchronizer import Synchronizer, resize_warning
 from .stats import StepStats, append_planner_reasons, report_summary
@@ -16,8 +16,8 @@ __all__ = ["build_synchronizer", "restore_sync_state", "summary_text"]
 
 
 def build_synchronizer(module, cfg: ZenConfig, *, sync_comm, tp_comm, rank: int) -> tuple[dict[str, str], Synchronizer]:
-    """Route each parameter of ``module`` (natural / dgc / registered kinds / dense) and build the Synchronizer over
-    ``sync_comm`` (DGC thresholds agreed over ``tp_comm``).
+    """Route each parameter of ``module`` (a registered kind or dense) and build the Synchronizer over
+    ``sync_comm`` (a sparsifier that ``uses_tp_group``, DGC, agrees its thresholds over ``tp_comm``).
 
     Routing uses facts the TP ranks share (the largest shard size), so uneven AutoTP shards never send
     a parameter to DGC on one TP rank and dense on another; rank 0 logs it.
@@ -25,10 +25,9 @@ def build_synchronizer(module, cfg: ZenConfig, *, sync_comm, tp_comm, rank: int)
     Returns:
         ``(kinds, sync)``: parameter name → kind, and the Synchronizer.
     """
-    kinds = classify_parameters(module, natural=cfg.natural_options(), dgc=cfg.dgc_options(),
-                                sections=cfg.sections(), log=rank == 0, tp_comm=tp_comm)
-    sync = Synchronizer(dp_comm=sync_comm, scheme=cfg.build_scheme(), param_kinds=kinds, dgc=cfg.dgc_options(),
-                        natural=cfg.natural_options(), sections=cfg.sections(), tp_comm=tp_comm)
+    kinds = classify_parameters(module, sections=cfg.sections(), log=rank == 0, tp_comm=tp_comm)
+    sync = Synchronizer(dp_comm=sync_comm, scheme=cfg.build_scheme(), param_kinds=kinds, sections=cfg.sections(),
+                        tp_comm=tp_comm)
     return kinds, sync
 
 

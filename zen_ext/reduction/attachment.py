@@ -52,8 +52,8 @@ def assemble(module, cfg: ZenConfig, *, sync_comm, tp_comm, rank: int, dp_size: 
        engine bucket's ZEN buckets over it when ``worker_in_reducer``; an adapter that hands whole
        engine buckets to the worker itself (the DDP hook) passes False.
     3. The BucketReducer around the Synchronizer (re-bucketing, node sharding, the non-finite guard
-       over ``guard_comm``); the natural parameters among ``tp_replicated`` (replicated across the TP
-       group, identical gradients) are its TP-shared rows.
+       over ``guard_comm``); the parameters of a ``row_sparse`` kind (natural sparsity's embeddings) among
+       ``tp_replicated`` (replicated across the TP group, identical gradients) are its TP-shared rows.
     4. Per-step statistics (JSONL on rank 0, the engine's ``monitor`` when given).
     """
     # Step 1: routing and the Synchronizer.
@@ -65,7 +65,7 @@ def assemble(module, cfg: ZenConfig, *, sync_comm, tp_comm, rank: int, dp_size: 
     elif cfg.async_sync and rank == 0:
         log.info("zen: zen.async_sync is off with %s; buckets synchronize on the training thread", worker_off)
     # Step 3: the reducer.
-    tp_shared = frozenset(n for n in tp_replicated if kinds.get(n) == "natural")
+    tp_shared = frozenset(n for n in tp_replicated if kinds.get(n) in sync.row_kinds)
     reducer = BucketReducer(sync, cap_bytes=cfg.bucket_cap_bytes, dp_size=dp_size, node=node, tp_comm=tp_comm,
                             tp_shared=tp_shared, guard_comm=guard_comm, worker=worker if worker_in_reducer else None)
     # Step 4: statistics.

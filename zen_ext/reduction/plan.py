@@ -96,25 +96,10 @@ class Plan:
     numel: int
     dense_ranges: list[tuple[int, int]]
     groups: list[SliceGroup]
-    """One per sparsifier kind present, in the registry's order (natural, then dgc for the built-ins)."""
+    """One per sparsifier kind present, in the registry's order."""
 
     def group(self, kind: str) -> SliceGroup | None:
         return next((g for g in self.groups if g.kind == kind), None)
-
-    @property
-    def natural(self) -> list[GradSlice]:
-        g = self.group("natural")
-        return g.slices if g else []
-
-    @property
-    def dgc(self) -> list[GradSlice]:
-        g = self.group("dgc")
-        return g.slices if g else []
-
-    @property
-    def dgc_key(self) -> str | None:
-        g = self.group("dgc")
-        return g.key if g else None
 
 
 def build_plan(numel: int, slices: list[GradSlice], param_kinds: dict[str, str]) -> Plan:

@@ -26,10 +26,10 @@ class BucketReducer:
         dp_size: ranks of the whole data-parallel group (the dense baseline's ring size).
         node: node-sharded reduction (paper §4) or None.
         tp_comm: the tensor-parallel group, or None.
-        tp_shared: parameters replicated across the TP group with identical gradients (AutoTP keeps
-            the embedding replicated): each TP rank synchronizes ``1/tp`` of their rows over its DP
-            group and the TP ranks exchange the (sparse) results, so the embedding is synchronized
-            once per DP group instead of ``tp`` times.
+        tp_shared: parameters of a ``row_sparse`` kind replicated across the TP group with identical
+            gradients (AutoTP keeps the embedding replicated): each TP rank synchronizes ``1/tp`` of
+            their rows over its DP group and the TP ranks exchange the (sparse) results, so the
+            embedding is synchronized once per DP group instead of ``tp`` times.
         guard_comm: a group spanning every rank that reduces (DP × TP). When set, a non-finite
             gradient on any rank turns every rank's bucket into NaN without synchronizing it, so a
             loss scaler sees the overflow everywhere and skips the step (a sparsifier would
@@ -55,12 +55,12 @@ class BucketReducer:
         self.guard_comm = guard_comm
         self.calls = 0
         self._stats = self._empty()
-        self._natural_cache: dict[tuple, list[GradSlice]] = {}
+        self._rows_cache: dict[tuple, list[tuple[str, GradSlice]]] = {}
 
     @staticmethod
     def _empty() -> dict:
         return {"reduce_calls": 0, "dense_bytes": 0, "intra_bytes_sent": 0, "tp_share_bytes_sent": 0,
-                "nonfinite_steps": 0, "natural_local_rows": 0, "natural_union_rows": 0}
+                "nonfinite_steps": 0, "rows": {}}
 
     def reduce_(self, flat: torch.Tensor, slices: Sequence[GradSlice], op: str, *, pipelined: bool = True) -> None:
         """Replace ``flat`` (this rank's bucket) by its reduction over the data-parallel group.
@@ -170,9 +170,9 @@ class BucketReducer:
         try:
             for a, b, members in chunks:
                 chunk = flat_N[a:b]
-                nat = self._natural_of(members)
+                nat = self._row_slices(members)
                 if nat:
-                    self._add_rows("natural_local_rows", chunk, nat)
+                    self._add_rows(0, chunk, nat)
                 prep = self.sync.prepare_flat(chunk, list(members), op, out=chunk)
                 # CUDA: the prepared tensors come from this stream and are read on the worker's.
                 job = self.worker.submit(lambda prep=prep: self.sync.finish_flat(prep), [chunk, *prep.tensors()])
@@ -187,14 +187,14 @@ class BucketReducer:
                     first = first or e
                     continue
                 if nat:
-                    self._add_rows("natural_union_rows", out, nat)
+                    self._add_rows(1, out, nat)
             if first is not None:
                 raise first
 
     def _reduce_dp(self, chunk: torch.Tensor, members: list[GradSlice], op: str) -> torch.Tensor:
-        nat = self._natural_of(members)
+        nat = self._row_slices(members)
         if nat:
-            self._add_rows("natural_local_rows", chunk, nat)
+            self._add_rows(0, chunk, nat)
         if self.node is not None and chunk.numel():
             before = self.node.bytes_sent
             out = self.node.reduce(chunk, members, op, self.sync.sync_flat)
@@ -204,7 +204,7 @@ class BucketReducer:
             # temporary and no copy (sync_flat reads every range before writing it).
             out = self.sync.sync_flat(chunk, list(members), op, out=chunk)
         if nat:
-            self._add_rows("natural_union_rows", out, nat)
+            self._add_rows(1, out, nat)
         return out
 
     def _reduce_tp_shared(self, chunk: torch.Tensor, s: GradSlice, op: str) -> torch.Tensor:
@@ -241,31 +241,38 @@ class BucketReducer:
         rec["bytes_sent"] = (rec["dp_bytes_sent"] + sync.get("tp_bytes_sent", 0) + st["intra_bytes_sent"]
                              + st["tp_share_bytes_sent"])
         rec["tp_bytes_sent"] = sync.get("tp_bytes_sent", 0) + st["tp_share_bytes_sent"]
-        rec.update({k: v for k, v in st.items() if not k.startswith("natural_")})
-        local, union = _read_counts(st["natural_local_rows"], st["natural_union_rows"])  # one read per step
-        if local:
-            # γ of the paper (densification): union of non-zero rows after the sync over one rank's.
-            rec["gamma_natural"] = union / local
+        rec.update({k: v for k, v in st.items() if k != "rows"})
+        kinds = sorted(st["rows"])
+        counts = _read_counts(*(c for k in kinds for c in st["rows"][k]))  # one read per step
+        for i, kind in enumerate(kinds):
+            local, union = counts[2 * i], counts[2 * i + 1]
+            if local:
+                # γ of the paper (densification): union of non-zero rows after the sync over one rank's.
+                rec[f"gamma_{kind}"] = union / local
         return rec
 
-    def _natural_of(self, members) -> list[GradSlice]:
-        """The embedding slices of a bucket (γ's rows are counted on them), found once per layout."""
+    def _row_slices(self, members) -> list[tuple[str, GradSlice]]:
+        """The slices of a bucket whose kind is ``row_sparse`` (γ's rows are counted on them), with
+        their kinds, found once per layout."""
         key = tuple(members)
-        nat = self._natural_cache.get(key)
-        if nat is None:
-            if len(self._natural_cache) > 4096:  # layouts change only on bucket rebuilds; bound the cache
-                self._natural_cache.clear()
-            nat = self._natural_cache[key] = [s for s in members
-                                              if self.sync.param_kinds.get(s.name) == "natural" and len(s.shape) >= 2]
-        return nat
+        found = self._rows_cache.get(key)
+        if found is None:
+            if len(self._rows_cache) > 4096:  # layouts change only on bucket rebuilds; bound the cache
+                self._rows_cache.clear()
+            kinds = self.sync.param_kinds
+            found = self._rows_cache[key] = [(kinds[s.name], s) for s in members
+                                             if kinds.get(s.name) in self.sync.row_kinds and len(s.shape) >= 2]
+        return found
 
-    def _add_rows(self, key: str, flat_N: torch.Tensor, nat: list[GradSlice]) -> None:
-        """Add the non-zero rows of the natural slices ``nat`` of ``flat_N`` to ``key``, on the bucket's
-        device: counted per bucket, read once per step (``pop_stats``), never a host sync per bucket."""
-        for s in nat:
+    def _add_rows(self, when: int, flat_N: torch.Tensor, found: list[tuple[str, GradSlice]]) -> None:
+        """Add the non-zero rows of the slices ``found`` of ``flat_N`` to their kind's count ``when``
+        (0: this rank's, before the sync; 1: the union, after), on the bucket's device: counted per
+        bucket, read once per step (``pop_stats``), never a host sync per bucket."""
+        for kind, s in found:
             if s.numel:  # an empty share (fewer rows than TP ranks) has none
                 rows = flat_N[s.offset : s.offset + s.numel].view(s.shape[0], -1)
-                self._stats[key] = self._stats[key] + rows.ne(0).any(1).sum()
+                counts = self._stats["rows"].setdefault(kind, [0, 0])
+                counts[when] = counts[when] + rows.ne(0).any(1).sum()
 
 
 def _read_counts(*counts) -> list[int]:

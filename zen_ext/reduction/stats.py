@@ -19,7 +19,7 @@ import math
 import os
 from collections import Counter
 
-from ..compress.registry import all_kinds
+from ..compress.registry import DENSE, all_kinds, spec_of
 
 _SPARK = "▁▂▃▄▅▆▇█"
 
@@ -157,7 +157,7 @@ def summarize(totals_by_rank: list[dict], steps: int, schemes: Counter, losses: 
 
 
 def startup_line(engine_line: str, cfg, kinds: dict[str, str], numels: dict[str, int] | None = None,
-                 dgc_note: str = "") -> str:
+                 note: str = "") -> str:
     """The one line an adapter prints on rank 0 when ZEN is attached, so a user sees it is on.
 
     Example: ``zen_ext: ZEN on DeepSpeed ZeRO-1 (dp=2, tp=1): scheme=auto, buckets 128 MB |
@@ -168,14 +168,14 @@ def startup_line(engine_line: str, cfg, kinds: dict[str, str], numels: dict[str,
         cfg: the validated (resolved) ``ZenConfig``.
         kinds: parameter name → a registered kind or ``"dense"`` (``classify_parameters``).
         numels: parameter name → element count, for the element totals (optional).
-        dgc_note: what ``resolve_dgc_defaults`` chose and why (empty when DGC is off).
+        note: what ``ZenConfig.resolve_defaults`` decided and why (empty when nothing).
     """
     parts = []
     for kind in all_kinds():  # the registered sparsifiers by priority, then dense
         names = [n for n, k in kinds.items() if k == kind]
         if not names:
             continue
-        label = f"dgc {cfg.dgc.density:.4g}" if kind == "dgc" else kind
+        label = spec_of(kind).cls.label(cfg.section(kind)) if kind != DENSE else kind
         text = f"{label}: {len(names)} tensor{'s' if len(names) != 1 else ''}"
         if numels:
             text += f" ({_count(sum(numels.get(n, 0) for n in names))} elements)"
@@ -183,7 +183,7 @@ def startup_line(engine_line: str, cfg, kinds: dict[str, str], numels: dict[str,
     line = (f"zen_ext: ZEN on {engine_line}: scheme={cfg.scheme}, buckets {cfg.bucket_cap_mb:g} MB"
             + (", async_sync" if cfg.async_sync else "") + " | "
             + ", ".join(parts or ["no trainable parameters"]))
-    return line + (f" | dgc {dgc_note}" if dgc_note else "")
+    return line + (f" | {note}" if note else "")
 
 
 def _count(n: int) -> str:
@@ -232,8 +232,7 @@ def report_summary(stats, cfg, totals_by_rank: list[dict], rank: int, engine_lin
         totals_by_rank: every rank's totals, already gathered.
         engine_line: what the engine side looks like (e.g. ``"ZeRO-1 hierarchical=False"``).
     """
-    config_line = (f"scheme={cfg.scheme} dgc={'on' if cfg.dgc.enabled else 'off'} "
-                   f"natural={'on' if cfg.natural.enabled else 'off'} {engine_line}")
+    config_line = f"scheme={cfg.scheme} {cfg.sections_line()} {engine_line}"
     text = summarize(totals_by_rank, stats.steps, stats.schemes, mean_losses(totals_by_rank, stats.losses),
                      config_line)
     if (cfg.stats.summary if print_it is None else print_it) and rank == 0:

@@ -4,25 +4,26 @@ Engine adapters (DeepSpeed's bucket reduction, a DDP comm hook) hand over a flat
 ``GradSlice`` of every parameter in it; the Synchronizer routes each slice by its kind, looping over
 the registered sparsifiers (``compress/registry.py``) in their order:
 
-* a ``per_slice`` sparsifier gets each of its slices alone and returns one SparseGrad per slice —
-  ``"natural"`` (untied embeddings): the non-zero rows, row form (lossless);
+* a ``per_slice`` sparsifier gets each of its slices alone and returns one SparseGrad per slice
+  (natural sparsity: an untied embedding's non-zero rows, row form, lossless);
 * a ``fused`` sparsifier gets every slice of its kind in the bucket and returns **one** SparseGrad
-  over their concatenation — ``"dgc"``: DGC top-k with error feedback per parameter name (lossy: the
-  result is the reduction of what each rank sent);
-* ``"dense"`` (1-D, small, tied) and every element no slice covers: one dense all-reduce per bucket.
+  over their concatenation (DGC: top-k with error feedback per parameter name; lossy, the result is
+  the reduction of what each rank sent);
+* the dense kind (1-D, small, tied) and every element no slice covers: one dense all-reduce per bucket.
 
 Every SparseGrad of the bucket goes to the scheme in one ``sync_group`` call.
 
 Bytes each rank sends per bucket: the dense part's ring all-reduce ``2·(n−1)/n·D·itemsize`` plus what
 the scheme sends for each SparseGrad (``zen``: Eq. 1 of the paper, ``≈ 2·(n−1)/n·nnz`` COO entries
-for balanced partitions), plus DGC's tensor-parallel threshold agreement (compress/dgc.py).
+for balanced partitions), plus what a sparsifier that ``uses_tp_group`` sends over the TP group (DGC's
+threshold agreement, compress/dgc/sparsifier.py).
 ``pop_step_stats`` reports them next to what a dense all-reduce of every bucket would have sent.
 
 Every decision that shapes a collective is agreed explicitly: the first time a rank sees a bucket
 layout, the data-parallel ranks compare layouts, kinds, op, scheme, sparsifier configs and communicator
 options (transport, backend, device type; a rank that cannot plan the layout sends its error
-instead), then, whenever a TP group exists, the TP ranks compare their DGC parameter names and
-communicator options and forward the DP outcome; every rank raises (RuntimeError naming both ranks'
+instead), then, whenever a TP group exists, the TP ranks compare the parameter names of every kind
+that ``uses_tp_group`` and communicator options and forward the DP outcome; every rank raises (RuntimeError naming both ranks'
 values) instead of hanging.
 All sparsifier memory lives in one ``SparsifierState`` keyed by parameter name; ``state_dict`` leaves
 process groups out.
@@ -39,18 +40,10 @@ import time
 import torch
 
 from ..comm.base import Communicator
-from ..compress import (
-    DGCConfig,
-    NamedGrad,
-    NaturalConfig,
-    NoneSparsifier,
-    Sparsifier,
-    SparsifierState,
-    all_kinds,
-    classify_parameters,
-    registered,
-)
-from ..compress.registry import DENSE
+from ..compress.base import NamedGrad, Sparsifier
+from ..compress.none import NoneSparsifier
+from ..compress.registry import DENSE, all_kinds, registered
+from ..compress.state import SparsifierState
 from ..core.registry import build_scheme
 from ..core.scheme import SyncScheme, check_op
 from ..core.types import SparseGrad
@@ -62,7 +55,7 @@ log = logging.getLogger(__name__)
 SYNC_STATE_FORMAT = "zen_ext.synchronizer"
 SYNC_STATE_VERSION = 1
 
-__all__ = ["GradSlice", "Synchronizer", "classify_parameters", "resize_warning"]
+__all__ = ["Synchronizer", "resize_warning"]
 
 
 @dataclasses.dataclass
@@ -122,12 +115,12 @@ class Synchronizer:
     Args:
         dp_comm: the data-parallel group the gradients are reduced over.
         scheme: the SyncScheme for sparse gradients (or its registered name, built with defaults).
-        param_kinds: parameter name → a registered kind (``"natural"``, ``"dgc"``, ...) or ``"dense"``
-            (``classify_parameters``).
-        dgc: the ``zen.dgc`` section as a dict (or DGCConfig); ``None`` = DGC disabled.
-        natural: the ``zen.natural`` section as a dict (or NaturalConfig); ``None`` = disabled.
-        sections: the sections of sparsifiers registered from outside, by kind (absent = disabled).
-        tp_comm: the tensor-parallel group; DGC then agrees on one threshold per layer across it.
+        param_kinds: parameter name → a registered kind or ``"dense"`` (``classify_parameters``).
+        sections: the ``zen.<kind>`` section of each sparsifier to use, by kind, as a dict or its
+            config class (``ZenConfig.sections()``); a kind without one is disabled.
+        tp_comm: the tensor-parallel group (DGC agrees on one threshold per layer across it).
+        **by_kind: sections given one by one as keywords, e.g. ``dgc={"enabled": True}``, ``natural={}``
+            (merged with ``sections``; a value None = disabled).
         reduce_scatter: the ReduceScatterScheme (or its name) of ``reduce_scatter_flat``; None: the
             reduce-scatter form of ``scheme`` (``core/reduce_scatter.py`` ``reduce_scatter_of``).
 
@@ -149,11 +142,10 @@ class Synchronizer:
         dp_comm: Communicator,
         scheme: SyncScheme | str,
         param_kinds: dict[str, str],
-        dgc: "dict | DGCConfig | None" = None,
-        natural: "dict | NaturalConfig | None" = None,
         sections: "dict | None" = None,
         tp_comm: Communicator | None = None,
         reduce_scatter=None,
+        **by_kind,
     ) -> None:
         self.dp_comm = dp_comm
         self.rs_scheme = reduce_scatter
@@ -161,7 +153,7 @@ class Synchronizer:
         self.scheme = build_scheme(scheme) if isinstance(scheme, str) else scheme
         # Every registered kind's config (without a section: disabled), compared across ranks, and a
         # sparsifier for each enabled one, in the registry's order.
-        given = {"natural": natural, "dgc": dgc, **(sections or {})}
+        given = {**by_kind, **(sections or {})}
         specs = {s.kind: s for s in registered()}
         unknown = sorted(set(given) - set(specs))
         if unknown:
@@ -182,6 +174,8 @@ class Synchronizer:
             k: specs[k].cls.from_config(cfg, state=self.state, dp_size=dp_comm.size)
             for k, cfg in self.configs.items() if cfg.enabled}
         self._tp_kinds = tuple(k for k in self.configs if specs[k].cls.uses_tp_group)
+        self.row_kinds = frozenset(k for k in self.sparsifiers if specs[k].cls.row_sparse)
+        """The enabled kinds whose gradients are sparse by rows (``Sparsifier.row_sparse``)."""
         self._after_sync = {k for k, sp in self.sparsifiers.items()
                             if getattr(sp.after_sync, "__func__", None) is not Sparsifier.after_sync}
         self._plans: dict[tuple, Plan] = {}
@@ -190,14 +184,6 @@ class Synchronizer:
             log.info("zen: Synchronizer scheme=%r dp_size=%d tp_size=%d %s", self.scheme, dp_comm.size,
                      tp_comm.size if tp_comm else 1,
                      " ".join(f"{k}={dataclasses.asdict(c)}" for k, c in self.configs.items()))
-
-    @property
-    def dgc_config(self) -> DGCConfig:
-        return self.configs["dgc"]
-
-    @property
-    def natural_config(self) -> NaturalConfig:
-        return self.configs["natural"]
 
     # --- the hot path -------------------------------------------------------------------------------
     def sync_flat(
@@ -362,13 +348,14 @@ class Synchronizer:
         return out_N.view_as(prep.flat)
 
     def set_grad_scale(self, scale: float) -> None:
-        """The loss scale the next gradients carry (fp16): DGC rescales its memory when it changes and
-        makes steps discardable (``discard_step``). Call before the step's first bucket."""
+        """The loss scale the next gradients carry (fp16): a sparsifier with memory (DGC) rescales it when
+        it changes and makes steps discardable (``discard_step``). Call before the step's first bucket."""
         for sp in self.sparsifiers.values():
             sp.set_loss_scale(scale)
 
     def discard_step(self) -> None:
-        """This step overflowed on some rank and will be skipped: ``end_step`` restores DGC's memory."""
+        """This step overflowed on some rank and will be skipped: ``end_step`` restores the sparsifiers'
+        memory."""
         for sp in self.sparsifiers.values():
             sp.discard_step()
 
@@ -386,7 +373,6 @@ class Synchronizer:
             "format": SYNC_STATE_FORMAT,
             "version": SYNC_STATE_VERSION,
             "sparsifiers": self.state.state_dict(),
-            "dgc": dataclasses.asdict(self.dgc_config),  # what version-1 readers compare
             "configs": {k: dataclasses.asdict(c) for k, c in self.configs.items()},
         }
         if hasattr(self.scheme, "state_dict"):
@@ -412,8 +398,7 @@ class Synchronizer:
                              f"{sd.get('format') if isinstance(sd, dict) else type(sd).__name__!r}")
         if sd.get("version") != SYNC_STATE_VERSION:
             raise ValueError(f"Synchronizer state_dict version ({sd.get('version')!r}) must be {SYNC_STATE_VERSION}")
-        saved = sd.get("configs", {"dgc": sd.get("dgc")})  # a checkpoint from before the registry: DGC's only
-        for kind, cfg in saved.items():
+        for kind, cfg in sd.get("configs", {}).items():
             now = dataclasses.asdict(self.configs[kind]) if kind in self.configs else None
             if cfg != now:
                 log.warning("zen: resuming with a different %s config: saved %s, now %s", kind, cfg, now)

@@ -1,33 +1,30 @@
-"""The ``"zen"`` section's defaults decided when zen attaches to an engine: DGC's momentum correction
-and its rotating flush (from the engine's optimizer), and DGC's density ramp.
+"""The ``zen.dgc`` defaults decided when zen attaches to an engine (``DGCSparsifier.resolve_defaults``):
+DGC's momentum correction and its rotating flush (from the engine's optimizer), and its density ramp.
 
 DGC's DGCSGD moves momentum into the sparsifier; with an optimizer that keeps its own moments that
 would apply momentum twice, so ``zen.dgc.momentum_correction: null`` is decided here, once the engine
 has its optimizer (before the first step), and the reason goes into the start-up log. So is
 ``zen.dgc.flush_fraction: null``: a bound on how long error feedback holds a coordinate back pays
 under ``zen_ext.optim.CatchUpAdamW`` (which moves a held-back coordinate as far as the steps it
-missed) and not under plain Adam (benchmarks/results/time_to_quality_catch_up.md).
+missed) and not under plain Adam (docs/results/dgc_history.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .config import ZenConfig
+from .config import DGCConfig
 
 log = logging.getLogger("zen_ext.config")  # the config's logger: users filter zen's config messages by it
 
 
 FLUSH_WITH_CATCH_UP = 0.1
 """``zen.dgc.flush_fraction`` chosen for null under a catching-up optimizer at ``density >=
-FLUSH_MIN_DENSITY``: at 5 % every coordinate is then sent at least once per 200 steps (0.1 and 0.2
-measured alike, 0.5 worse)."""
+FLUSH_MIN_DENSITY``: at 5 % every coordinate is then sent at least once per 200 steps."""
 FLUSH_MIN_DENSITY = 0.05
 """Below this density the flush's stride (1,000 steps at 1 %) rarely binds, and the share of the top-k
-budget it takes bought nothing (measured at 1 %: 0.1 and 0.2 no better than off)."""
+budget it takes bought nothing measurable (docs/results/dgc_history.md)."""
 
 
 def _innermost(optimizer):
@@ -77,7 +74,7 @@ def optimizer_momentum(optimizer) -> tuple[bool | None, str]:
     return None, f"{name} (not known to be momentum-free)"
 
 
-def resolve_dgc_defaults(cfg: "ZenConfig", optimizer) -> "tuple[ZenConfig, str]":
+def resolve_dgc_defaults(d: DGCConfig, optimizer, *, quiet: bool = False) -> tuple[DGCConfig, str]:
     """Decide ``zen.dgc.momentum_correction``, ``zen.dgc.flush_fraction`` and ``zen.dgc.warmup_steps``
     where null (the first two from the optimizer the engine has).
 
@@ -92,27 +89,31 @@ def resolve_dgc_defaults(cfg: "ZenConfig", optimizer) -> "tuple[ZenConfig, str]"
        warmup_start_density`` (``DGCConfig.default_ramp_steps``), 0 otherwise.
 
     Args:
-        cfg: the validated ``"zen"`` section.
+        d: the validated ``zen.dgc`` section.
         optimizer: the engine's optimizer (wrapped or not), or None when the caller has none.
+        quiet: log no warning (the ranks other than 0).
 
     Returns:
-        The config with the fields decided (a copy when one changed) and a short reason for logs
+        The section with the fields decided (a copy when one changed) and a short reason for logs
         (empty when DGC is off).
     """
-    d = cfg.dgc
     if not d.enabled:
-        return cfg, ""
+        return d, ""
     # Step 1: momentum correction.
     has_momentum, what = optimizer_momentum(optimizer)
     if d.momentum_correction is None:
-        correction = has_momentum is False and d.feedback != "ef21"  # EF21 estimates the gradient itself
+        if optimizer is None and not quiet:
+            log.warning("zen: zen.dgc.momentum_correction is null and no optimizer was given: using false (plain "
+                        "error feedback, right for Adam and momentum-SGD); pass the training optimizer (the DDP "
+                        "hook's optimizer=), or set it true for SGD with momentum 0 (DGC's DGCSGD)")
+        correction = has_momentum is False
         why = ("DGC supplies the momentum (dgc.momentum %g), as DGC's DGCSGD" % d.momentum if correction else
                "momentum correction would apply momentum twice" if has_momentum else
                "plain error feedback is right for any optimizer")
         note = f"momentum_correction={str(correction).lower()} (chosen: {what}; {why})"
     else:
         correction = d.momentum_correction
-        if correction and has_momentum:
+        if correction and has_momentum and not quiet:
             log.warning("zen: zen.dgc.momentum_correction is true but the optimizer (%s) applies momentum too, so "
                         "momentum is applied twice; set it false (or null to choose from the optimizer), or use "
                         "SGD with momentum 0 as DGC's DGCSGD does", what)
@@ -135,6 +136,5 @@ def resolve_dgc_defaults(cfg: "ZenConfig", optimizer) -> "tuple[ZenConfig, str]"
         if ramp:
             note += f"; warmup_steps={ramp} (default: DGC's warm-up, density {d.warmup_start_density:g} → {d.density:g})"
     if (correction, flush, ramp) != (d.momentum_correction, d.flush_fraction, d.warmup_steps):
-        cfg = dataclasses.replace(cfg, dgc=dataclasses.replace(d, momentum_correction=correction,
-                                                               flush_fraction=flush, warmup_steps=ramp))
-    return cfg, note
+        d = dataclasses.replace(d, momentum_correction=correction, flush_fraction=flush, warmup_steps=ramp)
+    return d, note

@@ -1,7 +1,7 @@
 """DGC's selection units: what is fixed per bucket layout (``_Layout``: units, blocks, the sample grid,
 the search constants, the candidates' capacity), the per-unit sort of samples, and the threshold
-search's state (``_ThresholdSearch``), with the pooling of samples over a TP group. ``compress/dgc.py``
-(``DGCSparsifier``) drives them.
+search's state (``_ThresholdSearch``), with the pooling of samples over a TP group.
+``sparsifier.py`` (``DGCSparsifier``) drives them.
 
 Legend: ``_N`` elements of one gradient, ``_S`` samples, ``_U`` selection units.
 """
@@ -16,9 +16,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .. import ops
-from ..core.types import acc_dtype
-from ..core.wire import pack, view_as
+from ...core.types import acc_dtype
+from ...core.wire import pack, view_as
 
 logger = logging.getLogger("zen_ext.compress.dgc")
 
@@ -67,7 +66,6 @@ class _Layout:
         self.key_bits = 32 + max(1, (self.units - 1).bit_length())
         self._sample_grids: dict[tuple, tuple] = {}
         self._search_constants: dict[tuple, _SearchConstants] = {}
-        self._run_lengths: dict[tuple, torch.Tensor] = {}
         self._tensor_bounds: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.capacity_factor = CAPACITY_FACTOR
         self._capacity_k = 1
@@ -91,16 +89,6 @@ class _Layout:
         i = torch.arange(total, dtype=torch.int64, device=device)
         t = torch.searchsorted(ends_T, i, right=True)  # the tensor of the i-th flushed element
         return offset_T[t] + phase + stride * (i - (ends_T - count_T)[t])
-
-    def run_lengths(self, chunk: int, device) -> torch.Tensor:
-        """Runs of ``chunk`` elements per tensor (``zen.dgc.selection_chunk``; every numel a multiple),
-        int64 on ``device``, built once per chunk."""
-        key = (chunk, str(device))
-        got = self._run_lengths.get(key)
-        if got is None:
-            got = self._run_lengths[key] = torch.tensor([n // chunk for n in self.numels], dtype=torch.int64,
-                                                         device=device)
-        return got
 
     def candidate_capacity(self, k: int) -> int:
         """Room for the candidates of a bucket keeping ``k`` elements, where their number is not read
@@ -355,46 +343,3 @@ def exact_thresholds(R: torch.Tensor, lay: "_Layout", density: float, tp_comm) -
     k_U = [max(1, math.ceil(density * n)) for n in numel_U]
     at = np.cumsum([0] + numel_U[:-1]) + np.array(k_U) - 1
     return sorted_N[torch.from_numpy(at).to(R.device, non_blocking=True)]
-
-
-def normalized_residual(state, lay: "_Layout", R: torch.Tensor, gs: list[torch.Tensor], beta: float,
-                        mdt: torch.dtype) -> torch.Tensor:
-    """What ``zen.dgc.normalize_beta`` ranks: ``R / sqrt(s)``, ``s ← beta·s + (1 − beta)·g²`` each
-    element's running mean of its squared local gradient (``gs``: the bucket's gradients, one per tensor
-    or one concatenation), kept in the state as ``"sq_mean"``. An element whose ``s`` is 0 never had a
-    gradient, so its residual is 0 too (the floor only avoids 0/0). A constant number of ops per bucket."""
-    g = (gs[0] if len(gs) == 1 else ops.concat_view(gs)).to(mdt)  # a view where the gradients lie back to back
-    s, _ = state.flat(lay.names, lay.numels, "sq_mean", mdt, R.device)
-    s.mul_(beta).addcmul_(g, g, value=1.0 - beta)
-    return R / s.sqrt().clamp_min(torch.finfo(mdt).smallest_normal)
-
-
-def chunk_topk(R: torch.Tensor, lay: "_Layout", density: float, chunk: int, tiny: float,
-               tp_comm=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``zen.dgc.selection_chunk``: the exact top ``ceil(density·chunk)`` of every run of ``chunk``
-    elements of each tensor (a tensor's last, shorter run keeps its own share), non-zeros only.
-
-    Returns ``(thr_T, pos_K)``: each tensor's smallest run threshold (what the state records) and the
-    kept positions, ascending. Where every tensor holds whole runs (LLM shapes and a chunk of rows), one
-    top-k over the bucket's runs, a constant number of ops; otherwise one top-k per tensor."""
-    if tp_comm is not None and tp_comm.size > 1:
-        raise ValueError(f"zen.dgc.selection_chunk ({chunk}) must be 0 under tensor parallelism")
-    if all(n % chunk == 0 for n in lay.numels):
-        runs = R.abs().view(-1, chunk)
-        t = runs.topk(max(1, math.ceil(density * chunk)), dim=1).values[:, -1].clamp(min=tiny)
-        pos_K = (runs >= t[:, None]).view(-1).nonzero().flatten()
-        return torch.segment_reduce(t, "min", lengths=lay.run_lengths(chunk, R.device)), pos_K
-    masks, thr_T, at = [], [], 0
-    for n in lay.numels:
-        r = R[at:at + n].abs()
-        full = n // chunk * chunk
-        parts, lows = [], []
-        for seg, width in ((r[:full].view(-1, chunk), chunk), (r[full:].view(1, -1), n - full)):
-            if seg.numel():
-                t = seg.topk(max(1, math.ceil(density * width)), dim=1).values[:, -1:].clamp(min=tiny)
-                parts.append((seg >= t).reshape(-1))
-                lows.append(t.min())
-        masks.append(torch.cat(parts))
-        thr_T.append(torch.stack(lows).min())
-        at += n
-    return torch.stack(thr_T), torch.cat(masks).nonzero().flatten()

@@ -3,9 +3,9 @@
 Per optimizer step each parameter accumulates its (locally clipped) gradient into a velocity ``v``
 (with momentum correction: ``u ← m·u + g; v ← v + u``), sends the entries of ``v`` whose magnitude
 reaches a threshold chosen to keep a ``density`` fraction, and keeps the rest as the residual:
-``residual = v − sent`` exactly, so nothing is lost, only delayed. Sent positions of ``u`` are zeroed
-(momentum factor masking). Semantics follow the DGC paper (ICLR'18) and its public code
-(research/seeds.md §3.2, research/reference_code.md §5–6).
+``residual = v − sent`` exactly, so nothing is lost, only delayed (error feedback). Sent positions of
+``u`` are zeroed (momentum factor masking). Semantics follow the DGC paper (Lin et al., ICLR'18, §3)
+and its public code (github.com/synxlin/deep-gradient-compression).
 
 Choices and why:
 
@@ -55,7 +55,8 @@ each peer (``U`` selection units, ``S`` samples) plus ``REFINE_PASSES`` all-redu
 Momentum correction moves the momentum into the sparsifier: use an optimizer without momentum for
 DGC parameters (DGC's ``DGCSGD``), or set ``momentum_correction=False`` to keep plain error feedback.
 
-``zen.dgc`` is ``dgc_config.DGCConfig``; units, sampling grid and search state are in ``dgc_units``.
+``zen.dgc`` is ``config.DGCConfig``; the sampled search is ``thresholds.py``; units, sampling grid and
+search state are in ``units.py``.
 
 Legend: ``_N`` elements of one gradient, ``_K`` selected, ``_S`` samples, ``_U`` selection units.
 """
@@ -68,25 +69,18 @@ from typing import Sequence
 
 import torch
 
-from .. import ops
-from ..core.types import SparseGrad
-from . import dgc_ef21
-from .base import NamedGrad, Sparsifier
-# The config and the units live in their own modules; their names stay importable from here.
-from .dgc_config import FEEDBACKS, RESIDUAL_DTYPES, SELECTIONS, THRESHOLDS, DGCConfig  # noqa: F401
-from .dgc_units import (CANDIDATE_FACTOR, CAPACITY_FACTOR, MIN_KEPT_SAMPLES, REFINE_BAND,  # noqa: F401
-                        _at_rank, _gather_units, exact_thresholds, memory_dtype, _Layout, _SearchConstants, _sort_per_unit, _ThresholdSearch,
-                        chunk_topk, normalized_residual, sample_shift)
-from .registry import register_sparsifier
-from .state import SparsifierState
+from ... import ops
+from ...core.types import SparseGrad
+from ..base import NamedGrad, Sparsifier
+from ..registry import register_sparsifier
+from ..state import SparsifierState
+from .config import DGCConfig
+from .defaults import resolve_dgc_defaults
+from .thresholds import sampled_thresholds
+from .units import _Layout, exact_thresholds, memory_dtype
 
 logger = logging.getLogger(__name__)
 
-REFINE_PASSES = 4
-"""Threshold refinement passes after the sampled estimate (each one count over the candidates)."""
-FREE_HOST_READ_DEVICES = ("cpu",)
-"""Device types where a host read costs nothing: the search may read its done flags to stop early,
-and the candidates are sized exactly (elsewhere they go into a buffer of a capacity known before)."""
 _ONE_PASS_WIRE = (torch.float32, torch.bfloat16, torch.float16)
 """Gradient dtypes the one-pass op widens into fp32 memory (exactly, as torch's mixed add does)."""
 
@@ -112,10 +106,21 @@ class DGCSparsifier(Sparsifier):
     lossless = False
     bucket_mode = "fused"  # every DGC slice of a bucket in one SparseGrad: constant ops per bucket
     uses_tp_group = True  # per-layer thresholds agreed over the TP group
+    once_per_step = True  # momentum correction and the residual advance once per optimizer step
 
     @classmethod
     def from_config(cls, config, *, state, dp_size: int) -> "DGCSparsifier":
         return cls(config, state, dp_size=dp_size)
+
+    @classmethod
+    def label(cls, config: DGCConfig) -> str:
+        """``dgc <density>``, e.g. ``dgc 0.05``."""
+        return f"dgc {config.density:.4g}"
+
+    @classmethod
+    def resolve_defaults(cls, config: DGCConfig, optimizer, *, quiet: bool = False) -> tuple[DGCConfig, str]:
+        """Momentum correction, the rotating flush and the density ramp where null (``defaults.py``)."""
+        return resolve_dgc_defaults(config, optimizer, quiet=quiet)
 
     @classmethod
     def claims(cls, param, config: DGCConfig) -> bool:
@@ -128,16 +133,12 @@ class DGCSparsifier(Sparsifier):
         self.config = DGCConfig.from_dict(config)
         self.state = state if state is not None else SparsifierState()
         self.dp_size = int(dp_size)
-        if self.config.feedback == "ef21":  # only EF21 reads the synchronized result
-            self.after_sync = self._ef21_after_sync
         self._layouts: dict[tuple, _Layout] = {}
         self.loss_scale: float | None = None
         """The loss scale the memory is accumulated at (``set_loss_scale``); ``None``: never set."""
         self._journal: dict[int, tuple] = {}
         """id(flat residual) → (residual, momentum, their copies at the step's first touch)."""
         self._discard = False
-        self._overflowed = False
-        """Whether the last ``_compress_ef`` found a non-finite gradient (and touched no memory)."""
 
     # --- loss scaling and skipped steps -------------------------------------------------------------
     def set_loss_scale(self, scale: float) -> None:
@@ -155,12 +156,8 @@ class DGCSparsifier(Sparsifier):
         scale = float(scale)
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"zen: loss scale ({scale!r}) must be a finite number > 0")
-        if self.config.feedback == "ef21":
-            raise ValueError('zen.dgc.feedback ("ef21") must be "ef" with fp16 loss scaling: a skipped step '
-                             "would have to undo every rank's estimate and the aggregate")
         if self.loss_scale is not None and scale != self.loss_scale:
             self.state.rescale(scale / self.loss_scale)
-            self.state.rescale((scale / self.loss_scale) ** 2, ("sq_mean",))  # normalize_beta's squares
             for _, _, old_r, old_u in self._journal.values():
                 old_r.mul_(scale / self.loss_scale)
                 if old_u is not None:
@@ -182,17 +179,6 @@ class DGCSparsifier(Sparsifier):
 
     # --- compression --------------------------------------------------------------------------------
     def compress(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad:
-        """Select what ``grads`` send this step (``_compress_ef``, or ``_compress_ef21`` when
-        ``feedback`` is ``"ef21"``)."""
-        if self.config.feedback == "ef21":
-            return dgc_ef21.compress(self, grads, tp_comm)
-        return self._compress_ef(grads, tp_comm)
-
-    def _ef21_after_sync(self, names: Sequence[str], outs: Sequence[torch.Tensor]) -> None:
-        """EF21: the synchronized result is the aggregate's change (``dgc_ef21.add_aggregate_``)."""
-        dgc_ef21.add_aggregate_(self, names, outs)
-
-    def _compress_ef(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad:
         """Select what ``grads`` send this step and keep the rest in the residuals.
 
         1. Guard: if any gradient is non-finite, send its non-finite entries and leave the memory alone.
@@ -228,7 +214,7 @@ class DGCSparsifier(Sparsifier):
         # the thresholds are sampled from R + the pending update at the sample positions. There the
         # flag stays on the device (the op skips the update where it is false) and is read with the
         # selection's counts: one host read for the bucket.
-        one_pass = (density < 1.0 and cfg.threshold != "exact" and cfg.clip_norm is None and not cfg.normalize_beta
+        one_pass = (density < 1.0 and cfg.threshold != "exact" and cfg.clip_norm is None
                     and (mdt == wire if mdt == torch.float64 else mdt == torch.float32 and wire in _ONE_PASS_WIRE)
                     and ops.has_dgc_select_op(flats[0]) and all(f.is_contiguous() for f in flats))
 
@@ -257,9 +243,8 @@ class DGCSparsifier(Sparsifier):
             self._journal[id(R)] = (R, U, R.clone(), U.clone() if U is not None else None)
         gs = flats
         if one_pass:
-            got = self._sampled_thresholds(R, lay, density, tp_comm,
-                                           torch.finfo(mdt).smallest_normal * torch.finfo(mdt).eps,
-                                           pending=(U, list(flats), finite))
+            got = sampled_thresholds(R, lay, density, tp_comm, torch.finfo(mdt).smallest_normal * torch.finfo(mdt).eps,
+                                     cfg, self.state.step, pending=(U, list(flats), finite))
             if got is not None:
                 thr_U, pos_K, v_K = got
                 return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total, v_K, flush)
@@ -285,7 +270,6 @@ class DGCSparsifier(Sparsifier):
             R.add_(gs[0])
         else:
             torch._foreach_add_(R_T, gs)
-        S = normalized_residual(self.state, lay, R, gs, cfg.normalize_beta, mdt) if cfg.normalize_beta else R
         del gs
 
         # Step 3 + 4: thresholds, one per selection unit, and the selection mask they give.
@@ -294,16 +278,12 @@ class DGCSparsifier(Sparsifier):
             thr_U = torch.full((lay.units,), tiny, dtype=mdt, device=R.device)
             pos_K = lay.select(R, thr_U).view(-1).nonzero().flatten()
             v_K = R.index_select(0, pos_K)
-        elif cfg.selection_chunk:
-            thr_U, pos_K = chunk_topk(S, lay, density, cfg.selection_chunk, tiny, tp_comm)
-            v_K = R.index_select(0, pos_K)
         elif cfg.threshold == "exact":
-            thr_U = exact_thresholds(S, lay, density, tp_comm).clamp(min=tiny)
-            pos_K = lay.select(S, thr_U).view(-1).nonzero().flatten()  # one host synchronization
+            thr_U = exact_thresholds(R, lay, density, tp_comm).clamp(min=tiny)
+            pos_K = lay.select(R, thr_U).view(-1).nonzero().flatten()  # one host synchronization
             v_K = R.index_select(0, pos_K)
         else:
-            thr_U, pos_K, v_K = self._sampled_thresholds(S, lay, density, tp_comm, tiny)
-            v_K = v_K if S is R else R.index_select(0, pos_K)
+            thr_U, pos_K, v_K = sampled_thresholds(R, lay, density, tp_comm, tiny, cfg, self.state.step)
         return self._finish(R, U, lay, thr_U, pos_K, wire, mdt, total, v_K, flush)
 
     def _non_finite(self, flats: list[torch.Tensor], total: int) -> SparseGrad | None:
@@ -313,7 +293,6 @@ class DGCSparsifier(Sparsifier):
         bad = (~torch.isfinite(cat)).nonzero().flatten()
         if not bad.numel():
             return None
-        self._overflowed = True
         return SparseGrad(bad, cat[bad], total)
 
     def _finish(self, R, U, lay: "_Layout", thr_U, pos_K, wire, mdt, total: int, v_K, flush: int = 0) -> SparseGrad:
@@ -364,137 +343,3 @@ class DGCSparsifier(Sparsifier):
                 self._layouts.clear()
             lay = self._layouts[key] = _Layout(names, numels, self.config.selection == "per_tensor", device)
         return lay
-
-    # --- thresholds ---------------------------------------------------------------------------------
-    def _sampled_thresholds(self, R: torch.Tensor, lay: "_Layout", density: float, tp_comm,
-                            tiny: float, pending: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Per-unit thresholds keeping about ``density`` of each unit, the positions they select and
-        the values of ``R`` there.
-
-        1. Sample: strided positions per unit (offset moves with the step), gathered in one indexing.
-        2. Pool over TP (one ``all_gather_v``) and sort the samples per unit (descending).
-        3. Candidates: one pass over the bucket selects ``|v| ≥ t_low``, the sample value at
-           ``CANDIDATE_FACTOR·k`` of each unit (about twice the target): one ``nonzero``.
-        4. Search among the candidates only: counts at any threshold ``≥ t_low`` are exact there, so
-           the passes of the search cost ``O(candidates)``, not ``O(bucket)``. A unit whose candidates
-           are fewer than the band keeps ``t_low`` (all its candidates).
-
-        5. With ``pending``: the kept candidates compacted in order by ``dgc_gather_kept``, which also
-           writes the finiteness flag and both counts; one host read of those three.
-
-        With ``pending = (U, g, finite)`` the velocity update has not run yet: the samples are taken
-        from ``R + update`` (the same roundings as the update), and step 3 is
-        ``dgc_accumulate_select_``, which applies the update (where the device flag ``finite`` is true)
-        and selects the candidates in one pass. Returns None when ``finite`` was false (nothing written).
-        """
-        tp = tp_comm is not None and tp_comm.size > 1
-        if pending is not None and not tp and R.dtype == torch.float32 and ops.has_dgc_sample_op(R):
-            sorted_S, t_low, consts, k_U = self._fused_samples(R, lay, density, pending, tiny)
-        else:
-            sorted_S, t_low, consts, k_U = self._samples(R, lay, density, pending, tp_comm if tp else None, tiny)
-        # Step 3: candidates at t_low, one pass over the bucket.
-        if pending is None:
-            pos_C, v_C, unit_C = self._candidates(R, lay, t_low)
-        else:  # the op returns the candidates' values and units too: no gather from the bucket
-            # Where a host read costs a stall, the candidates go into a buffer of a capacity known
-            # before the pass, and their count stays on the device until the read below.
-            cap = -1 if R.device.type in FREE_HOST_READ_DEVICES else lay.candidate_capacity(sum(k_U))
-            pos_C, v_C, unit_C, count_C = ops.dgc_accumulate_select_(
-                R, pending[0], pending[1], self.config.momentum, t_low.to(R.dtype), lay.unit_ends_N, pending[2], cap)
-        # Step 4: search among the candidates.
-        thr_U, keep_C = self._search(sorted_S, consts, v_C, unit_C, t_low, tp_comm if tp else None, lay, R)
-        # (index_select: 2.5x faster than advanced indexing for 1-D gathers on the CPU)
-        if pending is None:
-            keep = keep_C.nonzero().flatten()
-            return thr_U, pos_C.index_select(0, keep), v_C.index_select(0, keep)
-        # Step 5: the bucket's one host read: the finiteness flag, the candidates' and the selection's
-        # counts; the op that writes them has compacted the kept candidates already.
-        pos_K, v_K, stats = ops.dgc_gather_kept(keep_C, pos_C, v_C, pending[2], count_C)
-        ok, n_cand, n_keep = stats.tolist()
-        if not ok:
-            return None
-        if n_cand > pos_C.numel():  # more candidates than the capacity: select them again, exactly
-            lay.grow_capacity(n_cand)
-            pos_C, v_C, unit_C = self._candidates(R, lay, t_low)
-            thr_U, keep_C = self._search(sorted_S, consts, v_C, unit_C, t_low, tp_comm if tp else None, lay, R)
-            keep = keep_C.nonzero().flatten()
-            return thr_U, pos_C.index_select(0, keep), v_C.index_select(0, keep)
-        return thr_U, pos_K[:n_keep], v_K[:n_keep]
-
-    def _samples(self, R: torch.Tensor, lay: "_Layout", density: float, pending, tp_comm, tiny: float):
-        """Steps 1-2 of ``_sampled_thresholds`` with torch ops, and step 3's lower threshold:
-        ``(sorted_S, t_low, consts, k_U)``. ``tp_comm`` pools the samples over a TP group (None: none)."""
-        # Step 1: samples, one gather for the whole bucket.
-        pos_S, ns_U = lay.sample_positions(density, self.config.sample_fraction, self.state.step, R.device)
-        if pending is None:
-            samples = torch.nan_to_num(R.index_select(0, pos_S).abs(), nan=0.0)
-        else:
-            U, g_T = pending[0], pending[1]
-            g_S = ops.gather_list(g_T, pos_S)
-            delta = g_S if U is None else U.index_select(0, pos_S) * self.config.momentum + g_S
-            samples = torch.nan_to_num((R.index_select(0, pos_S) + delta).abs(), nan=0.0)
-        numel_U = list(lay.unit_numels)
-        # Step 2: pool and sort per unit.
-        if tp_comm is not None:
-            samples, unit_S, ns_U, numel_U = _gather_units(samples, ns_U, numel_U, tp_comm)
-        k_U = [max(1, math.ceil(density * n)) for n in numel_U]
-        consts = lay.search_constants(ns_U, k_U, numel_U, R.device)
-        sorted_S = _sort_per_unit(samples, unit_S if tp_comm is not None else consts.unit_S)
-        t_low = _at_rank(sorted_S, consts, consts.first_U * CANDIDATE_FACTOR).clamp(min=tiny)
-        return sorted_S, t_low, consts, k_U
-
-    def _fused_samples(self, R: torch.Tensor, lay: "_Layout", density: float, pending, tiny: float):
-        """``_samples`` for fp32 memory with the velocity update pending, without TP, in two ops:
-        ``dgc_sample_keys`` (positions, gathers, the update's value, the sort key: about fifteen torch
-        ops) and ``dgc_sort_unkey`` (the sort over the keys' used bits, the sorted values and the lower
-        threshold: about twelve ops and torch's full 64-bit sort), where on a GPU every torch op is a
-        launch. Bit-equal to ``_samples``."""
-        grid_S, ns_U, stride_U, unit_S, hash_U = lay.sample_grid(density, self.config.sample_fraction, R.device)
-        keys = ops.dgc_sample_keys(R, pending[0], pending[1], self.config.momentum, grid_S, unit_S, hash_U,
-                                   stride_U, sample_shift(self.state.step))
-        numel_U = list(lay.unit_numels)
-        k_U = [max(1, math.ceil(density * n)) for n in numel_U]
-        consts = lay.search_constants(ns_U, k_U, numel_U, R.device)
-        sorted_S, t_low = ops.dgc_sort_unkey(keys, consts.low_S, tiny, lay.key_bits)
-        return sorted_S, t_low, consts, k_U
-
-    @staticmethod
-    def _candidates(R: torch.Tensor, lay: "_Layout", t_low: torch.Tensor):
-        """``|R| ≥ t_low`` of each unit: positions (one ``nonzero``), values and units."""
-        pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
-        return pos_C, R.index_select(0, pos_C), torch.searchsorted(lay.unit_ends_N, pos_C, right=True)
-
-    def _search(self, sorted_S, consts, v_C, unit_C, t_low, tp_comm, lay: "_Layout", R: torch.Tensor):
-        """Step 4 of ``_sampled_thresholds``: ``(thr_U, keep_C)``. Without TP, one op runs every pass of
-        every unit (one kernel on a GPU, where the loop issues about fifty small ones per pass)."""
-        if tp_comm is None and ops.has_dgc_search_op(R):
-            return ops.dgc_threshold_search(sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U,
-                                            v_C, unit_C, t_low.to(R.dtype), REFINE_PASSES)
-        return self._search_loop(sorted_S, consts, v_C, unit_C, t_low, tp_comm, lay)
-
-    @staticmethod
-    def _search_loop(sorted_S, consts: "_SearchConstants", v_C, unit_C, t_low, tp_comm, lay: "_Layout"):
-        """Step 4 with torch ops (``dgc_threshold_search``'s oracle, and the path under TP, where every
-        pass's counts are all-reduced so that every TP rank moves alike): ``(thr_U, keep_C)``."""
-        search = _ThresholdSearch(sorted_S, consts)
-        abs_C = v_C.abs()
-        # Padding of a capacity-sized candidate buffer has unit U (past every unit, value 0): the
-        # running-sum counts end before it, and it reads the last unit's threshold (never kept).
-        unit_clamped = unit_C.clamp(max=lay.units - 1)
-        # The candidates are in position order, so each unit's are one run: a count per unit is the
-        # difference of a running sum at the runs' ends (no atomics; an index_add into U counters
-        # serialized on the GPU: 54 % of a bucket's GPU time on an H200).
-        cut_U1 = torch.searchsorted(unit_C, lay.unit_range_U1)
-        for _ in range(REFINE_PASSES):
-            thr_U = torch.maximum(search.thr, t_low)
-            run_C1 = torch.nn.functional.pad((abs_C >= thr_U.index_select(0, unit_clamped)).cumsum(0), (1, 0))
-            counts_U = run_C1.index_select(0, cut_U1[1:]) - run_C1.index_select(0, cut_U1[:-1])
-            if tp_comm is not None:
-                tp_comm.all_reduce(counts_U)
-            search.update(counts_U)
-            # On the CPU reading a flag costs nothing: stop once every unit is in the band. On a GPU
-            # the passes run blind (a read would synchronize).
-            if counts_U.device.type in FREE_HOST_READ_DEVICES and bool(search.done.all()):
-                break
-        thr_U = torch.maximum(search.thr, t_low)
-        return thr_U, abs_C >= thr_U.index_select(0, unit_clamped)
