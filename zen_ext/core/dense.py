@@ -18,6 +18,7 @@ class DenseScheme(SyncScheme):
     """Dense all-reduce of the densified gradient."""
 
     name = "dense"
+    reduce_scatter_form = "dense"
     wire_phases = ("comm_s",)
 
     def _sync(

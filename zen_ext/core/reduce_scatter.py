@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 
+from .registry import available_schemes, scheme_class
 from .rs_auto import AutoReduceScatter
 from .rs_base import ReduceScatterScheme
 from .rs_dense import DenseReduceScatter
@@ -50,20 +51,19 @@ def build_reduce_scatter(name: str, **options) -> ReduceScatterScheme:
     return cls(**options)
 
 
-FROM_ALL_REDUCE = {"zen": "zen", "zen_coo": "zen", "dense": "dense", "auto": "auto"}
-"""The reduce-scatter a sharded engine runs for each ``zen.scheme`` that has one."""
-
-
 def reduce_scatter_for(scheme: str) -> str:
-    """The reduce-scatter scheme that serves ``zen.scheme`` under ZeRO-2/3 or FSDP2.
+    """The reduce-scatter scheme that serves ``zen.scheme`` under ZeRO-2/3 or FSDP2: the scheme class's
+    ``reduce_scatter_form`` (``zen``/``zen_coo`` → zen, ``dense`` → dense, ``auto`` → auto).
 
     Raises:
         NotImplementedError: an all-reduce baseline without a reduce-scatter form (names the supported).
     """
-    if scheme not in FROM_ALL_REDUCE:
+    form = scheme_class(scheme).reduce_scatter_form
+    if form is None:
+        supported = sorted(n for n in available_schemes() if scheme_class(n).reduce_scatter_form is not None)
         raise NotImplementedError(f"zen.scheme ({scheme!r}) has no reduce-scatter form for sharded training "
-                                  f"(ZeRO-2 reduce_scatter, ZeRO-3, FSDP2); supported: {sorted(FROM_ALL_REDUCE)}")
-    return FROM_ALL_REDUCE[scheme]
+                                  f"(ZeRO-2 reduce_scatter, ZeRO-3, FSDP2); supported: {supported}")
+    return form
 
 
 def reduce_scatter_of(scheme) -> ReduceScatterScheme:

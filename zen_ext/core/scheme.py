@@ -32,6 +32,9 @@ class SyncScheme(abc.ABC):
 
     name: ClassVar[str]
     lossless: ClassVar[bool] = True
+    reduce_scatter_form: ClassVar[str | None] = None
+    """The reduce-scatter scheme (``core/reduce_scatter.py``) that serves this scheme under ZeRO-2
+    reduce_scatter, ZeRO-3 and FSDP2; None: the scheme has no reduce-scatter form (sharded engines refuse it)."""
     #: The phases (keys of the ``timings`` it fills) whose time is the wire's; empty: no cost model.
     wire_phases: ClassVar[tuple[str, ...]] = ()
     #: What ``partition_fn`` maps: ``"index"`` (rows in row form) or ``"block"`` (OmniReduce's blocks).

@@ -97,6 +97,7 @@ class ZenScheme(SyncScheme):
     """
 
     name = "zen"
+    reduce_scatter_form = "zen"
     wire_phases = ("push_s", "pull_s")
 
     def __init__(

@@ -99,6 +99,7 @@ class AutoScheme(SyncScheme):
     """
 
     name = "auto"
+    reduce_scatter_form = "auto"
     MODELS = ("compute", "alpha_beta")
 
     def __init__(
