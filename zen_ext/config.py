@@ -204,6 +204,13 @@ class ZenConfig(_Section):
 
         return build_scheme(self.scheme, **self.scheme_options())
 
+    def build_reduce_scatter(self):
+        """The reduce-scatter form of ``scheme`` for sharded engines (ZeRO-2 reduce_scatter, ZeRO-3,
+        FSDP2): zen/zen_coo → zen, dense → dense, auto → auto; NotImplementedError for the rest."""
+        from .core.reduce_scatter import reduce_scatter_of
+
+        return reduce_scatter_of(self.build_scheme())
+
     def dgc_options(self) -> DGCConfig | None:
         """The DGC section for the Synchronizer and ``classify_parameters`` (None when DGC is off)."""
         return self.dgc if self.dgc.enabled else None

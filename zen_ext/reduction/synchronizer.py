@@ -54,6 +54,7 @@ from ..compress.registry import DENSE
 from ..core.scheme import SyncScheme, build_scheme, check_op
 from ..core.types import SparseGrad
 from .plan import GradSlice, Plan, SliceGroup, agree, build_plan
+from .scatter import reduce_scatter_flat
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,8 @@ class Synchronizer:
         natural: the ``zen.natural`` section as a dict (or NaturalConfig); ``None`` = disabled.
         sections: the sections of sparsifiers registered from outside, by kind (absent = disabled).
         tp_comm: the tensor-parallel group; DGC then agrees on one threshold per layer across it.
+        reduce_scatter: the ReduceScatterScheme (or its name) of ``reduce_scatter_flat``; None: the
+            reduce-scatter form of ``scheme`` (``core/reduce_scatter.py`` ``reduce_scatter_of``).
 
     Raises:
         ValueError: a kind that is not registered, or a kind whose sparsifier is disabled.
@@ -149,8 +152,10 @@ class Synchronizer:
         natural: "dict | NaturalConfig | None" = None,
         sections: "dict | None" = None,
         tp_comm: Communicator | None = None,
+        reduce_scatter=None,
     ) -> None:
         self.dp_comm = dp_comm
+        self.rs_scheme = reduce_scatter
         self.tp_comm = tp_comm
         self.scheme = build_scheme(scheme) if isinstance(scheme, str) else scheme
         # Every registered kind's config (without a section: disabled), compared across ranks, and a
@@ -226,6 +231,12 @@ class Synchronizer:
             RuntimeError: ranks disagree on the bucket layout or configuration.
         """
         return self.finish_flat(self.prepare_flat(flat, slices, op, out))
+
+    def reduce_scatter_flat(self, flat: torch.Tensor, slices: list[GradSlice], ranges, op: str = "mean",
+                            out: torch.Tensor | None = None) -> torch.Tensor:
+        """``sync_flat``'s routing, then a reduce-scatter: this rank's range ``ranges[rank]`` of the reduced
+        bucket (``out`` when given); see ``reduction/scatter.py``."""
+        return reduce_scatter_flat(self, flat, slices, ranges, op, out)
 
     def prepare_flat(
         self, flat: torch.Tensor, slices: list[GradSlice], op: str = "mean", out: torch.Tensor | None = None

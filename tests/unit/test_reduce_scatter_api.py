@@ -1,0 +1,109 @@
+"""The reduce-scatter API (``core/reduce_scatter.py``): ranges validation, agreement, ``out``, empty
+gradients, the all-reduce → reduce-scatter mapping, and ``Synchronizer.reduce_scatter_flat`` equal to
+``sync_flat``'s result cut to each rank's range."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.unit.test_synchronizer import DGC, KINDS, NUMEL, SLICES, bucket_inputs
+from zen_ext import SimWorld, build_scheme
+from zen_ext.core.reduce_scatter import (
+    build_reduce_scatter, check_ranges, even_ranges, reduce_scatter_for, reduce_scatter_of,
+)
+from zen_ext.core.types import SparseGrad
+from zen_ext.reduction.synchronizer import Synchronizer
+
+
+@pytest.mark.parametrize("ranges, rule", [
+    ([(0, 3), (3, 10)], "one (start, end) per rank"),
+    ([(1, 3), (3, 5), (5, 10)], "must start at 0"),
+    ([(0, 3), (4, 5), (5, 10)], "must start where ranges[0] ends"),
+    ([(0, 3), (3, 2), (2, 10)], "start <= end"),
+    ([(0, 3), (3, 5), (5, 9)], "must end at the gradient's dense numel (10)"),
+    ([(0, "x"), (3, 5), (5, 10)], "must be a sequence of (start, end) int pairs"),
+])
+def test_bad_ranges_are_named(ranges, rule):
+    with pytest.raises(ValueError, match="zen.reduce_scatter ranges") as e:
+        check_ranges(ranges, 3, 10)
+    assert rule in str(e.value)
+
+
+def test_even_ranges_tile_with_short_tails():
+    assert even_ranges(10, 4) == [(0, 3), (3, 6), (6, 9), (9, 10)]
+    assert even_ranges(2, 4) == [(0, 1), (1, 2), (2, 2), (2, 2)]
+
+
+def test_unknown_names_list_the_valid_ones():
+    with pytest.raises(ValueError, match=r"zen.reduce_scatter \('ring'\) must be one of \[.*'dense'"):
+        build_reduce_scatter("ring")
+    with pytest.raises(NotImplementedError, match=r"zen.scheme \('sparcml'\).*supported: \['auto', 'dense'"):
+        reduce_scatter_for("sparcml")
+    assert reduce_scatter_of(build_scheme("dense")).name == "dense"
+
+
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_dense_uneven_ranges_and_out(n):
+    numel = 23
+    ranges = even_ranges(numel, n)
+    if n == 5:
+        ranges = [(0, 3), (3, 3), (3, 10), (10, 20), (20, 23)]
+    gen = torch.Generator().manual_seed(n)
+    xs = [torch.randint(-3, 4, (numel,), generator=gen).float() for _ in range(n)]
+    rs = build_reduce_scatter("dense")
+
+    def fn(comm, x):
+        lo, hi = ranges[comm.rank]
+        out = torch.full((hi - lo,), float("nan"))
+        got = rs.reduce_scatter(comm, SparseGrad.from_dense(x), ranges, op="sum", out=out)
+        assert got.data_ptr() == out.data_ptr() or out.numel() == 0
+        return got
+
+    outs = SimWorld(n).run(fn, xs)
+    total = sum(xs)
+    for r, (lo, hi) in enumerate(ranges):
+        assert torch.equal(outs[r], total[lo:hi]), r
+
+
+def test_empty_gradient_runs_no_collective():
+    rs = build_reduce_scatter("dense")
+    outs = SimWorld(3).run(lambda c: rs.reduce_scatter(c, torch.zeros(0), [(0, 0)] * 3))
+    assert all(o.numel() == 0 for o in outs)
+
+
+def test_ranks_that_disagree_on_ranges_raise_naming_both():
+    rs = build_reduce_scatter("dense")
+
+    def fn(comm):
+        ranges = [(0, 5), (5, 10)] if comm.rank == 0 else [(0, 4), (4, 10)]
+        return rs.reduce_scatter(comm, torch.ones(10), ranges)
+
+    with pytest.raises(RuntimeError, match=r"ranks disagree on the gradients: rank \d has .* rank \d has") as e:
+        SimWorld(2).run(fn)
+    assert "(0, 4)" in str(e.value) and "(0, 5)" in str(e.value)
+
+
+@pytest.mark.parametrize("n", [1, 3, 4])
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_reduce_scatter_flat_is_sync_flat_cut_to_the_range(n, op):
+    steps = [bucket_inputs(n, seed=5 * n + s) for s in range(2)]
+    ranges = even_ranges(NUMEL, n) if n != 3 else [(0, 100), (100, 100), (100, NUMEL)]
+
+    def fn(comm):
+        whole = Synchronizer(dp_comm=comm, scheme=build_scheme("dense"), param_kinds=KINDS, dgc=DGC, natural={})
+        shard = Synchronizer(dp_comm=comm, scheme=build_scheme("dense"), param_kinds=KINDS, dgc=DGC, natural={})
+        got = []
+        for x in steps:
+            lo, hi = ranges[comm.rank]
+            full = whole.sync_flat(x[comm.rank].clone(), SLICES, op)
+            mine = shard.reduce_scatter_flat(x[comm.rank].clone(), SLICES, ranges, op)
+            got.append((full[lo:hi].clone(), mine))
+            whole.end_step()
+            shard.end_step()
+        return got, shard.pop_step_stats()
+
+    for r, (got, stats) in enumerate(SimWorld(n).run(fn)):
+        for want, mine in got:
+            assert torch.equal(want, mine), r
+        assert stats["buckets"] == 2

@@ -1,0 +1,270 @@
+"""The ReduceScatterScheme protocol and its name → class registry (``build_reduce_scatter``).
+
+A reduce-scatter scheme reduces one flat gradient over ``[0, N)`` across the ranks of a Communicator
+and leaves each rank only the reduced values of the contiguous range it owns: ``ranges[r] = (start,
+end)`` is rank ``r``'s range, the ranges in rank order tile ``[0, N)`` (uneven or empty ones allowed:
+ZeRO's partitions, FSDP2's padded chunks). Lossless schemes equal ``dense`` (the Communicator's
+reduce-scatter of the densified inputs) up to float summation order. API contract:
+``docs/reduce_scatter.md``.
+
+Cross-rank agreement: the call's numel, dtype, op, ranges and the scheme's options are folded into
+the signature word that rides on the call's first collective (``Communicator.signed``); when ranks
+differ every rank raises at that collective, then one object all-gather names both ranks' values.
+
+Legend: ``_K`` non-zeros, ``_N`` dense length, ``_R`` this rank's range.
+"""
+
+from __future__ import annotations
+
+import abc
+import hashlib
+import inspect
+from typing import ClassVar, Sequence
+
+import torch
+
+from ..comm.base import Communicator
+from .scheme import check_op, check_out
+from .types import SparseGrad
+
+_REGISTRY: dict[str, type["ReduceScatterScheme"]] = {}
+_SIG_DIGEST_BITS = 50  # the numel field of the signature word (comm/base.py encode_signature)
+_DISAGREE = "zen: ranks disagree on the gradient passed to"  # comm/base.py's signature error
+
+
+class ReduceScatterScheme(abc.ABC):
+    """One way to reduce a (sparse) gradient and scatter contiguous ranges of the result to their owners."""
+
+    name: ClassVar[str]
+    lossless: ClassVar[bool] = True
+
+    def reduce_scatter(
+        self, comm: Communicator, grad: SparseGrad | torch.Tensor, ranges: Sequence[tuple[int, int]], op: str = "sum",
+        out: torch.Tensor | None = None, timings: dict | None = None, key: str | None = None,
+    ) -> torch.Tensor:
+        """Reduce ``grad`` over ``comm``; return this rank's reduced range (``out`` when given).
+
+        1. Validate ``op``, ``ranges`` (one per rank, contiguous, in rank order, tiling ``[0, N)``
+           with ``N`` the dense numel), every index inside ``[0, numel)`` and ``out``.
+        2. Empty gradient (N = 0): an empty result, no collective.
+        3. Run the scheme under this call's signature (numel, dtype, op, ranges, options), checked by
+           every rank at the first collective.
+
+        Args:
+            comm: the ranks to reduce over.
+            grad: this rank's gradient, sparse (element or row form) or dense (any shape, read flat).
+            ranges: ``ranges[r] = (start, end)``, rank ``r``'s range of the dense flat gradient.
+            op: ``"sum"`` or ``"mean"`` (the sum divided by ``comm.size``).
+            out: if given, a contiguous 1-D tensor of ``end − start`` elements of ``grad``'s dtype and
+                device that receives the result (and is returned).
+            timings: if given, filled with seconds per phase (and the choice of ``auto``).
+            key: a stable name of the gradient (``auto`` keeps its decision per key).
+
+        Raises:
+            ValueError: bad ``op``, ``ranges``, index or ``out``.
+            RuntimeError: ranks passed different numel, dtype, op, ranges or scheme options.
+        """
+        return self.reduce_scatter_group(comm, [grad], [ranges], op, outs=[out], timings=[timings], keys=[key])[0]
+
+    def reduce_scatter_group(
+        self, comm: Communicator, grads: list[SparseGrad | torch.Tensor], ranges: list[Sequence[tuple[int, int]]],
+        op: str = "sum", outs: list[torch.Tensor | None] | None = None, timings: list[dict | None] | None = None,
+        keys: list[str | None] | None = None,
+    ) -> list[torch.Tensor]:
+        """``reduce_scatter`` of several gradients of one bucket, each with its own ranges; a scheme may
+        run them step by step together so that its host reads happen once per group (``zen`` does).
+
+        1. Validate each as ``reduce_scatter`` does; empty ones get their empty result at once.
+        2. Run the rest together (``_reduce_scatter_group``) under one signature covering them all.
+        3. Copy a result into its ``out`` where the scheme returned a new tensor.
+        """
+        k = len(grads)
+        outs, timings, keys = outs or [None] * k, timings or [None] * k, keys or [None] * k
+        if not len(ranges) == len(outs) == len(timings) == len(keys) == k:
+            raise ValueError(f"reduce_scatter_group: ranges, outs, timings and keys must have one entry per gradient ({k})")
+        # Step 1: validate.
+        check_op(op)
+        results: list[torch.Tensor | None] = [None] * k
+        live, facts = [], []
+        for i in range(k):
+            numel, dtype, device = self._facts(grads[i])
+            rs = check_ranges(ranges[i], comm.size, numel, f"reduce-scatter {self.name!r}")
+            lo, hi = rs[comm.rank]
+            if outs[i] is not None:
+                check_out(outs[i], hi - lo, dtype, device, f"reduce-scatter {self.name!r}")
+            if numel == 0:
+                results[i] = outs[i] if outs[i] is not None else torch.empty(0, dtype=dtype, device=device)
+            else:
+                live.append(i)
+                facts.append((numel, dtype, rs))
+        if not live:
+            return results
+        # Step 2: run under one signature for the group.
+        numel0, dtype0 = facts[0][0], facts[0][1]
+        word = signature_digest(self.name, self.options(), op, [(f[0], str(f[1]), f[2]) for f in facts])
+        where = f"reduce-scatter {self.name!r}"
+        try:
+            with comm.signed(word, dtype0, op, where=where):
+                got = self._reduce_scatter_group(comm, [grads[i] for i in live], [facts[j][2] for j in range(len(live))],
+                                                 op, [outs[i] for i in live], [timings[i] for i in live],
+                                                 [keys[i] for i in live])
+        except RuntimeError as exc:
+            if str(exc).startswith(_DISAGREE):
+                _explain_disagreement(comm, self, op, facts, exc)
+            raise
+        # Step 3: into the callers' buffers.
+        for i, res in zip(live, got):
+            out = outs[i]
+            if out is not None and res is not out:
+                out.copy_(res.reshape(-1))
+                res = out
+            results[i] = res
+        return results
+
+    @staticmethod
+    def _facts(grad: SparseGrad | torch.Tensor):
+        if isinstance(grad, SparseGrad):
+            grad.check_range(where="reduce-scatter")
+            return grad.dense_numel, grad.values.dtype, grad.values.device
+        return grad.numel(), grad.dtype, grad.device
+
+    @abc.abstractmethod
+    def _reduce_scatter_group(
+        self, comm: Communicator, grads: list[SparseGrad | torch.Tensor], ranges: list[list[tuple[int, int]]],
+        op: str, outs: list[torch.Tensor | None], timings: list[dict | None], keys: list[str | None],
+    ) -> list[torch.Tensor]:
+        """The scheme on validated, non-empty gradients: one result per gradient, this rank's range
+        (written into ``outs[i]`` and returned, or a new 1-D tensor that the caller copies)."""
+
+    def options(self) -> dict:
+        """The constructor options of this instance (folded into the call signature)."""
+        return {}
+
+    def __repr__(self) -> str:
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
+        return f"{type(self).__name__}({opts})"
+
+
+def check_ranges(ranges: Sequence[tuple[int, int]], n: int, numel: int, where: str = "reduce-scatter") -> list[tuple[int, int]]:
+    """``ranges`` as a list of int pairs, or ValueError unless they are one per rank, in rank order,
+    contiguous and tiling ``[0, numel)`` (empty ranges allowed)."""
+    try:
+        rs = [(int(s), int(e)) for s, e in ranges]
+    except (TypeError, ValueError):
+        raise ValueError(f"zen.reduce_scatter ranges ({ranges!r}) must be a sequence of (start, end) int pairs "
+                         f"({where})") from None
+    if len(rs) != n:
+        raise ValueError(f"zen.reduce_scatter ranges ({len(rs)} entries) must have one (start, end) per rank ({n}) ({where})")
+    at = 0
+    for r, (s, e) in enumerate(rs):
+        if s != at:
+            raise ValueError(f"zen.reduce_scatter ranges[{r}] ({(s, e)}) must start where ranges[{r - 1}] ends ({at}): "
+                             f"the ranges tile [0, {numel}) in rank order ({where})" if r else
+                             f"zen.reduce_scatter ranges[0] ({(s, e)}) must start at 0 ({where})")
+        if e < s:
+            raise ValueError(f"zen.reduce_scatter ranges[{r}] ({(s, e)}) must have start <= end ({where})")
+        at = e
+    if at != numel:
+        raise ValueError(f"zen.reduce_scatter ranges[{n - 1}] ({rs[-1]}) must end at the gradient's dense numel "
+                         f"({numel}) ({where})")
+    return rs
+
+
+def even_ranges(numel: int, n: int) -> list[tuple[int, int]]:
+    """Equal contiguous ranges of ``ceil(numel / n)`` (FSDP's padded chunks; the last ones shorter)."""
+    size = -(-numel // n) if n else 0
+    return [(min(numel, r * size), min(numel, (r + 1) * size)) for r in range(n)]
+
+
+def signature_digest(name: str, options: dict, op: str, facts: list) -> int:
+    """The call's numel field: a 50-bit digest of what shapes its collectives (every gradient's numel,
+    dtype and ranges, the scheme and its options, op). Ranks that differ in any of them differ here."""
+    text = repr((name, sorted(options.items()), op, facts)).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") & ((1 << _SIG_DIGEST_BITS) - 1)
+
+
+def _explain_disagreement(comm: Communicator, scheme: ReduceScatterScheme, op: str, facts: list, exc: RuntimeError):
+    """Every rank raised at the same signature check: gather the plain values once and name both ranks'."""
+    mine = {"scheme": repr(scheme), "op": op,
+            "gradients": [{"numel": f[0], "dtype": str(f[1]), "ranges": f[2]} for f in facts]}
+    for r, theirs in enumerate(comm.all_gather_object(mine)):
+        if theirs != mine:
+            field = next(k for k in mine if theirs.get(k) != mine.get(k))
+            raise RuntimeError(f"zen.reduce_scatter: ranks disagree on the {field}: rank {r} has {theirs[field]!r}, "
+                               f"rank {comm.rank} has {mine[field]!r}; every rank must pass the same numel, dtype, "
+                               f"op and ranges to the same scheme") from exc
+
+
+def register_reduce_scatter(cls: type[ReduceScatterScheme]) -> type[ReduceScatterScheme]:
+    """Class decorator: make ``cls`` buildable as ``build_reduce_scatter(cls.name)``."""
+    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
+        raise ValueError(f"reduce-scatter name {cls.name!r} is already registered by {_REGISTRY[cls.name].__name__}")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def available_reduce_scatters() -> list[str]:
+    _load_builtin()
+    return sorted(_REGISTRY)
+
+
+def build_reduce_scatter(name: str, **options) -> ReduceScatterScheme:
+    """Build a registered reduce-scatter scheme by name.
+
+    Raises:
+        ValueError: unknown name or option (lists the valid ones).
+    """
+    _load_builtin()
+    if name not in _REGISTRY:
+        raise ValueError(f"zen.reduce_scatter ({name!r}) must be one of {sorted(_REGISTRY)}")
+    cls = _REGISTRY[name]
+    valid = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "args", "kwargs")]
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(f"reduce-scatter {name!r} got unknown option(s) {unknown}; valid options are {sorted(valid)}")
+    return cls(**options)
+
+
+FROM_ALL_REDUCE = {"zen": "zen", "zen_coo": "zen", "dense": "dense", "auto": "auto"}
+"""The reduce-scatter a sharded engine runs for each ``zen.scheme`` that has one."""
+
+
+def reduce_scatter_for(scheme: str) -> str:
+    """The reduce-scatter scheme that serves ``zen.scheme`` under ZeRO-2/3 or FSDP2.
+
+    Raises:
+        NotImplementedError: an all-reduce baseline without a reduce-scatter form (names the supported).
+    """
+    if scheme not in FROM_ALL_REDUCE:
+        raise NotImplementedError(f"zen.scheme ({scheme!r}) has no reduce-scatter form for sharded training "
+                                  f"(ZeRO-2 reduce_scatter, ZeRO-3, FSDP2); supported: {sorted(FROM_ALL_REDUCE)}")
+    return FROM_ALL_REDUCE[scheme]
+
+
+def reduce_scatter_of(scheme) -> ReduceScatterScheme:
+    """The reduce-scatter form of an all-reduce SyncScheme (``reduce_scatter_for`` its name), built with
+    the options both take (``zen``: seed, hash parameters; ``zen_coo``: its COO pull)."""
+    name = reduce_scatter_for(scheme.name)
+    _load_builtin()
+    accepted = set(inspect.signature(_REGISTRY[name].__init__).parameters) - {"self"}
+    return build_reduce_scatter(name, **{k: v for k, v in scheme.options().items() if k in accepted})
+
+
+# Modules whose import registers built-in reduce-scatter schemes (a module not written yet is skipped).
+_BUILTIN_MODULES = (
+    "zen_ext.core.rs_dense",
+    "zen_ext.core.rs_direct",
+    "zen_ext.core.rs_zen",
+    "zen_ext.core.rs_auto",
+)
+
+
+def _load_builtin() -> None:
+    import importlib
+
+    for mod in _BUILTIN_MODULES:
+        try:
+            importlib.import_module(mod)
+        except ModuleNotFoundError as exc:
+            if exc.name != mod:
+                raise

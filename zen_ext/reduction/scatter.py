@@ -1,0 +1,152 @@
+"""``Synchronizer.reduce_scatter_flat``: one flat bucket routed as ``sync_flat`` routes it (dense slices,
+natural rows, DGC), then reduce-scattered: each rank keeps the reduced values of its own contiguous
+range of the bucket (ZeRO-2's ``reduce_scatter``, ZeRO-3's partitions, FSDP2's chunks).
+
+Every part of the bucket (the dense buffer, each natural slice, each fused DGC group) spans one or more
+segments of the bucket; an owner's bucket range maps to one contiguous range of the part (the part's
+elements before the range's start, before its end), so each part is reduce-scattered with the
+configured ``ReduceScatterScheme`` over those mapped ranges, and this rank's piece lands at its place
+in the shard. The dense buffer goes through the ``dense`` reduce-scatter, the sparse parts through one
+``reduce_scatter_group`` call of the configured scheme (host reads once per bucket).
+
+Not served: node-sharded (hierarchical) reduction and sparsifiers that read the synchronized gradient
+back (``after_sync``, e.g. EF21): a rank holds only its range of it.
+
+Legend: ``_N`` elements of the bucket, ``_R`` this rank's range.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+
+from ..core.reduce_scatter import ReduceScatterScheme, build_reduce_scatter, check_ranges, reduce_scatter_of
+from ..core.rs_dense import predict_dense_bytes
+from .plan import GradSlice
+
+_DENSE_RS = build_reduce_scatter("dense")
+
+
+def reduce_scatter_flat(sync, flat: torch.Tensor, slices: list[GradSlice], ranges: Sequence[tuple[int, int]],
+                        op: str = "mean", out: torch.Tensor | None = None) -> torch.Tensor:
+    """Reduce the bucket ``flat`` over ``sync.dp_comm`` and return this rank's range of the result.
+
+    1. Validate ``ranges`` (one per data-parallel rank, tiling ``[0, flat.numel())``) and ``out``.
+    2. Prepare as ``sync_flat`` does (plan and its agreement, dense gather, sparsifiers' compression).
+    3. Dense part: the ``dense`` reduce-scatter of the gathered buffer over the mapped ranges.
+    4. Sparse parts: one ``reduce_scatter_group`` of the Synchronizer's reduce-scatter scheme, each
+       part over its mapped ranges, written into the shard (a part of one segment writes in place).
+    5. Statistics, next to what the dense reduce-scatter of the bucket would have sent.
+
+    Args:
+        sync: the Synchronizer (its ``rs_scheme``: a ReduceScatterScheme, a registered name, or None
+            for the reduce-scatter form of its all-reduce scheme).
+        flat: this rank's bucket (contiguous; read as flat; not modified).
+        slices: the parameters in the bucket (as for ``sync_flat``).
+        ranges: ``ranges[r] = (start, end)``, data-parallel rank ``r``'s range of the bucket.
+        op: ``"sum"`` or ``"mean"``.
+        out: where this rank's range goes (contiguous 1-D, ``end − start`` elements of ``flat``'s dtype
+            and device). Default: a new tensor.
+
+    Raises:
+        ValueError: bad ranges, out, slices or op.
+        NotImplementedError: node-sharded reduction, or a sparsifier that reads the result back.
+        RuntimeError: ranks disagree on the bucket layout, configuration or ranges.
+    """
+    t_start = time.perf_counter()
+    dp, n = sync.dp_comm, sync.dp_comm.size
+    # Step 1: validate.
+    if not flat.is_contiguous():
+        raise ValueError("reduce_scatter_flat needs a contiguous bucket")
+    flat_N = flat.reshape(-1)
+    rs = check_ranges(ranges, n, flat_N.numel(), "Synchronizer.reduce_scatter_flat")
+    lo, hi = rs[dp.rank]
+    if out is not None:
+        if out.dim() != 1 or not out.is_contiguous() or out.numel() != hi - lo or out.dtype != flat_N.dtype \
+                or out.device != flat_N.device:
+            raise ValueError(f"reduce_scatter_flat: out ({tuple(out.shape)} {out.dtype} on {out.device}) must be a "
+                             f"contiguous 1-D tensor of {hi - lo} {flat_N.dtype} elements on {flat_N.device}")
+        out_R = out
+    else:
+        out_R = torch.empty(hi - lo, dtype=flat_N.dtype, device=flat_N.device)
+    refused = sorted(getattr(sync, "_after_sync", ()))
+    if refused:
+        raise NotImplementedError(f"reduce_scatter_flat: sparsifier(s) {refused} read the synchronized gradient back "
+                                  f"(after_sync), which a rank holding only its range cannot serve; supported "
+                                  f"with reduce-scatter: sparsifiers without after_sync (natural, dgc)")
+    scheme = _scheme_of(sync)
+    st = sync._stats
+    # Step 2: prepare (out=flat: no bucket-sized output is allocated; nothing writes it).
+    prep = sync.prepare_flat(flat, slices, op, out=flat)
+    plan = prep.plan
+    dp_before = dp.stats.snapshot()
+
+    # Step 3: the dense part.
+    if prep.dense_buf is not None:
+        segs = plan.dense_ranges
+        res = _DENSE_RS.reduce_scatter(dp, prep.dense_buf, map_ranges(segs, rs), op)
+        place(res, segs, lo, hi, out_R)
+        sync._count("dense", prep.dense_buf.numel(), prep.dense_buf.numel())
+        st["schemes"].add("dense")
+        st["slice_schemes"]["dense slices"] = "dense"
+
+    # Step 4: every sparse part in one group call.
+    if prep.parts:
+        segs_of, outs = [], []
+        for p in prep.parts:
+            g = p.group
+            if p.slice is not None:
+                segs = [(p.slice.offset, p.slice.offset + p.slice.numel)]
+            elif g.tiled:
+                segs = [(g.lo, g.hi)]
+            else:
+                segs = [(s.offset, s.offset + s.numel) for s in g.slices]
+            segs_of.append(segs)
+            a, b = max(segs[0][0], lo), min(segs[0][1], hi)
+            outs.append(out_R[a - lo : b - lo] if len(segs) == 1 and a <= b else None)
+        timings: list[dict] = [{} for _ in prep.parts]
+        results = scheme.reduce_scatter_group(dp, [p.grad for p in prep.parts], [map_ranges(s, rs) for s in segs_of],
+                                              op, outs=outs, timings=timings, keys=[p.key for p in prep.parts])
+        for p, segs, o, res, t in zip(prep.parts, segs_of, outs, results, timings):
+            if o is None:
+                place(res, segs, lo, hi, out_R)
+            sync._note_scheme(t, p.key)
+            sync._count(p.group.kind, p.numel, p.grad.nnz * p.grad.row_width)
+
+    # Step 5: statistics.
+    st["buckets"] += 1
+    d = dp.stats - dp_before
+    st["bytes_sent"] += d.bytes_sent
+    st["bytes_recv"] += d.bytes_recv
+    st["dense_bytes_sent"] += predict_dense_bytes(n, [e - s for s, e in rs], flat_N.element_size())["bytes"]
+    st["sync_s"] += time.perf_counter() - t_start
+    return out_R
+
+
+def map_ranges(segs: list[tuple[int, int]], ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Each bucket range as a range of the part made of ``segs`` (disjoint, in bucket order, concatenated):
+    its start and end become the number of the part's elements before them."""
+    def before(x: int) -> int:
+        return sum(min(max(x - a, 0), b - a) for a, b in segs)
+
+    return [(before(s), before(e)) for s, e in ranges]
+
+
+def place(res: torch.Tensor, segs: list[tuple[int, int]], lo: int, hi: int, out_R: torch.Tensor) -> None:
+    """Copy a part's reduced piece of ``[lo, hi)`` (its segments' elements inside it, in order) into the shard."""
+    at = 0
+    for a, b in segs:
+        pa, pb = max(a, lo), min(b, hi)
+        if pa < pb:
+            out_R[pa - lo : pb - lo] = res[at : at + pb - pa]
+            at += pb - pa
+
+
+def _scheme_of(sync) -> ReduceScatterScheme:
+    """The Synchronizer's reduce-scatter scheme, built once (the form of its all-reduce scheme by default)."""
+    s = getattr(sync, "rs_scheme", None)
+    if not isinstance(s, ReduceScatterScheme):
+        s = sync.rs_scheme = build_reduce_scatter(s) if isinstance(s, str) else reduce_scatter_of(sync.scheme)
+    return s
