@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ..comm.torch_dist import TorchCommunicator
 from ..config import ZenConfig, load_json_config, resolve_dgc_defaults
+from ..core.reduce_scatter import even_ranges
 from ..reduction.assembly import build_synchronizer
 from ..reduction.attachment import ZenAttachment
 from ..reduction.stats import StepStats, startup_line
@@ -45,7 +46,7 @@ log = logging.getLogger(__name__)
 __all__ = ["SUPPORTED", "ZenFSDP", "ZenReduceScatter", "attach", "chunk_layout"]
 
 SUPPORTED = ("FSDP2 fully_shard on a 1-D device mesh (every data-parallel rank shards), one parameter group "
-             "per fully_shard call (one gradient dtype), Shard(0) placements")
+             "per fully_shard call (no per-parameter mesh from shard_placement_fn), Shard(0) placements")
 """What ``attach`` serves, named in its errors."""
 
 
@@ -179,22 +180,12 @@ class ZenFSDP(ZenAttachment):
         if factor is not None and factor != 1.0:
             flat.mul_(factor)
         # Step 3: the reduction, and the step's end.
-        self._reduce_scatter_flat(flat, slices, zen_op, out)
+        self.sync.reduce_scatter_flat(flat, slices, even_ranges(flat.numel(), n), zen_op, out=out)
         self.reduce_calls += 1
         self._t_step += time.perf_counter() - t0
         if not self._step_open:
             self._step_open = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_step)
-
-    def _reduce_scatter_flat(self, flat, slices, op, out) -> None:
-        # TODO(e1-rs): the core reduce-scatter; until it lands, the all-reduce and this rank's row.
-        width = flat.numel() // self.dp_size
-        full = self.sync.sync_flat(flat, slices, op)
-        out.copy_(full[self.rank_in_group * width : (self.rank_in_group + 1) * width])
-
-    @property
-    def rank_in_group(self) -> int:
-        return self.sync.dp_comm.rank
 
     # --- per step -------------------------------------------------------------------------------------
     def end_step(self) -> dict:
@@ -251,7 +242,7 @@ def _fsdp_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, ob
         groups = module._get_fsdp_state()._fsdp_param_groups
         if len(groups) > 1:
             raise NotImplementedError(f"zen_ext.fsdp: FSDP module {name or '<root>'} has {len(groups)} parameter groups "
-                                      f"(mixed gradient dtypes); supported: {SUPPORTED}")
+                                      f"(parameters on several meshes); supported: {SUPPORTED}")
         if not groups:
             continue
         pg, where = groups[0], name or "<root>"
@@ -266,7 +257,7 @@ def _fsdp_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, ob
         for fp in pg.fsdp_params:
             if fp.fsdp_placement != Shard(0):
                 raise NotImplementedError(f"zen_ext.fsdp: a parameter of FSDP module {where} is placed "
-                                          f"{fp.fsdp_placement}; supported: {SUPPORTED}")
+                                          f"Shard({fp.fsdp_placement.dim}) (shard_placement_fn); supported: {SUPPORTED}")
         found.append((name, module, pg))
     if not any_fsdp:
         raise ValueError(f"zen_ext.fsdp.attach needs a model with fully_shard applied ({type(model).__name__} has no "
@@ -327,6 +318,12 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None) -> ZenFSDP:
     # Step 2: routing and the Synchronizer.
     comm = TorchCommunicator(group, cfg.exchange_impl)
     kinds, sync = build_synchronizer(model, cfg, sync_comm=comm, tp_comm=None, rank=rank)
+    sync.rs_scheme = cfg.build_reduce_scatter()  # NotImplementedError now for a scheme without one
+    readers = sorted(getattr(sync, "_after_sync", ()))
+    if readers:
+        raise NotImplementedError(f"zen_ext.fsdp: sparsifier(s) {readers} read the synchronized gradient back "
+                                  f"(e.g. zen.dgc.feedback \"ef21\"), but an FSDP rank holds only its shard; "
+                                  f"supported: natural rows and DGC with error feedback (\"ef\")")
     zen = ZenFSDP(cfg=cfg, group=group, sync=sync, stats=StepStats(rank, cfg.stats.jsonl_path), rank=rank)
     if cfg.async_sync and rank == 0:
         log.info("zen: zen.async_sync is off with FSDP2: FSDP records its event when the reduce-scatter returns")
