@@ -107,3 +107,83 @@ def test_reduce_scatter_flat_is_sync_flat_cut_to_the_range(n, op):
         for want, mine in got:
             assert torch.equal(want, mine), r
         assert stats["buckets"] == 2
+
+
+@pytest.mark.parametrize("scheme", ["direct", "zen", "auto"])
+def test_reduce_scatter_flat_sparse_schemes_equal_dense(scheme):
+    n = 4
+    steps = [bucket_inputs(n, seed=11 + s) for s in range(2)]
+    ranges = [(0, 10), (10, 1300), (1300, 1300), (1300, NUMEL)]
+
+    def fn(comm):
+        def sync(rs):
+            return Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC, natural={},
+                                reduce_scatter=rs)
+        dense, sparse = sync("dense"), sync(scheme)
+        got = []
+        for x in steps:
+            want = dense.reduce_scatter_flat(x[comm.rank].clone(), SLICES, ranges, "sum")
+            lo, hi = ranges[comm.rank]
+            out = torch.full((hi - lo,), float("nan"))
+            mine = sparse.reduce_scatter_flat(x[comm.rank].clone(), SLICES, ranges, "sum", out=out)
+            assert mine is out
+            got.append((want, mine))
+            dense.end_step()
+            sparse.end_step()
+        return got, sparse.pop_step_stats()
+
+    for r, (got, stats) in enumerate(SimWorld(n).run(fn)):
+        for want, mine in got:
+            assert torch.equal(want, mine), r
+        assert set(stats["schemes"]) <= {"dense", "direct", "zen"}
+
+
+def test_reduce_scatter_flat_default_is_the_schemes_form():
+    x = bucket_inputs(1, seed=1)[0]
+
+    def fn(comm):
+        sync = Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC, natural={})
+        shard = sync.reduce_scatter_flat(x.clone(), SLICES, [(0, NUMEL)], "sum")
+        assert sync.rs_scheme.name == "zen"
+        return shard, Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC,
+                                   natural={}).sync_flat(x.clone(), SLICES, "sum")
+
+    shard, whole = SimWorld(1).run(fn)[0]
+    assert torch.equal(shard, whole)
+
+
+@pytest.mark.parametrize("scheme", ["dense", "zen"])
+def test_bucket_reducer_reduce_scatter_is_reduce_cut_to_the_range(scheme):
+    """Re-bucketed at a small cap (ranges cut by bucket boundaries), with the non-finite guard."""
+    from zen_ext.reduction.reducer import BucketReducer
+
+    n = 3
+    steps = [bucket_inputs(n, seed=21 + s) for s in range(2)]
+    ranges = [(0, 700), (700, 701), (701, NUMEL)]
+
+    def fn(comm):
+        def reducer():
+            sync = Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC, natural={},
+                                reduce_scatter=scheme)
+            return BucketReducer(sync, cap_bytes=1300 * 4, dp_size=n, guard_comm=comm)
+        whole, shard = reducer(), reducer()
+        got = []
+        for x in steps:
+            lo, hi = ranges[comm.rank]
+            full = x[comm.rank].clone()
+            whole.reduce_(full, SLICES, "sum")
+            out = torch.full((hi - lo,), float("nan"))
+            assert shard.reduce_scatter_(x[comm.rank].clone(), SLICES, ranges, "sum", out) is out
+            got.append((full[lo:hi], out))
+            whole.sync.end_step()
+            shard.sync.end_step()
+        bad = x[comm.rank].clone()
+        bad[5] = float("inf") if comm.rank == 2 else bad[5]
+        out = torch.zeros(ranges[comm.rank][1] - ranges[comm.rank][0])
+        shard.reduce_scatter_(bad, SLICES, ranges, "sum", out)
+        return got, bool(out.isnan().all()), shard.pop_stats()
+
+    for r, (got, nan_filled, stats) in enumerate(SimWorld(n).run(fn)):
+        for want, mine in got:
+            assert torch.equal(want, mine), r
+        assert nan_filled and stats["nonfinite_steps"] == 1

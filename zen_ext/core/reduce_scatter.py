@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import inspect
+from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 import torch
@@ -145,6 +146,33 @@ class ReduceScatterScheme(abc.ABC):
         return f"{type(self).__name__}({opts})"
 
 
+@dataclass(frozen=True)
+class RSProfile:
+    """What the reduce-scatter cost predictors read (``predict_*_bytes`` next to each scheme): the same
+    on every rank (``auto`` gathers it). Units are a gradient's index units (rows in row form)."""
+
+    n: int
+    lengths: list[int]
+    """Units per owner range."""
+    counts: list[list[int]]
+    """``counts[j][r]``: rank ``j``'s entries inside owner ``r``'s range (duplicates counted)."""
+    idx_bytes: int
+    val_bytes: int
+    """Bytes of one entry's values (``row width · itemsize``)."""
+
+    def union(self, r: int) -> float:
+        """Distinct units expected in ``R_r`` over every rank, if ranks picked them independently
+        (DGC's top-k: close; correlated embedding rows: an over-estimate, so ZEN's pull is predicted
+        pessimistically)."""
+        length = self.lengths[r]
+        if not length:
+            return 0.0
+        miss = 1.0
+        for j in range(self.n):
+            miss *= 1.0 - min(self.counts[j][r], length) / length
+        return length * (1.0 - miss)
+
+
 def check_ranges(ranges: Sequence[tuple[int, int]], n: int, numel: int, where: str = "reduce-scatter") -> list[tuple[int, int]]:
     """``ranges`` as a list of int pairs, or ValueError unless they are one per rank, in rank order,
     contiguous and tiling ``[0, numel)`` (empty ranges allowed)."""
@@ -168,6 +196,22 @@ def check_ranges(ranges: Sequence[tuple[int, int]], n: int, numel: int, where: s
         raise ValueError(f"zen.reduce_scatter ranges[{n - 1}] ({rs[-1]}) must end at the gradient's dense numel "
                          f"({numel}) ({where})")
     return rs
+
+
+def as_units(grad: SparseGrad | torch.Tensor, ranges: list[tuple[int, int]]) -> tuple[SparseGrad, list[tuple[int, int]]]:
+    """``grad`` as a validated SparseGrad and ``ranges`` in its index units (rows of a row-form gradient).
+
+    A row-form gradient whose rows some range boundary cuts is expanded to element form first (each
+    row's ``W`` elements become entries), so every index has one owner; values are unchanged.
+    """
+    sg = grad if isinstance(grad, SparseGrad) else SparseGrad.from_dense(grad)
+    w = sg.row_width
+    if w > 1 and any(s % w or e % w for s, e in ranges):
+        cols = torch.arange(w, device=sg.indices.device)
+        sg = SparseGrad((sg.indices.unsqueeze(1) * w + cols).reshape(-1), sg.values.reshape(-1), sg.numel * w,
+                        in_range=True)
+        w = 1
+    return sg, [(s // w, e // w) for s, e in ranges]
 
 
 def even_ranges(numel: int, n: int) -> list[tuple[int, int]]:

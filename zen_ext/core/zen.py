@@ -131,32 +131,15 @@ class ZenScheme(SyncScheme):
             p = self._partitioners[key] = HashPartitioner(numel, n, self.seed, self.hash_config)
         return p
 
-    def _sync(
-        self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
-        key: str | None = None, out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Synchronize ``grad`` losslessly: ``_sync_group`` of one gradient."""
-        return self._sync_group(comm, [as_sparse(grad)], op, [timings], [key], [out])[0]
-
-    def _sync_group(
-        self, comm: Communicator, grads: list[SparseGrad | torch.Tensor], op: str, timings: list[dict | None],
-        keys: list[str | None], outs: list[torch.Tensor | None],
-    ) -> list[torch.Tensor]:
-        """Synchronize every gradient of ``grads`` losslessly, step by step for all of them, so the two
-        host reads (partition counts, aggregated counts) happen once per group, not once per gradient.
-
-        1. Partition: h0 groups each gradient's local non-zeros by server (hashing, no sort of the data).
-        2. Push: one host read of every gradient's partition counts; each server receives its
-           partition's COO pairs from every rank (one exchange per gradient).
-        3. Aggregate: the server sums duplicates into its compact ``|𝕀_i|`` buffer (sum, never
-           overwrite); one host read of every gradient's aggregated count.
-        4. Pull: the server sends its aggregate to every rank in the cheapest encoding.
-        5. Decode: every rank maps positions back to indices with ``P⁻¹`` and writes the dense result
-           into ``out`` (when given; else a new tensor), each server's message as soon as it is there.
-        Steps 4 and 5 run for one gradient after the other.
+    def push_aggregate(self, comm: Communicator, calls: list["_Call"], op: str, own_signature: bool = True) -> None:
+        """Steps 1–3 of ``_sync_group`` for every call of a group (shared with ``rs_zen``'s reduce-scatter):
+        partition by h0, push (one host read of the group's partition counts, one exchange per call,
+        carrying the call's signature), aggregate into each call's compact buffer. Leaves ``c.part``,
+        ``c.m``, ``c.acc [m, width]``, ``c.words`` (touched bitmap) and ``c.count_1`` on each call.
+        ``own_signature``: declare each call's ``sync`` signature around its push (False: the caller
+        declared one for the whole group).
         """
         n, rank = comm.size, comm.rank
-        calls = [_Call(as_sparse(g), t) for g, t in zip(grads, timings)]
 
         # Step 1: partition.
         for c in calls:
@@ -187,8 +170,12 @@ class ZenScheme(SyncScheme):
                 else:
                     send.append(pack(c.pos_K[s:e], c.vals_K[s:e]))
             del c.pos_K, c.vals_K
-            # The push is this gradient's first collective: its header carries the gradient's signature.
-            with comm.signed(c.sg.dense_numel, c.dtype, op, where=f"scheme {self.name!r}.sync"):
+            # The push is this gradient's first collective: its header carries the gradient's signature
+            # (a caller that declared its own, the reduce-scatter's, keeps it).
+            if own_signature:
+                with comm.signed(c.sg.dense_numel, c.dtype, op, where=f"scheme {self.name!r}.sync"):
+                    c.recv = comm.exchange_v(send)
+            else:
                 c.recv = comm.exchange_v(send)
             c.timer.stop()
 
@@ -205,6 +192,34 @@ class ZenScheme(SyncScheme):
                 c.acc, c.words, c.count_1 = ops.aggregate_push(c.recv, c.m, c.width, c.dtype, c.isz)
             del c.recv
             c.timer.stop()
+
+    def _sync(
+        self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
+        key: str | None = None, out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Synchronize ``grad`` losslessly: ``_sync_group`` of one gradient."""
+        return self._sync_group(comm, [as_sparse(grad)], op, [timings], [key], [out])[0]
+
+    def _sync_group(
+        self, comm: Communicator, grads: list[SparseGrad | torch.Tensor], op: str, timings: list[dict | None],
+        keys: list[str | None], outs: list[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        """Synchronize every gradient of ``grads`` losslessly, step by step for all of them, so the two
+        host reads (partition counts, aggregated counts) happen once per group, not once per gradient.
+
+        1. Partition: h0 groups each gradient's local non-zeros by server (hashing, no sort of the data).
+        2. Push: one host read of every gradient's partition counts; each server receives its
+           partition's COO pairs from every rank (one exchange per gradient).
+        3. Aggregate: the server sums duplicates into its compact ``|𝕀_i|`` buffer (sum, never
+           overwrite); one host read of every gradient's aggregated count.
+        4. Pull: the server sends its aggregate to every rank in the cheapest encoding.
+        5. Decode: every rank maps positions back to indices with ``P⁻¹`` and writes the dense result
+           into ``out`` (when given; else a new tensor), each server's message as soon as it is there.
+        Steps 4 and 5 run for one gradient after the other.
+        """
+        n = comm.size
+        calls = [_Call(as_sparse(g), t) for g, t in zip(grads, timings)]
+        self.push_aggregate(comm, calls, op)
         counts = ops.read_aggregate_counts([c.count_1 for c in calls])
 
         results = []
