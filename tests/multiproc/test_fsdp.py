@@ -21,7 +21,7 @@ from tests.multiproc.launch import run_workers
 
 VOCAB, WIDTH, IN, HID = 11, 4, 6, 5
 STEPS = 5
-RS_SCHEME = "dense"
+RS_SCHEME = "zen"
 """The lossless reduce-scatter under test (compared with ``dense``)."""
 
 
@@ -74,7 +74,8 @@ class Partial(torch.nn.Module):
 def _batch(step: int, rank: int, world: int, dtype):
     """Token ids (adversarial per step) and an integer input."""
     per = -(-VOCAB // world)  # rows per rank chunk
-    ids = [torch.arange(rank, VOCAB, world)[:4],  # disjoint rows across ranks
+    own = torch.arange(rank, VOCAB, world)
+    ids = [own[torch.arange(4) % own.numel()],  # disjoint rows across ranks, duplicates
            torch.tensor([0, per - 1, 1, 0]) % per,  # every touched row in rank 0's range
            VOCAB - 1 - torch.tensor([0, 1, 0, 1]),  # every touched row in the last rank's range
            torch.tensor([3, 7, 3, 7]),  # full overlap, duplicates
