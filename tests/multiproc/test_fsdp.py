@@ -282,3 +282,35 @@ def test_world_of_one_trains_without_calls():
     ref, got, steps = run_workers(_world_of_one, 1)[0]
     assert steps == 0  # FSDP skips the reduce-scatter on one rank
     assert ref[0] == got[0]
+
+
+# --- gradient accumulation, the non-finite guard ----------------------------------------------------------
+def _accumulate_and_guard(rank, world):
+    import zen_ext.fsdp
+
+    def accumulate(zen):
+        model = _shard(SplitLM(torch.float32), world, "avg")
+        a = zen_ext.fsdp.attach(model, zen) if zen is not None else None
+        for micro in range(3):  # FSDP reduces only on the last micro-batch
+            model.set_requires_gradient_sync(micro == 2)
+            model(*_batch(micro, rank, world, torch.float32)).backward()
+        return {n: p.grad.to_local().clone() for n, p in model.named_parameters()}, a.step if a else None
+
+    ref, _ = accumulate(None)
+    got, steps = accumulate({"scheme": RS_SCHEME})
+    guarded = _shard(SplitLM(torch.float32), world, "avg")
+    g = zen_ext.fsdp.attach(guarded, {"scheme": RS_SCHEME, "dgc": {"enabled": True, "min_numel": 8,
+                                                                  "momentum_correction": False}},
+                            guard_nonfinite=True)
+    loss = guarded(*_batch(0, rank, world, torch.float32))
+    (loss * float("nan") if rank == 1 else loss).backward()
+    all_nan = all(bool(p.grad.to_local().isnan().all()) for p in guarded.parameters() if p.grad.to_local().numel())
+    return ref, got, steps, all_nan, g.totals["nonfinite_steps"]
+
+
+def test_accumulation_and_nonfinite_guard():
+    for rank, (ref, got, steps, all_nan, nonfinite) in enumerate(run_workers(_accumulate_and_guard, 2)):
+        assert steps == 1  # one backward pass reduced
+        for name in ref:
+            assert torch.equal(got[name], ref[name]), (rank, name)
+        assert all_nan and nonfinite >= 1, rank  # a NaN on rank 1 reaches every rank's shard
