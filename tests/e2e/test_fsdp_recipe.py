@@ -50,3 +50,12 @@ def test_fsdp_recipe_refuses_a_bad_config_before_training(tmp_path):
     bad.write_text(json.dumps({"fsdp": {"micro_batch": 8, "lr_max": 1.0}, "zen": {}}))
     err = _torchrun(str(bad), str(tmp_path / "out"), rc=1)
     assert "fsdp keys ['lr_max'] must be among" in err
+
+
+@pytest.mark.parametrize("name", ["fsdp2_zen_dgc5.json", "fsdp2_dense.json"])
+def test_shipped_fsdp_configs_validate(name):
+    sys.path.insert(0, ROOT)
+    from recipes.finetune_llm_fsdp import load_config
+
+    fsdp, zen = load_config(os.path.join(ROOT, "configs", name))
+    assert fsdp["micro_batch"] == 8 and (zen is not None) == ("zen" in name)
