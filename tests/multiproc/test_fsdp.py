@@ -121,7 +121,8 @@ def _run(model_cls, rank, world, dtype, op, zen, premul=None):
     attachment = zen_ext.fsdp.attach(model, zen) if zen is not None else None
     out = _train(model, rank, world, dtype)
     if attachment is not None:
-        out += (attachment.step, dict(attachment.sync.param_kinds), attachment.totals)
+        out += (attachment.step, dict(attachment.sync.param_kinds), {**attachment.totals,
+                                                                      "schemes": dict(attachment.stats.schemes)})
         attachment.close()
     return out
 
@@ -175,6 +176,8 @@ def test_zen_reduce_scatter_equals_plain_fsdp2(runs):
                     assert torch.equal(params[name], ref_params[name]), f"{where} {name}"
             if world > 1:
                 assert totals["bytes_sent"] > 0 and totals["dense_bytes"] > 0, where
+                # The embedding's chunks went through the scheme under test, every step.
+                assert totals["schemes"][("embed.weight:natural", RS_SCHEME)] == STEPS, (where, totals["schemes"])
 
 
 # --- checkpoints ----------------------------------------------------------------------------------------
