@@ -73,3 +73,23 @@ def test_reduce_scatter_on_gloo_equals_torch_reduce_scatter(world_size):
             mine, ref, stats = got[r][c]
             assert torch.equal(mine, ref), (name, r, ranges, mine, ref)
             assert stats == world.stats[r].as_dict(), (name, r)
+
+
+def _group_worker(rank, world_size, grads, ranges):
+    from zen_ext.comm.torch_dist import TorchCommunicator
+
+    comm = TorchCommunicator()
+    mine = build_reduce_scatter("zen").reduce_scatter_group(comm, [g[rank] for g in grads], ranges, op="sum")
+    want = build_reduce_scatter("dense").reduce_scatter_group(comm, [g[rank] for g in grads], ranges, op="sum")
+    return mine, want
+
+
+def test_zen_group_in_packed_exchanges_on_gloo():
+    n = 3
+    grads = [_inputs(n, 300, 1, torch.float32, seed=40), _inputs(n, 200, 3, torch.bfloat16, seed=41),
+             _inputs(n, 300, 1, torch.float32, seed=42, hot=True)]
+    grads[1] = [SparseGrad(g.indices, g.values.float(), g.numel) for g in grads[1]]  # one dtype per bucket
+    ranges = [even_ranges(300, n), [(0, 100), (100, 100), (100, 600)], [(0, 3), (3, 3), (3, 300)]]
+    for r, (mine, want) in enumerate(run_workers(_group_worker, n, grads, ranges)):
+        for a, b in zip(mine, want):
+            assert torch.equal(a, b), r

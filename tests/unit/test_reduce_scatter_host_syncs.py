@@ -47,3 +47,23 @@ def test_host_syncs_bounded_and_independent_of_n(name, options, op):
 def test_row_form_half_precision_bounded():
     got = _count("zen", 16, "mean", width=3, dtype=torch.bfloat16)
     assert max(len(c) for c in got) <= MAX_SYNCS["zen"], got[0]
+
+
+def test_a_group_reads_the_host_a_fixed_number_of_times():
+    """Three gradients in one call: the packed exchanges add one size-table read each, whatever n."""
+    per_n = {}
+    for n in (4, 16):
+        inputs = [int_inputs(n, numel=20_011, nnz=150, seed=n + g) for g in range(3)]
+        ranges = [even_ranges(20_011, n)] * 3
+        rs = build_reduce_scatter("zen")
+
+        def fn(comm):
+            grads = [inp[comm.rank] for inp in inputs]
+            rs.reduce_scatter_group(comm, grads, ranges, op="sum")
+            with SyncCounter() as c:
+                rs.reduce_scatter_group(comm, grads, ranges, op="sum")
+            return c.calls
+
+        per_n[n] = max(len(c) for c in SimWorld(n).run(fn))
+    # three index checks, push counts, push sizes, owner counts, pull sizes, pulled headers
+    assert per_n[4] == per_n[16] <= 8, per_n

@@ -141,3 +141,44 @@ def test_zen_balances_a_hot_range_that_direct_overloads():
     _, zen = run("zen", inputs, ranges, "sum", n)
     # direct: the hot range's owner receives every rank's entries; zen aggregates on 8 servers first.
     assert max(s.bytes_recv for s in direct) > 2 * max(s.bytes_recv for s in zen)
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_groups_equal_dense_in_packed_exchanges(scheme, n):
+    """A bucket's gradients together (element form, row form with cut rows, one empty everywhere but
+    one rank, a hot one), each with its own ranges."""
+    specs = [("random", 1, "uneven", 61), ("random", 3, "cut", 40), ("hot", 2, "even", 50)]
+    grads, ranges = [], []
+    for i, (case, width, kind, rows) in enumerate(specs):
+        rs = make_ranges(kind, n, rows, width, seed=i)
+        grads.append(make_inputs(case, n, rows, width, torch.bfloat16, rs, seed=30 + i))
+        ranges.append(rs)
+    grads.append([SparseGrad(torch.tensor([4] if r == 0 else [], dtype=torch.int64), torch.ones(1 if r == 0 else 0,
+                                                                                               dtype=torch.bfloat16), 9)
+                  for r in range(n)])
+    ranges.append(even_ranges(9, n))
+
+    def fn(comm):
+        calls = []
+        inner = comm.exchange_v
+        comm.exchange_v = lambda send: (calls.append(1), inner(send))[1]
+        mine = build_reduce_scatter(scheme).reduce_scatter_group(comm, [g[comm.rank] for g in grads], ranges, "mean")
+        n_ex = len(calls)
+        want = build_reduce_scatter("dense").reduce_scatter_group(comm, [g[comm.rank] for g in grads], ranges, "mean")
+        return mine, want, n_ex
+
+    for r, (mine, want, n_ex) in enumerate(SimWorld(n).run(fn)):
+        for a, b in zip(mine, want):
+            assert torch.equal(a, b), r
+        assert n_ex == {"zen": 2, "direct": 1}.get(scheme, n_ex), n_ex
+
+
+def test_zen_reads_the_cuda_ops_layout():
+    """Under the CUDA ops' output conventions (``ops.emulate_cuda_layout``: the ``[count, outside]``
+    count, the hash slots' order), zen's reduce-scatter still equals dense."""
+    from zen_ext import ops
+
+    with ops.emulate_cuda_layout():
+        check_case("zen", 5, "random", 3, torch.float32, "cut", "sum", seed=8)
+        check_case("zen", 4, "hot", 1, torch.bfloat16, "uneven", "mean", seed=9)

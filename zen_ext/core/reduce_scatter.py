@@ -122,10 +122,10 @@ class ReduceScatterScheme(abc.ABC):
             results[i] = res
         return results
 
-    @staticmethod
-    def _facts(grad: SparseGrad | torch.Tensor):
+    def _facts(self, grad: SparseGrad | torch.Tensor):
+        """``(dense numel, dtype, device)``, after the index check (one host read unless in range by construction)."""
         if isinstance(grad, SparseGrad):
-            grad.check_range(where="reduce-scatter")
+            grad.check_range(where=f"reduce-scatter {self.name!r}")
             return grad.dense_numel, grad.values.dtype, grad.values.device
         return grad.numel(), grad.dtype, grad.device
 
@@ -236,7 +236,7 @@ def _explain_disagreement(comm: Communicator, scheme: ReduceScatterScheme, op: s
             field = next(k for k in mine if theirs.get(k) != mine.get(k))
             raise RuntimeError(f"zen.reduce_scatter: ranks disagree on the {field}: rank {r} has {theirs[field]!r}, "
                                f"rank {comm.rank} has {mine[field]!r}; every rank must pass the same numel, dtype, "
-                               f"op and ranges to the same scheme") from exc
+                               f"op and ranges to the same scheme built with the same options") from exc
 
 
 def register_reduce_scatter(cls: type[ReduceScatterScheme]) -> type[ReduceScatterScheme]:

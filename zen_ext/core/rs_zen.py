@@ -13,8 +13,10 @@
 Bytes per rank: push ``≈ K·(n−1)/n·(i + v)`` as the all-reduce; pull: server ``i`` sends
 ``Σ_{r≠i} cost(u_r/n)``, owner ``r`` receives ``(n−1)·cost(u_r/n)``, with ``u_r`` the union of
 entries in ``R_r`` and ``cost`` the cheapest encoding plus a 16-byte header (``predict_zen_bytes``).
-Two exchanges per gradient; host reads per group of gradients: the push counts, the aggregated
-per-owner counts, the pulled headers (flat in ``n``), plus the layout's tables once per layout.
+Two exchanges per group of gradients (a bucket's DGC group and embeddings together: ``exchange_packed``
+in core/wire.py); host reads per group: the push counts, the aggregated per-owner counts, the pulled
+headers, and with several gradients the packed messages' size tables (flat in ``n``), plus the layout's
+tables once per layout.
 
 Pull wire format per (server, owner): empty when no entry, else ``[header int64×2 = (format, count) |
 body]``: COO ``positions in S_ir (int32, or int64 past 2^31) | values``; bitmap ``⌈|S_ir|/64⌉``
@@ -33,8 +35,8 @@ import torch
 from .. import ops
 from ..ops._reference import mask_to_words, words_to_mask
 from .reduce_scatter import ReduceScatterScheme, RSProfile, as_units, register_reduce_scatter
-from .wire import pack, view_as
-from .zen import _FMT_BITMAP, _FMT_COO, _FMT_DENSE, _HEADER_BYTES, ZenScheme, _Call, pull_costs
+from .wire import exchange_packed, pack, view_as
+from .zen import _FMT_BITMAP, _FMT_COO, _FMT_DENSE, _FMT_NAMES, _HEADER_BYTES, ZenScheme, _Call, pull_costs
 
 _MAX_LAYOUTS = 64
 
@@ -60,7 +62,8 @@ def predict_zen_bytes(p: RSProfile) -> dict:
 class _Layout:
     """The pull's tables for one (numel, n, ranges, rank): which of this server's positions each owner
     gets (``own_order`` grouped by owner at ``own_cuts``, position order inside) and where each server's
-    entries land in this rank's range (``tgt`` offsets grouped by server at ``tgt_cuts``)."""
+    entries land in this rank's range (``tgt`` offsets grouped by server at ``tgt_cuts``). Kept as int32
+    where they fit: ``4·(|𝕀_rank| + |R_rank|)`` bytes per layout, about ``8·N/n``."""
 
     def __init__(self, part, ranges: list[tuple[int, int]], rank: int, device: torch.device) -> None:
         n, numel = part.num_parts, part.numel
@@ -68,16 +71,18 @@ class _Layout:
         # Server side: the owner of each of this server's positions.
         m = part.part_size(rank)
         x_M = part.indices_of(rank, torch.arange(m, dtype=torch.int64, device=device))
-        owner_sorted, self.own_order = torch.sort(torch.searchsorted(ends, x_M, right=True), stable=True)
-        self.own_owner = owner_sorted
+        owner_sorted, own_order = torch.sort(torch.searchsorted(ends, x_M, right=True), stable=True)
+        idt = torch.int32 if numel < 2**31 else torch.int64
+        self.own_order = own_order.to(idt)
         # Owner side: the server and position of each unit of this rank's range.
         lo, hi = ranges[rank]
         y_R = ops.permute(torch.arange(lo, hi, dtype=torch.int64, device=device), numel, part.keys_on(device))
         srv_R = y_R % n
-        self.tgt = torch.argsort(srv_R * (numel // n + 2) + y_R // n)
+        self.tgt = torch.argsort(srv_R * (numel // n + 2) + y_R // n).to(idt)
         counts = torch.stack([torch.bincount(owner_sorted, minlength=n), torch.bincount(srv_R, minlength=n)])
-        own, tgt = counts.cumsum(1).tolist()  # once per layout
-        self.own_cuts, self.tgt_cuts = [0] + own, [0] + tgt
+        cuts = torch.cat([counts.new_zeros(2, 1), counts.cumsum(1)], 1)
+        self.own_cuts_dev = cuts[0]
+        self.own_cuts, self.tgt_cuts = cuts.tolist()  # once per layout
 
 
 @register_reduce_scatter
@@ -114,11 +119,11 @@ class ZenReduceScatter(ReduceScatterScheme):
         return lay
 
     def _reduce_scatter_group(self, comm, grads, ranges, op, outs, timings, keys):
-        """1–3. Partition, push, aggregate: ``ZenScheme.push_aggregate`` for the whole group (under the
-           reduce-scatter's signature).
+        """1–3. Partition, push, aggregate: ``ZenScheme.push_aggregate`` for the whole group, its push one
+           packed exchange (under the reduce-scatter's signature).
         4. Per owner, count this server's aggregated entries in ``S_ir``; one host read for the group
            (with the aggregated counts, which also carry the CUDA op's outside-partition check).
-        5. Targeted pull: per gradient one exchange, each owner's message in its cheapest format.
+        5. Targeted pull: one exchange for the group, each owner's message in its cheapest format.
         6. One host read of every pulled header of the group, then each server's entries are copied
            into this rank's range (zeroed first); ``mean`` divides it.
         """
@@ -126,14 +131,16 @@ class ZenReduceScatter(ReduceScatterScheme):
         units = [as_units(g, rs) for g, rs in zip(grads, ranges)]
         calls = [_Call(sg, t) for (sg, _), t in zip(units, timings)]
         # Steps 1-3: partition, push, aggregate.
-        self.zen.push_aggregate(comm, calls, op, own_signature=False)
+        self.zen.push_aggregate(comm, calls, op, exchange=lambda sends: exchange_packed(comm, sends))
         # Step 4: per-owner counts.
         for c, (_, urs) in zip(calls, units):
             c.timer.start("pull_s")
             c.lay = self._layout(c.part, urs, rank, c.device)
             touched = words_to_mask(c.words, c.m)
             c.ts = touched[c.lay.own_order]
-            c.oc = torch.zeros(n, dtype=torch.int64, device=c.device).index_add_(0, c.lay.own_owner, c.ts.to(torch.int64))
+            csum = torch.zeros(c.m + 1, dtype=torch.int64, device=c.device)
+            torch.cumsum(c.ts, 0, out=csum[1:])
+            c.oc = csum[c.lay.own_cuts_dev[1:]] - csum[c.lay.own_cuts_dev[:-1]]
         flat = torch.cat([c.count_1.reshape(-1) for c in calls] + [c.oc for c in calls]).tolist()
         at = 0
         for c in calls:
@@ -143,8 +150,9 @@ class ZenReduceScatter(ReduceScatterScheme):
                 raise RuntimeError(f"aggregate_push: {words[1]} pushed position(s) lie outside this server's partition")
         owner_counts = [flat[at + i * n : at + (i + 1) * n] for i in range(len(calls))]
         # Step 5: targeted pull.
-        for c, oc in zip(calls, owner_counts):
-            c.recv = comm.exchange_v(self._encode(c, oc, n))
+        pulled = exchange_packed(comm, [self._encode(c, oc, n) for c, oc in zip(calls, owner_counts)])
+        for c, recv in zip(calls, pulled):
+            c.recv = recv
             del c.acc, c.words, c.ts
         # Step 6: decode.
         heads = [b[:_HEADER_BYTES] for c in calls for b in c.recv if b.numel()]
@@ -160,13 +168,14 @@ class ZenReduceScatter(ReduceScatterScheme):
                     continue
                 fmt, cnt = head_vals[2 * h], head_vals[2 * h + 1]
                 h += 1
-                tg = c.lay.tgt[c.lay.tgt_cuts[i] : c.lay.tgt_cuts[i + 1]]
+                tg = c.lay.tgt[c.lay.tgt_cuts[i] : c.lay.tgt_cuts[i + 1]].long()
                 rows.index_copy_(0, *self._decode(buf, fmt, cnt, tg, c))
             if op == "mean":
                 res.div_(n)
             c.timer.write_into(timing)
             if timing is not None:
                 timing["scheme"] = self.name
+                timing["pull_formats"] = c.formats  # this server's messages per format
             results.append(res)
         return results
 
@@ -176,6 +185,7 @@ class ZenReduceScatter(ReduceScatterScheme):
         sel = torch.nonzero_static(c.ts, size=total).flatten() if total else c.ts.new_empty(0, dtype=torch.int64)
         vals = c.acc[c.lay.own_order[sel]].to(c.dtype)
         fmts = [self._choose(k, cuts[r + 1] - cuts[r], c.isz, c.vsz) if k else -1 for r, k in enumerate(oc)]
+        c.formats = {name: fmts.count(f) for f, name in _FMT_NAMES.items() if f in fmts}
         head = torch.tensor([v for f, k in zip(fmts, oc) for v in (f, k)], dtype=torch.int64, device=c.device)
         send, at = [], 0
         for r, (k, fmt) in enumerate(zip(oc, fmts)):

@@ -131,13 +131,14 @@ class ZenScheme(SyncScheme):
             p = self._partitioners[key] = HashPartitioner(numel, n, self.seed, self.hash_config)
         return p
 
-    def push_aggregate(self, comm: Communicator, calls: list["_Call"], op: str, own_signature: bool = True) -> None:
+    def push_aggregate(self, comm: Communicator, calls: list["_Call"], op: str, exchange=None) -> None:
         """Steps 1–3 of ``_sync_group`` for every call of a group (shared with ``rs_zen``'s reduce-scatter):
         partition by h0, push (one host read of the group's partition counts, one exchange per call,
         carrying the call's signature), aggregate into each call's compact buffer. Leaves ``c.part``,
         ``c.m``, ``c.acc [m, width]``, ``c.words`` (touched bitmap) and ``c.count_1`` on each call.
-        ``own_signature``: declare each call's ``sync`` signature around its push (False: the caller
-        declared one for the whole group).
+        ``exchange``: None pushes each call in its own exchange under its ``sync`` signature; else a
+        callable taking every call's per-peer payloads and returning every call's received ones (the
+        reduce-scatter packs the group into one exchange under the signature it declared).
         """
         n, rank = comm.size, comm.rank
 
@@ -153,6 +154,7 @@ class ZenScheme(SyncScheme):
 
         # Step 2: push. The partition counts of the whole group in one host read (they cut the payloads).
         bounds_G = torch.stack([c.counts_P for c in calls]).cumsum(1).tolist()
+        sends = []
         for c, bounds in zip(calls, bounds_G):
             c.timer.start("push_s")
             starts = [0] + bounds[:-1]
@@ -170,14 +172,18 @@ class ZenScheme(SyncScheme):
                 else:
                     send.append(pack(c.pos_K[s:e], c.vals_K[s:e]))
             del c.pos_K, c.vals_K
-            # The push is this gradient's first collective: its header carries the gradient's signature
-            # (a caller that declared its own, the reduce-scatter's, keeps it).
-            if own_signature:
+            if exchange is None:
+                # The push is this gradient's first collective: its header carries the gradient's signature.
                 with comm.signed(c.sg.dense_numel, c.dtype, op, where=f"scheme {self.name!r}.sync"):
                     c.recv = comm.exchange_v(send)
             else:
-                c.recv = comm.exchange_v(send)
+                sends.append(send)
             c.timer.stop()
+        if exchange is not None:  # the caller's one exchange for the whole group (under its signature)
+            calls[0].timer.start("push_s")
+            for c, recv in zip(calls, exchange(sends)):
+                c.recv = recv
+            calls[0].timer.stop()
 
         # Step 3: aggregate into the compact buffer of this server's index set, the touched bitmap set
         # in the same pass (zen_ext::aggregate_push); the group's counts in one host read (the pull
