@@ -34,6 +34,7 @@ def test_fsdp_recipe_trains_with_zen_then_plain(tmp_path):
     assert "zen_ext: ZEN on FSDP2 (dp=2, 4 FSDP modules): scheme=zen" in text
     assert "fsdp recipe: zen=on (zen) world=2 fsdp_modules=4" in text
     assert "ZEN gradient synchronization summary (2 ranks, 3 optimizer steps)" in text
+    assert "per rank  vs  FSDP's dense reduce-scatter" in text  # what dense_bytes counts here
     assert "model.embed_tokens.weight:natural -> zen x3" in text and "lm_head.weight:dgc -> zen x3" in text
     with open(os.path.join(out, "train_log.jsonl")) as f:
         log = [json.loads(line) for line in f]

@@ -127,6 +127,7 @@ class ZenFSDP(ZenAttachment):
     def __init__(self, *, cfg: ZenConfig, group, built: Assembled, rank: int) -> None:
         self.cfg, self.group, self.rank = cfg, group, rank
         self.sync, self.reducer, self.stats = built.sync, built.reducer, built.stats
+        self.stats.dense_name = "FSDP's dense reduce-scatter"
         self.dp_size = self.sync.dp_comm.size
         self.worker = None  # FSDP records its event right after the call: no work may stay on a thread
         self.comms: list[ZenReduceScatter] = []
