@@ -147,8 +147,7 @@ class ZenFSDP(ZenAttachment):
            ``zen.bucket_cap_mb``, the Synchronizer's routing); open the step's end-of-backward callback.
         """
         if self.closed:
-            raise RuntimeError("zen_ext.fsdp: the ZEN attachment was closed (close() ends training); attach again "
-                               "to a newly sharded model to train")
+            raise RuntimeError("zen_ext.fsdp: the attachment was closed (close() ends training); attach anew to train")
         t0 = time.perf_counter()
         # Step 1: group and layout.
         if group is not self.group:
@@ -208,8 +207,8 @@ def _fsdp_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, ob
             continue
         groups = module._get_fsdp_state()._fsdp_param_groups
         if len(groups) > 1:
-            raise NotImplementedError(f"zen_ext.fsdp: FSDP module {name or '<root>'} has {len(groups)} parameter groups "
-                                      f"(parameters on several meshes); supported: {SUPPORTED}")
+            raise NotImplementedError(f"zen_ext.fsdp: FSDP module {name or '<root>'} has {len(groups)} parameter "
+                                      f"groups (parameters on several meshes); supported: {SUPPORTED}")
         if not groups:
             continue
         pg, where = groups[0], name or "<root>"
@@ -223,11 +222,12 @@ def _fsdp_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, ob
                                       f"(FSDP with tensor parallelism); supported: {SUPPORTED}")
         for fp in pg.fsdp_params:
             if fp.fsdp_placement != Shard(0):
-                raise NotImplementedError(f"zen_ext.fsdp: a parameter of FSDP module {where} is placed "
-                                          f"Shard({fp.fsdp_placement.dim}) (shard_placement_fn); supported: {SUPPORTED}")
-        if type(pg._reduce_scatter_comm).__name__ not in ("DefaultReduceScatter", "ProcessGroupAllocReduceScatter"):
+                raise NotImplementedError(f"zen_ext.fsdp: a parameter of FSDP module {where} is placed Shard("
+                                          f"{fp.fsdp_placement.dim}) (shard_placement_fn); supported: {SUPPORTED}")
+        custom = type(pg._reduce_scatter_comm).__name__
+        if custom not in ("DefaultReduceScatter", "ProcessGroupAllocReduceScatter"):
             raise NotImplementedError(f"zen_ext.fsdp: FSDP module {where} already has a custom reduce-scatter "
-                                      f"({type(pg._reduce_scatter_comm).__name__}); attach once, to a model without one")
+                                      f"({custom}); attach once, to a model without one")
         found.append((name, module, pg))
     if len({id(pg.mesh_info.shard_process_group) for _, _, pg in found}) > 1:
         raise NotImplementedError(f"zen_ext.fsdp: the FSDP modules shard over different groups; supported: {SUPPORTED}")
@@ -275,7 +275,7 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
     # Step 2: routing and the Synchronizer.
     comm = TorchCommunicator(group, cfg.exchange_impl)
     built = assemble(model, cfg, sync_comm=comm, tp_comm=None, rank=rank, dp_size=comm.size,
-                     device=next(model.parameters()).device,
+                     device=next((p.device for p in model.parameters()), torch.device("cpu")),
                      guard_comm=TorchCommunicator(group) if guard_nonfinite else None, worker_in_reducer=False,
                      worker_off="FSDP2 (it records its event when the reduce-scatter returns)")
     built.sync.rs_scheme = cfg.build_reduce_scatter()  # NotImplementedError now for a scheme without one
