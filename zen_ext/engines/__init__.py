@@ -5,6 +5,8 @@
   attachment is ``deepspeed_engine.ZenDeepSpeed``, ZeRO's ``overlap_comm`` hand-over ``deepspeed_ipg``.
 * ``zen_ext.engines.ddp``: the torch DDP communication hook (no engine beyond torch); what it keeps is
   ``ddp_state.ZenHookState``.
+* ``zen_ext.engines.fsdp``: a ZEN reduce-scatter on every torch FSDP2 module (``attach`` after
+  ``fully_shard``); public alias ``zen_ext.fsdp``. The attachment is ``ZenFSDP``.
 * ``zen_ext.engines.colossalai``: the ColossalAI Booster plugins; public alias ``zen_ext.colossalai``.
   Importing it imports ColossalAI (its plugins subclass ColossalAI's), so only a ColossalAI user does.
   Its JSON config and the plugin arguments' checks are ``colossalai_config``.

@@ -64,6 +64,7 @@ class StepStats:
         self.monitor = monitor if monitor is not None and getattr(monitor, "enabled", False) else None
         self.current: dict = {}
         self.last: dict = {}
+        self.dense_name = "dense all-reduce"  # what dense_bytes counts (a sharded engine: its reduce-scatter)
         self.totals: dict = {k: 0 for k in self._TOTALS}
         self.steps = 0
         self.losses: list[float] = []
@@ -127,8 +128,9 @@ def _jsonable(obj):
 
 
 def summarize(totals_by_rank: list[dict], steps: int, schemes: Counter, losses: list[float],
-              config_line: str = "") -> str:
-    """The end-of-run summary: bytes vs dense, scheme choices, loss curve, time."""
+              config_line: str = "", dense_name: str = "dense all-reduce") -> str:
+    """The end-of-run summary: bytes vs dense (``dense_name``: what ``dense_bytes`` counts), scheme
+    choices, loss curve, time."""
     sent = sum(t["bytes_sent"] for t in totals_by_rank)
     dense = sum(t["dense_bytes"] for t in totals_by_rank)
     n = len(totals_by_rank)
@@ -136,7 +138,7 @@ def summarize(totals_by_rank: list[dict], steps: int, schemes: Counter, losses: 
     if config_line:
         lines.append(f"  config:          {config_line}")
     if dense:
-        lines.append(f"  bytes sent:      {format_bytes(sent / n)} per rank  vs  dense all-reduce "
+        lines.append(f"  bytes sent:      {format_bytes(sent / n)} per rank  vs  {dense_name} "
                      f"{format_bytes(dense / n)}  ->  {sent / dense:.1%} of dense "
                      f"({dense / max(sent, 1):.1f}x less)")
     tp = sum(t.get("tp_bytes_sent", 0) for t in totals_by_rank)
@@ -234,7 +236,7 @@ def report_summary(stats, cfg, totals_by_rank: list[dict], rank: int, engine_lin
     """
     config_line = f"scheme={cfg.scheme} {cfg.sections_line()} {engine_line}"
     text = summarize(totals_by_rank, stats.steps, stats.schemes, mean_losses(totals_by_rank, stats.losses),
-                     config_line)
+                     config_line, stats.dense_name)
     if (cfg.stats.summary if print_it is None else print_it) and rank == 0:
         print(text, flush=True)
     return text
