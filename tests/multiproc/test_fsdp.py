@@ -268,7 +268,7 @@ def test_unsupported_setups_raise_clear_errors():
     assert out["dim1"][0] == "NotImplementedError" and "Shard(1)" in out["dim1"][1]
     assert out["disabled"][0] == "ValueError" and "zen.enabled" in out["disabled"][1]
     assert out["scheme"][0] == "NotImplementedError" and "'zen'" in out["scheme"][1]
-    assert out["ef21"][0] == "NotImplementedError" and "ef21" in out["ef21"][1]
+    assert out["ef21"][0] == "ValueError" and "zen.dgc.feedback was removed" in out["ef21"][1]
     assert out["twice"][0] == "NotImplementedError" and "already has a custom reduce-scatter" in out["twice"][1]
     assert out["unused"][0] == "RuntimeError" and "set_reduce_scatter_unused_params(True)" in out["unused"][1]
 

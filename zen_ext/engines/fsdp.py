@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..comm.torch_dist import TorchCommunicator
-from ..config import ZenConfig, load_json_config, resolve_dgc_defaults
-from ..core.reduce_scatter import even_ranges
+from ..config import ZenConfig, load_json_config
+from ..core.rs_base import even_ranges
 from ..reduction.attachment import Assembled, ZenAttachment, assemble
 from ..reduction.stats import startup_line
 from ..reduction.synchronizer import GradSlice
@@ -254,7 +254,8 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
     Raises:
         ValueError, TypeError: an invalid section, ``zen.enabled`` false, or a model without ``fully_shard``.
         NotImplementedError: what is not ``SUPPORTED`` (HSDP, several parameter groups in a module, ...),
-            a scheme without a reduce-scatter form, ``zen.hierarchical`` true, EF21, or attaching twice.
+            a scheme without a reduce-scatter form, ``zen.hierarchical`` true, a sparsifier that reads the
+            synchronized gradient back, or attaching twice.
     """
     # Step 1: configuration and the FSDP modules.
     if isinstance(config, (str, os.PathLike)):  # the section itself, or a run config with a "zen" key
@@ -271,7 +272,7 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
     modules = _fsdp_modules(model)
     group = modules[0][2].mesh_info.shard_process_group if modules else dist.group.WORLD
     rank = dist.get_rank()
-    cfg, dgc_note = resolve_dgc_defaults(cfg, optimizer)  # the start-up line says what it chose
+    cfg, dgc_note = cfg.resolve_defaults(optimizer, quiet=rank != 0)  # the start-up line says what it chose
     # Step 2: routing and the Synchronizer.
     comm = TorchCommunicator(group, cfg.exchange_impl)
     built = assemble(model, cfg, sync_comm=comm, tp_comm=None, rank=rank, dp_size=comm.size,
@@ -282,8 +283,8 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
     readers = sorted(getattr(built.sync, "_after_sync", ()))
     if readers:
         raise NotImplementedError(f"zen_ext.fsdp: sparsifier(s) {readers} read the synchronized gradient back "
-                                  f"(e.g. zen.dgc.feedback \"ef21\"), but an FSDP rank holds only its shard; "
-                                  f"supported: natural rows and DGC with error feedback (\"ef\")")
+                                  f"(after_sync), but an FSDP rank holds only its shard; "
+                                  f"supported: sparsifiers without after_sync (natural rows, DGC)")
     zen = ZenFSDP(cfg=cfg, group=group, built=built, rank=rank)
     # Step 3: a reduce-scatter per FSDP module.
     names = {id(p): n for n, p in model.named_parameters()}
