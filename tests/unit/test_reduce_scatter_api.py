@@ -13,7 +13,7 @@ from zen_ext.core.reduce_scatter import (
     build_reduce_scatter, check_ranges, even_ranges, reduce_scatter_for, reduce_scatter_of,
 )
 from zen_ext.core.types import SparseGrad
-from zen_ext.reduction.synchronizer import Synchronizer
+from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
 
 @pytest.mark.parametrize("ranges, rule", [
@@ -107,3 +107,167 @@ def test_reduce_scatter_flat_is_sync_flat_cut_to_the_range(n, op):
         for want, mine in got:
             assert torch.equal(want, mine), r
         assert stats["buckets"] == 2
+
+
+@pytest.mark.parametrize("scheme", ["direct", "zen", "auto"])
+def test_reduce_scatter_flat_sparse_schemes_equal_dense(scheme):
+    n = 4
+    steps = [bucket_inputs(n, seed=11 + s) for s in range(2)]
+    ranges = [(0, 10), (10, 1300), (1300, 1300), (1300, NUMEL)]
+
+    def fn(comm):
+        def sync(rs):
+            return Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC, natural={},
+                                reduce_scatter=rs)
+        dense, sparse = sync("dense"), sync(scheme)
+        got = []
+        for x in steps:
+            want = dense.reduce_scatter_flat(x[comm.rank].clone(), SLICES, ranges, "sum")
+            lo, hi = ranges[comm.rank]
+            out = torch.full((hi - lo,), float("nan"))
+            mine = sparse.reduce_scatter_flat(x[comm.rank].clone(), SLICES, ranges, "sum", out=out)
+            assert mine is out
+            got.append((want, mine))
+            dense.end_step()
+            sparse.end_step()
+        return got, sparse.pop_step_stats()
+
+    for r, (got, stats) in enumerate(SimWorld(n).run(fn)):
+        for want, mine in got:
+            assert torch.equal(want, mine), r
+        assert set(stats["schemes"]) <= {"dense", "direct", "zen"}
+
+
+def test_reduce_scatter_flat_default_is_the_schemes_form():
+    x = bucket_inputs(1, seed=1)[0]
+
+    def fn(comm):
+        sync = Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC, natural={})
+        shard = sync.reduce_scatter_flat(x.clone(), SLICES, [(0, NUMEL)], "sum")
+        assert sync.rs_scheme.name == "zen"
+        return shard, Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC,
+                                   natural={}).sync_flat(x.clone(), SLICES, "sum")
+
+    shard, whole = SimWorld(1).run(fn)[0]
+    assert torch.equal(shard, whole)
+
+
+@pytest.mark.parametrize("scheme", ["dense", "zen"])
+def test_bucket_reducer_reduce_scatter_is_reduce_cut_to_the_range(scheme):
+    """Re-bucketed at a small cap (ranges cut by bucket boundaries), with the non-finite guard."""
+    from zen_ext.reduction.reducer import BucketReducer
+
+    n = 3
+    steps = [bucket_inputs(n, seed=21 + s) for s in range(2)]
+    ranges = [(0, 700), (700, 701), (701, NUMEL)]
+
+    def fn(comm):
+        def reducer():
+            sync = Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC, natural={},
+                                reduce_scatter=scheme)
+            return BucketReducer(sync, cap_bytes=1300 * 4, dp_size=n, guard_comm=comm)
+        whole, shard = reducer(), reducer()
+        got = []
+        for x in steps:
+            lo, hi = ranges[comm.rank]
+            full = x[comm.rank].clone()
+            whole.reduce_(full, SLICES, "sum")
+            out = torch.full((hi - lo,), float("nan"))
+            assert shard.reduce_scatter_(x[comm.rank].clone(), SLICES, ranges, "sum", out) is out
+            got.append((full[lo:hi], out))
+            whole.sync.end_step()
+            shard.sync.end_step()
+        bad = x[comm.rank].clone()
+        bad[5] = float("inf") if comm.rank == 2 else bad[5]
+        out = torch.zeros(ranges[comm.rank][1] - ranges[comm.rank][0])
+        shard.reduce_scatter_(bad, SLICES, ranges, "sum", out)
+        return got, bool(out.isnan().all()), shard.pop_stats()
+
+    for r, (got, nan_filled, stats) in enumerate(SimWorld(n).run(fn)):
+        for want, mine in got:
+            assert torch.equal(want, mine), r
+        assert nan_filled and stats["nonfinite_steps"] == 1
+
+
+def _fsdp_layout(n: int, params: dict[str, tuple[int, int]]):
+    """FSDP2's reduce-scatter input: ``[n, C]``, row r = rank r's dim-0 chunk of every parameter (rows
+    padded to a multiple of n). Returns C and the slices (one per parameter and rank, start = the
+    piece's offset in the parameter; padding rows are uncovered)."""
+    C, slices, at = 0, [], {}
+    for name, (rows, width) in params.items():
+        at[name] = C
+        C += -(-rows // n) * width
+    for r in range(n):
+        for name, (rows, width) in params.items():
+            chunk = -(-rows // n)
+            real = max(0, min(rows, (r + 1) * chunk) - r * chunk)
+            shape = (real, width) if width > 1 else (real,)
+            slices.append(GradSlice(name, r * C + at[name], real * width, shape, start=r * chunk * width))
+    return C, slices
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_fsdp_chunk_layout_merges_each_parameters_pieces(n):
+    params = {"emb": (37, 4), "w": (50, 6), "b": (7, 1)}
+    kinds = {"emb": "natural", "w": "dgc", "b": "dense"}
+    C, slices = _fsdp_layout(n, params)
+    ranges = [(r * C, (r + 1) * C) for r in range(n)]
+    gen = torch.Generator().manual_seed(n)
+    flats = []
+    for r in range(n):
+        x = torch.zeros(n * C)
+        for s in slices:
+            if s.name == "emb":
+                rows = torch.zeros(s.numel)
+                rows.view(-1, 4)[torch.randint(0, max(1, s.numel // 4), (2,), generator=gen) % max(1, s.numel // 4)] = 1
+                x[s.offset : s.offset + s.numel] = rows * torch.randint(1, 4, (1,), generator=gen)
+            else:
+                x[s.offset : s.offset + s.numel] = torch.randint(-3, 4, (s.numel,), generator=gen).float()
+        flats.append(x)
+
+    def fn(comm):
+        calls = []
+        inner = comm.exchange_v
+        comm.exchange_v = lambda send: (calls.append(1), inner(send))[1]
+
+        def sync(rs):
+            return Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=kinds, dgc=DGC, natural={},
+                                reduce_scatter=rs)
+        want = sync("dense").reduce_scatter_flat(flats[comm.rank].clone(), slices, ranges, "sum")
+        calls.clear()
+        mine = sync("zen").reduce_scatter_flat(flats[comm.rank].clone(), slices, ranges, "sum")
+        return want, mine, len(calls)
+
+    for r, (want, mine, exchanges) in enumerate(SimWorld(n).run(fn)):
+        assert torch.equal(want, mine), r
+        # Two rounds (push, pull) for the embedding's n pieces and the DGC group together, whatever n.
+        assert exchanges == 2, exchanges
+
+
+def test_config_builds_the_reduce_scatter_form_of_its_scheme():
+    from zen_ext.config import ZenConfig
+
+    rs = ZenConfig.from_dict({"scheme": "zen", "seed": 3, "pull_format": "bitmap"}).build_reduce_scatter()
+    assert (rs.name, rs.options()["seed"], rs.options()["pull_format"]) == ("zen", 3, "bitmap")
+    assert ZenConfig.from_dict({"scheme": "zen_coo"}).build_reduce_scatter().options()["pull_format"] == "coo"
+    auto = ZenConfig.from_dict({"scheme": "auto", "planner": {"bandwidth_gbps": 5.0}}).build_reduce_scatter()
+    assert (auto.name, auto.bandwidth_gbps) == ("auto", 5.0)
+    assert ZenConfig.from_dict({"scheme": "dense"}).build_reduce_scatter().name == "dense"
+    with pytest.raises(NotImplementedError, match=r"zen.scheme \('agsparse'\) has no reduce-scatter form"):
+        ZenConfig.from_dict({"scheme": "agsparse"}).build_reduce_scatter()
+
+
+def test_ranks_with_different_scheme_options_raise():
+    def fn(comm):
+        rs = build_reduce_scatter("zen", seed=comm.rank)
+        return rs.reduce_scatter(comm, SparseGrad(torch.tensor([1, 5]), torch.ones(2), 10), even_ranges(10, 2))
+
+    with pytest.raises(RuntimeError, match=r"ranks disagree on the scheme: rank \d has .ZenReduceScatter\(seed="):
+        SimWorld(2).run(fn)
+
+
+def test_an_index_outside_the_gradient_is_named():
+    rs = build_reduce_scatter("zen")
+    bad = SparseGrad(torch.tensor([3, 10]), torch.ones(2), 10)
+    with pytest.raises(RuntimeError, match=r"reduce-scatter 'zen': grad.indices \(10\) must lie in \[0, 10\)"):
+        SimWorld(1).run(lambda comm: rs.reduce_scatter(comm, bad, [(0, 10)]))  # SimWorld wraps the ValueError

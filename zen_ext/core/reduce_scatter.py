@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import hashlib
 import inspect
+from dataclasses import dataclass
 from typing import ClassVar, Sequence
 
 import torch
@@ -121,10 +122,10 @@ class ReduceScatterScheme(abc.ABC):
             results[i] = res
         return results
 
-    @staticmethod
-    def _facts(grad: SparseGrad | torch.Tensor):
+    def _facts(self, grad: SparseGrad | torch.Tensor):
+        """``(dense numel, dtype, device)``, after the index check (one host read unless in range by construction)."""
         if isinstance(grad, SparseGrad):
-            grad.check_range(where="reduce-scatter")
+            grad.check_range(where=f"reduce-scatter {self.name!r}")
             return grad.dense_numel, grad.values.dtype, grad.values.device
         return grad.numel(), grad.dtype, grad.device
 
@@ -143,6 +144,33 @@ class ReduceScatterScheme(abc.ABC):
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{type(self).__name__}({opts})"
+
+
+@dataclass(frozen=True)
+class RSProfile:
+    """What the reduce-scatter cost predictors read (``predict_*_bytes`` next to each scheme): the same
+    on every rank (``auto`` gathers it). Units are a gradient's index units (rows in row form)."""
+
+    n: int
+    lengths: list[int]
+    """Units per owner range."""
+    counts: list[list[int]]
+    """``counts[j][r]``: rank ``j``'s entries inside owner ``r``'s range (duplicates counted)."""
+    idx_bytes: int
+    val_bytes: int
+    """Bytes of one entry's values (``row width · itemsize``)."""
+
+    def union(self, r: int) -> float:
+        """Distinct units expected in ``R_r`` over every rank, if ranks picked them independently
+        (DGC's top-k: close; correlated embedding rows: an over-estimate, so ZEN's pull is predicted
+        pessimistically)."""
+        length = self.lengths[r]
+        if not length:
+            return 0.0
+        miss = 1.0
+        for j in range(self.n):
+            miss *= 1.0 - min(self.counts[j][r], length) / length
+        return length * (1.0 - miss)
 
 
 def check_ranges(ranges: Sequence[tuple[int, int]], n: int, numel: int, where: str = "reduce-scatter") -> list[tuple[int, int]]:
@@ -170,6 +198,22 @@ def check_ranges(ranges: Sequence[tuple[int, int]], n: int, numel: int, where: s
     return rs
 
 
+def as_units(grad: SparseGrad | torch.Tensor, ranges: list[tuple[int, int]]) -> tuple[SparseGrad, list[tuple[int, int]]]:
+    """``grad`` as a validated SparseGrad and ``ranges`` in its index units (rows of a row-form gradient).
+
+    A row-form gradient whose rows some range boundary cuts is expanded to element form first (each
+    row's ``W`` elements become entries), so every index has one owner; values are unchanged.
+    """
+    sg = grad if isinstance(grad, SparseGrad) else SparseGrad.from_dense(grad)
+    w = sg.row_width
+    if w > 1 and any(s % w or e % w for s, e in ranges):
+        cols = torch.arange(w, device=sg.indices.device)
+        sg = SparseGrad((sg.indices.unsqueeze(1) * w + cols).reshape(-1), sg.values.reshape(-1), sg.numel * w,
+                        in_range=True)
+        w = 1
+    return sg, [(s // w, e // w) for s, e in ranges]
+
+
 def even_ranges(numel: int, n: int) -> list[tuple[int, int]]:
     """Equal contiguous ranges of ``ceil(numel / n)`` (FSDP's padded chunks; the last ones shorter)."""
     size = -(-numel // n) if n else 0
@@ -192,7 +236,7 @@ def _explain_disagreement(comm: Communicator, scheme: ReduceScatterScheme, op: s
             field = next(k for k in mine if theirs.get(k) != mine.get(k))
             raise RuntimeError(f"zen.reduce_scatter: ranks disagree on the {field}: rank {r} has {theirs[field]!r}, "
                                f"rank {comm.rank} has {mine[field]!r}; every rank must pass the same numel, dtype, "
-                               f"op and ranges to the same scheme") from exc
+                               f"op and ranges to the same scheme built with the same options") from exc
 
 
 def register_reduce_scatter(cls: type[ReduceScatterScheme]) -> type[ReduceScatterScheme]:

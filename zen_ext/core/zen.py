@@ -131,6 +131,74 @@ class ZenScheme(SyncScheme):
             p = self._partitioners[key] = HashPartitioner(numel, n, self.seed, self.hash_config)
         return p
 
+    def push_aggregate(self, comm: Communicator, calls: list["_Call"], op: str, exchange=None) -> None:
+        """Steps 1–3 of ``_sync_group`` for every call of a group (shared with ``rs_zen``'s reduce-scatter):
+        partition by h0, push (one host read of the group's partition counts, one exchange per call,
+        carrying the call's signature), aggregate into each call's compact buffer. Leaves ``c.part``,
+        ``c.m``, ``c.acc [m, width]``, ``c.words`` (touched bitmap) and ``c.count_1`` on each call.
+        ``exchange``: None pushes each call in its own exchange under its ``sync`` signature; else a
+        callable taking every call's per-peer payloads and returning every call's received ones (the
+        reduce-scatter packs the group into one exchange under the signature it declared).
+        """
+        n, rank = comm.size, comm.rank
+
+        # Step 1: partition.
+        for c in calls:
+            c.timer.start("hash_s")
+            c.part = self.partitioner(c.sg.numel, n)
+            counts_P, order_K, pos_K, _ = c.part.partition(c.sg.indices)
+            c.counts_P = counts_P.to(torch.int64)
+            c.vals_K = c.sg.values[order_K]
+            c.pos_K = pos_K.to(c.idt)
+            c.timer.stop()
+
+        # Step 2: push. The partition counts of the whole group in one host read (they cut the payloads).
+        bounds_G = torch.stack([c.counts_P for c in calls]).cumsum(1).tolist()
+        sends = []
+        for c, bounds in zip(calls, bounds_G):
+            c.timer.start("push_s")
+            starts = [0] + bounds[:-1]
+            send = []
+            for j, (s, e) in enumerate(zip(starts, bounds)):
+                m_j = c.part.part_size(j)
+                if e == s:
+                    send.append(torch.empty(0, dtype=torch.uint8, device=c.device))
+                elif (e - s) * (c.isz + c.vsz) >= m_j * c.vsz:
+                    # Denser than the partition itself: send it dense (pre-summed), exactly m_j·vsz bytes,
+                    # which a COO payload (strictly smaller by this rule) can never be.
+                    local = torch.zeros((m_j,) + c.row_shape, dtype=acc_dtype(c.dtype), device=c.device)
+                    local.index_add_(0, c.pos_K[s:e].to(torch.int64), c.vals_K[s:e].to(local.dtype))
+                    send.append(pack(local.to(c.dtype)))
+                else:
+                    send.append(pack(c.pos_K[s:e], c.vals_K[s:e]))
+            del c.pos_K, c.vals_K
+            if exchange is None:
+                # The push is this gradient's first collective: its header carries the gradient's signature.
+                with comm.signed(c.sg.dense_numel, c.dtype, op, where=f"scheme {self.name!r}.sync"):
+                    c.recv = comm.exchange_v(send)
+            else:
+                sends.append(send)
+            c.timer.stop()
+        if exchange is not None:  # the caller's one exchange for the whole group (under its signature)
+            calls[0].timer.start("push_s")
+            for c, recv in zip(calls, exchange(sends)):
+                c.recv = recv
+            calls[0].timer.stop()
+
+        # Step 3: aggregate into the compact buffer of this server's index set, the touched bitmap set
+        # in the same pass (zen_ext::aggregate_push); the group's counts in one host read (the pull
+        # messages' sizes depend on them).
+        for i, c in enumerate(calls):
+            c.timer.start("aggregate_s")
+            c.m = c.part.part_size(rank)
+            if ops.has_aggregate_into_op(c.sg.values):
+                c.acc, c.words = self._workspace(c.m, c.width, c.dtype, c.device, slot=i)
+                c.count_1 = ops.aggregate_push_into(c.acc, c.words, c.recv, c.width, c.dtype, c.isz)
+            else:
+                c.acc, c.words, c.count_1 = ops.aggregate_push(c.recv, c.m, c.width, c.dtype, c.isz)
+            del c.recv
+            c.timer.stop()
+
     def _sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
         key: str | None = None, out: torch.Tensor | None = None,
@@ -155,56 +223,9 @@ class ZenScheme(SyncScheme):
            into ``out`` (when given; else a new tensor), each server's message as soon as it is there.
         Steps 4 and 5 run for one gradient after the other.
         """
-        n, rank = comm.size, comm.rank
+        n = comm.size
         calls = [_Call(as_sparse(g), t) for g, t in zip(grads, timings)]
-
-        # Step 1: partition.
-        for c in calls:
-            c.timer.start("hash_s")
-            c.part = self.partitioner(c.sg.numel, n)
-            counts_P, order_K, pos_K, _ = c.part.partition(c.sg.indices)
-            c.counts_P = counts_P.to(torch.int64)
-            c.vals_K = c.sg.values[order_K]
-            c.pos_K = pos_K.to(c.idt)
-            c.timer.stop()
-
-        # Step 2: push. The partition counts of the whole group in one host read (they cut the payloads).
-        bounds_G = torch.stack([c.counts_P for c in calls]).cumsum(1).tolist()
-        for c, bounds in zip(calls, bounds_G):
-            c.timer.start("push_s")
-            starts = [0] + bounds[:-1]
-            send = []
-            for j, (s, e) in enumerate(zip(starts, bounds)):
-                m_j = c.part.part_size(j)
-                if e == s:
-                    send.append(torch.empty(0, dtype=torch.uint8, device=c.device))
-                elif (e - s) * (c.isz + c.vsz) >= m_j * c.vsz:
-                    # Denser than the partition itself: send it dense (pre-summed), exactly m_j·vsz bytes,
-                    # which a COO payload (strictly smaller by this rule) can never be.
-                    local = torch.zeros((m_j,) + c.row_shape, dtype=acc_dtype(c.dtype), device=c.device)
-                    local.index_add_(0, c.pos_K[s:e].to(torch.int64), c.vals_K[s:e].to(local.dtype))
-                    send.append(pack(local.to(c.dtype)))
-                else:
-                    send.append(pack(c.pos_K[s:e], c.vals_K[s:e]))
-            del c.pos_K, c.vals_K
-            # The push is this gradient's first collective: its header carries the gradient's signature.
-            with comm.signed(c.sg.dense_numel, c.dtype, op, where=f"scheme {self.name!r}.sync"):
-                c.recv = comm.exchange_v(send)
-            c.timer.stop()
-
-        # Step 3: aggregate into the compact buffer of this server's index set, the touched bitmap set
-        # in the same pass (zen_ext::aggregate_push); the group's counts in one host read (the pull
-        # messages' sizes depend on them).
-        for i, c in enumerate(calls):
-            c.timer.start("aggregate_s")
-            c.m = c.part.part_size(rank)
-            if ops.has_aggregate_into_op(c.sg.values):
-                c.acc, c.words = self._workspace(c.m, c.width, c.dtype, c.device, slot=i)
-                c.count_1 = ops.aggregate_push_into(c.acc, c.words, c.recv, c.width, c.dtype, c.isz)
-            else:
-                c.acc, c.words, c.count_1 = ops.aggregate_push(c.recv, c.m, c.width, c.dtype, c.isz)
-            del c.recv
-            c.timer.stop()
+        self.push_aggregate(comm, calls, op)
         counts = ops.read_aggregate_counts([c.count_1 for c in calls])
 
         results = []

@@ -107,6 +107,50 @@ class BucketReducer:
             if out.data_ptr() != chunk.data_ptr():  # the direct path already wrote into the chunk
                 chunk.copy_(out)
 
+    def reduce_scatter_(self, flat: torch.Tensor, slices: Sequence[GradSlice], ranges: Sequence[tuple[int, int]],
+                        op: str, out: torch.Tensor) -> torch.Tensor:
+        """Write this rank's range ``ranges[dp rank]`` of ``flat``'s reduction over the data-parallel group
+        into ``out`` (ZeRO-2's ``reduce_scatter``, ZeRO-3, FSDP2); ``flat`` is not modified.
+
+        1. Guard as ``reduce_``: a non-finite gradient on any rank NaN-fills ``out`` on every rank.
+        2. Re-bucket to ``cap_bytes`` at parameter boundaries; each bucket's owner ranges are ``ranges``
+           clipped to it.
+        3. Reduce-scatter each bucket (``Synchronizer.reduce_scatter_flat``) into its piece of ``out``,
+           in turn on this thread.
+
+        Raises:
+            NotImplementedError: node-sharded reduction or TP-shared parameters (supported: a flat
+                data-parallel group).
+        """
+        if self.node is not None or self.tp_shared:
+            raise NotImplementedError("reduce_scatter_: node-sharded (zen.hierarchical) reduction and TP-shared "
+                                      "parameters are not served with a reduce-scatter; supported: a flat "
+                                      "data-parallel group (set zen.hierarchical to false)")
+        self.calls += 1
+        st = self._stats
+        st["reduce_calls"] += 1
+        flat_N = flat.view(-1)
+        rank = self.sync.dp_comm.rank
+        lo, hi = ranges[rank]
+        if self.dp_size > 1:
+            st["dense_bytes"] += (self.dp_size - 1) * max(e - s for s, e in ranges) * flat_N.element_size()
+        # Step 1: non-finite guard.
+        if self.guard_comm is not None:
+            bad = (~torch.isfinite(flat_N).all()).to(device=self.guard_comm.device, dtype=torch.float32).reshape(1)
+            if float(self.guard_comm.all_reduce(bad, "max")[0]) > 0:
+                out.fill_(float("nan"))
+                st["nonfinite_steps"] += 1
+                self.sync.discard_step()
+                return out
+        # Step 2: re-bucket.
+        cap = max(1, self.cap_bytes // flat_N.element_size())
+        for a, b, members in split_to_cap(flat_N.numel(), slices, cap):
+            clipped = [(min(max(s, a), b) - a, min(max(e, a), b) - a) for s, e in ranges]
+            pa, pb = min(max(lo, a), b), min(max(hi, a), b)
+            # Step 3: reduce-scatter into this rank's piece of out.
+            self.sync.reduce_scatter_flat(flat_N[a:b], list(members), clipped, op, out=out[pa - lo : pb - lo])
+        return out
+
     def _reduce_pipelined(self, flat_N: torch.Tensor, chunks: list, op: str) -> None:
         """Step 3 with the worker: compress bucket ``k + 1`` here while the worker synchronizes ``k``.
 

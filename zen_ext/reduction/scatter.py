@@ -17,6 +17,7 @@ Legend: ``_N`` elements of the bucket, ``_R`` this rank's range.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Sequence
 
@@ -24,6 +25,7 @@ import torch
 
 from ..core.reduce_scatter import ReduceScatterScheme, build_reduce_scatter, check_ranges, reduce_scatter_of
 from ..core.rs_dense import predict_dense_bytes
+from ..core.types import SparseGrad
 from .plan import GradSlice
 
 _DENSE_RS = build_reduce_scatter("dense")
@@ -93,27 +95,20 @@ def reduce_scatter_flat(sync, flat: torch.Tensor, slices: list[GradSlice], range
         st["slice_schemes"]["dense slices"] = "dense"
 
     # Step 4: every sparse part in one group call.
-    if prep.parts:
-        segs_of, outs = [], []
-        for p in prep.parts:
-            g = p.group
-            if p.slice is not None:
-                segs = [(p.slice.offset, p.slice.offset + p.slice.numel)]
-            elif g.tiled:
-                segs = [(g.lo, g.hi)]
-            else:
-                segs = [(s.offset, s.offset + s.numel) for s in g.slices]
-            segs_of.append(segs)
-            a, b = max(segs[0][0], lo), min(segs[0][1], hi)
-            outs.append(out_R[a - lo : b - lo] if len(segs) == 1 and a <= b else None)
-        timings: list[dict] = [{} for _ in prep.parts]
-        results = scheme.reduce_scatter_group(dp, [p.grad for p in prep.parts], [map_ranges(s, rs) for s in segs_of],
-                                              op, outs=outs, timings=timings, keys=[p.key for p in prep.parts])
-        for p, segs, o, res, t in zip(prep.parts, segs_of, outs, results, timings):
+    parts = sparse_parts(prep.parts)
+    if parts:
+        outs = []
+        for part in parts:
+            a, b = max(part.segs[0][0], lo), min(part.segs[0][1], hi)
+            outs.append(out_R[a - lo : b - lo] if len(part.segs) == 1 and a <= b else None)
+        timings: list[dict] = [{} for _ in parts]
+        results = scheme.reduce_scatter_group(dp, [p.grad() for p in parts], [map_ranges(p.segs, rs) for p in parts],
+                                              op, outs=outs, timings=timings, keys=[p.key for p in parts])
+        for part, o, res, t in zip(parts, outs, results, timings):
             if o is None:
-                place(res, segs, lo, hi, out_R)
-            sync._note_scheme(t, p.key)
-            sync._count(p.group.kind, p.numel, p.grad.nnz * p.grad.row_width)
+                place(res, part.segs, lo, hi, out_R)
+            sync._note_scheme(t, part.key)
+            sync._count(part.kind, part.numel, part.nnz)
 
     # Step 5: statistics.
     st["buckets"] += 1
@@ -123,6 +118,65 @@ def reduce_scatter_flat(sync, flat: torch.Tensor, slices: list[GradSlice], range
     st["dense_bytes_sent"] += predict_dense_bytes(n, [e - s for s, e in rs], flat_N.element_size())["bytes"]
     st["sync_s"] += time.perf_counter() - t_start
     return out_R
+
+
+@dataclasses.dataclass
+class _SparsePart:
+    """One reduce-scatter input of a bucket: a fused group, a parameter, or a parameter's pieces."""
+
+    key: str
+    kind: str
+    segs: list[tuple[int, int]]
+    """Its spans of the bucket, in bucket order (its elements, concatenated, are the gradient's)."""
+    grads: list[SparseGrad]
+    shifts: list[int]
+    """Where each piece's indices start in the merged gradient (index units)."""
+    numel: int
+
+    @property
+    def nnz(self) -> int:
+        return sum(g.nnz * g.row_width for g in self.grads)
+
+    def grad(self) -> SparseGrad:
+        if len(self.grads) == 1:
+            return self.grads[0]
+        g0 = self.grads[0]
+        idx = torch.cat([g.indices + shift for g, shift in zip(self.grads, self.shifts)])
+        vals = torch.cat([g.values for g in self.grads])
+        return SparseGrad(idx, vals, self.shifts[-1] + self.grads[-1].numel, in_range=g0.in_range)
+
+
+def sparse_parts(prepared: list) -> list[_SparsePart]:
+    """The bucket's sparse inputs, with the pieces of one parameter merged into one gradient.
+
+    FSDP2's chunk layout puts each parameter in the bucket once per rank (``GradSlice.start`` = the
+    piece's offset in the parameter). Pieces of one name that follow each other in the parameter, in
+    bucket order, with row-aligned starts, are one gradient over the parameter whose owner ranges are
+    the pieces: a reduce-scatter of it costs two rounds whatever ``n``, where one per piece would cost
+    ``2·n``. (Each piece is whole rows of its parameter, so the pieces' rows concatenate.)
+    """
+    out: list[_SparsePart] = []
+    last: dict[str, tuple[_SparsePart, int]] = {}  # name -> (its part, the parameter offset it reaches)
+    for p in prepared:
+        g, s = p.group, p.slice
+        if s is None:
+            segs = [(g.lo, g.hi)] if g.tiled else [(x.offset, x.offset + x.numel) for x in g.slices]
+            out.append(_SparsePart(p.key, g.kind, segs, [p.grad], [0], p.numel))
+            continue
+        width = p.grad.row_width
+        seg = (s.offset, s.offset + s.numel)
+        prev = last.get(s.name)
+        if prev is not None and prev[1] == s.start and prev[0].grads[0].row_width == width:
+            part = prev[0]
+            part.shifts.append(part.shifts[-1] + part.grads[-1].numel)
+            part.grads.append(p.grad)
+            part.segs.append(seg)
+            part.numel += p.numel
+        else:
+            part = _SparsePart(p.key, g.kind, [seg], [p.grad], [0], p.numel)
+            out.append(part)
+        last[s.name] = (part, s.start + s.numel)
+    return out
 
 
 def map_ranges(segs: list[tuple[int, int]], ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
