@@ -145,7 +145,8 @@ def test_natural_zen_equals_plain_zero_exact_model(world):
 
 
 # --- DGC, checkpoints, the fp16 guard (2 ranks, ZeRO-3) ------------------------------------------------
-DGC = {"enabled": True, "density": 0.05, "min_numel": 256, "momentum_correction": False, "momentum_masking": False}
+DGC = {"enabled": True, "density": 0.05, "min_numel": 256, "momentum_correction": False, "momentum_masking": False,
+       "warmup_steps": 0}
 
 
 def _dgc_worker(rank, world, tmp):
