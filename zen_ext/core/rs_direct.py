@@ -23,7 +23,7 @@ from .coo import finish
 from .reduce_scatter import ReduceScatterScheme, RSProfile, as_units, register_reduce_scatter
 from .timing import PhaseTimer
 from .types import acc_dtype, index_dtype
-from .wire import pack, view_as
+from .wire import exchange_packed, pack, view_as
 
 
 def predict_direct_bytes(p: RSProfile) -> dict:
@@ -46,7 +46,8 @@ class DirectReduceScatter(ReduceScatterScheme):
     def _reduce_scatter_group(self, comm, grads, ranges, op, outs, timings, keys):
         """1. Per gradient: each entry's owner (binary search over the range ends), grouped by owner.
         2. One host read of every gradient's per-owner counts (they cut the payloads).
-        3. Per gradient, one exchange: to each owner its entries (or its range dense, if smaller).
+        3. One exchange for the group (packed, ``exchange_packed``): to each owner each gradient's entries
+           (or its range dense, if smaller).
         4. The owner sums what it received in rank order (fp32 for half types), casts, divides for mean.
         """
         n, rank = comm.size, comm.rank
@@ -64,14 +65,15 @@ class DirectReduceScatter(ReduceScatterScheme):
             prepared.append((sg, urs, timer, owner_sorted, order_K, counts))
         # Step 2: one host read for the group.
         all_counts = torch.stack([p[5] for p in prepared]).tolist() if prepared else []
-        results = []
-        for (sg, urs, timer, _, order_K, _), counts, out in zip(prepared, all_counts, outs):
-            # Step 3: exchange.
+        # Step 3: one (packed) exchange for the group.
+        sends, facts = [], []
+        for (sg, urs, timer, _, order_K, _), counts in zip(prepared, all_counts):
             timer.start("exchange_s")
             device, dtype, width = sg.values.device, sg.values.dtype, sg.row_width
             row_shape = tuple(sg.values.shape[1:])
             idt = index_dtype(sg.numel)
             isz, vsz = torch.empty(0, dtype=idt).element_size(), sg.values.element_size() * width
+            facts.append((device, dtype, width, row_shape, idt, isz, vsz))
             idx_K, vals_K = sg.indices[order_K], sg.values[order_K]
             send, at = [], 0
             for r, k in enumerate(counts):
@@ -85,8 +87,12 @@ class DirectReduceScatter(ReduceScatterScheme):
                 else:
                     send.append(pack((idx_K[at : at + k] - s).to(idt), vals_K[at : at + k]))
                 at += k
-            recv = comm.exchange_v(send)
-            # Step 4: sum in rank order.
+            sends.append(send)
+        received = exchange_packed(comm, sends)
+        # Step 4: sum in rank order.
+        results = []
+        for (sg, urs, timer, *_), (device, dtype, width, row_shape, idt, isz, vsz), recv, timing in zip(
+                prepared, facts, received, timings):
             timer.start("aggregate_s")
             lo, hi = urs[rank]
             acc = torch.zeros((hi - lo,) + row_shape, dtype=acc_dtype(dtype), device=device)
@@ -100,9 +106,8 @@ class DirectReduceScatter(ReduceScatterScheme):
                 k = nbytes // (isz + vsz)
                 pos = view_as(buf, 0, k, idt).to(torch.int64)
                 acc.index_add_(0, pos, view_as(buf, k * isz, k * width, dtype).view((k,) + row_shape).to(acc.dtype))
-            res = finish(acc, dtype, op, n)
-            timer.write_into(timings[len(results)])
-            if timings[len(results)] is not None:
-                timings[len(results)]["scheme"] = self.name
-            results.append(res)
+            timer.write_into(timing)
+            if timing is not None:
+                timing["scheme"] = self.name
+            results.append(finish(acc, dtype, op, n))
         return results

@@ -36,7 +36,7 @@ from .. import ops
 from ..ops._reference import mask_to_words, words_to_mask
 from .reduce_scatter import ReduceScatterScheme, RSProfile, as_units, register_reduce_scatter
 from .wire import exchange_packed, pack, view_as
-from .zen import _FMT_BITMAP, _FMT_COO, _FMT_DENSE, _HEADER_BYTES, ZenScheme, _Call, pull_costs
+from .zen import _FMT_BITMAP, _FMT_COO, _FMT_DENSE, _FMT_NAMES, _HEADER_BYTES, ZenScheme, _Call, pull_costs
 
 _MAX_LAYOUTS = 64
 
@@ -175,6 +175,7 @@ class ZenReduceScatter(ReduceScatterScheme):
             c.timer.write_into(timing)
             if timing is not None:
                 timing["scheme"] = self.name
+                timing["pull_formats"] = c.formats  # this server's messages per format
             results.append(res)
         return results
 
@@ -184,6 +185,7 @@ class ZenReduceScatter(ReduceScatterScheme):
         sel = torch.nonzero_static(c.ts, size=total).flatten() if total else c.ts.new_empty(0, dtype=torch.int64)
         vals = c.acc[c.lay.own_order[sel]].to(c.dtype)
         fmts = [self._choose(k, cuts[r + 1] - cuts[r], c.isz, c.vsz) if k else -1 for r, k in enumerate(oc)]
+        c.formats = {name: fmts.count(f) for f, name in _FMT_NAMES.items() if f in fmts}
         head = torch.tensor([v for f, k in zip(fmts, oc) for v in (f, k)], dtype=torch.int64, device=c.device)
         send, at = [], 0
         for r, (k, fmt) in enumerate(zip(oc, fmts)):
