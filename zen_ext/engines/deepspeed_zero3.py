@@ -40,7 +40,6 @@ import time
 
 import torch
 
-from ..core.rs_dense import predict_dense_bytes
 from ..reduction import locate_slices
 from ..reduction.plan import GradSlice
 
@@ -213,8 +212,9 @@ class ShardedReduceMixin:
 
         1. Lay the views out rank-major (one copy; the layout's slices and ranges are built once).
         2. Divide by ``divide_by`` (DeepSpeed's pre-divide), in the communication dtype.
-        3. Guard (fp16): a NaN/Inf on any rank NaN-fills every shard, so the loss scaler skips the step.
-        4. ``Synchronizer.reduce_scatter_flat`` with ``op="sum"``.
+        3. ``BucketReducer.reduce_scatter_`` with ``op="sum"``: its guard (fp16: a NaN/Inf on any rank
+           NaN-fills every shard, so the loss scaler skips the step everywhere), re-bucketing to
+           ``zen.bucket_cap_mb``, and ``Synchronizer.reduce_scatter_flat`` per bucket.
 
         Returns:
             ``(shard, mine)``: this rank's reduced range, and its segments in that order.
@@ -224,6 +224,8 @@ class ShardedReduceMixin:
         key = tuple((r, name, start, v.numel()) for r, v, name, start, _ in segments)
         layout = self._rs_layouts.get(key)
         if layout is None:
+            if len(self._rs_layouts) > 4096:  # layouts change only when DeepSpeed rebuilds its buckets
+                self._rs_layouts.clear()
             layout = self._rs_layouts[key] = _layout(segments, self.dp_size)
         slices, ranges = layout
         # Steps 1 and 2: the rank-major bucket.
@@ -235,22 +237,11 @@ class ShardedReduceMixin:
         lo, hi = ranges[self.sync.dp_comm.rank]
         mine = [s for s in segments if s[0] == self.sync.dp_comm.rank]
         shard = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
-        # Step 3: the non-finite guard.
-        guard = self.reducer.guard_comm
-        if guard is not None:
-            bad = (~torch.isfinite(flat).all()).to(device=guard.device, dtype=torch.float32).reshape(1)
-            if float(guard.all_reduce(bad, "max")[0]) > 0:
-                shard.fill_(float("nan"))
-                self.reducer.account(nonfinite_steps=1)
-                self.sync.discard_step()
-                return shard, mine
-        # Step 4: ZEN's reduce-scatter.
         scale = getattr(self.engine.optimizer, "loss_scale", None) if self.engine.fp16_enabled() else None
         if scale is not None:  # DGC memory follows the fp16 loss scale (docs/sparsifiers.md)
             self.sync.set_grad_scale(scale)
-        self.sync.reduce_scatter_flat(flat, slices, ranges, op="sum", out=shard)
-        self.reducer.account(reduce_calls=1, dense_bytes=predict_dense_bytes(
-            self.dp_size, [e - s for s, e in ranges], flat.element_size())["bytes"])
+        # Step 3: the reducer's guard, re-bucketing to zen.bucket_cap_mb, ZEN's reduce-scatter.
+        self.reducer.reduce_scatter_(flat, slices, ranges, "sum", out=shard)
         self.stats.add(reduce_s=time.perf_counter() - t0)
         return shard, mine
 

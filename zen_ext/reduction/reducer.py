@@ -231,12 +231,6 @@ class BucketReducer:
                 out[cuts[r] // width + ix] = val.view(-1, width)
         return out.view(-1)
 
-    def account(self, **counts) -> None:
-        """Add to this step's counters (``reduce_calls``, ``dense_bytes``, ``nonfinite_steps``) for a
-        reduction an adapter ran itself (a ZeRO reduce-scatter)."""
-        for k, v in counts.items():
-            self._stats[k] += v
-
     def pop_stats(self) -> dict:
         """This step's numbers (since the last call), merged with the Synchronizer's."""
         st, self._stats = self._stats, self._empty()
