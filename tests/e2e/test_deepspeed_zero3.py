@@ -4,7 +4,8 @@ The matrix (each case: a plain DeepSpeed run and a ZEN run, 5 optimizer steps, l
 parameters compared with ``==``):
 
 * 2 ranks, the tiny untied Llama (real gradients; every sum has two operands, so its order cannot
-  matter): ZeRO-2 and ZeRO-3 × fp32 and bf16, ZeRO-3 with gradient accumulation 2, natural sparsity only.
+  matter): ZeRO-2 and ZeRO-3 × fp32 and bf16, ZeRO-3 with gradient accumulation 2, ZeRO-1 with
+  ``reduce_scatter`` (fp32), natural sparsity only.
 * 3 and 4 ranks, ``ExactToy``: gradients that are integer multiples of 12 (its loss is linear in every
   parameter with integer coefficients), so every sum is exact in any order and DeepSpeed's pre-divided
   values ``12k / n`` too: ZeRO-2 and ZeRO-3, fp32; 3 ranks bf16 for ZeRO-3. Its parameter counts (185,
@@ -110,7 +111,8 @@ def _bitwise_worker(rank, world, cases):
     return {name: _pair(rank, *args) for name, *args in cases}
 
 
-CASES_2 = [("zero2_fp32", 2, "fp32", False), ("zero2_bf16", 2, "bf16", False), ("zero3_fp32", 3, "fp32", False),
+CASES_2 = [("zero1_fp32", 1, "fp32", False), ("zero2_fp32", 2, "fp32", False), ("zero2_bf16", 2, "bf16", False),
+           ("zero3_fp32", 3, "fp32", False),
            ("zero3_bf16", 3, "bf16", False), ("zero3_ga2", 3, "fp32", False, 2)]
 CASES_N = [("zero2_toy", 2, "fp32", True), ("zero3_toy", 3, "fp32", True)]
 
