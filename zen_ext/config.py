@@ -34,7 +34,7 @@ from typing import Any, Optional, Union
 from ._keys import unknown_keys_message
 from .compress import registered, spec_of
 
-SUPPORTED_ZERO_STAGES = (0, 1, 2)
+SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
 MAX_BUCKET_CAP_MB = 2.0**20
 """Largest ``bucket_cap_mb`` (1 TiB): the cap in bytes must be a Python int (``bucket_cap_bytes``)."""
 SECTION = "zen"
@@ -296,11 +296,11 @@ def check_deepspeed_settings(ds: dict) -> None:
     """Refuse DeepSpeed settings ZEN cannot serve, naming what is supported.
 
     ZEN replaces the data-parallel all-reduce of ZeRO 0/1/2 (optionally with AutoTP tensor
-    parallelism). ZeRO-3 reduce-scatters partitioned parameters' gradients with no full bucket to
-    sparsify, and pipeline parallelism reduces per stage through another path.
+    parallelism) and the reduce-scatter of ZeRO-2 (``reduce_scatter: true``) and ZeRO-3
+    (``engines/deepspeed_zero3.py``); pipeline parallelism reduces per stage through another path.
 
     Raises:
-        NotImplementedError: ZeRO-3, pipeline or sequence parallelism.
+        NotImplementedError: a ZeRO stage above 3, pipeline or sequence parallelism.
     """
     zero = ds.get("zero_optimization") or {}
     if not isinstance(zero, dict):
@@ -311,9 +311,7 @@ def check_deepspeed_settings(ds: dict) -> None:
                         f"{list(SUPPORTED_ZERO_STAGES)} with zen)")
     if stage not in SUPPORTED_ZERO_STAGES:
         raise NotImplementedError(
-            f"zen supports zero_optimization.stage in {list(SUPPORTED_ZERO_STAGES)} (with optional AutoTP "
-            f"tensor parallelism), got stage {stage!r}: ZeRO-3 reduce-scatters partitioned gradients, so "
-            f"there is no full gradient bucket to synchronize sparsely; use stage 1 or 2, or remove \"zen\"")
+            f"zen supports zero_optimization.stage in {list(SUPPORTED_ZERO_STAGES)}, got stage {stage!r}")
     pipe = ds.get("pipeline") or {}
     stages = pipe.get("stages", 1) if isinstance(pipe, dict) else 1
     if isinstance(stages, bool) or not isinstance(stages, int):

@@ -40,7 +40,7 @@ def test_valid_config_and_defaults():
 def test_top_level_and_plugin_errors():
     _raises(ValueError, "ColossalAI config got unknown key(s) ['optimizer']; valid keys are "
                         "['plugin', 'plugin_kwargs', 'train', 'zen']", {"optimizer": {}})
-    _raises(ValueError, "plugin ('gemini') must be one of ['hybrid_parallel', 'torch_ddp']", {"plugin": "gemini"})
+    _raises(ValueError, "plugin ('ddp') must be one of ['hybrid_parallel', 'torch_ddp']", {"plugin": "ddp"})
     _raises(TypeError, "plugin_kwargs ([2]) must be a JSON object (dict)",
             {"plugin": "torch_ddp", "plugin_kwargs": [2]})
     _raises(TypeError, "train (3) must be a JSON object (dict)", {"train": 3})
@@ -86,8 +86,13 @@ def test_unsupported_modes_are_clear():
         check_plugin_kwargs("hybrid_parallel", {"tp_size": 2, "zero_stage": 2}, zen=ZenConfig(), on_cpu=False)
     assert str(info.value) == (
         "plugin_kwargs.zero_stage (2) must be 0 with zen: ZeRO-1/2 reduce through LowLevelZeroOptimizer's own "
-        "buckets, and their ZEN replacement is not implemented (it needs a GPU to test); supported: zero_stage 0 "
-        "(torch DDP), or ZeRO-1/2 through zen_ext.deepspeed")
+        "buckets, and their ZEN replacement is not implemented (ColossalAI's ZeRO does not run on CPU, where it would "
+        "be tested); supported: zero_stage 0 (torch DDP), or ZeRO-1/2/3 through zen_ext.deepspeed")
+    for plugin in ("low_level_zero", "gemini"):  # ColossalAI's ZeRO plugins: refused, saying why
+        with pytest.raises(NotImplementedError) as info:
+            check_plugin_kwargs(plugin, {}, zen=ZenConfig(), on_cpu=False)
+        assert str(info.value).startswith(f"plugin ({plugin!r}) is ColossalAI's ZeRO, which zen does not serve: "
+                                          "ColossalAI 0.5.0's ZeRO optimizer needs a CUDA or NPU device"), info.value
     _raises(NotImplementedError, "plugin_kwargs.enable_sequence_parallelism must be false with zen: supported are "
                                  "tensor + data parallelism (tp_size, pp_size 1, zero_stage 0)",
             _hybrid(enable_sequence_parallelism=True))

@@ -2,11 +2,13 @@
 
 HF Trainer users only pass ``TrainingArguments(deepspeed=<config with a "zen" section>)``; Accelerate
 then calls ``deepspeed.initialize``, which the one-line opt-in has routed through zen_ext. Two gloo
-processes, a tiny untied Llama, ZeRO-1, natural sparsity plus DGC.
+processes, a tiny untied Llama, natural sparsity plus DGC: ZeRO-1 (ZEN's all-reduce) and ZeRO-3 (ZEN's
+reduce-scatter, docs/deepspeed_zero3.md).
 """
 
 import os
 
+import pytest
 import torch
 
 from tests.multiproc.launch import run_workers
@@ -28,7 +30,7 @@ class _Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def _trainer_worker(rank, world, out_dir):
+def _trainer_worker(rank, world, out_dir, stage=1):
     import logging
 
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
@@ -42,7 +44,8 @@ def _trainer_worker(rank, world, out_dir):
     ds_config = {
         "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
         "optimizer": {"type": "AdamW", "params": {"lr": "auto", "torch_adam": True}},
-        "zero_optimization": {"stage": 1}, "steps_per_print": 10**6,
+        "zero_optimization": {"stage": stage, **({"stage3_param_persistence_threshold": 0} if stage == 3 else {})},
+        "steps_per_print": 10**6,
         "zen": {"scheme": "zen", "dgc": {"enabled": True, "min_numel": 256}},
     }
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, max_steps=STEPS,
@@ -52,16 +55,23 @@ def _trainer_worker(rank, world, out_dir):
     trainer.train()
     engine = trainer.model_wrapped
     zen = getattr(engine, "zen", None)
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=stage == 3):
+        w = torch.cat([p.detach().float().reshape(-1).clone() for p in params])
     return {"engine": type(engine).__name__, "zen": zen is not None,
             "calls": zen.override_calls if zen else 0, "totals": zen.totals if zen else {},
             "steps": zen.stats.steps if zen else 0,
             "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-            "w": torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])}
+            "w": w, "stage": engine.zero_optimization_stage(), "sharded": getattr(zen, "sharded", None)}
 
 
-def test_hf_trainer_gets_zen_after_enable(tmp_path):
-    res = run_workers(_trainer_worker, 2, str(tmp_path), timeout_s=600)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_hf_trainer_gets_zen_after_enable(tmp_path, stage):
+    res = run_workers(_trainer_worker, 2, str(tmp_path), stage, timeout_s=600)
     for r in res:
+        assert r["stage"] == stage and r["sharded"] == (stage == 3)
         assert r["engine"] == "DeepSpeedEngine" and r["zen"]
         assert r["calls"] >= STEPS and r["steps"] == STEPS
         assert 0 < r["totals"]["bytes_sent"] < r["totals"]["dense_bytes"]

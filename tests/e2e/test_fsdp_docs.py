@@ -50,3 +50,21 @@ def test_attach_snippet_runs_as_written(tmp_path):
     for rank in (0, 1):
         sd = torch.load(tmp_path / f"zen_rank{rank}.pt", weights_only=True)
         assert sd["step"] == 5 and sd["rank"] == rank and "3.weight" in str(sd["sync"]["sparsifiers"])
+
+
+def _readme_block(name: str) -> str:
+    lines = open(os.path.join(ROOT, "README.md")).read().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"<!-- snippet: {name} "))
+    end = lines.index("```", at + 2)
+    return "\n".join(lines[at + 2 : end])
+
+
+def test_readme_excerpts_are_lines_of_the_tested_docs():
+    """README.md's sharded-training excerpts are verbatim lines of the blocks the tests run."""
+    (script,) = [t for name, run, lang, t in _blocks() if run and lang == "python"]
+    excerpt = _readme_block("fsdp-excerpt")
+    assert excerpt and excerpt in script, excerpt
+    zero3 = open(os.path.join(ROOT, "docs", "deepspeed_zero3.md")).read()
+    config = zero3.split("<!-- snippet: zero3-config -->", 1)[1].split("```", 2)[1]
+    excerpt = _readme_block("zero3-excerpt")
+    assert excerpt and excerpt in config, excerpt

@@ -9,6 +9,7 @@ by priority, whose ``claims`` takes it (``registry.py``), and to ``"dense"`` whe
 from __future__ import annotations
 
 import logging
+import math
 
 from torch import nn
 
@@ -121,7 +122,7 @@ def classify_parameters(
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        facts = ParamFacts(name, p.dim(), numel_of[name], id(p) in emb_ids, id(p) in tied)
+        facts = ParamFacts(name, len(_full_shape(p)), numel_of[name], id(p) in emb_ids, id(p) in tied)
         kinds[name] = next((spec.kind for spec, cfg in claimants if spec.cls.claims(facts, cfg)), DENSE)
         if facts.tied and log:
             _log_once("zen: embedding %r is tied to an output layer (its gradient is dense); routing it %r",
@@ -139,7 +140,8 @@ def _tp_agreed_numels(model: nn.Module, tp_comm) -> dict[str, int]:
     Raises:
         RuntimeError: TP ranks disagree on the trainable names or on a parameter's number of dims.
     """
-    mine = {name: (p.numel(), p.dim()) for name, p in model.named_parameters() if p.requires_grad}
+    mine = {name: (math.prod(_full_shape(p)), len(_full_shape(p))) for name, p in model.named_parameters()
+            if p.requires_grad}
     if tp_comm is None or tp_comm.size == 1:
         return {name: numel for name, (numel, _) in mine.items()}
     out = {name: numel for name, (numel, _) in mine.items()}
@@ -155,3 +157,9 @@ def _tp_agreed_numels(model: nn.Module, tp_comm) -> dict[str, int]:
                                    f"{dim}-D shard, rank {tp_comm.rank} a {mine[name][1]}-D one")
             out[name] = max(out[name], numel)
     return out
+
+
+def _full_shape(p) -> tuple:
+    """A parameter's full shape, also when DeepSpeed ZeRO-3 has partitioned it (``ds_shape``: the local
+    tensor is then empty, and the routing must see the parameter the gradient covers)."""
+    return tuple(getattr(p, "ds_shape", p.shape))

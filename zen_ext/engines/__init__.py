@@ -1,8 +1,9 @@
 """Engine adapters: the only place that imports a training engine. ``import zen_ext`` imports none.
 
-* ``zen_ext.engines.deepspeed``: ``initialize`` / ``enable`` / ``attach`` for DeepSpeed (ZeRO 0/1/2,
+* ``zen_ext.engines.deepspeed``: ``initialize`` / ``enable`` / ``attach`` for DeepSpeed (ZeRO 0/1/2/3,
   AutoTP); public alias ``zen_ext.deepspeed``. DeepSpeed itself is imported at first use. The
-  attachment is ``deepspeed_engine.ZenDeepSpeed``, ZeRO's ``overlap_comm`` hand-over ``deepspeed_ipg``.
+  attachment is ``deepspeed_engine.ZenDeepSpeed``, ZeRO's ``overlap_comm`` hand-over ``deepspeed_ipg``,
+  the reduce-scatter of ZeRO-3 and ZeRO-1/2 ``reduce_scatter`` ``deepspeed_zero3``.
 * ``zen_ext.engines.ddp``: the torch DDP communication hook (no engine beyond torch); what it keeps is
   ``ddp_state.ZenHookState``.
 * ``zen_ext.engines.fsdp``: a ZEN reduce-scatter on every torch FSDP2 module (``attach`` after

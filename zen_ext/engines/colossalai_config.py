@@ -33,6 +33,8 @@ _OWNED = {"torch_ddp": {"bucket_cap_mb": "zen.bucket_cap_mb"},
           "hybrid_parallel": {"ddp_bucket_cap_mb": "zen.bucket_cap_mb"}}
 # Keys the ZEN plugins add to the stock ones (hybrid_parallel guards by itself when precision is fp16).
 _ADDED = {"torch_ddp": ("guard_nonfinite",), "hybrid_parallel": ()}
+ZERO_PLUGINS = ("low_level_zero", "gemini")
+"""ColossalAI's ZeRO plugins (booster names), refused with zen: their ZeRO does not run on CPU."""
 
 
 def check_plugin_kwargs(plugin: str, kwargs: dict, *, zen: ZenConfig, world_size: int | None = None,
@@ -51,6 +53,12 @@ def check_plugin_kwargs(plugin: str, kwargs: dict, *, zen: ZenConfig, world_size
         TypeError: a value of the wrong type.
         NotImplementedError: a mode ZEN (or ColossalAI on CPU) does not serve.
     """
+    if plugin in ZERO_PLUGINS:
+        raise NotImplementedError(
+            f"plugin ({plugin!r}) is ColossalAI's ZeRO, which zen does not serve: ColossalAI 0.5.0's ZeRO optimizer "
+            f"needs a CUDA or NPU device (LowLevelZeroOptimizer asserts it), so a ZEN replacement of its buckets "
+            f"cannot be tested on CPU; supported: {sorted(_BASES)} with zero_stage 0, or ZeRO-1/2/3 through "
+            f"zen_ext.deepspeed (docs/deepspeed_zero3.md)")
     if plugin not in _BASES:
         raise ValueError(f"plugin ({plugin!r}) must be one of {sorted(_BASES)}")
     if not isinstance(kwargs, dict):
@@ -106,8 +114,8 @@ def _check_hybrid(kw: dict, zen: ZenConfig, world_size: int | None, on_cpu: bool
     if zero > 0:
         raise NotImplementedError(
             f"plugin_kwargs.zero_stage ({zero}) must be 0 with zen: ZeRO-1/2 reduce through LowLevelZeroOptimizer's "
-            f"own buckets, and their ZEN replacement is not implemented (it needs a GPU to test); supported: "
-            f"zero_stage 0 (torch DDP), or ZeRO-1/2 through zen_ext.deepspeed")
+            f"own buckets, and their ZEN replacement is not implemented (ColossalAI's ZeRO does not run on CPU, "
+            f"where it would be tested); supported: zero_stage 0 (torch DDP), or ZeRO-1/2/3 through zen_ext.deepspeed")
     if kw.get("enable_sequence_parallelism") or (kw.get("sp_size") or 1) > 1:
         raise NotImplementedError("plugin_kwargs.enable_sequence_parallelism must be false with zen: supported are "
                                   "tensor + data parallelism (tp_size, pp_size 1, zero_stage 0)")

@@ -12,9 +12,11 @@ fp16, bf16, AutoTP) and        dp_world_size)``
 BF16_Optimizer (bf16 + ZeRO-1
 + fp32 grad accumulation)
 the ZeRO optimizer: ZeRO 1, 2  ``engine.optimizer.gradient_reduction_w_predivide(   deepspeed 0.19.8
-                               tensor, communication_data_type)``, with
-                               ``zero_optimization.reduce_scatter`` forced false
-                               and ``contiguous_gradients`` true
+with ``reduce_scatter`` false  tensor, communication_data_type)``, with
+(or unset)                     ``contiguous_gradients`` true
+ZeRO 1, 2 with                 ZEN's reduce-scatter: ``deepspeed_zero3`` (its       deepspeed 0.19.8
+``reduce_scatter`` true;       docstring has the table)
+ZeRO-3
 =============================  ===================================================  =================
 
 With ``zen.async_sync`` and ZeRO's ``overlap_comm`` (two IPG buffers), ``engine.optimizer.reduce_ipg_grads``
@@ -31,7 +33,8 @@ After every optimizer step the wrapper checks that the override ran, so a DeepSp
 moves the reduction fails loudly instead of silently training with the wrong gradients.
 
 This module holds the entry points (``initialize``, ``enable``, ``attach``); the attachment itself is
-``deepspeed_engine.ZenDeepSpeed``, its ZeRO ``overlap_comm`` hand-over ``deepspeed_ipg``.
+``deepspeed_engine.ZenDeepSpeed``, its ZeRO ``overlap_comm`` hand-over ``deepspeed_ipg``, its
+reduce-scatter (ZeRO-3, ZeRO-1/2 with ``reduce_scatter``) ``deepspeed_zero3``.
 """
 
 from __future__ import annotations
@@ -83,8 +86,8 @@ def initialize(*args, **kwargs):
 
     1. Find the config (``config``, ``config_params`` or ``args.deepspeed_config``) and validate its
        ``"zen"`` section and the engine settings it needs.
-    2. Rewrite the ZeRO settings the override relies on (ZeRO-1/2: ``reduce_scatter`` false,
-       ``contiguous_gradients`` true) in a copy of the config.
+    2. Rewrite the ZeRO settings the override relies on (``_rewrite_zero_settings``) in a copy of the
+       config.
     3. Call DeepSpeed, then ``attach``.
     """
     orig = _original_initialize or _deepspeed_initialize()
@@ -197,8 +200,8 @@ def attach(engine, cfg: "ZenConfig | dict") -> "ZenDeepSpeed":
     """Attach ZEN to an initialized DeepSpeed engine; returns the attachment (also ``engine.zen``).
 
     Raises:
-        NotImplementedError: ZeRO-3, pipeline or sequence parallelism, MoE, or ZeRO-1/2 without the
-            settings ``initialize`` writes (``reduce_scatter: false``).
+        NotImplementedError: pipeline or sequence parallelism, MoE, or what a ZeRO reduce-scatter cannot
+            serve (``engines/deepspeed_zero3.py``).
     """
     if isinstance(cfg, dict):
         cfg = ZenConfig.from_dict(cfg)
@@ -254,10 +257,21 @@ def _all_gather_object(dist, obj) -> list:
 
 
 def _rewrite_zero_settings(ds_config: dict) -> None:
+    """The ZeRO settings the overrides rely on.
+
+    ZeRO-1/2: ``contiguous_gradients`` true (one flat bucket); ``reduce_scatter`` as the user set it
+    (true: ZEN's reduce-scatter, each rank receives only its partition; ``engines/deepspeed_zero3.py``),
+    false when unset (ZEN's all-reduce, each rank keeps its partition). ZeRO-3: ``reduce_scatter`` true
+    (the path ZEN replaces; false would all-reduce contiguous buckets).
+    """
     zero = ds_config.setdefault("zero_optimization", {})
-    if zero.get("stage", 0) in (1, 2):
-        for key, value in (("reduce_scatter", False), ("contiguous_gradients", True)):
-            if zero.get(key, None) not in (None, value):
-                log.warning("zen: setting zero_optimization.%s = %s (was %s): ZEN reduces whole buckets",
-                            key, value, zero[key])
-            zero[key] = value
+    stage = zero.get("stage", 0)
+    wanted = {1: (("contiguous_gradients", True),), 2: (("contiguous_gradients", True),),
+              3: (("reduce_scatter", True),)}.get(stage, ())
+    for key, value in wanted:
+        if zero.get(key, None) not in (None, value):
+            log.warning("zen: setting zero_optimization.%s = %s (was %s): ZEN's reduction needs it", key, value,
+                        zero[key])
+        zero[key] = value
+    if stage in (1, 2) and zero.get("reduce_scatter") is not True:
+        zero["reduce_scatter"] = False

@@ -19,6 +19,7 @@ from ..reduction import NodeShardedReduce, locate_slices, maybe_node_sharding
 from ..reduction.attachment import ZenAttachment, assemble
 from ..reduction.stats import startup_line
 from .deepspeed_ipg import AsyncIPGMixin
+from .deepspeed_zero3 import ShardedReduceMixin
 
 log = logging.getLogger("zen_ext.engines.deepspeed")
 
@@ -26,13 +27,14 @@ VERIFIED_DEEPSPEED = ("0.19.8", "0.19.8")
 """The DeepSpeed releases the overrides were verified on (inclusive)."""
 
 
-class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin):
+class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
     """ZEN attached to one DeepSpeed engine: the Synchronizer, the overrides, statistics, checkpoints.
 
     1. Decide the sparsifier defaults that depend on the optimizer (``ZenConfig.resolve_defaults``:
-       DGC's), and refuse what the overrides cannot serve (ZeRO-3, pipeline/sequence parallelism, MoE,
-       ZeRO-1/2 with reduce-scatter, a ``once_per_step`` sparsifier such as DGC with ZeRO-2 gradient
-       accumulation).
+       DGC's), and refuse what the overrides cannot serve (pipeline/sequence parallelism, MoE, a
+       ``once_per_step`` sparsifier such as DGC with ZeRO-2/3 gradient accumulation, what
+       ``deepspeed_zero3`` refuses). ZeRO-3 and ZeRO-1/2 with ``reduce_scatter`` take ZEN's
+       reduce-scatter (``sharded``), the rest ZEN's all-reduce.
     2. Groups: the data-parallel group (split by node when hierarchical) and the TP group.
     3. The Synchronizer and the BucketReducer around it (re-bucketing, TP-shared embedding rows, the
        fp16 non-finite guard).
@@ -63,26 +65,29 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin):
         if getattr(engine, "has_moe_layers", False):
             raise NotImplementedError("zen supports dense models (data and AutoTP tensor parallelism), not MoE "
                                       "expert parallelism")
-        if self.zero_reduces and getattr(engine.optimizer, "reduce_scatter", False):
-            raise NotImplementedError(
-                "zen with ZeRO-1/2 needs zero_optimization.reduce_scatter = false (ZEN reduces the whole bucket "
-                "itself); build the engine with zen_ext.deepspeed.initialize, or zen_ext.deepspeed.enable(), "
-                "which set it")
+        # ZeRO-3, and ZeRO-1/2 with reduce_scatter: each rank receives only what it owns.
+        self.sharded = self.stage == 3 or (self.zero_reduces and getattr(engine.optimizer, "reduce_scatter", False))
+        if self.sharded:
+            self._sharded_refusals()
         once = [k for k in cfg.sections() if spec_of(k).cls.once_per_step]
-        if self.stage == 2 and once and engine.gradient_accumulation_steps() > 1:
+        if self.stage >= 2 and once and engine.gradient_accumulation_steps() > 1:
             raise NotImplementedError(
-                f"zen with zen.{once[0]} on supports ZeRO-2 only with gradient_accumulation_steps = 1: ZeRO-2 "
-                f"reduces every micro-batch, and the {once[0]} sparsifier's memory (e.g. momentum correction) "
-                f"must advance once per optimizer step; use ZeRO-1 (reduces once per step) or ZeRO-0")
+                f"zen with zen.{once[0]} on supports ZeRO-{self.stage} only with gradient_accumulation_steps = 1: "
+                f"ZeRO-{self.stage} reduces every micro-batch, and the {once[0]} sparsifier's memory (e.g. momentum "
+                f"correction) must advance once per optimizer step; use ZeRO-1 (reduces once per step) or ZeRO-0")
         self.rank = dist.get_rank()
         self.op = "mean" if engine.gradient_average else "sum"
 
         # Step 2: groups. ZEN runs over the data-parallel group; DGC agrees thresholds over the TP group.
-        self.dp_group = engine.optimizer.dp_process_group if self.zero_reduces else engine.seq_data_parallel_group
+        self.dp_group = (engine.optimizer.dp_process_group if self.zero_reduces or self.stage == 3
+                         else engine.seq_data_parallel_group)
         self.dp_ranks = dist.get_process_group_ranks(self.dp_group)
         tp_size = engine.autotp_size() if hasattr(engine, "autotp_size") else 1
         self.tp_comm = (TorchCommunicator(groups.get_tensor_model_parallel_group(), cfg.exchange_impl)
                         if tp_size and tp_size > 1 else None)
+        if self.sharded and self.tp_comm is not None:
+            raise NotImplementedError("zen with a ZeRO reduce-scatter (ZeRO-3, reduce_scatter true) supports data "
+                                      "parallelism only, not AutoTP; use ZeRO-1/2 with reduce_scatter false")
         node = self._maybe_node_sharding(dist)
         sync_comm = TorchCommunicator(self._inter_group if node else self.dp_group, cfg.exchange_impl)
 
@@ -91,6 +96,7 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin):
         # (compress bucket k + 1 while k is on the wire); not with node sharding or a TP group, whose
         # collectives the compression itself needs.
         self.names = {id(p): n for n, p in engine.module.named_parameters()}
+        numels = {n: getattr(p, "ds_numel", p.numel()) for n, p in engine.module.named_parameters()}
         from deepspeed.runtime.utils import is_model_parallel_parameter
 
         replicated = frozenset(n for n, p in engine.module.named_parameters()
@@ -103,6 +109,8 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin):
                          monitor=getattr(engine, "monitor", None))
         kinds, self.sync, self.reducer, self.worker, self.stats = (built.kinds, built.sync, built.reducer,
                                                                    built.worker, built.stats)
+        if self.sharded:  # the reduce-scatter form of zen.scheme (NotImplementedError for the rest)
+            self.sync.rs_scheme = cfg.build_reduce_scatter()
         # With ZeRO's overlap_comm the backward pass fills one IPG buffer while the other is reduced:
         # the worker then takes whole IPG buckets, and the backward pass goes on (_reduce_ipg_async).
         self.async_ipg_off = self._async_ipg_off_reason()
@@ -123,9 +131,9 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin):
         if self.rank == 0:
             log.info("zen: attached to DeepSpeed ZeRO-%d (dp=%d, tp=%d, hierarchical=%s, op=%s): %s", self.stage,
                      self.dp_size, tp_size or 1, self.hierarchical, self.op, cfg.to_dict())
-            numels = {n: p.numel() for n, p in engine.module.named_parameters()}
             print(startup_line(f"DeepSpeed ZeRO-{self.stage} (dp={self.dp_size}, tp={tp_size or 1}, "
-                               f"hierarchical={self.hierarchical})", cfg, kinds, numels, self.defaults_note), flush=True)
+                               f"hierarchical={self.hierarchical}; {self._reduction_choice()})", cfg, kinds, numels,
+                               self.defaults_note), flush=True)
 
     log_name = log.name
 
@@ -141,6 +149,9 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin):
         same on every rank: a rank's own ``LOCAL_WORLD_SIZE`` differs between the nodes of an uneven
         hostfile, and node groups are created by a collective that every rank must join or skip.
         """
+        if self.sharded:
+            self._inter_group, self.hierarchy_reason = None, "a ZeRO reduce-scatter reduces over the whole group"
+            return None
         node, self._inter_group, self.hierarchy_reason = maybe_node_sharding(
             self.cfg.hierarchical, self.dp_ranks, self.rank, log)
         return node
@@ -150,7 +161,9 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin):
         eng = self.engine
         self.override_calls = 0
         self._calls_at_last_step = 0
-        if self.zero_reduces:
+        if self.sharded:
+            self._install_sharded()
+        elif self.zero_reduces:
             self._orig_reduction = eng.optimizer.gradient_reduction_w_predivide
             eng.optimizer.gradient_reduction_w_predivide = self._gradient_reduction_w_predivide
             if self.async_ipg_off is None:

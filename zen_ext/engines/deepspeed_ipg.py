@@ -32,8 +32,8 @@ class AsyncIPGMixin:
             return "zen.async_sync is off"
         if self.worker is None:
             return "no communication worker (node sharding or a tensor-parallel group)"
-        if not self.zero_reduces:
-            return "not a ZeRO-1/2 optimizer"
+        if not self.zero_reduces or self.sharded:
+            return "not a ZeRO-1/2 optimizer that all-reduces (ZeRO-3, or reduce_scatter true)"
         if not getattr(opt, "overlap_comm", False):
             return "zero_optimization.overlap_comm is false (one IPG buffer)"
         if not getattr(opt, "contiguous_gradients", False):
