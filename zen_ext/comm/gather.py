@@ -1,0 +1,175 @@
+"""The variable-size all-gather's round structure: direct, ring or Bruck, their messages and bytes.
+
+Every transport (``comm/torch_dist.py``, ``comm/simulated.py``) runs a gather in the same two phases,
+so rounds, messages and bytes are the same in a real process group and in SimWorld:
+
+1. **Counts**: a Bruck all-gather of every rank's ``(count, call signature)`` pair, ``⌈log2 n⌉``
+   rounds of fixed-size messages (whose sizes every receiver knows: no header for the header), then
+   one host read of the table. Every rank then knows every rank's count and signature: the
+   signatures are checked here, before any payload moves, on every rank at once.
+2. **Payloads**, in the algorithm ``choose`` picks from the counts (identical on every rank, since
+   every rank holds the same table; ``gather_impl`` forces one):
+
+   * ``direct``: one round; every rank sends its block to the ``n−1`` others at once.
+   * ``ring``: ``n−1`` rounds; each rank forwards the block it received last round to its successor.
+   * ``bruck``: ``⌈log2 n⌉`` rounds (any ``n``, non-powers of two included); in round ``k`` a rank
+     sends the ``min(2^k, n−2^k)`` consecutive blocks it holds, starting with its own, to rank
+     ``r−2^k`` and receives as many from ``r+2^k``, one message each way.
+
+Blocks are numbered relative to the rank (block ``i`` is rank ``(r+i) mod n``'s), so every message is
+one contiguous range of a rank's receive buffer (``Msg.first``, ``Msg.count``) and no block is copied
+on its way: a rank's buffer ends in relative order, and part ``j`` is a view of it.
+
+Wire: a count message carries ``count`` pairs of int64 (the count bytes are traffic, 8 per pair; the
+signature word is a check and not counted, as in ``comm/base.py``); a payload message carries the
+concatenated blocks and is left out on both sides when empty.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+GATHER_IMPLS = ("auto", "direct", "ring", "bruck")
+_COUNT_BYTES = 8
+
+
+@dataclass(frozen=True)
+class Msg:
+    """One message of a round: to/from ``peer``, blocks ``first .. first+count−1`` (relative to this rank)."""
+
+    peer: int
+    first: int
+    count: int
+
+
+@dataclass(frozen=True)
+class GatherCosts:
+    """What ``choose`` weighs: seconds per round (latency on the critical path), seconds per extra
+    message a rank handles in one round (simultaneous flows: incast, per-message CPU), and link bytes
+    per second. Ranks must agree on them (``options()`` carries them to the agreement check)."""
+
+    round_s: float = 50e-6
+    msg_s: float = 50e-6
+    bytes_per_s: float = 1.25e9
+
+
+def bruck_steps(n: int) -> list[tuple[int, int]]:
+    """``(distance, blocks)`` of each Bruck round: ``(2^k, min(2^k, n−2^k))`` while ``2^k < n``."""
+    out, d = [], 1
+    while d < n:
+        out.append((d, min(d, n - d)))
+        d *= 2
+    return out
+
+
+def count_rounds(n: int) -> int:
+    """Rounds of the count phase: ``⌈log2 n⌉``."""
+    return len(bruck_steps(n))
+
+
+def schedule(algo: str, n: int, rank: int) -> list[tuple[list[Msg], list[Msg]]]:
+    """The payload rounds of ``algo`` as ``(receives, sends)`` per round, for ``rank`` of ``n``."""
+    if n == 1:
+        return []
+    if algo == "direct":
+        return [([Msg((rank + i) % n, i, 1) for i in range(1, n)],
+                 [Msg((rank - i) % n, 0, 1) for i in range(1, n)])]
+    if algo == "ring":
+        # Round k: receive block n−1−k from the predecessor, forward block (n−k) mod n (received in
+        # round k−1; the own block in round 0) to the successor.
+        return [([Msg((rank - 1) % n, n - 1 - k, 1)], [Msg((rank + 1) % n, (n - k) % n, 1)])
+                for k in range(n - 1)]
+    if algo == "bruck":
+        return [([Msg((rank + d) % n, d, c)], [Msg((rank - d) % n, 0, c)]) for d, c in bruck_steps(n)]
+    raise ValueError(f"gather_impl ({algo!r}) must be one of {list(GATHER_IMPLS)}")
+
+
+def arrival_order(algo: str, n: int) -> list[int]:
+    """Relative blocks in the order their rounds deliver them (the own block, 0, first)."""
+    if algo == "ring":
+        return [0] + list(range(n - 1, 0, -1))
+    return list(range(n))
+
+
+def arrival_round(algo: str, n: int) -> list[int]:
+    """``out[i]``: the payload round that completes relative block ``i`` (block 0: −1, no wire)."""
+    out = [-1] * n
+    for k, (recvs, _) in enumerate(schedule(algo, n, 0)):
+        for m in recvs:
+            for i in range(m.first, m.first + m.count):
+                out[i] = k
+    return out
+
+
+def _round_loads(algo: str, nbytes: torch.Tensor) -> list[torch.Tensor]:
+    """Per payload round, every rank's bytes sent (= the bytes its receiver takes in)."""
+    n = nbytes.numel()
+    if algo == "direct":
+        return [torch.maximum(nbytes * (n - 1), nbytes.sum() - nbytes)]
+    if algo == "ring":
+        return [nbytes.roll(k) for k in range(n - 1)]
+    twice = torch.cat([torch.zeros(1, dtype=nbytes.dtype), torch.cat([nbytes, nbytes]).cumsum(0)])
+    starts = torch.arange(n)
+    return [twice[starts + c] - twice[starts] for _, c in bruck_steps(n)]
+
+
+def predict_s(algo: str, nbytes: Sequence[float], costs: GatherCosts) -> float:
+    """α–β time of the payload phase: per round, ``round_s`` plus ``msg_s`` per message a rank handles
+    beyond one each way, plus the busiest link's bytes; rounds add up (each waits for the last)."""
+    n = len(nbytes)
+    if n < 2:
+        return 0.0
+    t = torch.tensor([float(b) for b in nbytes], dtype=torch.float64)
+    extra_msgs = (n - 2) if algo == "direct" else 0
+    return sum(costs.round_s + extra_msgs * costs.msg_s + float(load.max()) / costs.bytes_per_s
+               for load in _round_loads(algo, t))
+
+
+def choose(impl: str, nbytes: Sequence[float], costs: GatherCosts) -> str:
+    """The payload algorithm: ``impl`` when forced, else the cheapest by ``predict_s`` (ties: the one
+    with fewer rounds, then ``direct`` before ``bruck``). A function of the counts every rank holds,
+    so every rank picks the same."""
+    if impl != "auto":
+        if impl not in GATHER_IMPLS:
+            raise ValueError(f"gather_impl ({impl!r}) must be one of {list(GATHER_IMPLS)}")
+        return impl
+    if len(nbytes) <= 2:
+        return "direct"  # one round, one message each way: all three are the same
+    return min(("direct", "bruck"), key=lambda a: predict_s(a, nbytes, costs))
+
+
+@dataclass
+class GatherPlan:
+    """What a started gather did: its payload algorithm and every rank's count (elements)."""
+
+    algo: str
+    counts: list[int]
+    elem_bytes: int
+
+
+def traffic(plan: GatherPlan, rank: int) -> tuple[int, int, int, int, int]:
+    """``(bytes_sent, bytes_recv, msgs_sent, msgs_recv, rounds)`` of ``rank`` in ``plan``, both phases."""
+    n = len(plan.counts)
+    if n == 1:
+        return 0, 0, 0, 0, 0
+    sent = recv = ms = mr = 0
+    for _, c in bruck_steps(n):
+        sent += c * _COUNT_BYTES
+        recv += c * _COUNT_BYTES
+        ms += 1
+        mr += 1
+    rel = [plan.counts[(rank + i) % n] * plan.elem_bytes for i in range(n)]
+    rounds = schedule(plan.algo, n, rank)
+    for recvs, sends in rounds:
+        for m in sends:
+            b = sum(rel[m.first:m.first + m.count])
+            sent += b
+            ms += b > 0
+        for m in recvs:
+            b = sum(rel[m.first:m.first + m.count])
+            recv += b
+            mr += b > 0
+    return sent, recv, ms, mr, count_rounds(n) + len(rounds)
