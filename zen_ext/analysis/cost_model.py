@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..comm import gather
 from ..comm.base import CommStats
 from ..core.hashing import HashPartitioner
 from ..core.types import index_dtype
@@ -96,15 +97,19 @@ class _Traffic:
             s.bytes_recv += (n - 1) * _COUNT_BYTES + recv[r]
             s.msgs_sent += n - 1 + msent[r]
             s.msgs_recv += n - 1 + mrecv[r]
+            s.rounds += 2 if n > 1 else 0
 
-    def all_gather_v(self, sizes: Sequence[float]) -> None:
-        n = self.n
-        total, nonempty = sum(sizes), sum(1 for x in sizes if x > 0)
+    def all_gather_v(self, sizes: Sequence[float], impl: str = "auto") -> None:
+        """``sizes[r]``: rank ``r``'s payload bytes; the rounds ``comm/gather.py`` runs for them (the
+        algorithm its ``choose`` picks with the default costs, as the communicators do)."""
+        plan = gather.GatherPlan(gather.choose(impl, sizes, gather.GatherCosts()), list(sizes), 1)
         for r, s in enumerate(self.stats):
-            s.bytes_sent += (n - 1) * (_COUNT_BYTES + sizes[r])
-            s.msgs_sent += (n - 1) * (1 + (sizes[r] > 0))
-            s.bytes_recv += (n - 1) * _COUNT_BYTES + total - sizes[r]
-            s.msgs_recv += (n - 1) + nonempty - (sizes[r] > 0)
+            sent, recv, ms, mr, rounds = gather.traffic(plan, r)
+            s.bytes_sent += sent
+            s.bytes_recv += recv
+            s.msgs_sent += ms
+            s.msgs_recv += mr
+            s.rounds += rounds
 
     def all_reduce(self, nbytes: int) -> None:
         n = self.n
@@ -115,6 +120,7 @@ class _Traffic:
                 s.bytes_recv += ring
                 s.msgs_sent += 2 * (n - 1)
                 s.msgs_recv += 2 * (n - 1)
+                s.rounds += 2 * (n - 1)
 
 
 def _predict_dense(p: SparsityProfile, opts: dict) -> _Traffic:

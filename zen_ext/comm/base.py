@@ -143,6 +143,9 @@ class Communicator(abc.ABC):
 
     def __init__(self) -> None:
         self.stats = CommStats()
+        # The same counters per collective ("exchange_v", "all_gather_v", ...): which part of a sync's
+        # traffic each collective is (benchmarks put ZEN's pull against its own link bound).
+        self.op_stats: dict[str, CommStats] = {}
         self._sig_word = 0  # the declared sync call (0: none), see the module docstring
         self._sig_where = ""
         self._sig_checked = False
@@ -210,12 +213,12 @@ class Communicator(abc.ABC):
         recv = self._exchange_v(send)
         peers = [j for j in range(self.size) if j != self.rank]
         self._account(sent=len(peers) * _COUNT_BYTES, recv=len(peers) * _COUNT_BYTES, msgs=len(peers),
-                      rounds=2 if peers else 0)
+                      rounds=2 if peers else 0, op="exchange_v")
         for j in peers:
             if send[j].numel():
-                self._account(sent=_nbytes(send[j]), msgs_sent=1)
+                self._account(sent=_nbytes(send[j]), msgs_sent=1, op="exchange_v")
             if recv[j].numel():
-                self._account(recv=_nbytes(recv[j]), msgs_recv=1)
+                self._account(recv=_nbytes(recv[j]), msgs_recv=1, op="exchange_v")
         return recv
 
     def all_gather_v(self, t: torch.Tensor) -> list[torch.Tensor]:
@@ -238,7 +241,7 @@ class Communicator(abc.ABC):
         handle = self._all_gather_v_start(t)
         if handle.plan is not None:
             sent, recv, ms, mr, rounds = gather.traffic(handle.plan, self.rank)
-            self._account(sent=sent, recv=recv, msgs_sent=ms, msgs_recv=mr, rounds=rounds)
+            self._account(sent=sent, recv=recv, msgs_sent=ms, msgs_recv=mr, rounds=rounds, op="all_gather_v")
             return handle
         # A transport without a plan (tests' and benchmarks' wrappers): the direct algorithm's wire,
         # sizes in one header round.
@@ -311,20 +314,24 @@ class Communicator(abc.ABC):
         # Built on the communicator's device: NCCL refuses CPU tensors.
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
         saved = self.stats.snapshot()
+        saved_op = self.op_stats.get("all_gather_v", CommStats()).snapshot()
         parts = self.all_gather_v(data)
         # Restore in place: callers (SimWorld.stats) hold a reference to this CommStats object.
         for key, value in saved.as_dict().items():
             setattr(self.stats, key, value)
+        self.op_stats["all_gather_v"] = saved_op
         return [pickle.loads(p.cpu().numpy().tobytes()) for p in parts]
 
     # --- accounting ---------------------------------------------------------------------------------
     def _account(self, sent: int = 0, recv: int = 0, msgs: int = 0, msgs_sent: int = 0, msgs_recv: int = 0,
-                 rounds: int = 0):
-        self.stats.rounds += rounds
-        self.stats.bytes_sent += sent
-        self.stats.bytes_recv += recv
-        self.stats.msgs_sent += msgs + msgs_sent
-        self.stats.msgs_recv += msgs + msgs_recv
+                 rounds: int = 0, op: str | None = None):
+        for st in (self.stats, self.op_stats.setdefault(op, CommStats()) if op else None):
+            if st is not None:
+                st.rounds += rounds
+                st.bytes_sent += sent
+                st.bytes_recv += recv
+                st.msgs_sent += msgs + msgs_sent
+                st.msgs_recv += msgs + msgs_recv
 
     # --- transport ----------------------------------------------------------------------------------
     @abc.abstractmethod

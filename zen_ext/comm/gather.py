@@ -27,10 +27,9 @@ concatenated blocks and is left out on both sides when empty.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Sequence
-
-import torch
 
 GATHER_IMPLS = ("auto", "direct", "ring", "bruck")
 _COUNT_BYTES = 8
@@ -104,16 +103,19 @@ def arrival_round(algo: str, n: int) -> list[int]:
     return out
 
 
-def _round_loads(algo: str, nbytes: torch.Tensor) -> list[torch.Tensor]:
-    """Per payload round, every rank's bytes sent (= the bytes its receiver takes in)."""
-    n = nbytes.numel()
+def _round_loads(algo: str, nbytes: Sequence[float]) -> list[float]:
+    """Per payload round, the busiest rank's bytes sent or received (plain Python: a choice reads no
+    device value)."""
+    n = len(nbytes)
     if algo == "direct":
-        return [torch.maximum(nbytes * (n - 1), nbytes.sum() - nbytes)]
+        total = sum(nbytes)
+        return [max(max(b * (n - 1), total - b) for b in nbytes)]
     if algo == "ring":
-        return [nbytes.roll(k) for k in range(n - 1)]
-    twice = torch.cat([torch.zeros(1, dtype=nbytes.dtype), torch.cat([nbytes, nbytes]).cumsum(0)])
-    starts = torch.arange(n)
-    return [twice[starts + c] - twice[starts] for _, c in bruck_steps(n)]
+        return [max(nbytes)] * (n - 1)
+    twice = [0.0]
+    for b in list(nbytes) * 2:
+        twice.append(twice[-1] + b)
+    return [max(twice[x + c] - twice[x] for x in range(n)) for _, c in bruck_steps(n)]
 
 
 def predict_s(algo: str, nbytes: Sequence[float], costs: GatherCosts) -> float:
@@ -122,23 +124,27 @@ def predict_s(algo: str, nbytes: Sequence[float], costs: GatherCosts) -> float:
     n = len(nbytes)
     if n < 2:
         return 0.0
-    t = torch.tensor([float(b) for b in nbytes], dtype=torch.float64)
     extra_msgs = (n - 2) if algo == "direct" else 0
-    return sum(costs.round_s + extra_msgs * costs.msg_s + float(load.max()) / costs.bytes_per_s
-               for load in _round_loads(algo, t))
+    return sum(costs.round_s + extra_msgs * costs.msg_s + load / costs.bytes_per_s
+               for load in _round_loads(algo, nbytes))
+
+
+@functools.lru_cache(maxsize=64)
+def _cheapest(nbytes: tuple, costs: GatherCosts) -> str:
+    # Cached: every rank of a SimWorld (and every call of a steady training run) asks the same question.
+    return min(("direct", "bruck"), key=lambda a: predict_s(a, nbytes, costs))
 
 
 def choose(impl: str, nbytes: Sequence[float], costs: GatherCosts) -> str:
-    """The payload algorithm: ``impl`` when forced, else the cheapest by ``predict_s`` (ties: the one
-    with fewer rounds, then ``direct`` before ``bruck``). A function of the counts every rank holds,
-    so every rank picks the same."""
+    """The payload algorithm: ``impl`` when forced, else the cheapest by ``predict_s`` (ties: ``direct``,
+    the fewer rounds). A function of the counts every rank holds, so every rank picks the same."""
     if impl != "auto":
         if impl not in GATHER_IMPLS:
             raise ValueError(f"gather_impl ({impl!r}) must be one of {list(GATHER_IMPLS)}")
         return impl
     if len(nbytes) <= 2:
         return "direct"  # one round, one message each way: all three are the same
-    return min(("direct", "bruck"), key=lambda a: predict_s(a, nbytes, costs))
+    return _cheapest(tuple(float(b) for b in nbytes), costs)
 
 
 @dataclass
