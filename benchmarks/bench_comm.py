@@ -80,14 +80,15 @@ def cmd_scale(a) -> int:
     """Bytes per rank at more hosts than the lab holds: the cost model's prediction (exact per rank for
     SimWorld, tests/unit/test_planner.py) on the synthetic workloads, nested over ``n`` (rank r's
     gradient does not depend on n)."""
-    from zen_ext.analysis import cost_model as cm
+    from zen_ext.planner import cost_model as cm
+    from zen_ext.planner.profile import profile_from_grads
 
     ranks = [int(x) for x in a.ranks.split(",")]
     for label, slices in synthetic_workloads(max(ranks), a.dgc_numel, a.emb_row_width, a.seed).items():
         grads = next(iter(slices.values()))
         for n in ranks:
-            prof = cm.profile_from_grads(grads[:n])
-            sent = {s: max(x.bytes_sent for x in cm.predict_stats(s, prof)) for s in SCHEMES if s in cm.PREDICTORS}
+            prof = profile_from_grads(grads[:n])
+            sent = {s: max(x.bytes_sent for x in cm.predict_stats(s, prof)) for s in SCHEMES if s in cm.modeled_schemes()}
             rec = dict(bench="scale", workload=label, n=n, gamma_n=prof.gamma(n), density=prof.density(),
                        max_bytes_sent=sent)
             print(f"{label:>16} n={n:3d} gamma_n={rec['gamma_n']:.2f} " +
@@ -123,14 +124,16 @@ def load_workload(spec: str) -> tuple[str, str, "TraceStep"]:
 # --- one workload --------------------------------------------------------------------------------
 def _predictions(step, n: int, schemes: list[str], net) -> dict[str, dict]:
     """Planner-model prediction (time and max bytes sent) per scheme, summed over the step's slices."""
-    from zen_ext.analysis import cost_model as cm
+    from zen_ext.planner import cost_model as cm
+    from zen_ext.planner.network import modeled_time_s
+    from zen_ext.planner.profile import profile_from_grads
 
-    out = {s: dict(predicted_s=0.0, predicted_max_sent=0) for s in schemes if s in cm.PREDICTORS}
+    out = {s: dict(predicted_s=0.0, predicted_max_sent=0) for s in schemes if s in cm.modeled_schemes()}
     for grads in step.slices.values():
-        prof = cm.profile_from_grads(grads[:n])
+        prof = profile_from_grads(grads[:n])
         for s in out:
             stats = cm.predict_stats(s, prof)
-            out[s]["predicted_s"] += cm.modeled_time_s(stats, net) if net else float("nan")
+            out[s]["predicted_s"] += modeled_time_s(stats, net) if net else float("nan")
             out[s]["predicted_max_sent"] += max(x.bytes_sent for x in stats)
     return out
 
@@ -159,7 +162,8 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
     import torch.distributed as dist
 
     from zen_ext import build_scheme
-    from zen_ext.analysis import cost_model as cm
+    from zen_ext.comm.base import CommStats
+    from zen_ext.planner.network import Network, modeled_time_s
 
     # Step 1: inputs, schemes, predictions.
     if step.world_size < n:
@@ -170,7 +174,7 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
     mine_dense = {key: g.to_dense() for key, g in mine.items()} if "dense" in a.schemes else {}
     schemes = {name: build_scheme(name, profile_steps=1) if name == AUTO else build_scheme(name)
                for name in a.schemes}
-    net = cm.Network(bandwidth_gbps=lab.goodput * 8 / 1e9, latency_us=a.latency_us) if lab.goodput else None
+    net = Network(bandwidth_gbps=lab.goodput * 8 / 1e9, latency_us=a.latency_us) if lab.goodput else None
     preds = _predictions(step, n, list(schemes), net) if rank == 0 else {}
 
     # Results land in one buffer per slice, reused by every scheme and repeat, as the engines pass
@@ -225,7 +229,7 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
         for name in order:
             dist.barrier()
             before = comm.stats.snapshot()
-            ag = comm.op_stats.setdefault("all_gather_v", cm.CommStats())
+            ag = comm.op_stats.setdefault("all_gather_v", CommStats())
             ag_before = ag.snapshot()
             timings: dict = {}
             probe = SpanProbe(lab)
@@ -252,7 +256,7 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
         ex = rs[0]["extra"]  # logical bytes are identical in every repeat
         sent, recv = [int(e[0]) for e in ex], [int(e[1]) for e in ex]
         msgs_sent, msgs_recv = [int(e[2]) for e in ex], [int(e[3]) for e in ex]
-        stats = [cm.CommStats(s, r, ms, mr) for s, r, ms, mr in zip(sent, recv, msgs_sent, msgs_recv)]
+        stats = [CommStats(s, r, ms, mr) for s, r, ms, mr in zip(sent, recv, msgs_sent, msgs_recv)]
         bound = max(max(s, r) for s, r in zip(sent, recv)) / lab.goodput if lab.goodput else float("nan")
         # The all-gather part (ZEN's pull, AGsparse, the PS pulls): its own link bound and rounds.
         ag_bound = (max(max(int(e[5]), int(e[6])) for e in ex) / lab.goodput) if lab.goodput else float("nan")
@@ -269,7 +273,7 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
             bound_s=bound, eff=bound / t_med if lab.goodput else None, rounds=rounds,
             gather_rounds=ag_rounds, gather_bound_s=ag_bound, gather_impl=comm.gather_impl,
             auto_predicted_s=(_auto_predicted(schemes[name], list(mine), rank) if name == AUTO else None),
-            latency_us=a.latency_us, modeled_s=cm.modeled_time_s(stats, net) if net else None,
+            latency_us=a.latency_us, modeled_s=modeled_time_s(stats, net) if net else None,
             **preds.get(name, dict(predicted_s=None, predicted_max_sent=None)),
             phases=phases, check_max_abs_err=check[name], chosen=chosen,
             explain=schemes[name].explain() if name == AUTO else None,

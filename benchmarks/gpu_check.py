@@ -711,7 +711,7 @@ def check_schemes(rep: Report, device: str, ranks: list[int], numel: int = 20_01
     import torch
 
     from zen_ext import SimWorld, build_scheme
-    from zen_ext.core.scheme import available_schemes
+    from zen_ext.core.registry import available_schemes
 
     for n in ranks:
         for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -974,7 +974,7 @@ def _gloo_worker(rank, world_size, device):
     import torch.distributed as dist
 
     from zen_ext.comm.torch_dist import TorchCommunicator
-    from zen_ext.core.scheme import available_schemes
+    from zen_ext.core.registry import available_schemes
     from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
     if device == "cuda":
@@ -1073,7 +1073,7 @@ def run_multi(rep: Report) -> None:
 
     from zen_ext import build_scheme
     from zen_ext.comm.torch_dist import TorchCommunicator
-    from zen_ext.core.scheme import available_schemes
+    from zen_ext.core.registry import available_schemes
     from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
     local = int(os.environ.get("LOCAL_RANK", "0"))

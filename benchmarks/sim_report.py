@@ -30,7 +30,9 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from zen_ext.analysis import cost_model as cm  # noqa: E402
+from zen_ext.planner import cost_model as cm  # noqa: E402
+from zen_ext.planner.network import Network  # noqa: E402
+from zen_ext.planner.profile import profile_from_grads  # noqa: E402
 from zen_ext.analysis import sim_cli  # noqa: E402
 from zen_ext.analysis.workloads import zipf_embedding  # noqa: E402
 
@@ -87,7 +89,7 @@ def plot_bytes(report: dict, path: str) -> None:
 def predict_bert(out: str, ranks: list[int]) -> tuple[str, dict]:
     """Cost-model times at BERT's row width 768 (23.4 M elements), normalized to dense, and the Def. 8
     imbalance of zen's and sparse_ps' partitions at that size (``metrics``, no SimWorld run)."""
-    net = cm.Network(**NET)
+    net = Network(**NET)
     imbalance = {}
     schemes = ["dense"] + LOSSLESS
     lines = ["# Cost-model prediction at BERT size (row width 768, 23.4 M elements, element COO)", "",
@@ -98,7 +100,7 @@ def predict_bert(out: str, ranks: list[int]) -> tuple[str, dict]:
              "| n | " + " | ".join(schemes) + " | auto would pick |", "|---" * (len(schemes) + 2) + "|"]
     for n in ranks:
         grads = zipf_embedding(n, row_width=768)
-        prof = cm.profile_from_grads(grads, sample_budget=20_000)
+        prof = profile_from_grads(grads, sample_budget=20_000)
         times = {s: cm.predict_time_s(s, prof, net) for s in schemes}
         best = min(times, key=lambda s: (times[s], schemes.index(s)))
         cells = [f"{times[s] * 1e3:.1f} ({times['dense'] / times[s]:.2f}×)" for s in schemes]

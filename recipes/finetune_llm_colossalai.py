@@ -195,7 +195,7 @@ def main(argv=None) -> list[dict]:
     import colossalai
 
     from zen_ext.colossalai import ColossalAIConfig, build_booster
-    from zen_ext.engines.colossalai import config_summary
+    from zen_ext.engines.colossalai_config import config_summary
 
     args = parse_args(argv)
     # Step 1: processes and config (validated before anything heavy runs).

@@ -189,10 +189,9 @@ class ZenConfig(_Section):
     def scheme_options(self) -> dict:
         """Constructor options of ``scheme``: the planner fields for ``"auto"``, and ``seed`` /
         ``pull_format`` for schemes whose constructor takes them (hash-based schemes)."""
-        from .core.scheme import _REGISTRY, _load_builtin
+        from .core.registry import scheme_class
 
-        _load_builtin()
-        accepted = set(inspect.signature(_REGISTRY[self.scheme].__init__).parameters) - {"self"}
+        accepted = set(inspect.signature(scheme_class(self.scheme).__init__).parameters) - {"self"}
         opts = {"seed": self.seed, "pull_format": self.pull_format}
         if self.scheme == "auto":
             opts.update(dataclasses.asdict(self.planner))
@@ -200,7 +199,7 @@ class ZenConfig(_Section):
 
     def build_scheme(self):
         """The configured SyncScheme instance."""
-        from .core.scheme import build_scheme
+        from .core.registry import build_scheme
 
         return build_scheme(self.scheme, **self.scheme_options())
 
@@ -405,7 +404,7 @@ def _validate(obj, path: str) -> None:
 
 def _rules_zen(c: ZenConfig, p: str) -> None:
     from .comm.torch_dist import EXCHANGE_IMPLS
-    from .core.scheme import available_schemes
+    from .core.registry import available_schemes
     from .core.zen import PULL_FORMATS
 
     schemes = available_schemes()

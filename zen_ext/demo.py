@@ -197,8 +197,8 @@ def plot_both(zen: dict, dense: dict, path: str) -> bool:
 
 def at_scale(output_dir: str) -> str | None:
     """``auto``'s cost-model prediction for this run's gradients at 8 and 16 hosts (analysis/at_scale.py)."""
-    from zen_ext.analysis import cost_model as cm
     from zen_ext.analysis.at_scale import format_predictions, predict_at_scale
+    from zen_ext.planner.compute_model import calibrate_compute
 
     path = os.path.join(output_dir, "zen_stats.jsonl")
     if not os.path.exists(path):
@@ -212,7 +212,7 @@ def at_scale(output_dir: str) -> str | None:
         width = json.load(f)["hidden_size"]
     with open(os.path.join(ROOT, "configs", "demo_ds.json")) as f:
         tokens = json.load(f)["train_micro_batch_size_per_gpu"] * 128  # --seq_len 128
-    preds = predict_at_scale(record, row_width=width, tokens_per_rank=tokens, rates=cm.calibrate_compute("cpu"))
+    preds = predict_at_scale(record, row_width=width, tokens_per_rank=tokens, rates=calibrate_compute("cpu"))
     return format_predictions(preds)
 
 

@@ -14,7 +14,7 @@ import torch
 
 from tests.multiproc.launch import run_workers
 from zen_ext import SparseGrad, build_scheme
-from zen_ext.core.scheme import available_schemes
+from zen_ext.core.registry import available_schemes
 
 
 def _guard_worker(rank, world_size):

@@ -28,7 +28,7 @@ def _grad(step: int, rank: int) -> torch.Tensor:
 
 
 def _run(rank, world, resume_with_state):
-    from zen_ext.analysis.planner import AutoScheme
+    from zen_ext.planner.auto import AutoScheme
     from zen_ext.comm.torch_dist import TorchCommunicator
 
     comm = TorchCommunicator()
@@ -71,7 +71,7 @@ def test_without_the_state_a_resumed_run_diverges():
 def test_auto_state_rejects_other_options():
     import pytest
 
-    from zen_ext.analysis.planner import AutoScheme
+    from zen_ext.planner.auto import AutoScheme
 
     sd = AutoScheme(**OPTS).state_dict()
     with pytest.raises(ValueError, match=r"auto state_dict options .* must equal this planner's"):

@@ -21,7 +21,7 @@ NUMEL = 37
 def _range_worker(rank, world):
     from zen_ext import SparseGrad, build_scheme
     from zen_ext.comm.torch_dist import TorchCommunicator
-    from zen_ext.core.scheme import available_schemes
+    from zen_ext.core.registry import available_schemes
 
     comm = TorchCommunicator()
     out = {}
@@ -42,7 +42,7 @@ def _range_worker(rank, world):
 
 def test_gloo_every_scheme_refuses_out_of_range_and_keeps_the_edges():
     from zen_ext import SparseGrad
-    from zen_ext.core.scheme import available_schemes
+    from zen_ext.core.registry import available_schemes
 
     res = run_workers(_range_worker, 2, timeout_s=240)
     want = sum(SparseGrad(torch.tensor([0, NUMEL - 1, r + 1, NUMEL - 1]), torch.tensor([1.0, -2.0, 3.0, 4.0]) * (r + 1),

@@ -11,7 +11,7 @@ import torch
 
 from zen_ext import SimWorld, SparseGrad, build_scheme
 from zen_ext.comm.base import Communicator, describe_signature, encode_signature
-from zen_ext.core.scheme import available_schemes
+from zen_ext.core.registry import available_schemes
 
 
 def _grad(rank: int, numel: int) -> SparseGrad:

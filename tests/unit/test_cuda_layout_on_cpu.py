@@ -14,7 +14,7 @@ import torch
 
 from tests.unit.test_zen_scheme import int_inputs
 from zen_ext import SimWorld, SparseGrad, build_scheme, ops
-from zen_ext.analysis import cost_model as cm
+from zen_ext.planner.compute_model import calibrate_compute
 from zen_ext.core.hashing import HashPartitioner
 
 
@@ -54,7 +54,7 @@ def test_hash_partition_cuda_order_keeps_every_partition_s_entries():
 
 def test_compute_calibration_reads_the_cuda_count_layout():
     with ops.emulate_cuda_layout():
-        rates = cm.calibrate_compute("cpu", elems=1 << 14, entries=1 << 10, reps=1)
+        rates = calibrate_compute("cpu", elems=1 << 14, entries=1 << 10, reps=1)
     assert all(r > 0 for r in rates.as_list())
 
 

@@ -8,9 +8,14 @@ import pytest
 import torch
 
 from zen_ext import CommStats, SimWorld, SparseGrad, build_scheme
-from zen_ext.analysis import cost_model as cm
+from zen_ext.planner import cost_model as cm
+from zen_ext.core.cost import WorkCounts
+from zen_ext.planner.compute_model import ComputeRates
+from zen_ext.planner.network import Network, modeled_time_s, rank_time_s
+from zen_ext.planner.profile import profile_from_grads
+from zen_ext.planner.refinement import Refinement, Wire
 from zen_ext.analysis import workloads as W
-from zen_ext.analysis.planner import AutoScheme
+from zen_ext.planner.auto import AutoScheme
 
 SCHEMES = ["dense", "zen", "zen_coo", "agsparse", "sparcml", "omnireduce", "sparse_ps"]
 
@@ -38,7 +43,7 @@ def test_predictions_equal_simworld_measurements(workload, n):
         inputs = W.dgc_topk(n, numel=1 << 15, density=0.2)
     else:
         inputs = [SparseGrad.from_dense(torch.randn(3001)) for _ in range(n)]
-    profile = cm.profile_from_grads(inputs, sample_budget=10**9)  # unsampled: exact
+    profile = profile_from_grads(inputs, sample_budget=10**9)  # unsampled: exact
     assert profile.sample_parts == 1
     for name in SCHEMES:
         predicted = cm.predict_stats(name, profile)
@@ -47,7 +52,7 @@ def test_predictions_equal_simworld_measurements(workload, n):
 
 def test_sampled_predictions_are_close():
     inputs = W.zipf_embedding(8, row_width=32)
-    profile = cm.profile_from_grads(inputs, sample_budget=512)
+    profile = profile_from_grads(inputs, sample_budget=512)
     assert profile.sample_parts > 4
     for name in SCHEMES:
         measured = max(max(s.bytes_sent, s.bytes_recv) for s in measure(name, inputs))
@@ -60,16 +65,16 @@ def test_sampled_predictions_are_close():
 
 
 def test_modeled_time_is_the_slowest_full_duplex_rank():
-    net = cm.Network(bandwidth_gbps=8.0, latency_us=10.0)  # 1e9 bytes/s
+    net = Network(bandwidth_gbps=8.0, latency_us=10.0)  # 1e9 bytes/s
     stats = [CommStats(bytes_sent=1000, bytes_recv=3000, msgs_sent=2, msgs_recv=1),
              CommStats(bytes_sent=2000, bytes_recv=0, msgs_sent=5, msgs_recv=0)]
-    assert cm.rank_time_s(stats[0], net) == pytest.approx(2 * 10e-6 + 3000 / 1e9)
-    assert cm.modeled_time_s(stats, net) == pytest.approx(5 * 10e-6 + 2000 / 1e9)
-    assert cm.modeled_time_s([], net) == 0.0
+    assert rank_time_s(stats[0], net) == pytest.approx(2 * 10e-6 + 3000 / 1e9)
+    assert modeled_time_s(stats, net) == pytest.approx(5 * 10e-6 + 2000 / 1e9)
+    assert modeled_time_s([], net) == 0.0
     with pytest.raises(ValueError, match=r"zen.bandwidth_gbps \(0.0\) must be > 0"):
-        cm.Network(bandwidth_gbps=0.0)
+        Network(bandwidth_gbps=0.0)
     with pytest.raises(ValueError, match=r"zen.latency_us \(-1.0\) must be >= 0"):
-        cm.Network(latency_us=-1.0)
+        Network(latency_us=-1.0)
 
 
 def test_paper_equations():
@@ -85,7 +90,7 @@ def test_paper_equations():
 
 
 def test_unknown_predictor():
-    profile = cm.profile_from_grads(W.zipf_embedding(2, row_width=1))
+    profile = profile_from_grads(W.zipf_embedding(2, row_width=1))
     with pytest.raises(ValueError, match=r"cost model scheme \('ring'\) must be one of \['agsparse', 'dense'"):
         cm.predict_stats("ring", profile)
 
@@ -137,8 +142,8 @@ def test_auto_picks_zen_for_a_sparse_embedding_on_a_slow_link():
 
 def test_auto_choice_is_the_measured_fastest():
     inputs = W.zipf_embedding(8, row_width=8)
-    net = cm.Network(10.0, 50.0)
-    measured = {s: cm.modeled_time_s(measure(s, inputs), net) for s in SCHEMES}
+    net = Network(10.0, 50.0)
+    measured = {s: modeled_time_s(measure(s, inputs), net) for s in SCHEMES}
     # Unsampled profile: exact wire predictions of the same α–β model the measurement goes through.
     _, autos = run_auto(inputs, steps=1, sample_budget=10**9, bandwidth_gbps=10.0, latency_us=50.0,
                         model="alpha_beta")
@@ -247,7 +252,7 @@ def test_auto_on_a_zero_element_gradient_returns_empty():
         sg = SparseGrad(torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=dtype), 0)
         outs = SimWorld(2).run(lambda c, x: build_scheme("auto")._sync(c, x, key="e"), [sg, sg])
         assert all(o.numel() == 0 and o.dtype == dtype for o in outs)
-    assert cm.profile_from_grads([sg, sg]).density() == 0.0
+    assert profile_from_grads([sg, sg]).density() == 0.0
 
 
 @pytest.mark.parametrize("model", ["compute", "alpha_beta"])
@@ -277,26 +282,26 @@ def test_auto_measures_the_link_when_not_configured():
     assert "measured by the probe" in autos[0].explain()
     # Configured: no probe, exactly the configured values.
     _, autos = run_auto(inputs, steps=1, bandwidth_gbps=2.5, latency_us=7.0)
-    assert autos[0]._calib[0].network == cm.Network(2.5, 7.0) and not autos[0]._calib[0].measured_link
+    assert autos[0]._calib[0].network == Network(2.5, 7.0) and not autos[0]._calib[0].measured_link
 
 
 def test_refinement_does_not_flatten_a_much_larger_sync():
     """Wire fits learnt on syncs of about the same size whose measured times do not follow the
     prediction (a slope near 0): a 40x larger prediction keeps at least its own size."""
-    ref = cm.Refinement()
+    ref = Refinement()
     for x, y in ((0.025, 0.042), (0.028, 0.038), (0.026, 0.041), (0.027, 0.039)):
         ref.observe("zen", {"push_s": x / 2, "pull_s": x / 2}, {"push_s": y / 2, "pull_s": y / 2})
     assert ref.apply("zen", "wire", 0.0265) == pytest.approx(0.040, abs=0.002)  # inside: the fit
     assert ref.apply("dense", "wire", 1.1) >= 1.1  # the shared fit, far outside: not 40 ms
     # A measured shortfall still scales a larger sync down, by the ratio at the fit's mean.
-    short = cm.Refinement()
+    short = Refinement()
     for x in (0.02, 0.03):
         short.observe("zen", {"decode_s": x}, {"decode_s": 0.5 * x})
     assert short.apply("zen", "decode_s", 1.0) == pytest.approx(0.5)
 
 
 def test_refinement_fits_measured_phase_times():
-    ref = cm.Refinement()
+    ref = Refinement()
     assert ref.apply("zen", "decode_s", 0.1) == 0.1  # nothing measured yet
     # The machine is 3x slower than calibrated plus 5 ms per phase: two distinct sizes pin the line.
     for x in (0.01, 0.1, 0.01, 0.1):
@@ -311,28 +316,28 @@ def test_refinement_fits_measured_phase_times():
     ref.observe("agsparse", {"aggregate_s": 0.05}, {"aggregate_s": 0.05})  # its own fit wins once measured
     assert ref.apply("agsparse", "aggregate_s", 0.05) == pytest.approx(0.05)
     # Agreement: every rank ends with the slowest rank's fit.
-    slow = cm.Refinement()
+    slow = Refinement()
     slow.observe("zen", {"decode_s": 0.1}, {"decode_s": 1.0})
-    merged = cm.Refinement()
+    merged = Refinement()
     merged.merge_max([ref.state(), slow.state()])
     assert merged.apply("zen", "decode_s", 0.1) == pytest.approx(1.0)
     assert merged.apply("zen", "wire", 0.1) == pytest.approx(0.102)
 
 
 def test_compute_model_counts_each_schemes_work():
-    w = cm.WorkCounts.independent(4, numel=1 << 20, row_width=1, value_bytes=4, nnz=[10_000] * 4)
-    rates = cm.ComputeRates()
-    phases = {s: cm.predict_phases_s(s, w, cm.Wire(6, 0.01), 50e-6, rates) for s in cm.PREDICTORS}
+    w = WorkCounts.independent(4, numel=1 << 20, row_width=1, value_bytes=4, nnz=[10_000] * 4)
+    rates = ComputeRates()
+    phases = {s: cm.predict_phases_s(s, w, Wire(6, 0.01), 50e-6, rates) for s in cm.modeled_schemes()}
     assert set(phases["zen"]) == {"hash_s", "push_s", "aggregate_s", "pull_s", "decode_s"}
     assert set(phases["agsparse"]) == {"encode_s", "allgather_s", "aggregate_s"}
     for s, ph in phases.items():
         assert all(v >= 0 for v in ph.values()), s
         assert sum(ph.values()) > 0.01 + 6 * 50e-6  # the wire plus some computation
     # More entries never predict less computation.
-    more = cm.WorkCounts.independent(4, numel=1 << 20, row_width=1, value_bytes=4, nnz=[40_000] * 4)
-    for s in cm.PREDICTORS:
-        assert cm.predict_total_s(s, more, cm.Wire(6, 0.01), 50e-6, rates) >= \
-            cm.predict_total_s(s, w, cm.Wire(6, 0.01), 50e-6, rates), s
+    more = WorkCounts.independent(4, numel=1 << 20, row_width=1, value_bytes=4, nnz=[40_000] * 4)
+    for s in cm.modeled_schemes():
+        assert cm.predict_total_s(s, more, Wire(6, 0.01), 50e-6, rates) >= \
+            cm.predict_total_s(s, w, Wire(6, 0.01), 50e-6, rates), s
     with pytest.raises(ValueError, match=r"compute model scheme \('ring'\) must be one of"):
         cm.compute_work("ring", w)
 
@@ -342,7 +347,7 @@ def test_auto_measures_close_candidates_before_its_choice_is_final():
     predicted within 1.5x of the best runs twice (profiling goes on meanwhile), then the choice is
     taken on the refined predictions. Here ``zen`` and ``zen_coo`` are predicted alike (no bitmap at
     this density) and ``zen`` is made to report a slow decode; results stay exact throughout."""
-    from zen_ext.analysis.planner import EXPLORE_MARGIN
+    from zen_ext.planner.auto import EXPLORE_MARGIN
 
     inputs = W.dgc_topk(4, numel=1 << 14, density=0.01)
     expected = sum(x.to_dense() for x in inputs)
@@ -388,11 +393,11 @@ def test_refinement_merge_takes_the_slowest_rank_whole():
     in the exchange. Each rank's sync takes about 0.12 s; the merged fits must predict the slower
     rank's whole sync, not the 0.18 s that per-phase maxima of different ranks add up to."""
     pred = {"hash_s": 0.01, "decode_s": 0.01, "push_s": 0.01, "pull_s": 0.01}
-    waits = cm.Refinement()
+    waits = Refinement()
     waits.observe("zen", pred, {"hash_s": 0.01, "decode_s": 0.01, "push_s": 0.09, "pull_s": 0.01})
-    decodes = cm.Refinement()
+    decodes = Refinement()
     decodes.observe("zen", pred, {"hash_s": 0.01, "decode_s": 0.08, "push_s": 0.01, "pull_s": 0.01})
-    merged = cm.Refinement()
+    merged = Refinement()
     merged.merge_max([waits.state(), decodes.state()])
     total = sum(merged.apply("zen", k, 0.01) for k in ("hash_s", "decode_s")) + merged.apply("zen", "wire", 0.02)
     assert total == pytest.approx(0.12)  # rank 0's whole sync (0.12 s against rank 1's 0.11 s)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from zen_ext import SimWorld, SparseGrad, build_scheme
-from zen_ext.core.scheme import available_schemes
+from zen_ext.core.registry import available_schemes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NUMEL = 37  # odd, not a multiple of any block or partition count

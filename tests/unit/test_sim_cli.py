@@ -30,7 +30,7 @@ def test_parse_ranks():
 
 
 def test_resolve_schemes():
-    assert sim_cli.resolve_schemes("all")[:3] == ["dense", "zen", "zen_coo"]
+    assert sim_cli.resolve_schemes("all")[:3] == ["dense", "zen", "sparcml"]  # the registry's order
     assert "auto" in sim_cli.resolve_schemes("all")
     assert sim_cli.resolve_schemes("zen") == ["dense", "zen"]
     with pytest.raises(ValueError, match=r"sim.schemes \('zen,ring'\) must be 'all' or names .*unknown: \['ring'\]"):

@@ -13,7 +13,7 @@ import torch
 from tests.unit.test_zen_host_syncs import SyncCounter
 from tests.unit.test_zen_scheme import int_inputs
 from zen_ext import SimWorld, SparseGrad, build_scheme
-from zen_ext.core.scheme import available_schemes
+from zen_ext.core.registry import available_schemes
 
 
 def _members(n, seed):

@@ -1,4 +1,4 @@
-"""Sparsity analytics, gradient traces, calibrated workloads, the α–β cost model and the ``auto`` planner.
-
-Nothing here imports an engine; ``zen_ext.analysis.planner`` registers the ``auto`` scheme.
+"""Offline tools: sparsity metrics, gradient traces, calibrated workloads, the simulator CLI
+(``python -m zen_ext sim``) and ``auto``'s predictions at more hosts. Training never imports them; the
+runtime planner is ``zen_ext/planner/``.
 """

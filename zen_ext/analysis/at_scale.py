@@ -5,9 +5,9 @@ socket). This module takes what a run recorded about its gradients (one ``zen_st
 elements and non-zeros per sparsifier kind, the embedding's union over ranks) and predicts, for more
 hosts and other links, every lossless scheme's sync time with the same model ``auto`` uses:
 
-1. Build ``n`` synthetic ranks with the recorded densities (``analysis/workloads.py``): the embedding
+1. Build ``n`` synthetic ranks with the recorded densities (``workloads.py``): the embedding
    rows from a Zipf draw of the run's tokens per rank, the DGC bucket as top-k at the recorded density.
-2. Profile them (``cost_model.profile_from_grads``) and predict each scheme's traffic (α–β wire at the
+2. Profile them (``planner/profile.py``: ``profile_from_grads``) and predict each scheme's traffic (α–β wire at the
    link rate and latency) plus its computation at ``ComputeRates`` (calibrated on this machine by the
    caller, or the defaults).
 3. Per slice, the cheapest scheme (what ``auto`` would pick) against a dense all-reduce.
@@ -20,7 +20,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import cost_model as cm
+from ..core.cost import WorkCounts
+from ..planner import cost_model as cm
+from ..planner.compute_model import ComputeRates
+from ..planner.network import Network
+from ..planner.profile import profile_from_grads
+from ..planner.refinement import Wire
 from .workloads import dgc_topk, zipf_embedding
 
 
@@ -46,7 +51,7 @@ def _grads(kind: str, n: int, record: dict, row_width: int, tokens_per_rank: int
 
 
 def predict_at_scale(record: dict, row_width: int, tokens_per_rank: int, hosts=(8, 16), gbps=(1.0, 10.0),
-                     latency_us: float = 50.0, rates: cm.ComputeRates | None = None,
+                     latency_us: float = 50.0, rates: ComputeRates | None = None,
                      seed: int = 0) -> list[ScalePrediction]:
     """Predictions for the ``natural`` and ``dgc`` slices of ``record`` at each host count and link rate.
 
@@ -55,23 +60,22 @@ def predict_at_scale(record: dict, row_width: int, tokens_per_rank: int, hosts=(
         row_width: the embedding's row width (elements per row).
         tokens_per_rank: tokens in one rank's micro-batch (the embedding rows it touches come from them).
         hosts, gbps, latency_us: the scales and links to predict.
-        rates: computation rates (``cost_model.calibrate_compute``); the model's defaults when None.
+        rates: computation rates (``planner/compute_model.py``: ``calibrate_compute``); the model's defaults when None.
     """
-    rates = rates or cm.ComputeRates()
-    schemes = [s for s in ("dense", "zen", "zen_coo", "sparcml", "agsparse", "omnireduce", "sparse_ps")
-               if s in cm.COST_MODELS]
+    rates = rates or ComputeRates()
+    schemes = cm.modeled_schemes()
     out = []
     for kind in ("natural", "dgc"):
         if not record.get("nnz", {}).get(kind):
             continue
         for n in hosts:
             # Step 2: one profile per scale, every link.
-            profile = cm.profile_from_grads(_grads(kind, n, record, row_width, tokens_per_rank, seed), seed=seed)
-            work = cm.WorkCounts.from_profile(profile)
+            profile = profile_from_grads(_grads(kind, n, record, row_width, tokens_per_rank, seed), seed=seed)
+            work = WorkCounts.from_profile(profile)
             stats = {s: cm.predict_stats(s, profile) for s in schemes}
             for bw in gbps:
-                net = cm.Network(bw, latency_us)
-                total = {s: cm.predict_total_s(s, work, cm.Wire.of(stats[s], net), latency_us * 1e-6, rates)
+                net = Network(bw, latency_us)
+                total = {s: cm.predict_total_s(s, work, Wire.of(stats[s], net), latency_us * 1e-6, rates)
                          for s in schemes}
                 # Step 3: the cheapest, as auto's model ranks them.
                 best = min(total, key=total.get)

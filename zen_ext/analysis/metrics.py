@@ -10,18 +10,18 @@ Legend: ``_K`` indices of one rank, ``_U`` the union over ranks, ``_P`` partitio
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-from ..core.hashing import HashPartitioner, contiguous_partition_of, imbalance
+from ..core.cost import BLOCK_SIZE
+from ..core.hashing import imbalance
+from ..core.registry import scheme_class
+from ..core.scheme import PartitionFn
 from ..core.types import SparseGrad
 
-PartitionFn = Callable[[torch.Tensor], torch.Tensor]
-"""Maps indices to partition ids in ``[0, n)`` (h0 for ``zen``, contiguous ranges for Sparse PS)."""
-
 __all__ = [
-    "block_ids", "densification_curve", "densification_ratio", "density", "imbalance", "index_set", "overlap_ratio",
+    "block_ids", "densification_curve", "densification_ratio", "density", "index_set", "overlap_ratio",
     "partition_fn", "pull_imbalance", "push_imbalance", "skewness", "union_density",
 ]
 
@@ -111,26 +111,18 @@ def pull_imbalance(grads: Sequence[SparseGrad], part_of: PartitionFn, n: int) ->
 
 
 def partition_fn(
-    scheme: str, numel: int, n: int, *, seed: int = 0, row_width: int = 1, block_size: int = 256
+    scheme: str, numel: int, n: int, *, seed: int = 0, row_width: int = 1, block_size: int = BLOCK_SIZE
 ) -> PartitionFn | None:
-    """The index → server map of a Parallelism scheme, for ``push_imbalance``/``pull_imbalance``.
-
-    ``zen``/``zen_coo``: h0 (hash); ``sparse_ps``: contiguous ranges; ``omnireduce``: contiguous ranges
-    of 256-element blocks — its unit of traffic, so indices map to their block's owner and a set of
-    indices should be reduced to blocks first (``block_ids``). Centralization schemes (``dense``,
-    ``agsparse``, ``sparcml``) have no partition: ``None``.
+    """The index → server map of a Parallelism scheme, for ``push_imbalance``/``pull_imbalance``: the
+    scheme's own ``partition_fn`` (``zen``/``zen_coo``: h0; ``sparse_ps``: contiguous ranges;
+    ``omnireduce``: contiguous ranges of 256-element blocks — its unit of traffic, so indices map to
+    their block's owner and a set of indices should be reduced to blocks first, ``block_ids``).
+    Centralization schemes (``dense``, ``agsparse``, ``sparcml``) have no partition: ``None``.
     """
-    if scheme in ("zen", "zen_coo"):
-        return HashPartitioner(numel, n, seed).partition_of
-    if scheme == "sparse_ps":
-        return lambda idx: contiguous_partition_of(idx, numel, n)
-    if scheme == "omnireduce":
-        num_blocks = -(-numel * row_width // block_size)
-        return lambda blk: contiguous_partition_of(blk, num_blocks, n)
-    return None
+    return scheme_class(scheme).partition_fn(numel, n, seed=seed, row_width=row_width, block_size=block_size)
 
 
-def block_ids(x: SparseGrad, block_size: int = 256) -> SparseGrad:
+def block_ids(x: SparseGrad, block_size: int = BLOCK_SIZE) -> SparseGrad:
     """The non-zero ``block_size``-element blocks of ``x`` as an index-only gradient (OmniReduce's unit)."""
     w = x.row_width
     idx = index_set(x)

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from typing import Sequence
@@ -27,16 +28,15 @@ from typing import Sequence
 import torch
 
 from ..comm.simulated import SimWorld
-from ..core.scheme import available_schemes, build_scheme
+from ..core.registry import available_schemes, build_scheme, registered_schemes, scheme_class
 from ..core.types import SparseGrad
-from . import cost_model as cm
+from ..planner import cost_model as cm
+from ..planner.network import Network, modeled_time_s
 from . import metrics
 from .traces import load_trace
 from .workloads import WORKLOADS, build_workload
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-# Scheme order of tables and plots: the oracle, ZEN, then the baselines.
-_ORDER = ("dense", "zen", "zen_coo", "sparcml", "agsparse", "omnireduce", "sparse_ps", "auto")
 
 
 def parse_ranks(text: str) -> list[int]:
@@ -74,7 +74,7 @@ def resolve_schemes(text: str) -> list[str]:
     """``"all"`` (every registered lossless scheme, ``auto`` included) or a comma list of names."""
     names = available_schemes()
     if text == "all":
-        chosen = [s for s in names if build_scheme(s).lossless]
+        chosen = [s for s in names if scheme_class(s).lossless]
     else:
         chosen = [t.strip() for t in text.split(",") if t.strip()]
         unknown = [s for s in chosen if s not in names]
@@ -82,7 +82,10 @@ def resolve_schemes(text: str) -> list[str]:
             raise ValueError(f"sim.schemes ({text!r}) must be 'all' or names from {names}; unknown: {unknown}")
     if "dense" not in chosen:
         chosen.append("dense")  # the reference of errors and speedups
-    return sorted(chosen, key=lambda s: (_ORDER.index(s) if s in _ORDER else len(_ORDER), s))
+    # Tables and plots list schemes in the registry's order: the oracle (dense) first, the built-ins,
+    # then auto and outside schemes.
+    order = registered_schemes()
+    return sorted(chosen, key=lambda s: (order.index(s), s))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -156,7 +159,7 @@ def tolerance(grads: list[SparseGrad], oracle: torch.Tensor, exact: bool) -> flo
     return torch.finfo(dtype).eps * float(oracle.abs().max()) * 2 * len(grads)
 
 
-def analytics(slices: dict[str, list[SparseGrad]], net: cm.Network, seed: int) -> dict:
+def analytics(slices: dict[str, list[SparseGrad]], net: Network, seed: int) -> dict:
     """Sparsity analytics and the paper's Eq. 1/2 for the largest slice."""
     key = max(slices, key=lambda k: slices[k][0].dense_numel)
     grads = slices[key]
@@ -182,7 +185,7 @@ def analytics(slices: dict[str, list[SparseGrad]], net: cm.Network, seed: int) -
 
 
 def run_scheme(name: str, slices: dict[str, list[SparseGrad]], oracle: dict[str, torch.Tensor], op: str,
-               net: cm.Network, seed: int) -> dict:
+               net: Network, seed: int) -> dict:
     """Run ``name`` on every slice in one SimWorld; returns the row of the results table."""
     n = len(next(iter(slices.values())))
     # auto plans for the simulated network; one instance per rank, as in a real job. The simulator's
@@ -190,7 +193,8 @@ def run_scheme(name: str, slices: dict[str, list[SparseGrad]], oracle: dict[str,
     # of SimWorld's threads on this machine is not the simulated cluster's).
     per_rank = [build_scheme(name, bandwidth_gbps=net.bandwidth_gbps, latency_us=net.latency_us, seed=seed,
                              model="alpha_beta") for _ in range(n)] if name == "auto" else None
-    shared = None if per_rank else build_scheme(name, **({"seed": seed} if name in ("zen", "zen_coo") else {}))
+    takes_seed = "seed" in inspect.signature(scheme_class(name).__init__).parameters
+    shared = None if per_rank else build_scheme(name, **({"seed": seed} if takes_seed else {}))
     keys = list(slices)
 
     def rank_fn(comm, rank_inputs):
@@ -211,7 +215,7 @@ def run_scheme(name: str, slices: dict[str, list[SparseGrad]], oracle: dict[str,
         bytes_sent_max=max(s.bytes_sent for s in stats), bytes_sent_mean=sum(s.bytes_sent for s in stats) / n,
         bytes_recv_max=max(s.bytes_recv for s in stats), bytes_recv_mean=sum(s.bytes_recv for s in stats) / n,
         msgs_max=max(max(s.msgs_sent, s.msgs_recv) for s in stats),
-        modeled_time_s=cm.modeled_time_s(stats, net),
+        modeled_time_s=modeled_time_s(stats, net),
     )
     row["bytes_max"] = max(row["bytes_sent_max"], row["bytes_recv_max"])
     chosen = res[0][1] if name == "auto" else name
@@ -228,14 +232,14 @@ def imbalances(scheme: str, grads: list[SparseGrad], seed: int) -> tuple[float |
     part = metrics.partition_fn(scheme, g0.numel, n, seed=seed, row_width=g0.row_width)
     if part is None:
         return None, None
-    if scheme == "omnireduce":
+    if scheme_class(scheme).partition_unit == "block":
         grads = [metrics.block_ids(g) for g in grads]
     return metrics.push_imbalance(grads, part, n), metrics.pull_imbalance(grads, part, n)
 
 
 def simulate(args: argparse.Namespace) -> dict:
     """Run the whole sweep; returns the JSON-able report."""
-    net = cm.Network(args.bandwidth_gbps, args.latency_us)
+    net = Network(args.bandwidth_gbps, args.latency_us)
     ranks = parse_ranks(args.ranks)
     schemes = resolve_schemes(args.schemes)
     progress = None

@@ -27,16 +27,17 @@ import torch
 from .. import ops
 from ..comm.base import Communicator
 from .coo import decode_coo, encode_coo, finish
-from .scheme import SyncScheme, register_scheme
+from .cost import Dims, ProfileView, Traffic, WorkCounts
+from .scheme import SyncScheme
 from .timing import PhaseTimer
 from .types import SparseGrad, acc_dtype, as_sparse
 
 
-@register_scheme
 class AGSparseScheme(SyncScheme):
     """All-gather of COO, then a local sum of every rank's entries (the AGsparse baseline)."""
 
     name = "agsparse"
+    wire_phases = ("allgather_s",)
 
     def _sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
@@ -77,3 +78,19 @@ class AGSparseScheme(SyncScheme):
         res = finish(acc, dtype, op, comm.size)
         timer.write_into(timings)
         return out if into_out else res
+
+    # --- cost model --------------------------------------------------------------------------------
+    @staticmethod
+    def predict_traffic(p: ProfileView, opts: dict) -> Traffic:
+        tr = Traffic(p.n)
+        tr.all_gather_v([q.raw_nnz * p.entry_bytes for q in p.locals])
+        return tr
+
+    @staticmethod
+    def predict_work(w: WorkCounts, opts: dict) -> dict:
+        d = Dims.of(w)
+        # fp32/fp64 sum straight into the result (zeroed once); half types zero an fp32 accumulator, then
+        # cast it into the result.
+        result_fill = d.N * d.W * d.vb if d.ab == d.vb else d.N * d.W * (2 * d.ab + d.vb)
+        return {"encode_s": {"fill_s_per_byte": d.K * (d.ib + d.W * d.vb)},
+                "aggregate_s": {"fill_s_per_byte": result_fill + d.S * 8, "scatter_s_per_elem": d.S * d.W}}

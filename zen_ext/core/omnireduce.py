@@ -26,12 +26,12 @@ import torch
 
 from ..comm.base import Communicator
 from .coo import finish
-from .scheme import SyncScheme, register_scheme
-from .sparse_ps import range_push_pull
+from .cost import BLOCK_SIZE, Dims, ProfileView, Traffic, WorkCounts
+from .hashing import contiguous_partition_of
+from .scheme import PartitionFn, SyncScheme
+from .sparse_ps import predict_range_traffic, range_push_pull
 from .timing import PhaseTimer
-from .types import SparseGrad, acc_dtype, as_sparse
-
-BLOCK_SIZE = 256
+from .types import SparseGrad, acc_dtype, as_sparse, index_dtype
 
 
 def element_indices(sg: SparseGrad) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +58,6 @@ def to_blocks(sg: SparseGrad, block_size: int) -> tuple[torch.Tensor, torch.Tens
     return ids_B, acc.to(sg.dtype).view(-1, block_size), num_blocks
 
 
-@register_scheme
 class OmniReduceScheme(SyncScheme):
     """OmniReduce-style block sparsity with colocated aggregators (an emulation; see the module docstring).
 
@@ -67,6 +66,8 @@ class OmniReduceScheme(SyncScheme):
     """
 
     name = "omnireduce"
+    wire_phases = ("push_s", "pull_s")
+    partition_unit = "block"
 
     def __init__(self, block_size: int = BLOCK_SIZE) -> None:
         if not isinstance(block_size, int) or block_size < 1:
@@ -101,3 +102,31 @@ class OmniReduceScheme(SyncScheme):
         out = finish(out.reshape(-1)[: sg.dense_numel], sg.values.dtype, op, comm.size)
         timer.write_into(timings)
         return out
+
+    # --- cost model --------------------------------------------------------------------------------
+    @staticmethod
+    def predict_traffic(p: ProfileView, opts: dict) -> Traffic:
+        block_size = opts.get("block_size", p.block_size)
+        if block_size != p.block_size:
+            raise ValueError(f"omnireduce block_size ({block_size}) must equal the profile's ({p.block_size})")
+        idx_bytes = torch.empty(0, dtype=index_dtype(p.num_blocks)).element_size()
+        return predict_range_traffic(p, p.counts_PP("block_counts"), p.union_per_range(blocks=True),
+                                     idx_bytes + block_size * p.value_bytes)
+
+    @staticmethod
+    def predict_work(w: WorkCounts, opts: dict) -> dict:
+        d = Dims.of(w)
+        B = opts.get("block_size", w.block_size)
+        blocks = w.block_union if w.block_union is not None else min(-(-d.N * d.W // B), d.U)
+        recv = w.block_recv_max if w.block_recv_max is not None else blocks
+        return {"blocks_s": {"sort_s_per_entry": d.K},
+                "partition_s": {"fill_s_per_byte": blocks * B * d.vb},
+                "aggregate_s": {"fill_s_per_byte": d.N / d.n * d.W * d.ab + recv * B * d.ab},
+                "decode_s": {"fill_s_per_byte": d.dense_out + blocks * B * d.vb}}
+
+    @classmethod
+    def partition_fn(cls, numel: int, n: int, *, seed: int = 0, row_width: int = 1,
+                     block_size: int = BLOCK_SIZE) -> PartitionFn | None:
+        """Contiguous ranges of ``block_size``-element blocks (its unit of traffic): maps block ids."""
+        num_blocks = -(-numel * row_width // block_size)
+        return lambda blk: contiguous_partition_of(blk, num_blocks, n)

@@ -1,23 +1,30 @@
-"""The SyncScheme protocol and the name → class registry (``build_scheme``).
+"""The SyncScheme protocol: a scheme's sync and, next to it, its cost model (the name → class registry
+is ``core/registry.py``).
 
 A scheme synchronizes one flat gradient over a Communicator and returns the dense aggregate on every
 rank. Lossless schemes must equal ``dense`` (an all-reduce of the same inputs) up to float summation
 order. Options are keyword arguments of the scheme's constructor.
+
+Its cost model, declared on the class in the terms of ``core/cost.py``, is what ``auto`` predicts it
+by: ``wire_phases`` (the phases of its ``timings`` that are the wire's), ``predict_traffic`` (bytes
+and messages per rank from a sparsity profile) and ``predict_work`` (computation per phase). A
+scheme that declares none runs, and ``auto`` leaves it out.
 """
 
 from __future__ import annotations
 
 import abc
-import inspect
-from typing import ClassVar
+from typing import Callable, ClassVar
 
 import torch
 
 from ..comm.base import Communicator
+from .cost import BLOCK_SIZE, ProfileView, Traffic, WorkCounts
 from .types import SparseGrad
 
 REDUCE_OPS = ("sum", "mean")
-_REGISTRY: dict[str, type["SyncScheme"]] = {}
+PartitionFn = Callable[[torch.Tensor], torch.Tensor]
+"""Maps indices (or block ids) to the server that owns them, in ``[0, n)``."""
 
 
 class SyncScheme(abc.ABC):
@@ -25,6 +32,10 @@ class SyncScheme(abc.ABC):
 
     name: ClassVar[str]
     lossless: ClassVar[bool] = True
+    #: The phases (keys of the ``timings`` it fills) whose time is the wire's; empty: no cost model.
+    wire_phases: ClassVar[tuple[str, ...]] = ()
+    #: What ``partition_fn`` maps: ``"index"`` (rows in row form) or ``"block"`` (OmniReduce's blocks).
+    partition_unit: ClassVar[str] = "index"
 
     def sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
@@ -160,6 +171,32 @@ class SyncScheme(abc.ABC):
                     f"scheme configuration differs across ranks: rank {comm.rank} has {mine}, rank {rank} has {theirs}"
                 )
 
+    # --- the cost model (read by the planner, zen_ext/planner/cost_model.py) ------------------------
+    @classmethod
+    def has_cost_model(cls) -> bool:
+        """Whether ``auto`` can predict this scheme (it declares ``wire_phases`` and both predictors)."""
+        return bool(cls.wire_phases)
+
+    @staticmethod
+    def predict_traffic(profile: ProfileView, options: dict) -> Traffic:
+        """The bytes and messages each rank sends and receives on ``profile`` when built with
+        ``options``, recorded with ``Traffic.exchange_v`` / ``all_gather_v`` / ``all_reduce`` in the
+        order the scheme runs them."""
+        raise NotImplementedError("this scheme declares no cost model (wire_phases is empty)")
+
+    @staticmethod
+    def predict_work(work: WorkCounts, options: dict) -> dict[str, dict[str, float]]:
+        """The computation of the slowest rank per phase: ``{phase: {primitive: units}}`` in
+        ``core.cost.PRIMITIVES`` (``Dims.of(work)`` gives the usual quantities)."""
+        raise NotImplementedError("this scheme declares no cost model (wire_phases is empty)")
+
+    @classmethod
+    def partition_fn(cls, numel: int, n: int, *, seed: int = 0, row_width: int = 1,
+                     block_size: int = BLOCK_SIZE) -> PartitionFn | None:
+        """The index → server map of a Parallelism scheme (for the Push/Pull imbalance of paper
+        Def. 8, ``analysis/metrics.py``), over ``partition_unit``s; None for Centralization schemes."""
+        return None
+
     def __repr__(self) -> str:
         opts = ", ".join(f"{k}={v!r}" for k, v in self.options().items())
         return f"{type(self).__name__}({opts})"
@@ -184,56 +221,3 @@ def check_out(out: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.d
             or not out.is_contiguous():
         raise ValueError(f"{where}: out ({tuple(out.shape)} {out.dtype} on {out.device}) must be a contiguous 1-D "
                          f"tensor of {numel} {dtype} elements on {device}")
-
-
-def register_scheme(cls: type[SyncScheme]) -> type[SyncScheme]:
-    """Class decorator: make ``cls`` buildable as ``build_scheme(cls.name)``."""
-    if cls.name in _REGISTRY and _REGISTRY[cls.name] is not cls:
-        raise ValueError(f"scheme name {cls.name!r} is already registered by {_REGISTRY[cls.name].__name__}")
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def available_schemes() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def build_scheme(name: str, **options) -> SyncScheme:
-    """Build a registered scheme by name.
-
-    Raises:
-        ValueError: unknown name (lists the valid ones) or an unknown option (lists the valid ones).
-    """
-    _load_builtin()
-    if name not in _REGISTRY:
-        raise ValueError(f"zen.scheme ({name!r}) must be one of {sorted(_REGISTRY)}")
-    cls = _REGISTRY[name]
-    valid = [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        raise ValueError(f"scheme {name!r} got unknown option(s) {unknown}; valid options are {sorted(valid)}")
-    return cls(**options)
-
-
-# Modules whose import registers built-in schemes (a module not written yet is skipped).
-_BUILTIN_MODULES = (
-    "zen_ext.core.dense",
-    "zen_ext.core.zen",
-    "zen_ext.core.agsparse",
-    "zen_ext.core.sparcml",
-    "zen_ext.core.omnireduce",
-    "zen_ext.core.sparse_ps",
-    "zen_ext.analysis.planner",
-)
-
-
-def _load_builtin() -> None:
-    import importlib
-
-    for mod in _BUILTIN_MODULES:
-        try:
-            importlib.import_module(mod)
-        except ModuleNotFoundError as exc:
-            if exc.name != mod:
-                raise

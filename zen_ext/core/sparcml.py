@@ -32,12 +32,14 @@ Legend: ``_K`` entries, ``_N`` dense length (rows in row form).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from ..comm.base import Communicator
 from .coo import decode_coo, encode_coo, entry_bytes, finish
-from .scheme import SyncScheme, register_scheme
+from .cost import Dims, ProfileView, Traffic, WorkCounts
+from .scheme import SyncScheme
 from .timing import PhaseTimer
 from .types import SparseGrad, acc_dtype, as_sparse, index_dtype
 
@@ -139,11 +141,11 @@ class _Codec:
         return out
 
 
-@register_scheme
 class SparCMLScheme(SyncScheme):
     """Recursive-doubling sparse all-reduce with incremental aggregation and a dense switch (SparCML)."""
 
     name = "sparcml"
+    wire_phases = ("rounds_s",)
 
     def _sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
@@ -230,3 +232,49 @@ class SparCMLScheme(SyncScheme):
             send[send_to] = codec.encode(stream)
         recv = comm.exchange_v(send)
         return codec.decode(recv[recv_from]) if recv_from is not None else None
+
+    # --- cost model --------------------------------------------------------------------------------
+    @staticmethod
+    def predict_traffic(p: ProfileView, opts: dict) -> Traffic:
+        """The steps of ``_sync`` (fold, rounds, unfold), each stream the union of the ranks it sums,
+        dense once COO is not smaller."""
+        n, tr = p.n, Traffic(p.n)
+        dense_bytes = p.numel * p.row_width * p.value_bytes
+
+        def stream_bytes(group: Sequence[int]) -> float:
+            coo = p.union(group) * p.entry_bytes
+            return dense_bytes if coo >= dense_bytes else coo
+
+        def step(pairs: dict[int, tuple[int, Sequence[int]]]) -> None:
+            # pairs[src] = (dst, group whose aggregate src sends)
+            bytes_PP = torch.zeros(n, n, dtype=torch.float64)
+            for src, (dst, group) in pairs.items():
+                bytes_PP[src, dst] = stream_bytes(group)
+            tr.exchange_v(bytes_PP)
+
+        p2 = 1 << (n.bit_length() - 1)
+        rem = n - p2
+        groups = {r: (r,) for r in range(n)}
+        if rem:
+            step({r: (r + 1, groups[r]) for r in range(0, 2 * rem, 2)})
+            for r in range(1, 2 * rem, 2):
+                groups[r] = (r - 1, r)
+        real = [2 * v + 1 if v < rem else v + rem for v in range(p2)]
+        mask = 1
+        while mask < p2:
+            step({real[v]: (real[v ^ mask], groups[real[v]]) for v in range(p2)})
+            groups = {**groups,
+                      **{real[v]: tuple(sorted(groups[real[v]] + groups[real[v ^ mask]])) for v in range(p2)}}
+            mask <<= 1
+        if rem:
+            step({r: (r - 1, tuple(range(n))) for r in range(1, 2 * rem, 2)})
+        return tr
+
+    @staticmethod
+    def predict_work(w: WorkCounts, opts: dict) -> dict:
+        d = Dims.of(w)
+        rounds = max(1, (d.n - 1).bit_length())
+        merged = sum(min(d.U, d.K * (1 << i)) for i in range(1, rounds + 1))
+        return {"coalesce_s": {"sort_s_per_entry": d.K},
+                "rounds_s": {"sort_s_per_entry": merged, "fill_s_per_byte": merged * (d.ib + d.W * d.vb)},
+                "decode_s": {"fill_s_per_byte": d.dense_out, "scatter_s_per_elem": d.U * d.W}}

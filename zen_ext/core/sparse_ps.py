@@ -25,7 +25,9 @@ import torch
 from .. import ops
 from ..comm.base import Communicator
 from .coo import decode_coo, encode_coo, finish
-from .scheme import SyncScheme, register_scheme
+from .cost import BLOCK_SIZE, Dims, ProfileView, Traffic, WorkCounts
+from .hashing import contiguous_partition_of
+from .scheme import PartitionFn, SyncScheme
 from .timing import PhaseTimer
 from .types import SparseGrad, acc_dtype, as_sparse
 
@@ -103,11 +105,21 @@ def range_push_pull(
     return out
 
 
-@register_scheme
+def predict_range_traffic(p: ProfileView, counts_PP: torch.Tensor, union_per_range: list[float],
+                          entry_bytes: float) -> Traffic:
+    """The traffic of a range push-pull (``range_push_pull``): ``counts_PP[src, server]`` entries pushed,
+    each server's ``union_per_range`` entries pulled by every rank; ``entry_bytes`` per entry."""
+    tr = Traffic(p.n)
+    tr.exchange_v(counts_PP * entry_bytes)
+    tr.all_gather_v([u * entry_bytes for u in union_per_range])
+    return tr
+
+
 class SparsePSScheme(SyncScheme):
     """Contiguous-range parameter servers with COO push and pull (the skewed "Sparse PS" baseline)."""
 
     name = "sparse_ps"
+    wire_phases = ("push_s", "pull_s")
 
     def _sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
@@ -129,3 +141,23 @@ class SparsePSScheme(SyncScheme):
                      comm.size)
         timer.write_into(timings)
         return out if out is not None else res
+
+    # --- cost model --------------------------------------------------------------------------------
+    @staticmethod
+    def predict_traffic(p: ProfileView, opts: dict) -> Traffic:
+        return predict_range_traffic(p, p.counts_PP("range_counts"), p.union_per_range(), p.entry_bytes)
+
+    @staticmethod
+    def predict_work(w: WorkCounts, opts: dict) -> dict:
+        d = Dims.of(w)
+        recv = w.server_recv_max if w.server_recv_max is not None else d.S / d.n
+        return {"partition_s": {"sort_s_per_entry": d.K},
+                "aggregate_s": {"fill_s_per_byte": d.N / d.n * d.W * d.ab, "scatter_s_per_elem": recv * d.W,
+                                "sort_s_per_entry": recv},
+                "decode_s": {"fill_s_per_byte": d.dense_out, "scatter_s_per_elem": d.U * d.W}}
+
+    @classmethod
+    def partition_fn(cls, numel: int, n: int, *, seed: int = 0, row_width: int = 1,
+                     block_size: int = BLOCK_SIZE) -> PartitionFn | None:
+        """Contiguous ranges of indices (rows)."""
+        return lambda idx: contiguous_partition_of(idx, numel, n)

@@ -31,8 +31,9 @@ import torch
 from ..comm.base import Communicator
 from .. import ops
 from .bitmap import bitmap_bytes
+from .cost import BLOCK_SIZE, Dims, ProfileView, Traffic, WorkCounts
 from .hashing import HashConfig, HashPartitioner
-from .scheme import SyncScheme, register_scheme
+from .scheme import PartitionFn, SyncScheme
 from .timing import PhaseTimer
 from .types import SparseGrad, acc_dtype, as_sparse, index_dtype
 from .wire import pack
@@ -85,7 +86,6 @@ class _Call:
         self.timer = PhaseTimer(self.device, enabled=timings is not None)
 
 
-@register_scheme
 class ZenScheme(SyncScheme):
     """Balanced Parallelism: hash-partition → push → aggregate → pull (hash bitmap) → dense result.
 
@@ -97,6 +97,7 @@ class ZenScheme(SyncScheme):
     """
 
     name = "zen"
+    wire_phases = ("push_s", "pull_s")
 
     def __init__(
         self,
@@ -275,7 +276,56 @@ class ZenScheme(SyncScheme):
         return min(costs, key=lambda f: (costs[f], -f))  # ties go to the simpler decode (dense first)
 
 
-@register_scheme
+    # --- cost model --------------------------------------------------------------------------------
+    @staticmethod
+    def predict_traffic(p: ProfileView, opts: dict) -> Traffic:
+        """Push: COO per server, or the server's whole partition dense once that is not larger; pull:
+        each server's aggregate in the format ``_choose_format`` picks (or ``pull_format``)."""
+        n, tr = p.n, Traffic(p.n)
+        vsz = p.row_width * p.value_bytes
+        part_P = torch.tensor([max(0, (p.numel - j + n - 1) // n) for j in range(n)], dtype=torch.float64)
+        coo_PP = p.counts_PP("hash_counts") * p.entry_bytes
+        dense_PP = (part_P * vsz).expand(n, n)
+        tr.exchange_v(torch.where((coo_PP > 0) & (coo_PP >= dense_PP), dense_PP, coo_PP))
+        # Pull: h0 balances the union, so each server holds ~|U|/n (exact per server when unsampled).
+        if p.sample_parts == 1:
+            union = p.union_set(tuple(range(n)), False)
+            per_server = torch.bincount(HashPartitioner(p.numel, n, p.seed).partition_of(union),
+                                        minlength=n).tolist()
+        else:
+            per_server = [p.union(range(n)) / n] * n
+        fmt = opts.get("pull_format", "auto")
+
+        def body(i: int) -> float:
+            part = max(0, (p.numel - i + n - 1) // n)
+            costs = pull_costs(int(round(per_server[i])), part, p.index_bytes, vsz)
+            if fmt == "auto":
+                return min(costs.values())
+            return costs[{"coo": _FMT_COO, "bitmap": _FMT_BITMAP, "dense": _FMT_DENSE}[fmt]]
+
+        tr.all_gather_v([_HEADER_BYTES + body(i) for i in range(n)])
+        return tr
+
+    @staticmethod
+    def predict_work(w: WorkCounts, opts: dict) -> dict:
+        d = Dims.of(w)
+        per_server = d.S / d.n
+        bitmap = opts.get("pull_format", "auto") != "coo" and d.U / d.n * d.ib > d.N / d.n / 8
+        decode = {"fill_s_per_byte": d.dense_out, "hash_s_per_entry": d.U, "scatter_s_per_elem": d.U * d.W}
+        if bitmap:
+            decode["bitmap_s_per_bit"] = d.N
+        return {"hash_s": {"hash_s_per_entry": d.K, "fill_s_per_byte": d.K * (d.W * d.vb + d.ib)},
+                "aggregate_s": {"fill_s_per_byte": d.N / d.n * (d.W * d.ab + 1) + per_server * 8,
+                                "scatter_s_per_elem": per_server * d.W * 2, "bitmap_s_per_bit": d.N / d.n},
+                "decode_s": decode}
+
+    @classmethod
+    def partition_fn(cls, numel: int, n: int, *, seed: int = 0, row_width: int = 1,
+                     block_size: int = BLOCK_SIZE) -> PartitionFn | None:
+        """h0, the hash partition of indices (rows)."""
+        return HashPartitioner(numel, n, seed).partition_of
+
+
 class ZenCooScheme(ZenScheme):
     """``zen`` without the hash bitmap: the pull always uses COO (paper Fig. 17b ablation)."""
 
@@ -284,3 +334,11 @@ class ZenCooScheme(ZenScheme):
     def __init__(self, seed: int = 0, num_rehash: int = 3, parallel_factor: float = 2.0,
                  serial_factor: float = 0.1) -> None:
         super().__init__(seed, "coo", num_rehash, parallel_factor, serial_factor)
+
+    @staticmethod
+    def predict_traffic(p: ProfileView, opts: dict) -> Traffic:
+        return ZenScheme.predict_traffic(p, {**opts, "pull_format": "coo"})
+
+    @staticmethod
+    def predict_work(w: WorkCounts, opts: dict) -> dict:
+        return ZenScheme.predict_work(w, {**opts, "pull_format": "coo"})

@@ -44,19 +44,14 @@ from colossalai.booster.plugin import HybridParallelPlugin, TorchDDPPlugin
 
 from ..config import ZenConfig
 from .colossalai_compat import apply_cpu_patches
-# The JSON config and the plugin arguments' validation: their own module, importable from here.
-from .colossalai_config import (VERIFIED_COLOSSALAI, ColossalAIConfig, check_plugin_kwargs,  # noqa: F401
-                                config_summary)
+from .colossalai_config import VERIFIED_COLOSSALAI, ColossalAIConfig, check_plugin_kwargs
 from .colossalai_policies import policy_for
 from .ddp import ZenHookState, register_zen_hook
 
 log = logging.getLogger(__name__)
 
 
-__all__ = [
-    "ColossalAIConfig", "ZenHybridParallelPlugin", "ZenTorchDDPPlugin", "apply_cpu_patches", "build_booster",
-    "build_plugin", "check_plugin_kwargs",
-]
+__all__ = ["ZenHybridParallelPlugin", "ZenTorchDDPPlugin", "build_booster", "build_plugin"]
 
 
 # --- the plugins --------------------------------------------------------------------------------------------

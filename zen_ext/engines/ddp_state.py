@@ -18,7 +18,8 @@ from ..config import ZenConfig, resolve_dgc_defaults
 from ..reduction import BucketReducer, CommWorker, locate_slices
 from ..reduction.attachment import ZenAttachment, assemble
 from ..reduction.stats import StepStats, startup_line
-from ..reduction.synchronizer import GradSlice, Synchronizer
+from ..reduction.plan import GradSlice
+from ..reduction.synchronizer import Synchronizer
 
 log = logging.getLogger("zen_ext.engines.ddp")
 

@@ -12,7 +12,7 @@ from typing import Hashable, Iterable, Sequence
 
 import torch
 
-from .synchronizer import GradSlice
+from .plan import GradSlice
 from .slices import clip_slices, shard_bounds
 
 

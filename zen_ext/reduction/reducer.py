@@ -8,7 +8,7 @@ from typing import Sequence
 
 import torch
 
-from .synchronizer import GradSlice
+from .plan import GradSlice
 from .hierarchy import NodeShardedReduce
 from .slices import _row_width, clip_slices, shard_bounds, split_to_cap
 

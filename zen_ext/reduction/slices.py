@@ -26,7 +26,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from .synchronizer import GradSlice
+from .plan import GradSlice
 
 
 @dataclass(frozen=True)

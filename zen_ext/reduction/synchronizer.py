@@ -51,7 +51,8 @@ from ..compress import (
     registered,
 )
 from ..compress.registry import DENSE
-from ..core.scheme import SyncScheme, build_scheme, check_op
+from ..core.registry import build_scheme
+from ..core.scheme import SyncScheme, check_op
 from ..core.types import SparseGrad
 from .plan import GradSlice, Plan, SliceGroup, agree, build_plan
 

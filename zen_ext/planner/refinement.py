@@ -11,7 +11,7 @@ from typing import Sequence
 
 
 from ..comm.base import CommStats
-from .compute_model import WIRE_PHASES
+from ..core.registry import scheme_class
 from .network import Network
 
 
@@ -75,11 +75,12 @@ class Refinement:
     def observe(self, scheme: str, predicted: dict[str, float], measured: dict) -> None:
         """Fold one sync's ``timings`` (phase → seconds) into the fits of ``scheme``.
 
-        ``predicted`` is ``predict_phases_s`` without refinement (its wire phases include the α–β
-        time); non-numeric or missing phases are skipped.
+        ``predicted`` is ``predict_phases_s`` without refinement (its wire phases, the scheme's
+        ``wire_phases``, include the α–β time); non-numeric or missing phases are skipped.
         """
-        wire = [k for k in predicted if k in WIRE_PHASES]
-        pairs = [(k, predicted[k], measured.get(k)) for k in predicted if k not in WIRE_PHASES]
+        wire_phases = scheme_class(scheme).wire_phases
+        wire = [k for k in predicted if k in wire_phases]
+        pairs = [(k, predicted[k], measured.get(k)) for k in predicted if k not in wire_phases]
         if wire and all(isinstance(measured.get(k), (int, float)) for k in wire):
             pairs.append(("wire", sum(predicted[k] for k in wire), sum(float(measured[k]) for k in wire)))
         for k, x, y in pairs:

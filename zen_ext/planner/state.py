@@ -1,4 +1,4 @@
-"""What ``auto`` (``planner.py``) keeps per slice and per rank, in a form its ``state_dict`` saves: a
+"""What ``auto`` (``auto.py``) keeps per slice and per rank, in a form its ``state_dict`` saves: a
 slice's planning state (``_SliceState``: profiling syncs seen, predictions, the choice and why); a rank's
 calibration is ``calibration._Calibration``)."""
 
@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from . import cost_model as cm
+from ..core.cost import WorkCounts
+from .refinement import Wire
 
 
 @dataclass
@@ -20,8 +21,8 @@ class _SliceState:
     choice: str | None = None
     reason: str = ""
     # The latest profile's model inputs of the chosen scheme (refinement compares real syncs with them).
-    work: "cm.WorkCounts | None" = None
-    wire: "cm.Wire | None" = None
+    work: WorkCounts | None = None
+    wire: Wire | None = None
     # The last profiling sync measured a candidate: its predictions predate that measurement.
     stale: bool = False
 
@@ -36,5 +37,5 @@ class _SliceState:
     def from_state(cls, st: dict) -> "_SliceState":
         return cls(profiled=int(st["profiled"]), predictions=[dict(p) for p in st["predictions"]],
                    since_decision=int(st["since_decision"]), choice=st["choice"], reason=st["reason"],
-                   work=cm.WorkCounts(**st["work"]) if st.get("work") else None,
-                   wire=cm.Wire(**st["wire"]) if st.get("wire") else None, stale=bool(st.get("stale", False)))
+                   work=WorkCounts(**st["work"]) if st.get("work") else None,
+                   wire=Wire(**st["wire"]) if st.get("wire") else None, stale=bool(st.get("stale", False)))

@@ -1,4 +1,5 @@
-"""Sparsity profiles for the cost model (``cost_model.py``): what the traffic predictors need, gathered
+"""Sparsity profiles for the cost model (``cost_model.py``): what the traffic predictors need (the
+``core.cost.ProfileView`` they are written against), gathered
 from all ranks: exact per-rank entry counts per server for each partition pattern, and hash-sampled
 index sets from which unions of any group of ranks are estimated (sampling by h0 keeps the overlap
 structure: an index is in every rank's sample or in none).
@@ -14,9 +15,8 @@ from typing import Sequence
 import torch
 
 from ..core.hashing import HashPartitioner, contiguous_partition_of
+from ..core.cost import BLOCK_SIZE
 from ..core.types import SparseGrad, index_dtype
-
-BLOCK_SIZE = 256
 
 
 # --- sparsity profiles -----------------------------------------------------------------------------
@@ -80,9 +80,9 @@ class SparsityProfile:
             p = self.locals[ranks[0]]
             return float(sum(p.block_counts)) if blocks else float(p.unique_nnz)
         parts = self.block_sample_parts if blocks else self.sample_parts
-        return self._union_set(ranks, blocks).numel() * float(parts)
+        return self.union_set(ranks, blocks).numel() * float(parts)
 
-    def _union_set(self, ranks: tuple[int, ...], blocks: bool) -> torch.Tensor:
+    def union_set(self, ranks: tuple[int, ...], blocks: bool) -> torch.Tensor:
         """Sorted union of the members' samples; halves are cached, so nested groups (recursive
         doubling, aligned γ groups) cost one merge each."""
         if len(ranks) == 1:
@@ -92,8 +92,13 @@ class SparsityProfile:
         if key not in self._union_cache:
             half = len(ranks) // 2
             self._union_cache[key] = torch.unique(torch.cat(
-                [self._union_set(ranks[:half], blocks), self._union_set(ranks[half:], blocks)]))
+                [self.union_set(ranks[:half], blocks), self.union_set(ranks[half:], blocks)]))
         return self._union_cache[key]
+
+    def counts_PP(self, pattern: str) -> torch.Tensor:
+        """``[src, server]`` entries of partition ``pattern`` (``"hash_counts"``, ``"range_counts"``,
+        ``"block_counts"``), float64."""
+        return torch.tensor([getattr(q, pattern) for q in self.locals], dtype=torch.float64)
 
     def gamma(self, k: int) -> float:
         """``γ^k``: mean over the aligned groups of ``k`` ranks of union / mean member size (Def. 4)."""
@@ -113,7 +118,7 @@ class SparsityProfile:
         """Estimated distinct indices (blocks) of the union falling into each contiguous range."""
         space = self.num_blocks if blocks else self.numel
         parts = self.block_sample_parts if blocks else self.sample_parts
-        union = self._union_set(tuple(range(self.n)), blocks)
+        union = self.union_set(tuple(range(self.n)), blocks)
         counts = torch.bincount(contiguous_partition_of(union, space, self.n), minlength=self.n)
         return [float(c) * parts for c in counts.tolist()]
 
@@ -128,7 +133,7 @@ def local_profile(indices: torch.Tensor, numel: int, row_width: int, n: int, see
     uniq = torch.unique(idx)
     hash_counts = torch.bincount(HashPartitioner(numel, n, seed).partition_of(idx), minlength=n)
     range_counts = torch.bincount(contiguous_partition_of(idx, numel, n), minlength=n)
-    blocks = _block_ids(uniq, row_width, block_size)
+    blocks = nonzero_blocks(uniq, row_width, block_size)
     num_blocks = -(-numel * row_width // block_size)
     block_counts = torch.bincount(contiguous_partition_of(blocks, num_blocks, n), minlength=n)
     return LocalProfile(
@@ -150,7 +155,7 @@ def profile_from_grads(grads: Sequence[SparseGrad], seed: int = 0, sample_budget
     n = len(grads)
     first = grads[0]
     uniq_max = max(torch.unique(g.indices).numel() for g in grads)
-    blocks_max = max(_block_ids(torch.unique(g.indices), g.row_width, block_size).numel() for g in grads)
+    blocks_max = max(nonzero_blocks(torch.unique(g.indices), g.row_width, block_size).numel() for g in grads)
     s, sb = sample_parts_for(uniq_max, sample_budget), sample_parts_for(blocks_max, sample_budget)
     return SparsityProfile(
         numel=first.numel, row_width=first.row_width, value_bytes=first.values.element_size(), seed=seed,
@@ -160,7 +165,8 @@ def profile_from_grads(grads: Sequence[SparseGrad], seed: int = 0, sample_budget
     )
 
 
-def _block_ids(uniq: torch.Tensor, row_width: int, block_size: int) -> torch.Tensor:
+def nonzero_blocks(uniq: torch.Tensor, row_width: int, block_size: int) -> torch.Tensor:
+    """The ids of the ``block_size``-element blocks that rows (or elements) ``uniq`` touch, sorted."""
     if row_width == 1:
         return torch.unique(uniq // block_size)
     first, last = uniq * row_width // block_size, (uniq * row_width + row_width - 1) // block_size
@@ -175,7 +181,3 @@ def _sample(idx: torch.Tensor, numel: int, parts: int, seed: int) -> torch.Tenso
     if parts == 1 or idx.numel() == 0:
         return idx.clone()
     return idx[HashPartitioner(numel, parts, seed + 7919).partition_of(idx) == 0]
-
-
-def _counts_PP(p: SparsityProfile, attr: str) -> torch.Tensor:
-    return torch.tensor([getattr(q, attr) for q in p.locals], dtype=torch.float64)

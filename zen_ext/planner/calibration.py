@@ -1,5 +1,5 @@
-"""``auto``'s calibration (``planner.py``): one rank's link (a probe of two all-reduce sizes, unless
-configured) and compute rates (``cost_model.calibrate_compute``), agreed over the ranks as the slowest
+"""``auto``'s calibration (``auto.py``): one rank's link (a probe of two all-reduce sizes, unless
+configured) and compute rates (``compute_model.calibrate_compute``), agreed over the ranks as the slowest
 rank's numbers, so every rank predicts with the same inputs."""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ from dataclasses import dataclass
 import torch
 
 from ..comm.base import Communicator
-from . import cost_model as cm
+from ..core.cost import PRIMITIVES
+from .compute_model import ComputeRates, calibrate_compute
+from .network import Network
 
 logger = logging.getLogger("zen_ext.planner")
 
@@ -23,8 +25,8 @@ _MAX_BANDWIDTH_GBPS = 10_000.0  # what a probe too fast to resolve reports
 class _Calibration:
     """One rank's agreed calibration: the link and the compute rates."""
 
-    network: cm.Network
-    rates: cm.ComputeRates
+    network: Network
+    rates: ComputeRates
     measured_link: bool
 
     def state(self) -> dict:
@@ -33,8 +35,8 @@ class _Calibration:
 
     @classmethod
     def from_state(cls, st: dict) -> "_Calibration":
-        return cls(cm.Network(float(st["bandwidth_gbps"]), float(st["latency_us"])),
-                   cm.ComputeRates.from_list(st["rates"]), bool(st["measured_link"]))
+        return cls(Network(float(st["bandwidth_gbps"]), float(st["latency_us"])),
+                   ComputeRates.from_list(st["rates"]), bool(st["measured_link"]))
 
 
 def calibrate(comm: Communicator, device: torch.device, fixed: tuple, model: str) -> _Calibration:
@@ -56,12 +58,12 @@ def calibrate(comm: Communicator, device: torch.device, fixed: tuple, model: str
         small_s = _best_all_reduce_s(comm, _PROBE_SMALL_BYTES, device)
         big_s = _best_all_reduce_s(comm, _PROBE_BIG_BYTES, device)
     # Step 2: compute micro-benchmark.
-    rates = cm.calibrate_compute(device) if model == "compute" else cm.ComputeRates()
+    rates = calibrate_compute(device) if model == "compute" else ComputeRates()
     # Step 3: agree on the slowest rank's numbers, one all-reduce MAX.
     if comm.size > 1:
         agreed = torch.tensor([small_s, big_s, *rates.as_list()], dtype=torch.float64, device=device)
         vals = comm.all_reduce(agreed, "max").tolist()
-        small_s, big_s, rates = vals[0], vals[1], cm.ComputeRates.from_list(vals[2:])
+        small_s, big_s, rates = vals[0], vals[1], ComputeRates.from_list(vals[2:])
     if probe:
         n = comm.size
         # Ring all-reduce: 2(n−1) messages, 2(n−1)/n · size bytes per rank.
@@ -71,14 +73,14 @@ def calibrate(comm: Communicator, device: torch.device, fixed: tuple, model: str
                     if extra > 0 else _MAX_BANDWIDTH_GBPS)
         bw = bw if bw is not None else min(_MAX_BANDWIDTH_GBPS, bw_probe)
         lat = lat if lat is not None else max(0.0, lat_probe)
-    cal = _Calibration(cm.Network(bw if bw is not None else 10.0, lat if lat is not None else 50.0), rates,
+    cal = _Calibration(Network(bw if bw is not None else 10.0, lat if lat is not None else 50.0), rates,
                        measured_link=probe)
     for key, value in saved_stats.as_dict().items():
         setattr(comm.stats, key, value)
     if comm.rank == 0:
         logger.info("auto: calibrated: link %.3g Gbit/s, %.3g us (%s); compute %s", cal.network.bandwidth_gbps,
                     cal.network.latency_us, "probe" if probe else "configured",
-                    ", ".join(f"{k} {v:.3g}" for k, v in zip(cm.PRIMITIVES, rates.as_list()))
+                    ", ".join(f"{k} {v:.3g}" for k, v in zip(PRIMITIVES, rates.as_list()))
                     if model == "compute" else "not modeled")
     return cal
 

@@ -11,10 +11,10 @@ Calibration (once per rank, at its first profiling sync; all ranks take part, in
 * link: unless ``bandwidth_gbps`` and ``latency_us`` are both given, a probe times all-reduces of 8 B
   and 1 MiB over the data-parallel group (best of 3 each) and solves the ring all-reduce's α–β time
   for latency and bandwidth;
-* compute: ``cost_model.calibrate_compute`` on the gradient's device (``model="compute"`` only);
+* compute: ``compute_model.calibrate_compute`` on the gradient's device (``model="compute"`` only);
 * agreement: one all-reduce MAX of those few numbers — every rank plans with the slowest rank's;
 * refinement: the phase times of every real sync (the ``timings`` the schemes fill) fit a line per
-  scheme and phase (``cost_model.Refinement``); the ranks merge their fits on profiling syncs, inside
+  scheme and phase (``refinement.Refinement``); the ranks merge their fits on profiling syncs, inside
   the profile's all-gather.
 
 Per slice ``key``:
@@ -61,19 +61,20 @@ import time
 import torch
 
 from ..comm.base import Communicator
-from ..core.scheme import SyncScheme, available_schemes, build_scheme, register_scheme
+from ..core.cost import BLOCK_SIZE, PRIMITIVES, WorkCounts
+from ..core.registry import build_scheme, register_scheme, registered_schemes, scheme_class
+from ..core.scheme import SyncScheme
 from ..core.types import SparseGrad, as_sparse
 from . import cost_model as cm
 from .calibration import _Calibration, calibrate
-from .planner_state import _SliceState
+from .network import Network, modeled_time_s
+from .profile import SparsityProfile, local_profile, nonzero_blocks, sample_parts_for
+from .refinement import Refinement, Wire
+from .state import _SliceState
 
 logger = logging.getLogger("zen_ext.planner")
 _SKIP_LOGGED: set[str] = set()
 """Lossless schemes ``valid_candidates`` left out for want of a cost model (logged once each)."""
-
-# Ties go to the simpler scheme: dense first (no profile can make it slower than itself).
-_PRIORITY = ("dense", "zen", "sparcml", "zen_coo", "agsparse", "omnireduce", "sparse_ps")
-
 
 _STATE_VERSION = 1
 # Candidates predicted within this factor of the best are run once (on profiling syncs, all lossless)
@@ -81,7 +82,6 @@ _STATE_VERSION = 1
 EXPLORE_MARGIN = 1.5
 
 
-@register_scheme
 class AutoScheme(SyncScheme):
     """Per-slice choice among lossless schemes by predicted time (see the module docstring).
 
@@ -116,7 +116,7 @@ class AutoScheme(SyncScheme):
         # completed by the probe.
         self._fixed = (None if bandwidth_gbps is None else float(bandwidth_gbps),
                        None if latency_us is None else float(latency_us))
-        cm.Network(self._fixed[0] if self._fixed[0] is not None else 1.0,
+        Network(self._fixed[0] if self._fixed[0] is not None else 1.0,
                    self._fixed[1] if self._fixed[1] is not None else 0.0)
         if not isinstance(profile_steps, int) or profile_steps < 1:
             raise ValueError(f"zen.profile_steps ({profile_steps!r}) must be an int >= 1")
@@ -145,7 +145,7 @@ class AutoScheme(SyncScheme):
         self._states: dict[tuple[str, int], _SliceState] = {}
         # Per rank (one instance may serve every simulated rank of a SimWorld).
         self._calib: dict[int, _Calibration] = {}
-        self._refine: dict[int, cm.Refinement] = {}
+        self._refine: dict[int, Refinement] = {}
         # Syncs each candidate has run, per rank (the same on every rank: all run the same choices).
         self._runs: dict[int, dict[str, int]] = {}
 
@@ -154,15 +154,15 @@ class AutoScheme(SyncScheme):
         """Registered lossless schemes with a cost model (``auto`` itself excluded). A lossless scheme
         registered without one is left out with a log line saying so, once."""
         names = []
-        for s in available_schemes():
-            if s == "auto" or not build_scheme(s).lossless:
+        for s in registered_schemes():
+            if s == "auto" or not scheme_class(s).lossless:
                 continue
-            if s in cm.COST_MODELS:
+            if scheme_class(s).has_cost_model():
                 names.append(s)
             elif s not in _SKIP_LOGGED:
                 _SKIP_LOGGED.add(s)
-                logger.info("auto: scheme %r has no cost model, so auto never picks it (register one with "
-                         "zen_ext.analysis.cost_model.register_cost_model; docs/extending.md)", s)
+                logger.info("auto: scheme %r has no cost model, so auto never picks it (declare wire_phases, "
+                            "predict_traffic and predict_work on its class; docs/extending.md)", s)
         return sorted(names, key=_priority)
 
     def options(self) -> dict:
@@ -172,12 +172,12 @@ class AutoScheme(SyncScheme):
                     model=self.model)
 
     @property
-    def network(self) -> cm.Network | None:
+    def network(self) -> Network | None:
         """The link the predictions use (the lowest rank's calibration here), None before calibration."""
         if self._calib:
             return self._calib[min(self._calib)].network
         if None not in self._fixed:
-            return cm.Network(*self._fixed)
+            return Network(*self._fixed)
         return None
 
     def last_choice(self, key: str) -> tuple[str, str] | None:
@@ -208,7 +208,7 @@ class AutoScheme(SyncScheme):
                          f"({how}); model {self.model}")
             if self.model == "compute":
                 lines.append("auto: compute rates (slowest rank) " + ", ".join(
-                    f"{k} {v:.3g}" for k, v in zip(cm.PRIMITIVES, cal.rates.as_list())))
+                    f"{k} {v:.3g}" for k, v in zip(PRIMITIVES, cal.rates.as_list())))
         ranks = sorted({r for _, r in self._states})
         for (key, rank), st in sorted(self._states.items()):
             if rank != (ranks[0] if ranks else 0) or st.choice is None:
@@ -249,7 +249,7 @@ class AutoScheme(SyncScheme):
         self._runs = {int(r): {k: int(v) for k, v in runs.items()} for r, runs in sd.get("runs", {}).items()}
         self._refine = {}
         for r, st in sd["refinement"].items():
-            self._refine[int(r)] = cm.Refinement()
+            self._refine[int(r)] = Refinement()
             self._refine[int(r)].load(st)
 
     # --- the sync --------------------------------------------------------------------------------------
@@ -322,18 +322,18 @@ class AutoScheme(SyncScheme):
             sg = as_sparse(grad)
             # Step 1: calibrate.
             cal = self._calibrate(comm, sg.values.device)
-            refine = self._refine.setdefault(comm.rank, cm.Refinement())
+            refine = self._refine.setdefault(comm.rank, Refinement())
             # Step 2: profile.
             profile, states = self._gather_profile(comm, sg, refine.state())
             if self.model == "compute":
                 refine.merge_max(states)
-            work = cm.WorkCounts.from_profile(profile)
+            work = WorkCounts.from_profile(profile)
             preds, wires, raw = {}, {}, {}
             for c in self.candidates:
                 opts = self._schemes[c].options()
                 stats = cm.predict_stats(c, profile, opts)
-                wires[c] = cm.Wire.of(stats, cal.network)
-                preds[c] = (cm.modeled_time_s(stats, cal.network) if self.model == "alpha_beta" else
+                wires[c] = Wire.of(stats, cal.network)
+                preds[c] = (modeled_time_s(stats, cal.network) if self.model == "alpha_beta" else
                             cm.predict_total_s(c, work, wires[c], cal.network.alpha_s, cal.rates, opts, refine))
                 if self.model == "compute":
                     raw[c] = cm.predict_total_s(c, work, wires[c], cal.network.alpha_s, cal.rates, opts)
@@ -379,7 +379,7 @@ class AutoScheme(SyncScheme):
             c = st.choice
             predicted = cm.predict_phases_s(c, st.work, st.wire, cal.network.alpha_s, cal.rates,
                                             self._schemes[c].options())
-            self._refine.setdefault(comm.rank, cm.Refinement()).observe(c, predicted, phases)
+            self._refine.setdefault(comm.rank, Refinement()).observe(c, predicted, phases)
         if timings is not None:
             timings.update(phases)
             timings["scheme"] = st.choice
@@ -401,24 +401,24 @@ class AutoScheme(SyncScheme):
         return cal
 
     def _gather_profile(self, comm: Communicator, sg: SparseGrad,
-                        refine_state: dict | None = None) -> tuple[cm.SparsityProfile, list[dict]]:
+                        refine_state: dict | None = None) -> tuple[SparsityProfile, list[dict]]:
         """Two small all-gathers: sizes (to agree on the sample rate), then every rank's local profile
         with its refinement state. Returns the profile and the states in rank order."""
         n = comm.size
         indices = sg.indices.cpu()  # the profile is small bookkeeping: CPU, whatever the gradient's device
         uniq = torch.unique(indices)
-        num_blocks = cm._block_ids(uniq, sg.row_width, cm.BLOCK_SIZE).numel()
+        num_blocks = nonzero_blocks(uniq, sg.row_width, BLOCK_SIZE).numel()
         shape = (sg.numel, sg.row_width, str(sg.dtype))
         sizes = comm.all_gather_object((shape, uniq.numel(), num_blocks))
         for r, (other, _, _) in enumerate(sizes):
             if other != shape:
                 raise RuntimeError(f"auto: rank {r} synchronizes a slice of (numel, row_width, dtype) {other} "
                                    f"but rank {comm.rank} one of {shape}")
-        s = cm.sample_parts_for(max(x[1] for x in sizes), self.sample_budget)
-        sb = cm.sample_parts_for(max(x[2] for x in sizes), self.sample_budget)
-        mine = cm.local_profile(indices, sg.numel, sg.row_width, n, self.seed, s, sb)
+        s = sample_parts_for(max(x[1] for x in sizes), self.sample_budget)
+        sb = sample_parts_for(max(x[2] for x in sizes), self.sample_budget)
+        mine = local_profile(indices, sg.numel, sg.row_width, n, self.seed, s, sb)
         gathered = comm.all_gather_object((mine, refine_state or {}))
-        profile = cm.SparsityProfile(
+        profile = SparsityProfile(
             numel=sg.numel, row_width=sg.row_width, value_bytes=sg.values.element_size(), seed=self.seed,
             locals=[g[0] for g in gathered], sample_parts=s, block_sample_parts=sb,
         )
@@ -441,7 +441,7 @@ class AutoScheme(SyncScheme):
             return None
         return next((c for c in close if runs.get(c, 0) < 2), None)
 
-    def _decide(self, st: _SliceState, profile: cm.SparsityProfile, cal: _Calibration) -> tuple[str, str]:
+    def _decide(self, st: _SliceState, profile: SparsityProfile, cal: _Calibration) -> tuple[str, str]:
         mean = _mean_predictions(st, self.candidates)
         ranked = sorted(self.candidates, key=lambda c: (mean[c], _priority(c)))
         best = ranked[0]
@@ -485,4 +485,10 @@ def _candidates_text(st: _SliceState, candidates: tuple[str, ...]) -> str:
 
 
 def _priority(name: str) -> int:
-    return _PRIORITY.index(name) if name in _PRIORITY else len(_PRIORITY)
+    """Ties go to the earlier registered scheme: dense first (no profile can make it slower than itself),
+    then the built-ins in the registry's order (``core/registry.py``)."""
+    order = registered_schemes()
+    return order.index(name) if name in order else len(order)
+
+
+register_scheme(AutoScheme)
