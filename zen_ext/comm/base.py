@@ -5,9 +5,9 @@ count bytes with the same logical model below, so a scheme's traffic is identica
 
 * ``exchange_v``: each rank sends an int64 count to every peer, then one message per non-empty payload
   (2 rounds).
-* ``all_gather_v``: the counts in a Bruck all-gather (``⌈log2 n⌉`` rounds, 8 bytes per count), then the
-  payloads in the rounds of the algorithm ``comm/gather.py`` picks (direct, ring or Bruck), each
-  message counted with the blocks it really carries.
+* ``all_gather_v``: the counts (8 bytes each, in one round, or ``⌈log2 n⌉`` Bruck rounds at a few
+  hundred ranks and more), then the payloads in the rounds of the algorithm ``comm/gather.py`` picks
+  (direct, ring or Bruck), each message counted with the blocks it really carries.
 * ``all_reduce``: a ring (reduce-scatter then all-gather): ``2·(n−1)/n`` of the buffer each way,
   ``2·(n−1)`` rounds.
 * ``broadcast``: the root sends the buffer to every peer (1 round).

@@ -3,10 +3,12 @@
 Every transport (``comm/torch_dist.py``, ``comm/simulated.py``) runs a gather in the same two phases,
 so rounds, messages and bytes are the same in a real process group and in SimWorld:
 
-1. **Counts**: a Bruck all-gather of every rank's ``(count, call signature)`` pair, ``⌈log2 n⌉``
-   rounds of fixed-size messages (whose sizes every receiver knows: no header for the header), then
-   one host read of the table. Every rank then knows every rank's count and signature: the
-   signatures are checked here, before any payload moves, on every rank at once.
+1. **Counts**: an all-gather of every rank's ``(count, call signature)`` pair in fixed-size messages
+   (whose sizes every receiver knows: no header for the header), then one host read of the table:
+   one round of ``n−1`` 16-byte messages each way (``direct``), or, where that many tiny messages cost
+   more than the rounds saved (``count_algo``; beyond a few hundred ranks), ``⌈log2 n⌉`` Bruck rounds.
+   Every rank then knows every rank's count and signature: the signatures are checked here, before
+   any payload moves, on every rank at once.
 2. **Payloads**, in the algorithm ``choose`` picks from the counts (identical on every rank, since
    every rank holds the same table; ``gather_impl`` forces one):
 
@@ -46,12 +48,15 @@ class Msg:
 
 @dataclass(frozen=True)
 class GatherCosts:
-    """What ``choose`` weighs: seconds per round (latency on the critical path), seconds per extra
-    message a rank handles in one round (simultaneous flows: incast, per-message CPU), and link bytes
-    per second. Ranks must agree on them (``options()`` carries them to the agreement check)."""
+    """What ``choose`` and ``count_algo`` weigh: seconds per round (latency on the critical path),
+    seconds per extra payload message a rank handles in one round (simultaneous flows: incast, TCP
+    flows sharing a link, per-message CPU; the direct pull ran at 5–7× its link bound at 16 emulated
+    hosts, issue 38), seconds per extra 16-byte count message in one round, and link bytes per second.
+    Ranks must agree on them (every rank builds them from the same configuration)."""
 
     round_s: float = 50e-6
     msg_s: float = 50e-6
+    count_msg_s: float = 2e-6
     bytes_per_s: float = 1.25e9
 
 
@@ -64,9 +69,21 @@ def bruck_steps(n: int) -> list[tuple[int, int]]:
     return out
 
 
-def count_rounds(n: int) -> int:
-    """Rounds of the count phase: ``⌈log2 n⌉``."""
-    return len(bruck_steps(n))
+def count_algo(n: int, costs: "GatherCosts") -> str:
+    """The count phase's structure: ``direct`` (one round of ``n−1`` tiny messages) unless the extra
+    messages cost more than the ``⌈log2 n⌉ − 1`` rounds Bruck adds (a function of ``n``: agreed)."""
+    steps = len(bruck_steps(n))
+    return "direct" if (n - 2) * costs.count_msg_s <= (steps - 1) * costs.round_s else "bruck"
+
+
+def count_schedule(n: int, rank: int, costs: "GatherCosts") -> list[tuple[list[Msg], list[Msg]]]:
+    """The count phase's rounds (``Msg`` ranges are rows of the relative count table)."""
+    return schedule(count_algo(n, costs), n, rank)
+
+
+def count_rounds(n: int, costs: "GatherCosts") -> int:
+    """Rounds of the count phase (1, or ``⌈log2 n⌉``)."""
+    return 0 if n < 2 else (1 if count_algo(n, costs) == "direct" else len(bruck_steps(n)))
 
 
 def schedule(algo: str, n: int, rank: int) -> list[tuple[list[Msg], list[Msg]]]:
@@ -154,6 +171,7 @@ class GatherPlan:
     algo: str
     counts: list[int]
     elem_bytes: int
+    costs: GatherCosts = GatherCosts()
 
 
 def traffic(plan: GatherPlan, rank: int) -> tuple[int, int, int, int, int]:
@@ -162,11 +180,12 @@ def traffic(plan: GatherPlan, rank: int) -> tuple[int, int, int, int, int]:
     if n == 1:
         return 0, 0, 0, 0, 0
     sent = recv = ms = mr = 0
-    for _, c in bruck_steps(n):
-        sent += c * _COUNT_BYTES
-        recv += c * _COUNT_BYTES
-        ms += 1
-        mr += 1
+    counting = count_schedule(n, rank, plan.costs)
+    for recvs, sends in counting:
+        sent += sum(m.count for m in sends) * _COUNT_BYTES
+        recv += sum(m.count for m in recvs) * _COUNT_BYTES
+        ms += len(sends)
+        mr += len(recvs)
     rel = [plan.counts[(rank + i) % n] * plan.elem_bytes for i in range(n)]
     rounds = schedule(plan.algo, n, rank)
     for recvs, sends in rounds:
@@ -178,4 +197,4 @@ def traffic(plan: GatherPlan, rank: int) -> tuple[int, int, int, int, int]:
             b = sum(rel[m.first:m.first + m.count])
             recv += b
             mr += b > 0
-    return sent, recv, ms, mr, count_rounds(n) + len(rounds)
+    return sent, recv, ms, mr, len(counting) + len(rounds)

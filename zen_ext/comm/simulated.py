@@ -88,19 +88,22 @@ class SimCommunicator(Communicator):
     def _all_gather_v_start(self, t: torch.Tensor) -> GatherHandle:
         """The rounds of ``comm/gather.py``, as TorchCommunicator runs them, blocks handed by reference.
 
-        1. Counts: the Bruck all-gather of ``(count, signature)`` pairs, round by round; check.
+        1. Counts: the all-gather of ``(count, signature)`` pairs (``gather.count_schedule``); check.
         2. Payloads: the same algorithm TorchCommunicator picks, round by round; every message is the
            list of the blocks it carries, so which rank forwards what is the real schedule.
         """
         n, rank = self.size, self.rank
         if n == 1:
             self._verify_signatures([self._sig_word])
-            return GatherHandle(rank, [t], plan=gather.GatherPlan("direct", [t.numel()], t.element_size()))
+            return GatherHandle(rank, [t], plan=gather.GatherPlan("direct", [t.numel()], t.element_size(),
+                                                                  self.gather_costs))
         # Step 1: counts.
         rows: list[Any] = [None] * n
         rows[0] = (t.numel(), self._sig_word)
-        for d, c in gather.bruck_steps(n):
-            rows[d:d + c] = self._round({(rank - d) % n: rows[:c]}, [(rank + d) % n])[0]
+        for recvs, sends in gather.count_schedule(n, rank, self.gather_costs):
+            got = self._round({m.peer: rows[m.first:m.first + m.count] for m in sends}, [m.peer for m in recvs])
+            for m, payload in zip(recvs, got):
+                rows[m.first:m.first + m.count] = payload
         counts = [rows[(i - rank) % n][0] for i in range(n)]
         self._verify_signatures([rows[(i - rank) % n][1] for i in range(n)])
         # Step 2: payloads.
@@ -113,7 +116,7 @@ class SimCommunicator(Communicator):
             for m, payload in zip(recvs, got):
                 blocks[m.first:m.first + m.count] = payload
         parts = [blocks[(j - rank) % n] for j in range(n)]
-        return GatherHandle(rank, parts, plan=gather.GatherPlan(algo, counts, esz))
+        return GatherHandle(rank, parts, plan=gather.GatherPlan(algo, counts, esz, self.gather_costs))
 
     def _gather_words(self, word: int) -> list[int]:
         return self._post_and_collect(word)

@@ -151,7 +151,8 @@ class TorchCommunicator(Communicator):
     def _all_gather_v_start(self, t: torch.Tensor) -> GatherHandle:
         """The two phases of ``comm/gather.py``; the payload rounds run as the consumer reads.
 
-        1. Counts: Bruck all-gather of ``(count, signature)`` rows (fixed sizes), one host read, check.
+        1. Counts: all-gather of ``(count, signature)`` rows (fixed sizes; ``gather.count_schedule``),
+           one host read, check.
         2. Pick the payload algorithm from the counts (the same on every rank) and post its round 0
            into one buffer in relative block order (part ``j`` is a view of it).
         3. Reading rank ``j``'s part waits for the round that delivers it, then posts the next round at
@@ -161,13 +162,15 @@ class TorchCommunicator(Communicator):
         n, rank = self.size, self.rank
         if n == 1:
             self._verify_signatures([self._sig_word])
-            return GatherHandle(rank, [t], plan=gather.GatherPlan("direct", [t.numel()], t.element_size()))
+            return GatherHandle(rank, [t], plan=gather.GatherPlan("direct", [t.numel()], t.element_size(),
+                                                                  self.gather_costs))
         dev = self.device
         # Step 1: counts. Row i of the table: rank (rank+i) mod n's [count, signature].
         table = torch.zeros((n, 2), dtype=torch.int64, device=dev)
         table[0] = self._header([t.numel(), self._sig_word])
-        for d, c in gather.bruck_steps(n):
-            for work in self._post([((rank + d) % n, table[d:d + c])], [((rank - d) % n, table[:c])]):
+        for recvs, sends in gather.count_schedule(n, rank, self.gather_costs):
+            for work in self._post([(m.peer, table[m.first:m.first + m.count]) for m in recvs],
+                                   [(m.peer, table[m.first:m.first + m.count]) for m in sends]):
                 work.wait()
         rows = table.tolist()  # the gather's one host synchronization
         counts = [0] * n
@@ -218,7 +221,7 @@ class TorchCommunicator(Communicator):
         order = [(rank + i) % n for i in gather.arrival_order(algo, n)[1:]]
         return GatherHandle(rank, parts, {j: (lambda j=j: wait_for(j)) for j in order},
                             lambda: complete_through(len(rounds) - 1), order,
-                            gather.GatherPlan(algo, counts, esz))
+                            gather.GatherPlan(algo, counts, esz, self.gather_costs))
 
     def _gather_words(self, word: int) -> list[int]:
         got = torch.empty(self.size, dtype=torch.int64, device=self.device)

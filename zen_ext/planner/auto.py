@@ -334,9 +334,11 @@ class AutoScheme(SyncScheme):
                 stats = cm.predict_stats(c, profile, opts)
                 wires[c] = Wire.of(stats, cal.network)
                 preds[c] = (modeled_time_s(stats, cal.network) if self.model == "alpha_beta" else
-                            cm.predict_total_s(c, work, wires[c], cal.network.alpha_s, cal.rates, opts, refine))
+                            cm.predict_total_s(c, work, wires[c], cal.network.alpha_s, cal.rates, opts, refine,
+                                                   cal.network.flow_s))
                 if self.model == "compute":
-                    raw[c] = cm.predict_total_s(c, work, wires[c], cal.network.alpha_s, cal.rates, opts)
+                    raw[c] = cm.predict_total_s(c, work, wires[c], cal.network.alpha_s, cal.rates, opts,
+                                                flow_s=cal.network.flow_s)
             # After a measuring sync only predictions refined by it count (the log shows the latest).
             st.predictions = [preds] if st.stale else [*st.predictions, preds]
             st.stale = False
@@ -378,7 +380,7 @@ class AutoScheme(SyncScheme):
             cal = self._calib[comm.rank]
             c = st.choice
             predicted = cm.predict_phases_s(c, st.work, st.wire, cal.network.alpha_s, cal.rates,
-                                            self._schemes[c].options())
+                                            self._schemes[c].options(), flow_s=cal.network.flow_s)
             self._refine.setdefault(comm.rank, Refinement()).observe(c, predicted, phases)
         if timings is not None:
             timings.update(phases)
