@@ -345,7 +345,7 @@ def main(argv=None) -> int:
     pr.add_argument("--quiet-level", type=float, default=0.2)
     pr.add_argument("--out", default=None, help="append JSON lines here (rank 0)")
     pr.add_argument("--tag", default="")
-    pr.add_argument("--gather-impl", default="auto", choices=["auto", "direct", "ring", "bruck"],
+    pr.add_argument("--gather-impl", default="auto", choices=["auto", "direct", "ring", "bruck", "bruck4"],
                     help="the all-gather's rounds (zen_ext/comm/gather.py); 'direct' is the pre-issue-38 structure")
     pr.add_argument("--fresh-result", action="store_true",
                     help="a new result tensor per sync instead of one reused buffer per slice (out=)")

@@ -96,7 +96,7 @@ def _gather_impl_worker(rank, world_size, impl, sizes):
     return blocking, streamed, signed, comm.stats.as_dict()
 
 
-@pytest.mark.parametrize("impl", ["direct", "ring", "bruck", "auto"])
+@pytest.mark.parametrize("impl", ["direct", "ring", "bruck", "bruck4", "auto"])
 @pytest.mark.parametrize("world_size", [3, 5])
 def test_every_gather_algorithm_on_gloo_matches_simworld(impl, world_size):
     """Each algorithm at non-power-of-two n, with empty messages (rank 1 sends nothing; at 5 ranks rank 3

@@ -60,8 +60,8 @@ def test_auto_picks_bruck_where_rounds_matter(n):
     assert len(gather.schedule("ring", n, 5)) == n - 1
 
 
-@pytest.mark.parametrize("n", [1, 2, 3, 5, 6, 7, 12, 13, 16, 100])
-@pytest.mark.parametrize("algo", ["direct", "ring", "bruck"])
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6, 7, 12, 13, 16, 17, 100])
+@pytest.mark.parametrize("algo", ["direct", "ring", "bruck", "bruck4"])
 def test_every_schedule_delivers_every_block_once(n, algo):
     """The schedules themselves: each rank ends with every block exactly once, only forwarding blocks
     it already holds, and every send has its matching receive on the peer."""

@@ -17,6 +17,9 @@ so rounds, messages and bytes are the same in a real process group and in SimWor
    * ``bruck``: ``⌈log2 n⌉`` rounds (any ``n``, non-powers of two included); in round ``k`` a rank
      sends the ``min(2^k, n−2^k)`` consecutive blocks it holds, starting with its own, to rank
      ``r−2^k`` and receives as many from ``r+2^k``, one message each way.
+   * ``bruck4``: the same with radix 4, ``⌈log4 n⌉`` rounds of 3 messages each way: in round ``k``
+     (``D = 4^k``) a rank sends its ``D`` blocks to ``r−j·D`` and receives ``min(D, n−j·D)`` from
+     ``r+j·D``, ``j = 1, 2, 3`` (half the rounds of ``bruck`` for three flows at a time).
 
 Blocks are numbered relative to the rank (block ``i`` is rank ``(r+i) mod n``'s), so every message is
 one contiguous range of a rank's receive buffer (``Msg.first``, ``Msg.count``) and no block is copied
@@ -33,7 +36,8 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
-GATHER_IMPLS = ("auto", "direct", "ring", "bruck")
+GATHER_IMPLS = ("auto", "direct", "ring", "bruck", "bruck4")
+_RADIX = {"bruck": 2, "bruck4": 4}
 _COUNT_BYTES = 8
 
 
@@ -69,6 +73,16 @@ def bruck_steps(n: int) -> list[tuple[int, int]]:
     return out
 
 
+def radix_steps(n: int, radix: int) -> list[list[tuple[int, int]]]:
+    """Per round of a radix-``radix`` Bruck, ``(distance, blocks)`` of each peer: ``(j·D, min(D, n−j·D))``
+    for ``j = 1 .. radix−1`` while ``j·D < n`` (``D = radix^k``)."""
+    out, d = [], 1
+    while d < n:
+        out.append([(j * d, min(d, n - j * d)) for j in range(1, radix) if j * d < n])
+        d *= radix
+    return out
+
+
 def count_algo(n: int, costs: "GatherCosts") -> str:
     """The count phase's structure: ``direct`` (one round of ``n−1`` tiny messages) unless the extra
     messages cost more than the ``⌈log2 n⌉ − 1`` rounds Bruck adds (a function of ``n``: agreed)."""
@@ -98,8 +112,11 @@ def schedule(algo: str, n: int, rank: int) -> list[tuple[list[Msg], list[Msg]]]:
         # round k−1; the own block in round 0) to the successor.
         return [([Msg((rank - 1) % n, n - 1 - k, 1)], [Msg((rank + 1) % n, (n - k) % n, 1)])
                 for k in range(n - 1)]
-    if algo == "bruck":
-        return [([Msg((rank + d) % n, d, c)], [Msg((rank - d) % n, 0, c)]) for d, c in bruck_steps(n)]
+    if algo in _RADIX:
+        # To rank − j·D: this rank's first min(D, n − j·D) blocks (its own first), which that rank
+        # places at j·D.
+        return [([Msg((rank + d) % n, d, c) for d, c in step], [Msg((rank - d) % n, 0, c) for d, c in step])
+                for step in radix_steps(n, _RADIX[algo])]
     raise ValueError(f"gather_impl ({algo!r}) must be one of {list(GATHER_IMPLS)}")
 
 
@@ -132,7 +149,12 @@ def _round_loads(algo: str, nbytes: Sequence[float]) -> list[float]:
     twice = [0.0]
     for b in list(nbytes) * 2:
         twice.append(twice[-1] + b)
-    return [max(twice[x + c] - twice[x] for x in range(n)) for _, c in bruck_steps(n)]
+    loads = []
+    for step in radix_steps(n, _RADIX[algo]):
+        sent = [sum(twice[x + c] - twice[x] for _, c in step) for x in range(n)]
+        recv = [sum(twice[x + d + c] - twice[x + d] for d, c in step) for x in range(n)]
+        loads.append(max(max(sent), max(recv)))
+    return loads
 
 
 def predict_s(algo: str, nbytes: Sequence[float], costs: GatherCosts) -> float:
@@ -141,7 +163,7 @@ def predict_s(algo: str, nbytes: Sequence[float], costs: GatherCosts) -> float:
     n = len(nbytes)
     if n < 2:
         return 0.0
-    extra_msgs = (n - 2) if algo == "direct" else 0
+    extra_msgs = (n - 2) if algo == "direct" else (_RADIX[algo] - 2 if algo in _RADIX else 0)
     return sum(costs.round_s + extra_msgs * costs.msg_s + load / costs.bytes_per_s
                for load in _round_loads(algo, nbytes))
 
@@ -149,7 +171,7 @@ def predict_s(algo: str, nbytes: Sequence[float], costs: GatherCosts) -> float:
 @functools.lru_cache(maxsize=64)
 def _cheapest(nbytes: tuple, costs: GatherCosts) -> str:
     # Cached: every rank of a SimWorld (and every call of a steady training run) asks the same question.
-    return min(("direct", "bruck"), key=lambda a: predict_s(a, nbytes, costs))
+    return min(("direct", "bruck", "bruck4"), key=lambda a: predict_s(a, nbytes, costs))
 
 
 def choose(impl: str, nbytes: Sequence[float], costs: GatherCosts) -> str:

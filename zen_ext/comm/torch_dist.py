@@ -50,7 +50,7 @@ class TorchCommunicator(Communicator):
         process_group: the group whose ranks synchronize (e.g. the data-parallel group).
         exchange_impl: ``"p2p"`` or ``"a2a"`` (see the module docstring).
         gather_impl: ``all_gather_v``'s payload rounds: ``"auto"`` (``comm/gather.py`` picks from the
-            counts), ``"direct"``, ``"ring"`` or ``"bruck"``.
+            counts), ``"direct"``, ``"ring"``, ``"bruck"`` or ``"bruck4"``.
         gather_costs: what ``"auto"`` weighs (``gather.GatherCosts``; ranks must agree).
     """
 
