@@ -204,8 +204,9 @@ class AutoScheme(SyncScheme):
         if self._calib:
             cal = self._calib[min(self._calib)]
             how = "measured by the probe" if cal.measured_link else "configured"
-            lines.append(f"auto: link {cal.network.bandwidth_gbps:.3g} Gbit/s, {cal.network.latency_us:.3g} us "
-                         f"({how}); model {self.model}")
+            flow = "=" if cal.network.flow_us is None else f"{cal.network.flow_us:.3g}"
+            lines.append(f"auto: link {cal.network.bandwidth_gbps:.3g} Gbit/s, {cal.network.latency_us:.3g} us per "
+                         f"round, {flow} us per extra flow ({how}); model {self.model}")
             if self.model == "compute":
                 lines.append("auto: compute rates (slowest rank) " + ", ".join(
                     f"{k} {v:.3g}" for k, v in zip(PRIMITIVES, cal.rates.as_list())))
