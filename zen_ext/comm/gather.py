@@ -18,8 +18,8 @@ so rounds, messages and bytes are the same in a real process group and in SimWor
      sends the ``min(2^k, n−2^k)`` consecutive blocks it holds, starting with its own, to rank
      ``r−2^k`` and receives as many from ``r+2^k``, one message each way.
    * ``bruck4``: the same with radix 4, ``⌈log4 n⌉`` rounds of 3 messages each way: in round ``k``
-     (``D = 4^k``) a rank sends its ``D`` blocks to ``r−j·D`` and receives ``min(D, n−j·D)`` from
-     ``r+j·D``, ``j = 1, 2, 3`` (half the rounds of ``bruck`` for three flows at a time).
+     (``D = 4^k``) a rank sends its first ``min(D, n−j·D)`` blocks to ``r−j·D`` and receives as many
+     from ``r+j·D``, ``j = 1, 2, 3`` (half the rounds of ``bruck`` for three flows at a time).
 
 Blocks are numbered relative to the rank (block ``i`` is rank ``(r+i) mod n``'s), so every message is
 one contiguous range of a rank's receive buffer (``Msg.first``, ``Msg.count``) and no block is copied
