@@ -138,6 +138,17 @@ def _predictions(step, n: int, schemes: list[str], net) -> dict[str, dict]:
     return out
 
 
+def _auto_predicted(auto, keys: list[str], rank: int) -> float:
+    """``auto``'s own predicted time of what it chose, summed over the slices (its latest profile)."""
+    total = 0.0
+    for key in keys:
+        st = auto._states.get((key, rank))
+        if st is None or not st.predictions or st.choice is None:
+            return float("nan")
+        total += st.predictions[-1].get(st.choice, float("nan"))
+    return total
+
+
 def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: int) -> list[dict]:
     """Measure every scheme of ``a.schemes`` on one workload; returns the JSON records (rank 0 only).
 
@@ -218,11 +229,15 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
         for name in order:
             dist.barrier()
             before = comm.stats.snapshot()
+            ag = comm.op_stats.setdefault("all_gather_v", CommStats())
+            ag_before = ag.snapshot()
             timings: dict = {}
             probe = SpanProbe(lab)
             sync_all(schemes[name], timings)
             d = comm.stats - before
-            rec = probe.finish(extra=[d.bytes_sent, d.bytes_recv, d.msgs_sent, d.msgs_recv])
+            dag = comm.op_stats["all_gather_v"] - ag_before
+            rec = probe.finish(extra=[d.bytes_sent, d.bytes_recv, d.msgs_sent, d.msgs_recv, d.rounds,
+                                      dag.bytes_sent, dag.bytes_recv, dag.rounds])
             phases = [{}] * n
             dist.all_gather_object(phases, timings)
             rec["phases"] = phases
@@ -243,6 +258,9 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
         msgs_sent, msgs_recv = [int(e[2]) for e in ex], [int(e[3]) for e in ex]
         stats = [CommStats(s, r, ms, mr) for s, r, ms, mr in zip(sent, recv, msgs_sent, msgs_recv)]
         bound = max(max(s, r) for s, r in zip(sent, recv)) / lab.goodput if lab.goodput else float("nan")
+        # The all-gather part (ZEN's pull, AGsparse, the PS pulls): its own link bound and rounds.
+        ag_bound = (max(max(int(e[5]), int(e[6])) for e in ex) / lab.goodput) if lab.goodput else float("nan")
+        rounds, ag_rounds = max(int(e[4]) for e in ex), max(int(e[7]) for e in ex)
         t_min, t_med, t_max = mmm(ts)
         chosen = sorted({c for r in rs for p in r["phases"] for c in p.get("chosen", [])})
         phase_keys = sorted({k for r in rs for p in r["phases"] for k in p if k != "chosen"})
@@ -252,7 +270,9 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
             density=density, scheme=name, reps=len(ts), times=ts, t_min=t_min, t_med=t_med, t_max=t_max,
             bytes_sent=sent, bytes_recv=recv, msgs_sent=msgs_sent, msgs_recv=msgs_recv,
             wire_tx=[statistics.median(r["wire_tx"][k] for r in rs) for k in range(n)],
-            bound_s=bound, eff=bound / t_med if lab.goodput else None,
+            bound_s=bound, eff=bound / t_med if lab.goodput else None, rounds=rounds,
+            gather_rounds=ag_rounds, gather_bound_s=ag_bound, gather_impl=comm.gather_impl,
+            auto_predicted_s=(_auto_predicted(schemes[name], list(mine), rank) if name == AUTO else None),
             latency_us=a.latency_us, modeled_s=modeled_time_s(stats, net) if net else None,
             **preds.get(name, dict(predicted_s=None, predicted_max_sent=None)),
             phases=phases, check_max_abs_err=check[name], chosen=chosen,
@@ -270,12 +290,14 @@ def cmd_run(a) -> int:
 
     rank, n = init_from_env()
     lab = Lab.from_env()
-    comm = TorchCommunicator(exchange_impl="p2p")
+    comm = TorchCommunicator(exchange_impl="p2p", gather_impl=a.gather_impl)
     if rank == 0:
         print(f"# bench_comm: n={n} rate={lab.rate} goodput={lab.goodput * 8 / 1e9:.3f} Gbit/s/host "
-              f"schemes={a.schemes} reps={a.reps} loadavg={lab.meta()['loadavg']}", flush=True)
+              f"schemes={a.schemes} reps={a.reps} gather={a.gather_impl} loadavg={lab.meta()['loadavg']}",
+              flush=True)
         print(f"{'workload':>16} {'scheme':>10} {'t_min':>8} {'t_med':>8} {'t_max':>8} {'bound':>8} {'eff%':>5} "
-              f"{'modeled':>8} {'MB sent':>8} {'wire MB':>8} {'err':>8} {'cpu':>5} {'fgn':>5}", flush=True)
+              f"{'modeled':>8} {'MB sent':>8} {'wire MB':>8} {'err':>8} {'cpu':>5} {'fgn':>5} {'rnds':>4} "
+              f"{'ag_rnd':>6} {'ag_bnd':>7} {'pull_s':>7} {'pred':>7}", flush=True)
     for spec in a.workload:
         label, path, step = load_workload(spec)
         t0 = time.time()
@@ -285,7 +307,10 @@ def cmd_run(a) -> int:
             print(f"{label:>16} {r['scheme']:>10} {r['t_min']:8.4f} {r['t_med']:8.4f} {r['t_max']:8.4f} "
                   f"{r['bound_s']:8.4f} {eff} {mod} {max(r['bytes_sent']) / 1e6:8.3f} "
                   f"{max(r['wire_tx']) / 1e6:8.3f} {r['check_max_abs_err']:8.1e} {r['cpu_all']:5.2f} "
-                  f"{r['foreign']:5.2f}", flush=True)
+                  f"{r['foreign']:5.2f} {r['rounds']:4d} {r['gather_rounds']:6d} {r['gather_bound_s']:7.4f} "
+                  f"{r['phases'].get('pull_s', float('nan')):7.4f} "
+                  f"{r['auto_predicted_s'] if r['auto_predicted_s'] is not None else float('nan'):7.4f} "
+                  f"{','.join(r['chosen'])}", flush=True)
             if a.out:
                 append_jsonl(a.out, {**r, "tag": a.tag})
         if rank == 0:
@@ -320,6 +345,8 @@ def main(argv=None) -> int:
     pr.add_argument("--quiet-level", type=float, default=0.2)
     pr.add_argument("--out", default=None, help="append JSON lines here (rank 0)")
     pr.add_argument("--tag", default="")
+    pr.add_argument("--gather-impl", default="auto", choices=["auto", "direct", "ring", "bruck", "bruck4"],
+                    help="the all-gather's rounds (zen_ext/comm/gather.py); 'direct' is the pre-issue-38 structure")
     pr.add_argument("--fresh-result", action="store_true",
                     help="a new result tensor per sync instead of one reused buffer per slice (out=)")
     a = p.parse_args(argv)

@@ -80,3 +80,59 @@ def test_all_gather_v_start_yields_each_message_once_own_first(world_size):
         for j in range(world_size):
             want = torch.arange(j * 3, dtype=torch.int64) + 100 * j
             assert torch.equal(msgs[j], want) and torch.equal(blocking[j], want) and torch.equal(again[j], want)
+
+
+def _gather_impl_worker(rank, world_size, impl, sizes):
+    from zen_ext.comm.torch_dist import TorchCommunicator
+
+    comm = TorchCommunicator(gather_impl=impl)
+    mine = torch.arange(sizes[rank], dtype=torch.float32) + 1000 * rank
+    blocking = comm.all_gather_v(mine)
+    streamed = {j: buf.clone() for j, buf in comm.all_gather_v_start(mine).as_completed()}
+    # A consumer that stops early: the rounds left still run (the others need what this rank forwards).
+    next(iter(comm.all_gather_v_start(mine).as_completed()))
+    with comm.signed(77, torch.float32, "sum", where="test"):
+        signed = comm.all_gather_v(mine)
+    return blocking, streamed, signed, comm.stats.as_dict()
+
+
+@pytest.mark.parametrize("impl", ["direct", "ring", "bruck", "bruck4", "auto"])
+@pytest.mark.parametrize("world_size", [3, 5])
+def test_every_gather_algorithm_on_gloo_matches_simworld(impl, world_size):
+    """Each algorithm at non-power-of-two n, with empty messages (rank 1 sends nothing; at 5 ranks rank 3
+    too, so whole Bruck messages are empty): values and per-rank stats equal SimWorld's."""
+    sizes = [5, 0, 3, 0, 9][:world_size]
+    got = run_workers(_gather_impl_worker, world_size, impl, sizes)
+    world = SimWorld(world_size, gather_impl=impl)
+
+    def sim(c):
+        mine = torch.arange(sizes[c.rank], dtype=torch.float32) + 1000 * c.rank
+        c.all_gather_v(mine)
+        c.all_gather_v(mine)
+        c.all_gather_v(mine)
+        with c.signed(77, torch.float32, "sum", where="test"):
+            c.all_gather_v(mine)
+
+    world.run(sim)
+    for r, (blocking, streamed, signed, stats) in enumerate(got):
+        for j in range(world_size):
+            want = torch.arange(sizes[j], dtype=torch.float32) + 1000 * j
+            assert torch.equal(blocking[j], want) and torch.equal(streamed[j], want) and torch.equal(signed[j], want)
+        assert stats == world.stats[r].as_dict()
+
+
+def _gather_mismatch_worker(rank, world_size):
+    from zen_ext.comm.torch_dist import TorchCommunicator
+
+    comm = TorchCommunicator(gather_impl="bruck")
+    with comm.signed(10 + (rank == 2), torch.float32, "sum", where="test"):
+        try:
+            comm.all_gather_v(torch.ones(rank + 1))
+        except RuntimeError as exc:
+            return str(exc)
+    return "no error"
+
+
+def test_bruck_gather_checks_signatures_on_every_rank_before_payloads():
+    for r, msg in enumerate(run_workers(_gather_mismatch_worker, 5)):
+        assert "ranks disagree" in msg and "numel 1" in msg, (r, msg)

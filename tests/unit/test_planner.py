@@ -77,6 +77,20 @@ def test_modeled_time_is_the_slowest_full_duplex_rank():
         Network(latency_us=-1.0)
 
 
+def test_modeled_time_prices_rounds_and_simultaneous_flows():
+    """Issue 38: a round pays the latency, each message beyond one in a round the flow cost."""
+    net = Network(bandwidth_gbps=8.0, latency_us=10.0, flow_us=2.0)
+    direct = CommStats(bytes_sent=1000, bytes_recv=1000, msgs_sent=15, msgs_recv=15, rounds=2)
+    bruck = CommStats(bytes_sent=1000, bytes_recv=1000, msgs_sent=5, msgs_recv=5, rounds=5)
+    assert rank_time_s(direct, net) == pytest.approx(2 * 10e-6 + 13 * 2e-6 + 1000 / 1e9)
+    assert rank_time_s(bruck, net) == pytest.approx(5 * 10e-6 + 1000 / 1e9)
+    # Unknown flow cost: each message pays the latency (the model before rounds were counted).
+    assert rank_time_s(direct, Network(8.0, 10.0)) == pytest.approx(15 * 10e-6 + 1000 / 1e9)
+    assert Wire.of([direct, bruck], net) == Wire(15.0, 1000 / 1e9, 5.0)
+    with pytest.raises(ValueError, match=r"zen.flow_us \(-1.0\) must be >= 0"):
+        Network(flow_us=-1.0)
+
+
 def test_paper_equations():
     # M = 1e6, d = 1 %, n = 8, gamma_8 = 5, b = 8 Gbit/s (1e9 B/s), 4-byte words
     t1 = cm.eq1_balanced_parallelism_s(8, 10**6, 0.01, 5.0, 8.0)
@@ -279,6 +293,7 @@ def test_auto_measures_the_link_when_not_configured():
     # One all-reduce MAX: every rank plans with the same (slowest) numbers.
     assert len({(c.network, tuple(c.rates.as_list())) for c in cal}) == 1
     assert cal[0].network.bandwidth_gbps > 0 and cal[0].network.latency_us >= 0
+    assert cal[0].network.flow_us is not None and cal[0].network.flow_us >= 0  # probed: 3 ranks
     assert "measured by the probe" in autos[0].explain()
     # Configured: no probe, exactly the configured values.
     _, autos = run_auto(inputs, steps=1, bandwidth_gbps=2.5, latency_us=7.0)

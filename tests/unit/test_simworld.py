@@ -26,7 +26,35 @@ def test_byte_accounting_of_exchange():
     # rank r sends 4 float32 to each peer: payload 16 B × 2 peers + 8 B counts × 2 peers.
     world.run(lambda c: c.exchange_v([torch.ones(4) for _ in range(3)]))
     for s in world.stats:
-        assert s == CommStats(bytes_sent=48, bytes_recv=48, msgs_sent=4, msgs_recv=4)
+        assert s == CommStats(bytes_sent=48, bytes_recv=48, msgs_sent=4, msgs_recv=4, rounds=2)
+
+
+@pytest.mark.parametrize("impl", ["direct", "ring", "bruck"])
+def test_byte_accounting_of_all_gather_rounds(impl):
+    # 5 ranks, rank r sends r float32 (rank 0 nothing). Counts: one round, 8 B to each of the 4 peers.
+    world = SimWorld(5, gather_impl=impl)
+    world.run(lambda c: c.all_gather_v(torch.ones(c.rank)))
+    payload = {"direct": [0, 16, 32, 48, 64],  # own block to the 4 others
+               "ring": [4 * (10 - (r + 1) % 5) for r in range(5)],  # every block but the successor's
+               "bruck": []}[impl]
+    if impl == "bruck":  # rounds send blocks r, r..r+1, r..r (distances 1, 2, 4 with 1, 2, 1 blocks)
+        payload = [4 * (2 * r + (r + 1) % 5 + r) for r in range(5)]
+    rounds = {"direct": 1, "ring": 4, "bruck": 3}[impl]
+    for r, s in enumerate(world.stats):
+        assert s.bytes_sent == 4 * 8 + payload[r]
+        assert s.rounds == 1 + rounds
+    assert sum(s.bytes_sent for s in world.stats) == sum(s.bytes_recv for s in world.stats)
+    assert sum(s.msgs_sent for s in world.stats) == sum(s.msgs_recv for s in world.stats)
+
+
+def test_auto_gather_is_bruck_at_scale_and_direct_for_three():
+    from zen_ext.comm import gather
+
+    assert gather.choose("auto", [1000.0] * 16, gather.GatherCosts()) == "bruck"
+    assert gather.choose("auto", [1000.0] * 3, gather.GatherCosts()) == "direct"
+    assert gather.choose("auto", [0.0] * 2, gather.GatherCosts()) == "direct"
+    with pytest.raises(ValueError, match=r"gather_impl \('tree'\) must be one of"):
+        gather.choose("tree", [1.0] * 4, gather.GatherCosts())
 
 
 def test_all_reduce_and_broadcast():

@@ -3,10 +3,16 @@
 Both implementations (``TorchCommunicator`` over torch.distributed, ``SimWorld`` ranks in one process)
 count bytes with the same logical model below, so a scheme's traffic is identical in both:
 
-* ``exchange_v``: each rank sends an int64 count to every peer, then one message per non-empty payload.
-* ``all_gather_v``: an int64 size to every peer, then its payload to every peer (point to point).
-* ``all_reduce``: a ring (reduce-scatter then all-gather): ``2·(n−1)/n`` of the buffer each way.
-* ``broadcast``: the root sends the buffer to every peer.
+* ``exchange_v``: each rank sends an int64 count to every peer, then one message per non-empty payload
+  (2 rounds).
+* ``all_gather_v``: the counts (8 bytes each, in one round, or ``⌈log2 n⌉`` Bruck rounds at a few
+  hundred ranks and more), then the payloads in the rounds of the algorithm ``comm/gather.py`` picks
+  (direct, ring or Bruck), each message counted with the blocks it really carries.
+* ``all_reduce``: a ring (reduce-scatter then all-gather): ``2·(n−1)/n`` of the buffer each way,
+  ``2·(n−1)`` rounds.
+* ``broadcast``: the root sends the buffer to every peer (1 round).
+
+``CommStats.rounds`` counts the communication rounds a rank waits through (each waits for the last).
 
 Traffic to oneself is free and never counted. Checks are not traffic and are left out, like the
 agreement payloads of ``all_gather_object``: the int64 call signature that travels next to each count
@@ -32,6 +38,8 @@ from dataclasses import asdict, dataclass
 from typing import Sequence
 
 import torch
+
+from . import gather
 
 _COUNT_BYTES = 8  # per peer and variable-size call: the int64 count (the signature word is a check)
 _SIG_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
@@ -62,9 +70,10 @@ class CommStats:
     bytes_recv: int = 0
     msgs_sent: int = 0
     msgs_recv: int = 0
+    rounds: int = 0
 
     def reset(self) -> None:
-        self.bytes_sent = self.bytes_recv = self.msgs_sent = self.msgs_recv = 0
+        self.bytes_sent = self.bytes_recv = self.msgs_sent = self.msgs_recv = self.rounds = 0
 
     def snapshot(self) -> "CommStats":
         return CommStats(**asdict(self))
@@ -88,23 +97,27 @@ class GatherHandle:
     """A started ``all_gather_v``: each rank's message, yielded as it lands (``as_completed``).
 
     Lets a consumer (ZEN's pull decode) work on one server's partition while the others are still on
-    the wire. ``waits[j]`` blocks until rank ``j``'s message is complete; ``finish`` waits for the rest
-    (this rank's sends) and runs even when the consumer stops early, so no request outlives the handle.
+    the wire. ``waits[j]`` blocks until rank ``j``'s message is complete; ``finish`` runs the rest (the
+    remaining rounds, which other ranks need this rank to forward) and runs even when the consumer
+    stops early, so no request outlives the handle. ``order``: the peers in the order their messages
+    arrive (default: ring order); ``plan``: the ``gather.GatherPlan`` the transport ran (accounting).
     """
 
-    def __init__(self, rank: int, parts: list[torch.Tensor], waits: dict | None = None, finish=None) -> None:
+    def __init__(self, rank: int, parts: list[torch.Tensor], waits: dict | None = None, finish=None,
+                 order: list[int] | None = None, plan: "gather.GatherPlan | None" = None) -> None:
         self.rank = rank
         self.parts = parts
         self._waits = waits or {}
         self._finish = finish
+        n = len(parts)
+        self.order = order if order is not None else [(rank + s) % n for s in range(1, n)]
+        self.plan = plan
 
     def as_completed(self):
-        """Yield ``(rank, message)``: this rank's own first (no wire), then the peers in ring order."""
+        """Yield ``(rank, message)``: this rank's own first (no wire), then the peers as they arrive."""
         try:
             yield self.rank, self.parts[self.rank]
-            n = len(self.parts)
-            for step in range(1, n):
-                j = (self.rank + step) % n
+            for j in self.order:
                 wait = self._waits.get(j)
                 if wait is not None:
                     self.parts[j] = wait()
@@ -130,6 +143,9 @@ class Communicator(abc.ABC):
 
     def __init__(self) -> None:
         self.stats = CommStats()
+        # The same counters per collective ("exchange_v", "all_gather_v", ...): which part of a sync's
+        # traffic each collective is (benchmarks put ZEN's pull against its own link bound).
+        self.op_stats: dict[str, CommStats] = {}
         self._sig_word = 0  # the declared sync call (0: none), see the module docstring
         self._sig_where = ""
         self._sig_checked = False
@@ -196,41 +212,43 @@ class Communicator(abc.ABC):
         send = [t.contiguous() for t in send]
         recv = self._exchange_v(send)
         peers = [j for j in range(self.size) if j != self.rank]
-        self._account(sent=len(peers) * _COUNT_BYTES, recv=len(peers) * _COUNT_BYTES, msgs=len(peers))
+        self._account(sent=len(peers) * _COUNT_BYTES, recv=len(peers) * _COUNT_BYTES, msgs=len(peers),
+                      rounds=2 if peers else 0, op="exchange_v")
         for j in peers:
             if send[j].numel():
-                self._account(sent=_nbytes(send[j]), msgs_sent=1)
+                self._account(sent=_nbytes(send[j]), msgs_sent=1, op="exchange_v")
             if recv[j].numel():
-                self._account(recv=_nbytes(recv[j]), msgs_recv=1)
+                self._account(recv=_nbytes(recv[j]), msgs_recv=1, op="exchange_v")
         return recv
 
     def all_gather_v(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Variable-size all-gather of a 1-D tensor; sizes first, no padding on the wire."""
-        if t.dim() != 1:
-            raise ValueError(f"all_gather_v needs a 1-D tensor, got {t.dim()}-D")
-        t = t.contiguous()
-        out = self._all_gather_v(t)
-        peers = [j for j in range(self.size) if j != self.rank]
-        self._account(sent=len(peers) * _COUNT_BYTES, recv=len(peers) * _COUNT_BYTES, msgs=len(peers))
-        if t.numel():
-            self._account(sent=len(peers) * _nbytes(t), msgs_sent=len(peers))
-        for j in peers:
-            if out[j].numel():
-                self._account(recv=_nbytes(out[j]), msgs_recv=1)
-        return out
+        """Variable-size all-gather of a 1-D tensor: counts first (checked), no padding on the wire;
+        the rounds are ``comm/gather.py``'s."""
+        handle = self.all_gather_v_start(t)
+        for _ in handle.as_completed():
+            pass
+        return handle.parts
 
     def all_gather_v_start(self, t: torch.Tensor) -> GatherHandle:
         """Start a variable-size all-gather of a 1-D tensor; its messages are read through the handle.
 
-        Same wire and accounting as ``all_gather_v`` (sizes first, checked, no padding); the payloads
-        are in flight when this returns, where the transport allows.
+        Same wire and accounting as ``all_gather_v``; the first payload round is in flight when this
+        returns, where the transport allows.
         """
         if t.dim() != 1:
             raise ValueError(f"all_gather_v_start needs a 1-D tensor, got {t.dim()}-D")
         t = t.contiguous()
         handle = self._all_gather_v_start(t)
+        if handle.plan is not None:
+            sent, recv, ms, mr, rounds = gather.traffic(handle.plan, self.rank)
+            self._account(sent=sent, recv=recv, msgs_sent=ms, msgs_recv=mr, rounds=rounds, op="all_gather_v")
+            return handle
+        # A transport without a plan (tests' and benchmarks' wrappers): the direct algorithm's wire,
+        # sizes in one header round.
         peers = [j for j in range(self.size) if j != self.rank]
-        self._account(sent=len(peers) * _COUNT_BYTES, recv=len(peers) * _COUNT_BYTES, msgs=len(peers))
+        if peers:
+            self._account(sent=len(peers) * _COUNT_BYTES, recv=len(peers) * _COUNT_BYTES, msgs=len(peers),
+                          rounds=2)
         if t.numel():
             self._account(sent=len(peers) * _nbytes(t), msgs_sent=len(peers))
         for j in peers:
@@ -247,7 +265,7 @@ class Communicator(abc.ABC):
         n = self.size
         if n > 1:
             ring = 2 * (n - 1) * _nbytes(t) // n
-            self._account(sent=ring, recv=ring, msgs=2 * (n - 1))
+            self._account(sent=ring, recv=ring, msgs=2 * (n - 1), rounds=2 * (n - 1))
         return t
 
     def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
@@ -262,7 +280,7 @@ class Communicator(abc.ABC):
         out = self._reduce_scatter(t.contiguous())
         if n > 1:
             nb = (n - 1) * _nbytes(out)
-            self._account(sent=nb, recv=nb, msgs=n - 1)
+            self._account(sent=nb, recv=nb, msgs=n - 1, rounds=n - 1)
         return out
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -275,7 +293,7 @@ class Communicator(abc.ABC):
         n = self.size
         if n > 1:
             nb = (n - 1) * _nbytes(t)
-            self._account(sent=nb, recv=nb, msgs=n - 1)
+            self._account(sent=nb, recv=nb, msgs=n - 1, rounds=n - 1)
         return out
 
     def broadcast(self, t: torch.Tensor, src: int = 0) -> torch.Tensor:
@@ -284,9 +302,9 @@ class Communicator(abc.ABC):
         self._broadcast(t, src)
         if self.size > 1:
             if self.rank == src:
-                self._account(sent=(self.size - 1) * _nbytes(t), msgs_sent=self.size - 1)
+                self._account(sent=(self.size - 1) * _nbytes(t), msgs_sent=self.size - 1, rounds=1)
             else:
-                self._account(recv=_nbytes(t), msgs_recv=1)
+                self._account(recv=_nbytes(t), msgs_recv=1, rounds=1)
         return t
 
     def all_gather_object(self, obj) -> list:
@@ -296,18 +314,24 @@ class Communicator(abc.ABC):
         # Built on the communicator's device: NCCL refuses CPU tensors.
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
         saved = self.stats.snapshot()
+        saved_op = self.op_stats.get("all_gather_v", CommStats()).snapshot()
         parts = self.all_gather_v(data)
         # Restore in place: callers (SimWorld.stats) hold a reference to this CommStats object.
         for key, value in saved.as_dict().items():
             setattr(self.stats, key, value)
+        self.op_stats["all_gather_v"] = saved_op
         return [pickle.loads(p.cpu().numpy().tobytes()) for p in parts]
 
     # --- accounting ---------------------------------------------------------------------------------
-    def _account(self, sent: int = 0, recv: int = 0, msgs: int = 0, msgs_sent: int = 0, msgs_recv: int = 0):
-        self.stats.bytes_sent += sent
-        self.stats.bytes_recv += recv
-        self.stats.msgs_sent += msgs + msgs_sent
-        self.stats.msgs_recv += msgs + msgs_recv
+    def _account(self, sent: int = 0, recv: int = 0, msgs: int = 0, msgs_sent: int = 0, msgs_recv: int = 0,
+                 rounds: int = 0, op: str | None = None):
+        for st in (self.stats, self.op_stats.setdefault(op, CommStats()) if op else None):
+            if st is not None:
+                st.rounds += rounds
+                st.bytes_sent += sent
+                st.bytes_recv += recv
+                st.msgs_sent += msgs + msgs_sent
+                st.msgs_recv += msgs + msgs_recv
 
     # --- transport ----------------------------------------------------------------------------------
     @abc.abstractmethod

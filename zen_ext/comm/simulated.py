@@ -20,7 +20,8 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .base import CommStats, Communicator
+from . import gather
+from .base import CommStats, Communicator, GatherHandle
 
 
 class _Shared:
@@ -36,10 +37,13 @@ class _Shared:
 class SimCommunicator(Communicator):
     """One virtual rank's view of a SimWorld."""
 
-    def __init__(self, rank: int, size: int, shared: _Shared, device: torch.device | str = "cpu") -> None:
+    def __init__(self, rank: int, size: int, shared: _Shared, device: torch.device | str = "cpu",
+                 gather_impl: str = "auto", gather_costs: gather.GatherCosts | None = None) -> None:
         super().__init__()
         self.rank, self.size, self._sh = rank, size, shared
         self._device = torch.device(device)
+        self.gather_impl = gather_impl
+        self.gather_costs = gather_costs or gather.GatherCosts()
         self._holding = False  # holds a compute token (set by SimWorld.run)
 
     @property
@@ -74,9 +78,45 @@ class SimCommunicator(Communicator):
         return [got[j][1][self.rank] for j in range(self.size)]
 
     def _all_gather_v(self, t: torch.Tensor) -> list[torch.Tensor]:
-        got = self._post_and_collect((self._sig_word, t))
-        self._verify_signatures([g[0] for g in got])
-        return [g[1] for g in got]
+        return self._all_gather_v_start(t).parts
+
+    def _round(self, sends: dict[int, Any], recv_from: list[int]) -> list[Any]:
+        """One round: deposit ``{peer: payload}``, take what each of ``recv_from`` addressed to this rank."""
+        got = self._post_and_collect(sends)
+        return [got[j][self.rank] for j in recv_from]
+
+    def _all_gather_v_start(self, t: torch.Tensor) -> GatherHandle:
+        """The rounds of ``comm/gather.py``, as TorchCommunicator runs them, blocks handed by reference.
+
+        1. Counts: the all-gather of ``(count, signature)`` pairs (``gather.count_schedule``); check.
+        2. Payloads: the same algorithm TorchCommunicator picks, round by round; every message is the
+           list of the blocks it carries, so which rank forwards what is the real schedule.
+        """
+        n, rank = self.size, self.rank
+        if n == 1:
+            self._verify_signatures([self._sig_word])
+            return GatherHandle(rank, [t], plan=gather.GatherPlan("direct", [t.numel()], t.element_size(),
+                                                                  self.gather_costs))
+        # Step 1: counts.
+        rows: list[Any] = [None] * n
+        rows[0] = (t.numel(), self._sig_word)
+        for recvs, sends in gather.count_schedule(n, rank, self.gather_costs):
+            got = self._round({m.peer: rows[m.first:m.first + m.count] for m in sends}, [m.peer for m in recvs])
+            for m, payload in zip(recvs, got):
+                rows[m.first:m.first + m.count] = payload
+        counts = [rows[(i - rank) % n][0] for i in range(n)]
+        self._verify_signatures([rows[(i - rank) % n][1] for i in range(n)])
+        # Step 2: payloads.
+        esz = t.element_size()
+        algo = gather.choose(self.gather_impl, [c * esz for c in counts], self.gather_costs)
+        blocks: list[Any] = [None] * n
+        blocks[0] = t
+        for recvs, sends in gather.schedule(algo, n, rank):
+            got = self._round({m.peer: blocks[m.first:m.first + m.count] for m in sends}, [m.peer for m in recvs])
+            for m, payload in zip(recvs, got):
+                blocks[m.first:m.first + m.count] = payload
+        parts = [blocks[(j - rank) % n] for j in range(n)]
+        return GatherHandle(rank, parts, plan=gather.GatherPlan(algo, counts, esz, self.gather_costs))
 
     def _gather_words(self, word: int) -> list[int]:
         return self._post_and_collect(word)
@@ -117,12 +157,17 @@ class SimWorld:
             memory bounded at n = 128, where every rank builds a dense result.
         device: the ranks' ``comm.device`` (where counts, headers and object gathers are built), e.g.
             ``"cuda"`` to run schemes on CUDA tensors as NCCL would see them.
+        gather_impl, gather_costs: ``all_gather_v``'s payload rounds, as in ``TorchCommunicator``.
     """
 
     def __init__(self, n: int, timeout_s: float = 600.0, max_active: int | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", gather_impl: str = "auto",
+                 gather_costs: gather.GatherCosts | None = None) -> None:
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"SimWorld n ({n}) must be an int >= 1")
+        if gather_impl not in gather.GATHER_IMPLS:
+            raise ValueError(f"SimWorld gather_impl ({gather_impl!r}) must be one of {list(gather.GATHER_IMPLS)}")
+        self.gather_impl, self.gather_costs = gather_impl, gather_costs
         self.n = n
         self.timeout_s = timeout_s
         self.max_active = max(1, max_active or os.cpu_count() or 1)
@@ -132,7 +177,8 @@ class SimWorld:
 
     def communicators(self) -> list[SimCommunicator]:
         shared = _Shared(self.n, self.timeout_s, self.max_active)
-        self._comms = [SimCommunicator(r, self.n, shared, self.device) for r in range(self.n)]
+        self._comms = [SimCommunicator(r, self.n, shared, self.device, self.gather_impl, self.gather_costs)
+                       for r in range(self.n)]
         self.stats = [c.stats for c in self._comms]
         return self._comms
 

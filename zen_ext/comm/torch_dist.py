@@ -22,9 +22,10 @@ transports, ``zen.exchange_impl``:
 * ``"a2a"``: one ``all_to_all_single`` with split sizes. gloo is never handed an empty tensor: the
   buffers carry one extra element addressed to oneself.
 
-``all_gather_v`` (agreement checks, planner profiles, DGC's TP samples, ZEN's pulls) uses the batched
-point-to-point form whatever ``exchange_impl`` says, so ranks that disagree on ``exchange_impl`` still
-meet in the agreement check that reports it (``options()``).
+``all_gather_v`` (agreement checks, planner profiles, DGC's TP samples, ZEN's pulls) runs the rounds of
+``comm/gather.py`` (counts in a Bruck all-gather, then direct, ring or Bruck payload rounds), each
+round one ``batch_isend_irecv``, whatever ``exchange_impl`` says, so ranks that disagree on
+``exchange_impl`` or ``gather_impl`` still meet in the agreement check that reports it (``options()``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import gather
 from .base import GatherHandle, Communicator, backend_device
 
 __all__ = ["EXCHANGE_IMPLS", "TorchCommunicator", "backend_device"]
@@ -47,12 +49,20 @@ class TorchCommunicator(Communicator):
     Args:
         process_group: the group whose ranks synchronize (e.g. the data-parallel group).
         exchange_impl: ``"p2p"`` or ``"a2a"`` (see the module docstring).
+        gather_impl: ``all_gather_v``'s payload rounds: ``"auto"`` (``comm/gather.py`` picks from the
+            counts), ``"direct"``, ``"ring"``, ``"bruck"`` or ``"bruck4"``.
+        gather_costs: what ``"auto"`` weighs (``gather.GatherCosts``; ranks must agree).
     """
 
-    def __init__(self, process_group=None, exchange_impl: str = "p2p") -> None:
+    def __init__(self, process_group=None, exchange_impl: str = "p2p", gather_impl: str = "auto",
+                 gather_costs: gather.GatherCosts | None = None) -> None:
         super().__init__()
         if exchange_impl not in EXCHANGE_IMPLS:
             raise ValueError(f"exchange_impl ({exchange_impl!r}) must be one of {list(EXCHANGE_IMPLS)}")
+        if gather_impl not in gather.GATHER_IMPLS:
+            raise ValueError(f"gather_impl ({gather_impl!r}) must be one of {list(gather.GATHER_IMPLS)}")
+        self.gather_impl = gather_impl
+        self.gather_costs = gather_costs or gather.GatherCosts()
         if not dist.is_initialized():
             raise RuntimeError("TorchCommunicator needs torch.distributed to be initialized first")
         self.group = process_group if process_group is not None else dist.group.WORLD
@@ -67,7 +77,8 @@ class TorchCommunicator(Communicator):
         return backend_device(self.backend)
 
     def options(self) -> dict:
-        return {"transport": self.exchange_impl, "backend": self.backend, "device_type": self.device.type}
+        return {"transport": self.exchange_impl, "backend": self.backend, "device_type": self.device.type,
+                "gather": self.gather_impl}
 
     # --- helpers ----------------------------------------------------------------------------------
     def _header(self, words: list[int]) -> torch.Tensor:
@@ -124,61 +135,93 @@ class TorchCommunicator(Communicator):
         return recv
 
     def _all_gather_v(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """The started gather (header, check, one batch of point-to-point ops), drained."""
+        """The started gather, drained."""
         handle = self._all_gather_v_start(t)
         for _ in handle.as_completed():
             pass
         return handle.parts
 
+    def _post(self, recvs: list[tuple[int, torch.Tensor]], sends: list[tuple[int, torch.Tensor]]) -> list:
+        """One round as one ``batch_isend_irecv`` (receives listed first; empty buffers left out on both
+        sides, which know the sizes); returns its requests."""
+        ops = [dist.P2POp(dist.irecv, b, group=self.group, group_peer=j) for j, b in recvs if b.numel()]
+        ops += [dist.P2POp(dist.isend, b, group=self.group, group_peer=j) for j, b in sends if b.numel()]
+        return list(dist.batch_isend_irecv(ops)) if ops else []
+
     def _all_gather_v_start(self, t: torch.Tensor) -> GatherHandle:
-        """``_all_gather_v`` whose payload requests are waited per peer, as the consumer reads them.
+        """The two phases of ``comm/gather.py``; the payload rounds run as the consumer reads.
 
-        1. Header (size + signature, one all-gather, the one host synchronization), check.
-        2. Post every receive and send as one ``batch_isend_irecv`` (one NCCL group).
-        3. The handle waits for peer ``j``'s receive only when ``j``'s message is read; the sends are
-           waited last. Where the backend returns one request for the whole batch (NCCL coalesces
-           the group), the first wait completes every message.
+        1. Counts: all-gather of ``(count, signature)`` rows (fixed sizes; ``gather.count_schedule``),
+           one host read, check.
+        2. Pick the payload algorithm from the counts (the same on every rank) and post its round 0
+           into one buffer in relative block order (part ``j`` is a view of it).
+        3. Reading rank ``j``'s part waits for the round that delivers it, then posts the next round at
+           once (it forwards what just arrived), so the consumer decodes while that round is on the
+           wire. ``finish`` runs the rounds left: the other ranks need what this rank forwards.
         """
-        if self.size == 1:
+        n, rank = self.size, self.rank
+        if n == 1:
             self._verify_signatures([self._sig_word])
-            return GatherHandle(self.rank, [t])
-        # Step 1: header.
+            return GatherHandle(rank, [t], plan=gather.GatherPlan("direct", [t.numel()], t.element_size(),
+                                                                  self.gather_costs))
         dev = self.device
-        mine = self._header([t.numel(), self._sig_word])
-        heads = torch.empty(2 * self.size, dtype=torch.int64, device=dev)
-        _all_gather_single(heads, mine, group=self.group)
-        head = heads.view(self.size, 2).tolist()
-        self._verify_signatures([h[1] for h in head])
-        # Step 2: post the batch.
-        staged = t.to(dev) if t.device != dev else t
-        parts = [torch.empty(h[0], dtype=t.dtype, device=dev) for h in head]
-        parts[self.rank] = t
-        peers = [j for j in range(self.size) if j != self.rank]
-        recv_peers = [j for j in peers if parts[j].numel()]
-        for j in peers:
-            if not parts[j].numel():  # nothing travels: the consumer gets it on the payload's device
-                parts[j] = t.new_empty(0)
-        ops = [dist.P2POp(dist.irecv, parts[j], group=self.group, group_peer=j) for j in recv_peers]
-        ops += [dist.P2POp(dist.isend, staged, group=self.group, group_peer=j) for j in peers if staged.numel()]
-        works = list(dist.batch_isend_irecv(ops)) if ops else []
-        # Step 3: per-peer waits. Each request is waited exactly once: a second wait on a gloo
-        # receive blocks for another message that never comes.
-        per_op = len(works) == len(ops)
-        pending = dict(enumerate(works))
+        # Step 1: counts. Row i of the table: rank (rank+i) mod n's [count, signature].
+        table = torch.zeros((n, 2), dtype=torch.int64, device=dev)
+        table[0] = self._header([t.numel(), self._sig_word])
+        for recvs, sends in gather.count_schedule(n, rank, self.gather_costs):
+            for work in self._post([(m.peer, table[m.first:m.first + m.count]) for m in recvs],
+                                   [(m.peer, table[m.first:m.first + m.count]) for m in sends]):
+                work.wait()
+        rows = table.tolist()  # the gather's one host synchronization
+        counts = [0] * n
+        sigs = [0] * n
+        for i, (c, w) in enumerate(rows):
+            counts[(rank + i) % n], sigs[(rank + i) % n] = c, w
+        self._verify_signatures(sigs)
+        # Step 2: the algorithm, the buffer, round 0.
+        esz = t.element_size()
+        algo = gather.choose(self.gather_impl, [c * esz for c in counts], self.gather_costs)
+        rel = [row[0] for row in rows]
+        offs = [0]
+        for c in rel:
+            offs.append(offs[-1] + c)
+        flat = torch.empty(offs[-1], dtype=t.dtype, device=dev)
+        flat[:rel[0]].copy_(t)
+        parts = [t] * n
+        for i in range(1, n):
+            parts[(rank + i) % n] = flat[offs[i]:offs[i + 1]]
+        rounds = gather.schedule(algo, n, rank)
+        when = gather.arrival_round(algo, n)
 
-        def wait_for(j: int):
-            if per_op:
-                pending.pop(recv_peers.index(j)).wait()
-            else:
-                while pending:
-                    pending.popitem()[1].wait()
+        def span(m: gather.Msg) -> torch.Tensor:
+            return flat[offs[m.first]:offs[m.first + m.count]]
+
+        state = {"done": 0, "works": []}
+
+        def post(k: int) -> None:
+            recvs, sends = rounds[k]
+            state["works"] = self._post([(m.peer, span(m)) for m in recvs], [(m.peer, span(m)) for m in sends])
+
+        def complete_through(k: int) -> None:
+            # Step 3: wait round by round; each next round is posted as soon as its data is here.
+            while state["done"] <= k:
+                for work in state["works"]:
+                    work.wait()
+                state["works"] = []
+                state["done"] += 1
+                if state["done"] < len(rounds):
+                    post(state["done"])
+
+        post(0)
+
+        def wait_for(j: int) -> torch.Tensor:
+            complete_through(when[(j - rank) % n])
             return parts[j] if t.device == dev else parts[j].to(t.device)
 
-        def finish() -> None:
-            while pending:
-                pending.popitem()[1].wait()
-
-        return GatherHandle(self.rank, parts, {j: (lambda j=j: wait_for(j)) for j in recv_peers}, finish)
+        order = [(rank + i) % n for i in gather.arrival_order(algo, n)[1:]]
+        return GatherHandle(rank, parts, {j: (lambda j=j: wait_for(j)) for j in order},
+                            lambda: complete_through(len(rounds) - 1), order,
+                            gather.GatherPlan(algo, counts, esz, self.gather_costs))
 
     def _gather_words(self, word: int) -> list[int]:
         got = torch.empty(self.size, dtype=torch.int64, device=self.device)

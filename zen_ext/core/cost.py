@@ -22,6 +22,7 @@ from typing import Protocol, Sequence
 
 import torch
 
+from ..comm import gather
 from ..comm.base import CommStats
 from .types import index_dtype
 
@@ -74,7 +75,8 @@ class ProfileView(Protocol):
 
 class Traffic:
     """Predicted ``CommStats`` of every rank, built with the Communicator's byte model (comm/base.py):
-    every collective sends each peer an 8-byte count, then the payload where it is not empty."""
+    ``exchange_v`` sends each peer an 8-byte count, then the payload where it is not empty;
+    ``all_gather_v`` runs the rounds of ``comm/gather.py``; rounds are counted as the communicators do."""
 
     def __init__(self, n: int) -> None:
         self.n = n
@@ -93,16 +95,19 @@ class Traffic:
             s.bytes_recv += (n - 1) * _COUNT_BYTES + recv[r]
             s.msgs_sent += n - 1 + msent[r]
             s.msgs_recv += n - 1 + mrecv[r]
+            s.rounds += 2 if n > 1 else 0
 
-    def all_gather_v(self, sizes: Sequence[float]) -> None:
-        """``sizes[r]``: payload bytes rank ``r`` sends to every peer."""
-        n = self.n
-        total, nonempty = sum(sizes), sum(1 for x in sizes if x > 0)
+    def all_gather_v(self, sizes: Sequence[float], impl: str = "auto") -> None:
+        """``sizes[r]``: rank ``r``'s payload bytes, gathered in the rounds ``comm/gather.py`` picks for
+        them (its ``choose`` with the default costs, as the communicators do)."""
+        plan = gather.GatherPlan(gather.choose(impl, sizes, gather.GatherCosts()), list(sizes), 1)
         for r, s in enumerate(self.stats):
-            s.bytes_sent += (n - 1) * (_COUNT_BYTES + sizes[r])
-            s.msgs_sent += (n - 1) * (1 + (sizes[r] > 0))
-            s.bytes_recv += (n - 1) * _COUNT_BYTES + total - sizes[r]
-            s.msgs_recv += (n - 1) + nonempty - (sizes[r] > 0)
+            sent, recv, ms, mr, rounds = gather.traffic(plan, r)
+            s.bytes_sent += sent
+            s.bytes_recv += recv
+            s.msgs_sent += ms
+            s.msgs_recv += mr
+            s.rounds += rounds
 
     def all_reduce(self, nbytes: int) -> None:
         """A ring all-reduce of ``nbytes`` on every rank."""
@@ -114,6 +119,7 @@ class Traffic:
                 s.bytes_recv += ring
                 s.msgs_sent += 2 * (n - 1)
                 s.msgs_recv += 2 * (n - 1)
+                s.rounds += 2 * (n - 1)
 
 
 @dataclass

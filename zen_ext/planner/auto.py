@@ -205,8 +205,9 @@ class AutoScheme(SyncScheme):
         if self._calib:
             cal = self._calib[min(self._calib)]
             how = "measured by the probe" if cal.measured_link else "configured"
-            lines.append(f"auto: link {cal.network.bandwidth_gbps:.3g} Gbit/s, {cal.network.latency_us:.3g} us "
-                         f"({how}); model {self.model}")
+            flow = "=" if cal.network.flow_us is None else f"{cal.network.flow_us:.3g}"
+            lines.append(f"auto: link {cal.network.bandwidth_gbps:.3g} Gbit/s, {cal.network.latency_us:.3g} us per "
+                         f"round, {flow} us per extra flow ({how}); model {self.model}")
             if self.model == "compute":
                 lines.append("auto: compute rates (slowest rank) " + ", ".join(
                     f"{k} {v:.3g}" for k, v in zip(PRIMITIVES, cal.rates.as_list())))
@@ -335,9 +336,11 @@ class AutoScheme(SyncScheme):
                 stats = cm.predict_stats(c, profile, opts)
                 wires[c] = Wire.of(stats, cal.network)
                 preds[c] = (modeled_time_s(stats, cal.network) if self.model == "alpha_beta" else
-                            cm.predict_total_s(c, work, wires[c], cal.network.alpha_s, cal.rates, opts, refine))
+                            cm.predict_total_s(c, work, wires[c], cal.network.alpha_s, cal.rates, opts, refine,
+                                                   cal.network.flow_s))
                 if self.model == "compute":
-                    raw[c] = cm.predict_total_s(c, work, wires[c], cal.network.alpha_s, cal.rates, opts)
+                    raw[c] = cm.predict_total_s(c, work, wires[c], cal.network.alpha_s, cal.rates, opts,
+                                                flow_s=cal.network.flow_s)
             # After a measuring sync only predictions refined by it count (the log shows the latest).
             st.predictions = [preds] if st.stale else [*st.predictions, preds]
             st.stale = False
@@ -379,7 +382,7 @@ class AutoScheme(SyncScheme):
             cal = self._calib[comm.rank]
             c = st.choice
             predicted = cm.predict_phases_s(c, st.work, st.wire, cal.network.alpha_s, cal.rates,
-                                            self._schemes[c].options())
+                                            self._schemes[c].options(), flow_s=cal.network.flow_s)
             self._refine.setdefault(comm.rank, Refinement()).observe(c, predicted, phases)
         if timings is not None:
             timings.update(phases)

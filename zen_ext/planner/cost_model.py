@@ -113,10 +113,14 @@ def compute_work(scheme: str, w: WorkCounts, options: dict | None = None) -> dic
 
 
 def predict_phases_s(scheme: str, w: WorkCounts, wire: Wire, latency_s: float, rates: ComputeRates,
-                     options: dict | None = None, refine: Refinement | None = None) -> dict[str, float]:
+                     options: dict | None = None, refine: Refinement | None = None,
+                     flow_s: float | None = None) -> dict[str, float]:
     """Predicted seconds per phase of ``scheme``: computation from ``compute_work`` × ``rates``, plus
-    the α–β time ``wire.msgs · latency_s + wire.bytes_s`` spread over the wire phases; with
+    the α–β time ``latency_s · wire.rounds + flow_s · (wire.msgs − wire.rounds) + wire.bytes_s``
+    (``network.Network.wire_s``; ``flow_s`` None: the latency) spread over the wire phases; with
     ``refine``, each computing phase and the wire phases together go through their fitted line."""
+    net = Network(latency_us=latency_s * 1e6, flow_us=None if flow_s is None else flow_s * 1e6)
+    wire_s = net.wire_s(wire.rounds, wire.msgs, wire.bytes_s)
     work = compute_work(scheme, w, options)
     wire_phases = cost_model_of(scheme).wire_phases
     out = {}
@@ -124,7 +128,7 @@ def predict_phases_s(scheme: str, w: WorkCounts, wire: Wire, latency_s: float, r
         units = work.get(phase, {})
         t = sum(getattr(rates, prim) * u for prim, u in units.items())
         if phase in wire_phases:
-            t += (wire.msgs * latency_s + wire.bytes_s) / len(wire_phases)
+            t += wire_s / len(wire_phases)
         elif refine is not None:
             t = refine.apply(scheme, phase, t)
         out[phase] = t
@@ -141,6 +145,7 @@ def predict_phases_s(scheme: str, w: WorkCounts, wire: Wire, latency_s: float, r
 
 
 def predict_total_s(scheme: str, w: WorkCounts, wire: Wire, latency_s: float, rates: ComputeRates,
-                    options: dict | None = None, refine: Refinement | None = None) -> float:
+                    options: dict | None = None, refine: Refinement | None = None,
+                    flow_s: float | None = None) -> float:
     """The sync's predicted wall time: the sum of ``predict_phases_s`` (phases run one after another)."""
-    return sum(predict_phases_s(scheme, w, wire, latency_s, rates, options, refine).values())
+    return sum(predict_phases_s(scheme, w, wire, latency_s, rates, options, refine, flow_s).values())

@@ -17,16 +17,19 @@ from .network import Network
 
 @dataclass(frozen=True)
 class Wire:
-    """The α–β inputs of one sync on its slowest rank: messages, and seconds of bytes at the link rate."""
+    """The α–β inputs of one sync on its slowest rank: messages, seconds of bytes at the link rate, and
+    rounds (``network.Network.wire_s`` prices them)."""
 
     msgs: float
     bytes_s: float
+    rounds: float = 0.0
 
     @classmethod
     def of(cls, stats: Sequence[CommStats], net: Network) -> "Wire":
         msgs = max((max(s.msgs_sent, s.msgs_recv) for s in stats), default=0)
         nbytes = max((max(s.bytes_sent, s.bytes_recv) for s in stats), default=0)
-        return cls(float(msgs), nbytes / net.bytes_per_s)
+        rounds = max((s.rounds for s in stats), default=0)
+        return cls(float(msgs), nbytes / net.bytes_per_s, float(rounds))
 
 
 SHARED = "*"  # the Refinement's fits shared by every scheme
