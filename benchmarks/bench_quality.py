@@ -1,7 +1,8 @@
 """Time to quality: dense vs natural-only vs DGC variants, at equal steps and to a target loss (issue 21).
 
 Each run is the DeepSpeed recipe (``recipes/finetune_llm.py``) on 2 CPU ranks with the demo's tiny Llama
-and DeepSpeed settings (``configs/demo_ds.json``: AdamW lr 3e-3, ZeRO-1), one variant's ``zen`` section
+and DeepSpeed settings (``configs/demo_ds.json``: AdamW lr 3e-3, ZeRO-1; the ``*_zero3`` variants take
+ZeRO-3 from ``configs/demo_ds_zero3.json``), one variant's ``zen`` section
 and one seed (model initialization, data order and eval split), in two settings:
 
 * ``scratch``: random initialization, the whole built-in text, ``--scratch_steps`` steps;
@@ -170,12 +171,17 @@ VARIANTS: dict[str, dict | None] = {
     "dgc1_project_defaults": {"_dgc_defaults": True, "_recipe_default": True, "density": 0.01},  # no flush at 1 %
     "dgc10_catchup_flush10": {"density": 0.10, "_catch_up": True, "flush_fraction": 0.1},
     "dgc1_catchup_flush10": {"density": 0.01, "_catch_up": True, "flush_fraction": 0.1},
+    # Under ZeRO-3 (issue 39): zero_optimization from configs/demo_ds_zero3.json (parameters, gradients and
+    # optimizer state sharded; ZEN's sparse reduce-scatter) in place of the demo's ZeRO-1, everything else
+    # as the ZeRO-1 variant of the same name; each measured against dense ZeRO-3 of the same seed.
+    "dense_zero3": {"_dense": True, "_zero3": True},
+    "dgc5_project_defaults_zero3": {"_dgc_defaults": True, "_recipe_default": True, "_zero3": True},
     "dgc5_localclip": {"clip_norm": 1.0, "_ds_clip": 0.0},
     "dgc1_localclip": {"density": 0.01, "clip_norm": 1.0, "_ds_clip": 0.0},
 }
 STEP_TIME_CONFIG = {"dense": "dense", "dense_lr2x": "dense", "dense_noclip": "dense",
                     "dense_b2_999": "dense", "dense_cosine": "dense", "dense_cosine0": "dense",
-                    "dense_catchup": "dense", "dense_cosine_catchup": "dense",
+                    "dense_catchup": "dense", "dense_cosine_catchup": "dense", "dense_zero3": "dense",
                     "natural": "zen_natural",
                     "dgc_density1": "dense"}
 """Which emulated-cluster measurement times a variant's step: DGC variants take the ``zen_dgc<d>`` of
@@ -187,7 +193,8 @@ def ds_config(variant: str, steps: int | None = None) -> dict:
     ``_`` are the benchmark's own: ``_dense`` for DeepSpeed without zen, ``_lr_scale`` for the rate,
     ``_beta1`` / ``_beta2`` for AdamW's betas, ``_ds_clip`` for DeepSpeed's gradient clipping,
     ``_cosine`` for a cosine decay over the run's ``steps`` to that fraction of the rate, ``_dgc_defaults``
-    for a ``zen.dgc`` section of only ``enabled`` and ``density`` in place of the demo's)."""
+    for a ``zen.dgc`` section of only ``enabled`` and ``density`` in place of the demo's, ``_zero3`` for
+    ``configs/demo_ds_zero3.json``'s ZeRO-3 ``zero_optimization`` and zen scheme in place of ZeRO-1's)."""
     spec = copy.deepcopy(VARIANTS[variant]) if VARIANTS[variant] is not None else {"_dense": True}
     lr_scale, dense = spec.pop("_lr_scale", 1.0), spec.pop("_dense", False)
     spec.pop("_catch_up", None)  # a recipe argument (run_one)
@@ -196,6 +203,7 @@ def ds_config(variant: str, steps: int | None = None) -> dict:
     cosine = spec.pop("_cosine", None)
     dgc_defaults = spec.pop("_dgc_defaults", False)
     recipe_default = spec.pop("_recipe_default", False)
+    zero3 = spec.pop("_zero3", False)
     with open(os.path.join(ROOT, "configs/demo_ds_dense.json" if dense else "configs/demo_ds.json")) as f:
         cfg = json.load(f)
     if not dense:
@@ -206,6 +214,13 @@ def ds_config(variant: str, steps: int | None = None) -> dict:
             cfg["zen"]["dgc"].setdefault("warmup_steps", 0)  # nor the default ramp (the demo's sets its own)
         cfg["zen"]["dgc"].update(spec)
         cfg["zen"]["stats"] = {"summary": False}
+    if zero3:  # ZeRO-3's sharding and ZEN's reduce-scatter, as the ZeRO-3 demo sets them
+        with open(os.path.join(ROOT, "configs/demo_ds_zero3.json")) as f:
+            zero3_cfg = json.load(f)
+        cfg["zero_optimization"] = zero3_cfg["zero_optimization"]
+        if not dense:  # the ZeRO-3 demo names its scheme; the ZeRO-1 demo's planner has nothing to choose
+            cfg["zen"]["scheme"] = zero3_cfg["zen"]["scheme"]
+            cfg["zen"].pop("planner", None)
     if beta1 is not None:
         cfg["optimizer"]["params"]["betas"][0] = beta1
     if beta2 is not None:
@@ -334,11 +349,13 @@ def cluster_step_s(path: str) -> dict[tuple[int, str], dict[str, float]]:
 
 def baseline_of(variant: str) -> str:
     """The dense run a variant is measured against: dense on the same learning-rate schedule (a decaying
-    rate changes dense's loss too, so DGC on it is compared with dense on it)."""
-    cosine = (VARIANTS[variant] or {}).get("_cosine")
-    if cosine is None:
+    rate changes dense's loss too, so DGC on it is compared with dense on it) and the same ZeRO stage."""
+    spec = VARIANTS[variant] or {}
+    cosine, zero3 = spec.get("_cosine"), spec.get("_zero3", False)
+    if cosine is None and not zero3:
         return "dense"
-    return next(v for v, spec in VARIANTS.items() if spec and spec.get("_dense") and spec.get("_cosine") == cosine)
+    return next(v for v, s in VARIANTS.items()
+                if s and s.get("_dense") and s.get("_cosine") == cosine and s.get("_zero3", False) == zero3)
 
 
 def step_time_key(variant: str) -> str:
@@ -368,7 +385,8 @@ def report(results: list[dict], step_s: dict[str, float], plot_path: str | None,
         by = {}
         for r in rows:
             by.setdefault(r["variant"], {})[r["seed"]] = r
-        dense = by.get("dense", {})
+        # The checkpoints and the seed list come from dense (ZeRO-1), else from another baseline present.
+        dense = by.get("dense") or next((by[baseline_of(v)] for v in by if baseline_of(v) in by), {})
         if not dense:
             continue
         steps = rows[0]["steps"]
@@ -496,7 +514,8 @@ def main(argv=None) -> None:
     header = ["# Time to quality: dense vs DGC variants (issue 21)", "",
               f"Generated by `benchmarks/bench_quality.py` ({time.strftime('%Y-%m-%d')}; its docstring has the method). "
               "2 CPU ranks (deepspeed launcher), the demo's tiny Llama and DeepSpeed settings (AdamW lr 3e-3, "
-              "betas 0.9/0.95, 10 warm-up steps, ZeRO-1, micro-batch 8 × 128 tokens), eval every "
+              "betas 0.9/0.95, 10 warm-up steps, ZeRO-1 (`*_zero3` variants: ZeRO-3), micro-batch 8 × 128 "
+              "tokens), eval every "
               f"{args.eval_every} steps on held-out blocks. `scratch`: random initialization, the whole "
               "built-in text; `finetune`: from a model pretrained densely on the first half of the text "
               f"({args.pretrain_steps} steps), fine-tuned on the second half. Variants: `VARIANTS` in the script.", "",

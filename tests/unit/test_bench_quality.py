@@ -87,3 +87,31 @@ def test_a_schedule_variant_is_measured_against_dense_on_the_same_schedule():
     # +1 % against dense_cosine's 3.0, not −8.2 % against constant-rate dense's 3.3.
     assert rows["dgc5_cosine (against dense_cosine)"][2] == f"{bq._fmt_range([1.0], '+.2f')} %"
     assert rows["dense_cosine"][2].startswith("+0.00")
+
+
+def test_zero3_variants_shard_and_pair_with_dense_zero3():
+    dense3, dgc3 = bq.ds_config("dense_zero3"), bq.ds_config("dgc5_project_defaults_zero3")
+    assert dense3["zero_optimization"]["stage"] == 3 and "zen" not in dense3
+    assert dgc3["zero_optimization"]["stage"] == 3 and dgc3["zero_optimization"]["reduce_scatter"]
+    assert dgc3["zen"]["scheme"] == "zen" and "planner" not in dgc3["zen"]
+    # Everything but the ZeRO section and the scheme equals the ZeRO-1 variant of the same name.
+    dgc1 = bq.ds_config("dgc5_project_defaults")
+    assert dgc1["zero_optimization"] == {"stage": 1} and dgc3["zen"]["dgc"] == dgc1["zen"]["dgc"] == {
+        "enabled": True, "density": 0.05}
+    assert {k: v for k, v in dgc3.items() if k not in ("zero_optimization", "zen")} == {
+        k: v for k, v in dgc1.items() if k not in ("zero_optimization", "zen")}
+    assert bq.ds_config("dense")["zero_optimization"]["stage"] == 1  # the existing variants are unchanged
+    assert bq.baseline_of("dgc5_project_defaults_zero3") == "dense_zero3"
+    assert bq.baseline_of("dense_zero3") == "dense_zero3" and bq.baseline_of("dgc5_project_defaults") == "dense"
+
+
+def test_report_pairs_a_zero3_variant_with_dense_zero3_alone():
+    # Only ZeRO-3 runs (no ZeRO-1 dense): the ZeRO-3 DGC row's gap is against dense_zero3 of its seed.
+    dense3 = [_run("finetune", "dense_zero3", s, [[100, 3.5], [200, 3.0 + s]]) for s in (0, 1)]
+    dgc3 = [_run("finetune", "dgc5_project_defaults_zero3", s, [[100, 3.6], [200, final]])
+            for s, final in ((0, 3.03), (1, 4.12))]  # 1 % and 3 % above dense_zero3 of the seed
+    text = bq.report(dense3 + dgc3, {}, None)
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
+    assert rows["dense_zero3"][2].startswith("+0.00")
+    assert rows["dgc5_project_defaults_zero3 (against dense_zero3)"][2] == "+2.00 [+1.00–+3.00] %"
