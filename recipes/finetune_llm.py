@@ -22,6 +22,7 @@ import argparse
 import copy
 import json
 import os
+import resource
 import sys
 import time
 
@@ -248,11 +249,15 @@ def main(argv=None) -> list[dict]:
             engine.save_checkpoint(ckpt_dir, tag=f"step{step}")
             common.save_optimizer_name(os.path.join(ckpt_dir, f"step{step}"), optimizer_id, rank)
 
-    # Step 4: summary, and the final model where asked (ZeRO-1/2 keep full parameters on every rank).
+    # Step 4: summary, each rank's peak memory (resident set: CPU tensors live there; KiB on Linux), and the
+    # final model where asked (ZeRO-1/2 keep full parameters on every rank).
     text = zen.summary() if zen is not None else None
+    peak = [None] * dist.get_world_size()
+    dist.all_gather_object(peak, {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
     if rank == 0:
         log_file.close()
         common.write_outputs(args.output_dir, records, text)
+        print("deepspeed recipe: peak memory per rank: " + json.dumps(peak), flush=True)
         if args.save_model:
             engine.module.save_pretrained(args.save_model, safe_serialization=True)
             tokenizer.save_pretrained(args.save_model)
