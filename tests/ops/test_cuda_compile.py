@@ -61,8 +61,8 @@ def _find_nvcc() -> str | None:
 
 
 NVCC = _find_nvcc()
-pytestmark = pytest.mark.skipif(NVCC is None, reason="nvcc not found (set NVCC or put it on PATH); "
-                                 "the CUDA op cannot be compile-checked here")
+pytestmark = [pytest.mark.nvcc, pytest.mark.skipif(NVCC is None, reason="nvcc not found (set NVCC or put it on PATH); "
+                                 "the CUDA op cannot be compile-checked here")]
 
 
 def _nvcc(args: list[str], timeout_s: int = 900) -> subprocess.CompletedProcess:
