@@ -313,9 +313,9 @@ def dgc_gather_kept(
     ``pos_C`` and ``v_C`` first (ascending), then zeros; ``stats`` int64 ``[ok (1 when absent),
     count_C[0], kept]``, the three values the caller reads with one copy (then it slices the first
     ``kept`` entries: the same layout on every device).
-    Callers check ``has_dgc_gather_kept_op`` first; ``nonzero`` and ``index_select`` are its oracle.
+    Where the device has no kernel, its torch reference (``nonzero`` and ``index_select``) runs.
     """
-    return torch.ops.zen_ext.dgc_gather_kept(keep_C, pos_C, v_C, ok, count_C)
+    return _dispatch("dgc_gather_kept", keep_C, _reference.dgc_gather_kept)(keep_C, pos_C, v_C, ok, count_C)
 
 
 def has_dgc_sample_op(t: torch.Tensor) -> bool:
@@ -353,15 +353,13 @@ def dgc_all_finite(g_T: list[torch.Tensor]) -> torch.Tensor:
     one pass (two launches on a GPU whatever the number of tensors; nothing read back)."""
     if not g_T:  # the dispatcher needs a tensor to pick a device
         raise ValueError("dgc_all_finite needs at least one tensor")
-    return torch.ops.zen_ext.dgc_all_finite(g_T)
+    return _dispatch("dgc_all_finite", g_T[0], _reference.dgc_all_finite)(g_T)
 
 
 def gather_list(g_T: list[torch.Tensor], pos: torch.Tensor) -> torch.Tensor:
     """Values of the concatenation of the contiguous tensors ``g_T`` at int64 positions ``pos`` (the
     C++ op on the CPU; elsewhere one gather from ``concat_view``)."""
-    if _has_kernel("gather_list", g_T[0]):
-        return torch.ops.zen_ext.gather_list(g_T, pos)
-    return concat_view(g_T).index_select(0, pos)
+    return _dispatch("gather_list", g_T[0], lambda g_T, pos: concat_view(g_T).index_select(0, pos))(g_T, pos)
 
 
 def concat_view(g_T: list[torch.Tensor]) -> torch.Tensor:
