@@ -1,7 +1,9 @@
 """Python wrappers of the zen_ext hashing ops (csrc/), falling back to the pure-torch reference.
 
 ``HAVE_CPP_OP`` says whether the compiled library loaded. Without it every op still works, only slower:
-the reference in ``_reference.py`` is bit-identical and doubles as the test oracle. A CUDA tensor that
+the reference in ``_reference.py`` is bit-identical and doubles as the test oracle. ``_dispatch`` is the
+one place that chooses the compiled kernel or the reference, per op and device; ``_fake.py`` holds the
+ops' fake (meta) kernels. A CUDA tensor that
 meets a build without the CUDA kernel (CUDA torch wheels ship no nvcc, so ``launch/setup.sh`` builds
 the CPU kernels only) takes the reference too, and one ``RuntimeWarning`` per process says so and how
 to fix it.
