@@ -325,7 +325,8 @@ def bench_optimizer(device: str, reps: int, small: bool) -> list[str]:
             impl = {"AdamW fused": {"fused": True}, "AdamW for-loop": {"foreach": False}}.get(kind, {"foreach": True})
             return torch.optim.AdamW(ps, **kw, **impl)
 
-        fused = ops.has_catch_up_adamw_op([torch.zeros(1, device=device)])
+        z = torch.zeros(1, device=device)
+        fused = ops._catch_up_fits([z], [z])
         # The for-loop AdamW is what DeepSpeed's "torch_adam" runs on CPU tensors (foreach is CUDA-only by
         # default), so the lab's step times were measured with it.
         kinds = (["AdamW foreach", "AdamW for-loop", "CatchUpAdamW (fused op)" if fused else "CatchUpAdamW (torch path)"]
@@ -348,12 +349,12 @@ def bench_optimizer(device: str, reps: int, small: bool) -> list[str]:
 
 def _torch_path_step(opt) -> None:
     """``opt.step()`` (a CatchUpAdamW) with the fused op turned off."""
-    saved = ops.has_catch_up_adamw_op
-    ops.has_catch_up_adamw_op = lambda params: False
+    saved = ops._catch_up_fits
+    ops._catch_up_fits = lambda p_T, g_T: False  # ops.catch_up_adamw_ then takes its torch reference
     try:
         type(opt).step(opt)
     finally:
-        ops.has_catch_up_adamw_op = saved
+        ops._catch_up_fits = saved
 
 
 def main(argv=None) -> int:

@@ -1,7 +1,7 @@
 // Argument checks of zen_ext::catch_up_adamw_, one place for its CPU op (csrc/cpu/catch_up_adamw.cpp)
 // and its CUDA op (csrc/cuda/catch_up_adamw.cu). Host only.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace zen_ext {
 namespace optim {

@@ -2,7 +2,7 @@
 // and its CUDA op (csrc/cuda/dgc_kernel.cu): memory (R, U) of fp32 or fp64; gradients of the memory's
 // dtype, or bf16/fp16 with fp32 memory (widened exactly, as torch's mixed-dtype add does). Host only.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace zen_ext {
 namespace dgc {

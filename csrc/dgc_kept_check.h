@@ -1,7 +1,7 @@
 // The argument checks of zen_ext::dgc_gather_kept, one place for its CPU op (csrc/cpu/dgc_kept.cpp) and
 // its CUDA op (csrc/cuda/dgc_kept.cu). Host only.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 namespace zen_ext {
 namespace dgc {

@@ -1,7 +1,7 @@
 // The argument checks of zen_ext::dgc_sample_keys, one place for its CPU op (csrc/cpu/dgc_sample.cpp)
 // and its CUDA op (csrc/cuda/dgc_sample.cu). Host only.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include "dgc_dtypes.h"
 

@@ -14,8 +14,8 @@ stamp="$venv/.zen_setup_stamp"
 # The stamp covers every source of the op, the CUDA kernels included, and whether nvcc is reachable
 # (installing a CUDA toolkit later must rebuild with the CUDA kernel).
 nvcc_at="$(command -v nvcc || ls "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc" 2>/dev/null || true)"
-want="$( (cat launch/setup.sh launch/constraints.txt pyproject.toml setup.py csrc/*.cpp csrc/*.h csrc/cpu/*.cpp \
-  csrc/cuda/*.cu csrc/cuda/*.cuh 2>/dev/null; echo "nvcc=$nvcc_at") | sha256sum | cut -c1-16)"
+want="$( (cat launch/setup.sh launch/constraints.txt pyproject.toml setup.py csrc/*.cpp csrc/*.h csrc/cpu/*.cpp csrc/cpu/*.h \
+  csrc/cuda/*.cu csrc/cuda/*.cuh csrc/cuda/*.h 2>/dev/null; echo "nvcc=$nvcc_at") | sha256sum | cut -c1-16)"
 if [[ -z "${ZEN_SETUP_FORCE:-}" && -f "$stamp" && "$(cat "$stamp")" == "$want" ]]; then
   exit 0
 fi

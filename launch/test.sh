@@ -1,9 +1,17 @@
 #!/usr/bin/env bash
-# The README's test command: set-up (idempotent), then the whole test suite.
+# The README's test command: set-up (idempotent), then the whole test suite (what CI runs).
+#   bash launch/test.sh            every test
+#   bash launch/test.sh --quick    the quick tier for work in progress: tests/unit and tests/ops without
+#                                  the tests marked slow or nvcc (CUDA compile checks); a few minutes
 # Extra arguments go to pytest, e.g. `bash launch/test.sh -m "not slow"` or `bash launch/test.sh tests/unit`.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
+quick=()
+if [[ "${1:-}" == "--quick" ]]; then
+  shift
+  quick=(tests/unit tests/ops -m "not slow and not nvcc")
+fi
 bash launch/setup.sh
 export OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest -ra --durations=15 "$@"
+exec .venv/bin/python -m pytest -ra --durations=15 "${quick[@]}" "$@"

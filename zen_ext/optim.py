@@ -98,9 +98,9 @@ class CatchUpAdamW(torch.optim.Optimizer):
            ``G²/k`` into the moments.
         3. There, step by ``k · lr · m̂ / (sqrt(v̂) + eps)``; reset the age.
 
-        Contiguous float32/bf16/fp16 CPU parameters take the fused op (``zen_ext.ops.catch_up_adamw_``:
-        one pass per tensor, and a coordinate that waits costs only its decay and age); any other
-        parameter takes the torch path below, the op's oracle.
+        ``zen_ext.ops.catch_up_adamw_`` runs them: contiguous float32/bf16/fp16 CPU parameters in the
+        fused op (one pass per tensor, and a coordinate that waits costs only its decay and age), any
+        other in its torch reference (``zen_ext/ops/_reference.py``), the op's oracle.
         """
         from . import ops
 
@@ -119,41 +119,12 @@ class CatchUpAdamW(torch.optim.Optimizer):
                     st["age"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
                 by_step.setdefault(st["step"], []).append(p)
             for t, params in by_step.items():  # one step count per group in practice
-                if ops.has_catch_up_adamw_op(params):
-                    sts = [self.state[p] for p in params]
-                    ops.catch_up_adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in sts],
-                                        [s["exp_avg_sq"] for s in sts], [s["age"] for s in sts], lr=hp["lr"],
-                                        beta1=hp["betas"][0], beta2=hp["betas"][1], eps=hp["eps"],
-                                        weight_decay=hp["wd"], step=t, catch_up=hp["catch_up"])
-                else:
-                    for p in params:
-                        _catch_up_torch(p, p.grad, self.state[p], t, **hp)
+                sts = [self.state[p] for p in params]
+                ops.catch_up_adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in sts],
+                                    [s["exp_avg_sq"] for s in sts], [s["age"] for s in sts], lr=hp["lr"],
+                                    beta1=hp["betas"][0], beta2=hp["betas"][1], eps=hp["eps"],
+                                    weight_decay=hp["wd"], step=t, catch_up=hp["catch_up"])
         return loss
-
-
-def _catch_up_torch(p, g, st: dict, t: int, *, lr: float, betas, eps: float, wd: float, catch_up: bool) -> None:
-    """CatchUpAdamW's step of one parameter in torch ops (``CatchUpAdamW.step``'s steps), the oracle of
-    the fused op (csrc/catch_up_adamw.h)."""
-    b1, b2 = betas
-    m, v, age = st["exp_avg"], st["exp_avg_sq"], st["age"]
-    # Step 1: decoupled weight decay on every weight, as AdamW; every coordinate ages.
-    if wd:
-        p.mul_(1 - lr * wd)
-    age.add_(1)
-    # Step 2: k steps of mean G/k and mean square G²/k, folded into the moments in closed form. A group
-    # with catch_up off (gradients no compressor delays: natural sparsity's rows were not held back)
-    # takes every gradient, zero or not: AdamW.
-    sent = g != 0 if catch_up else torch.ones_like(g, dtype=torch.bool)
-    g_mean = g / age
-    keep1 = torch.pow(b1, age)
-    keep2 = torch.pow(b2, age)
-    m.copy_(torch.where(sent, keep1 * m + (1 - keep1) * g_mean, m))
-    v.copy_(torch.where(sent, keep2 * v + (1 - keep2) * g * g_mean, v))  # G²/k
-    # Step 3: the k steps' movement at once, bias-corrected at the global step.
-    denom = (v.sqrt() / math.sqrt(1 - b2 ** t)).add_(eps)
-    update = torch.where(sent, age * m / denom, torch.zeros_like(m))
-    p.add_(update, alpha=-lr / (1 - b1 ** t))
-    age.masked_fill_(sent, 0)
 
 
 def catch_up_param_groups(model: torch.nn.Module, zen) -> list[dict]:

@@ -3,8 +3,8 @@
 // under DGC) costs only its decay and age. Per-element logic: csrc/catch_up_adamw.h.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 
 #include <cmath>
 

@@ -3,8 +3,10 @@
 // (csrc/cuda/dgc_kept.cu); plain torch (``nonzero`` and ``index_select``) is its oracle in
 // tests/ops/test_dgc_ops.py.
 #include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 
 #include <tuple>
 

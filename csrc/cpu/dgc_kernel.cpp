@@ -6,8 +6,11 @@
 // tests/unit/test_dgc.py hold it to the torch path).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 
 #include <algorithm>
 #include <tuple>

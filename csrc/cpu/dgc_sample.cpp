@@ -6,8 +6,11 @@
 // tests/ops/test_dgc_ops.py holds both ops to that torch path bit for bit.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/sort.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 
 #include <algorithm>
 #include <cmath>

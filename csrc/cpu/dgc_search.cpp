@@ -4,8 +4,10 @@
 // torch path of zen_ext/compress/dgc/units.py (``_ThresholdSearch``) is its oracle (tests/ops/test_dgc_ops.py).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
-#include <torch/torch.h>
 
 #include <algorithm>
 #include <tuple>

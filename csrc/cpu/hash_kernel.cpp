@@ -1,11 +1,14 @@
 // CPU kernels of zen_ext::permute and zen_ext::hash_partition: a stable counting sort by partition,
 // bit-identical to the pure-torch reference (zen_ext/ops/_reference.py).
 #include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <vector>
-#include <torch/library.h>
-#include <torch/torch.h>
 
 #include "../hashing.h"
 #include "feistel32.h"

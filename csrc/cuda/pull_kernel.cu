@@ -164,7 +164,7 @@ __global__ void word_popcount_kernel(const int64_t* __restrict__ words, int64_t 
 // op does: a 2-byte memcpy becomes two st.global.u8 of the converted Half/BFloat16 register, and
 // ptxas (CUDA 13.0, sm_90) compiles the low one as F2I.U8.F16 -- the value converted to uint8, not
 // its low byte (3.0 -> 0x4203) -- so every bf16/fp16 message was lossy (issue 20; reproducer:
-// tests/ops/store16_repro.cu; test_cuda_compile.py fails on that PTX pattern). 8-byte values can sit
+// STORE16_CU in tests/ops/test_cuda_compile.py, which fails on that PTX pattern). 8-byte values can sit
 // at 4 mod 8 after an odd count of int32 positions: they keep the byte copy (no conversion involved).
 template <typename scalar_t, typename acc_t>
 __device__ __forceinline__ void put_value(uint8_t* p, acc_t v) {

@@ -76,3 +76,30 @@ def test_gather_kept_rejects_bad_input():
         ops.dgc_gather_kept(keep, pos, v, None, count.int())
     with pytest.raises(RuntimeError, match="ok must be one bool"):
         ops.dgc_gather_kept(keep, pos, v, torch.tensor([1, 1]), count)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ok", [None, True, False])
+def test_reference_equals_the_op(monkeypatch, dtype, ok):
+    """The torch reference that ``ops.dgc_gather_kept`` runs on a device without the kernel (and
+    ``dgc_all_finite``'s) gives the op's results, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    keep = torch.rand(2049, generator=gen) < 0.3
+    keep[0] = keep[-1] = True
+    pos = torch.randint(0, 1 << 40, (2049,), generator=gen).sort().values
+    v = torch.randn(2049, generator=gen).to(dtype)
+    v[5] = -0.0
+    flag = None if ok is None else torch.tensor([ok])
+    grads = [torch.randn(7, generator=gen).to(dtype), torch.empty(0, dtype=dtype), torch.randn(3).to(dtype)]
+    want = ops.dgc_gather_kept(keep, pos, v, flag, torch.tensor([4000])), [ops.dgc_all_finite(grads)]
+    grads_bad = [g.clone() for g in grads]
+    grads_bad[2][-1] = float("nan")
+    want[1].append(ops.dgc_all_finite(grads_bad))
+    monkeypatch.setattr(ops, "HAVE_CPP_OP", False)
+    got = ops.dgc_gather_kept(keep, pos, v, flag, torch.tensor([4000])), [ops.dgc_all_finite(grads),
+                                                                          ops.dgc_all_finite(grads_bad)]
+    for a, b in zip(got[0], want[0]):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.int16) if a.dtype == torch.bfloat16 else a,
+                                                  b.view(torch.int16) if b.dtype == torch.bfloat16 else b)
+    assert [t.item() for t in got[1]] == [t.item() for t in want[1]] == [True, False]
+    assert all(t.shape == () and t.dtype == torch.bool for t in got[1])

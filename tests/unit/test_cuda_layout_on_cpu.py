@@ -28,7 +28,9 @@ def test_aggregate_push_count_takes_the_cuda_layout_and_the_accessor_reads_both(
     _, _, cpu = ops.aggregate_push([_payload(pos, vals)], 10, 1, torch.float32, 4)
     with ops.emulate_cuda_layout():
         acc, words, cuda = ops.aggregate_push([_payload(pos, vals)], 10, 1, torch.float32, 4)
-        assert not ops.has_aggregate_into_op(vals)  # CUDA has no aggregate_push_into
+        ws = ops.aggregate_push([_payload(pos, vals)], 10, 1, torch.float32, 4,
+                                workspace=lambda: pytest.fail("CUDA has no aggregate_push_into"))
+        assert ws[2].tolist() == [3, 0]
     assert cpu.tolist() == [3] and cuda.tolist() == [3, 0]
     assert ops.read_aggregate_count(cpu) == ops.read_aggregate_count(cuda) == 3
     assert acc.flatten().tolist() == [2.0, 0, 0, 5.0, 0, 0, 0, 0, 0, 3.0]

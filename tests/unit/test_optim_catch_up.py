@@ -265,7 +265,8 @@ def test_fused_op_equals_the_torch_path(monkeypatch, dtype, tol):
 
     fused_p, fused = make()
     torch_p, slow = make()
-    assert ops.has_catch_up_adamw_op(fused_p[:3]) and not ops.has_catch_up_adamw_op([fused_p[0].t()])
+    grads = [torch.zeros_like(p) for p in fused_p[:3]]
+    assert ops._catch_up_fits(fused_p[:3], grads) and not ops._catch_up_fits([fused_p[0].t()], [grads[0].t()])
     for step in range(30):
         for a, b in zip(fused_p, torch_p):
             keep = torch.rand(a.shape, generator=gen) < (0.05 if step % 7 else 0.6)
@@ -274,7 +275,7 @@ def test_fused_op_equals_the_torch_path(monkeypatch, dtype, tol):
             a.grad, b.grad = g.clone(), g.clone()
         fused.step()
         with monkeypatch.context() as mp:
-            mp.setattr(ops, "has_catch_up_adamw_op", lambda params: False)
+            mp.setattr(ops, "HAVE_CPP_OP", False)  # every op takes its torch reference
             slow.step()
     for a, b in zip(fused_p, torch_p):
         torch.testing.assert_close(a.detach().float(), b.detach().float(), rtol=tol, atol=tol)
@@ -291,14 +292,21 @@ def test_fused_op_rejects_what_it_cannot_run():
     if not ops.HAVE_CPP_OP:
         pytest.skip("zen_ext._C is not built")
     p = torch.zeros(4, dtype=torch.float64)
+    op = torch.ops.zen_ext.catch_up_adamw_
     with pytest.raises(RuntimeError, match="supported: float32, bfloat16, float16"):
-        ops.catch_up_adamw_([p], [p], [p.clone()], [p.clone()], [torch.zeros(4)], lr=0.1, beta1=0.9, beta2=0.95,
-                            eps=1e-8, weight_decay=0.0, step=1, catch_up=True)
+        op([p], [p], [p.clone()], [p.clone()], [torch.zeros(4)], 0.1, 0.9, 0.95, 1e-8, 0.0, 1, True)
     f = torch.zeros(4)
     with pytest.raises(RuntimeError, match="the ages of parameter 0 must be a contiguous float32"):
-        ops.catch_up_adamw_([f], [f], [f.clone()], [f.clone()], [torch.zeros(4, dtype=torch.bfloat16)], lr=0.1,
-                            beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1, catch_up=True)
-    assert not ops.has_catch_up_adamw_op([p])  # float64 takes the torch path
-    q = torch.nn.Parameter(torch.zeros(4, 3))
-    q.grad = torch.zeros(3, 4).t()  # a non-contiguous gradient takes the torch path too
-    assert ops.has_catch_up_adamw_op([torch.nn.Parameter(torch.zeros(4, 3))]) and not ops.has_catch_up_adamw_op([q])
+        op([f], [f], [f.clone()], [f.clone()], [torch.zeros(4, dtype=torch.bfloat16)], 0.1, 0.9, 0.95, 1e-8, 0.0, 1,
+           True)
+    assert not ops._catch_up_fits([p], [p])  # float64 takes the torch reference
+    q = torch.zeros(4, 3)
+    assert ops._catch_up_fits([q], [q.clone()]) and not ops._catch_up_fits([q], [torch.zeros(3, 4).t()])
+    # ops.catch_up_adamw_ runs what the op rejects through the reference: float64 steps like float32
+    p64, p32 = torch.ones(4, dtype=torch.float64), torch.ones(4)
+    for w in (p64, p32):
+        ops.catch_up_adamw_([w], [torch.full_like(w, 0.5)], [torch.zeros_like(w)], [torch.zeros_like(w)],
+                            [torch.zeros(4)], lr=0.1, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0, step=1,
+                            catch_up=True)
+    torch.testing.assert_close(p64.float(), p32)
+    assert (p32 < 1).all()  # one AdamW step of a positive gradient

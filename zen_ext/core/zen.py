@@ -193,11 +193,9 @@ class ZenScheme(SyncScheme):
         for i, c in enumerate(calls):
             c.timer.start("aggregate_s")
             c.m = c.part.part_size(rank)
-            if ops.has_aggregate_into_op(c.sg.values):
-                c.acc, c.words = self._workspace(c.m, c.width, c.dtype, c.device, slot=i)
-                c.count_1 = ops.aggregate_push_into(c.acc, c.words, c.recv, c.width, c.dtype, c.isz)
-            else:
-                c.acc, c.words, c.count_1 = ops.aggregate_push(c.recv, c.m, c.width, c.dtype, c.isz)
+            c.acc, c.words, c.count_1 = ops.aggregate_push(
+                c.recv, c.m, c.width, c.dtype, c.isz, workspace=lambda c=c, i=i: self._workspace(
+                    c.m, c.width, c.dtype, c.device, slot=i))
             del c.recv
             c.timer.stop()
 

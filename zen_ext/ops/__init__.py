@@ -1,7 +1,9 @@
 """Python wrappers of the zen_ext hashing ops (csrc/), falling back to the pure-torch reference.
 
 ``HAVE_CPP_OP`` says whether the compiled library loaded. Without it every op still works, only slower:
-the reference in ``_reference.py`` is bit-identical and doubles as the test oracle. A CUDA tensor that
+the reference in ``_reference.py`` is bit-identical and doubles as the test oracle. ``_dispatch`` is the
+one place that chooses the compiled kernel or the reference, per op and device; ``_fake.py`` holds the
+ops' fake (meta) kernels. A CUDA tensor that
 meets a build without the CUDA kernel (CUDA torch wheels ship no nvcc, so ``launch/setup.sh`` builds
 the CPU kernels only) takes the reference too, and one ``RuntimeWarning`` per process says so and how
 to fix it.
@@ -12,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from typing import Callable
 
 import torch
 
@@ -31,46 +34,13 @@ if os.environ.get("ZEN_DISABLE_CPP_OP", "0") != "1":
 
 __all__ = [
     "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
-    "aggregate_push", "aggregate_push_into", "read_aggregate_count", "has_aggregate_into_op", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
+    "aggregate_push", "aggregate_push_into", "read_aggregate_count", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
     "has_dgc_search_op", "dgc_threshold_search", "has_dgc_gather_kept_op", "dgc_gather_kept", "has_dgc_sample_op", "dgc_sample_keys", "dgc_sort_unkey", "dgc_all_finite",
-    "gather_list", "emulate_cuda_layout", "has_catch_up_adamw_op", "catch_up_adamw_",
+    "gather_list", "emulate_cuda_layout", "catch_up_adamw_",
 ]
 
-# Fake (meta) kernels: shapes only, so torch.compile / FakeTensor tracing can see through the ops.
 if HAVE_CPP_OP:
-
-    @torch.library.register_fake("zen_ext::permute")
-    def _permute_fake(idx, numel, keys, inverse):
-        return torch.empty_like(idx)
-
-    @torch.library.register_fake("zen_ext::hash_partition")
-    def _hash_partition_fake(idx, numel, num_parts, keys, num_rehash=3, parallel_factor=2.0, serial_factor=0.1):
-        k = idx.shape[0]
-        return idx.new_empty(num_parts), idx.new_empty(k), idx.new_empty(k), idx.new_empty(3)
-
-    @torch.library.register_fake("zen_ext::aggregate_push")
-    def _aggregate_push_fake(payloads, part_size, width, dtype, idx_bytes):
-        device = payloads[0].device if payloads else torch.device("cpu")
-        acc = torch.empty((part_size, width), dtype=_reference.acc_dtype(dtype), device=device)
-        words = torch.empty(_reference.num_words(part_size), dtype=torch.int64, device=device)
-        # CUDA: [count, positions outside the partition] (read_aggregate_count); CPU: [count].
-        return acc, words, torch.empty(1 if device.type == "cpu" else 2, dtype=torch.int64, device=device)
-
-    @torch.library.register_fake("zen_ext::aggregate_push_into")
-    def _aggregate_push_into_fake(acc, words, payloads, width, dtype, idx_bytes):
-        return torch.empty(1, dtype=torch.int64, device=acc.device)
-
-    @torch.library.register_fake("zen_ext::encode_pull")
-    def _encode_pull_fake(acc, words, count, fmt, divisor, dtype, idx_bytes):
-        m, width = acc.shape
-        vsz = torch.empty(0, dtype=dtype).element_size() * width
-        idx_b = {0: count * idx_bytes, 1: 8 * _reference.num_words(m), 2: 0}[fmt]
-        rows = m if fmt == 2 else count
-        return acc.new_empty(_reference.HEADER_BYTES + idx_b + rows * vsz, dtype=torch.uint8)
-
-    @torch.library.register_fake("zen_ext::decode_pull_")
-    def _decode_pull_fake(out, msg, part, num_parts, keys, idx_bytes):
-        return None
+    from . import _fake  # noqa: F401  (shape-only kernels of every op, for FakeTensor and torch.compile)
 
 
 _warned_reference: set[str] = set()
@@ -89,27 +59,37 @@ def _warn_reference(device_type: str, why: str) -> None:
     warnings.warn(msg, RuntimeWarning, stacklevel=3)
 
 
-def _use_op(t: torch.Tensor) -> bool:
+_KERNELS: dict[tuple[str, str], bool] = {}
+
+
+def _has_kernel(op: str, t: torch.Tensor) -> bool:
+    """Whether ``zen_ext::op`` has a kernel for ``t``'s device type: the one place that decides between
+    the compiled op and the pure-torch reference. Ops added later may be missing from an older ``_C``,
+    and some are CPU-only by design (the caller's device then takes the reference, silently); a CUDA
+    tensor that meets a build without any CUDA kernel warns once. Cached per (op, device type)."""
     dev = t.device.type
     if not HAVE_CPP_OP:
         if dev == "cuda":
             _warn_reference(dev, "the zen_ext C++ op is not built (zen_ext._C failed to import)")
         return False
-    if dev == "cpu":
-        return True
-    # A _C built without CUDA has no CUDA kernel: fall back to the reference instead of failing, loudly.
-    if torch._C._dispatch_has_kernel_for_dispatch_key("zen_ext::hash_partition", dev.upper()):
-        return True
-    if dev == "cuda":
+    key = (op, dev)
+    got = _KERNELS.get(key)
+    if got is None:
+        got = _KERNELS[key] = hasattr(torch.ops.zen_ext, op) and torch._C._dispatch_has_kernel_for_dispatch_key(
+            f"zen_ext::{op}", dev.upper())
+    if not got and dev == "cuda" and (op == "hash_partition" or not _has_kernel("hash_partition", t)):
         _warn_reference(dev, "zen_ext._C was built without the CUDA kernel (no nvcc at build time)")
-    return False
+    return got
+
+
+def _dispatch(op: str, t: torch.Tensor, reference):
+    """``torch.ops.zen_ext.<op>`` where ``t``'s device has its kernel, else ``reference`` (same results)."""
+    return getattr(torch.ops.zen_ext, op) if _has_kernel(op, t) else reference
 
 
 def permute(idx_K: torch.Tensor, numel: int, keys_R: torch.Tensor, inverse: bool = False) -> torch.Tensor:
     """Keyed permutation ``P`` of ``[0, numel)`` (``P⁻¹`` with ``inverse``) behind h0."""
-    if _use_op(idx_K):
-        return torch.ops.zen_ext.permute(idx_K, numel, keys_R, inverse)
-    return _reference.permute(idx_K, numel, keys_R, inverse)
+    return _dispatch("permute", idx_K, _reference.permute)(idx_K, numel, keys_R, inverse)
 
 
 def hash_partition(
@@ -127,37 +107,16 @@ def hash_partition(
     ``parallel_factor * K`` slots, serial memory of ``serial_factor`` times that); the order inside a
     partition then follows the hash slots. On the CPU the grouping is a stable counting sort.
     """
-    if _use_op(idx_K):
+    if _has_kernel("hash_partition", idx_K):
         out = torch.ops.zen_ext.hash_partition(
             idx_K, numel, num_parts, keys_R, num_rehash, parallel_factor, serial_factor
         )
-    else:
+    else:  # the reference's stable grouping takes no Algorithm 1 parameters
         out = _reference.hash_partition(idx_K, numel, num_parts, keys_R)
     if _EMULATE_CUDA_LAYOUT and idx_K.device.type == "cpu":
         counts_P, order_K, pos_K, stats = out
         out = (counts_P, *_cuda_partition_order(counts_P, order_K, pos_K), stats)
     return out
-
-
-_KERNELS: dict[tuple[str, str], bool] = {}
-
-
-def _has_kernel(op: str, t: torch.Tensor) -> bool:
-    """Whether ``zen_ext::op`` has a kernel for ``t``'s device type. Ops added after hash_partition may
-    be missing from an older ``_C`` (or a build without CUDA); then the caller's fallback runs. Cached
-    per (op, device type): one dispatcher query each."""
-    if not HAVE_CPP_OP:
-        return False
-    key = (op, t.device.type)
-    got = _KERNELS.get(key)
-    if got is None:
-        got = _KERNELS[key] = hasattr(torch.ops.zen_ext, op) and torch._C._dispatch_has_kernel_for_dispatch_key(
-            f"zen_ext::{op}", key[1].upper())
-    return got
-
-
-def _use_pull_op(t: torch.Tensor) -> bool:
-    return _has_kernel("decode_pull_", t)
 
 
 # --- the CUDA ops' output conventions, emulated on the CPU ----------------------------------------------
@@ -206,14 +165,23 @@ def _cuda_partition_order(counts_P: torch.Tensor, order_K: torch.Tensor, pos_K: 
 
 
 def aggregate_push(
-    payloads: list[torch.Tensor], part_size: int, width: int, dtype: torch.dtype, idx_bytes: int
+    payloads: list[torch.Tensor], part_size: int, width: int, dtype: torch.dtype, idx_bytes: int,
+    workspace: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ZEN server side: sum pushed uint8 payloads (dense partition, or ``[positions | rows]``) into the
     compact buffer in one pass; returns ``(acc [part_size, width], words, count)``, ``words`` the
     touched bitmap as int64 words (wire format: ``csrc/pull_format.h``). ``count`` is ``[count]`` where
     the op raises on a position outside the partition (CPU, reference) and ``[count, outside]`` on CUDA,
-    where raising would cost a host synchronization of its own: read it with ``read_aggregate_count``."""
-    if payloads and _use_pull_op(payloads[0]):
+    where raising would cost a host synchronization of its own: read it with ``read_aggregate_count``.
+
+    ``workspace`` returns caller-owned ``(acc, words)`` buffers of those sizes, reused across calls; it
+    is called only where the device has the in-place op (the CPU, where it spares the page faults of a
+    fresh buffer per call; on CUDA the caching allocator already reuses memory)."""
+    if (workspace is not None and payloads and not _EMULATE_CUDA_LAYOUT
+            and _has_kernel("aggregate_push_into", payloads[0])):
+        acc, words = workspace()
+        return acc, words, torch.ops.zen_ext.aggregate_push_into(acc, words, payloads, width, dtype, idx_bytes)
+    if payloads and _has_kernel("aggregate_push", payloads[0]):
         acc, words, count = torch.ops.zen_ext.aggregate_push(payloads, part_size, width, dtype, idx_bytes)
     else:
         acc, words, count = _reference.aggregate_push(list(payloads), part_size, width, dtype, idx_bytes)
@@ -244,29 +212,26 @@ def read_aggregate_counts(counts: list[torch.Tensor]) -> list[int]:
     return got
 
 
-def has_aggregate_into_op(t: torch.Tensor) -> bool:
-    """Whether ``aggregate_push_into`` has a kernel for ``t``'s device (CPU builds only: on CUDA the
-    caching allocator already reuses the buffers that it spares)."""
-    return not _EMULATE_CUDA_LAYOUT and _has_kernel("aggregate_push_into", t)
-
-
 def aggregate_push_into(
     acc: torch.Tensor, words: torch.Tensor, payloads: list[torch.Tensor], width: int, dtype: torch.dtype,
     idx_bytes: int,
 ) -> torch.Tensor:
     """``aggregate_push`` into caller-owned buffers (``acc [part_size, width]`` of the accumulation dtype,
-    ``words`` the bitmap's int64 words), zeroed by the op; returns ``count [1]``. Callers check
-    ``has_aggregate_into_op`` first."""
-    return torch.ops.zen_ext.aggregate_push_into(acc, words, payloads, width, dtype, idx_bytes)
+    ``words`` the bitmap's int64 words), zeroed by the op; returns ``count``. A CPU op; elsewhere
+    ``aggregate_push``'s result is copied in (``aggregate_push(workspace=...)`` spares that copy)."""
+    if _has_kernel("aggregate_push_into", acc):
+        return torch.ops.zen_ext.aggregate_push_into(acc, words, payloads, width, dtype, idx_bytes)
+    got_acc, got_words, count = aggregate_push(payloads, acc.shape[0], width, dtype, idx_bytes)
+    acc.copy_(got_acc)
+    words.copy_(got_words)
+    return count
 
 
 def encode_pull(
     acc: torch.Tensor, words: torch.Tensor, count: int, fmt: int, divisor: int, dtype: torch.dtype, idx_bytes: int
 ) -> torch.Tensor:
     """The pull message ``[fmt, count | body]`` of an aggregate (values ``/ divisor``, cast to ``dtype``)."""
-    if _use_pull_op(acc):
-        return torch.ops.zen_ext.encode_pull(acc, words, count, fmt, divisor, dtype, idx_bytes)
-    return _reference.encode_pull(acc, words, count, fmt, divisor, dtype, idx_bytes)
+    return _dispatch("encode_pull", acc, _reference.encode_pull)(acc, words, count, fmt, divisor, dtype, idx_bytes)
 
 
 def decode_pull_(
@@ -274,10 +239,7 @@ def decode_pull_(
 ) -> None:
     """Write server ``part``'s pull message into ``out`` (``numel`` rows) at ``P⁻¹(p·n + part)``: bitmap
     words scanned with popcount/ctz, no bool array, no ``nonzero``; the header is read by the op."""
-    if _use_pull_op(out):
-        torch.ops.zen_ext.decode_pull_(out, msg, part, num_parts, keys_R, idx_bytes)
-    else:
-        _reference.decode_pull_(out, msg, part, num_parts, keys_R, idx_bytes)
+    _dispatch("decode_pull_", out, _reference.decode_pull_)(out, msg, part, num_parts, keys_R, idx_bytes)
 
 
 def zero_(t: torch.Tensor) -> torch.Tensor:
@@ -353,9 +315,9 @@ def dgc_gather_kept(
     ``pos_C`` and ``v_C`` first (ascending), then zeros; ``stats`` int64 ``[ok (1 when absent),
     count_C[0], kept]``, the three values the caller reads with one copy (then it slices the first
     ``kept`` entries: the same layout on every device).
-    Callers check ``has_dgc_gather_kept_op`` first; ``nonzero`` and ``index_select`` are its oracle.
+    Where the device has no kernel, its torch reference (``nonzero`` and ``index_select``) runs.
     """
-    return torch.ops.zen_ext.dgc_gather_kept(keep_C, pos_C, v_C, ok, count_C)
+    return _dispatch("dgc_gather_kept", keep_C, _reference.dgc_gather_kept)(keep_C, pos_C, v_C, ok, count_C)
 
 
 def has_dgc_sample_op(t: torch.Tensor) -> bool:
@@ -393,15 +355,13 @@ def dgc_all_finite(g_T: list[torch.Tensor]) -> torch.Tensor:
     one pass (two launches on a GPU whatever the number of tensors; nothing read back)."""
     if not g_T:  # the dispatcher needs a tensor to pick a device
         raise ValueError("dgc_all_finite needs at least one tensor")
-    return torch.ops.zen_ext.dgc_all_finite(g_T)
+    return _dispatch("dgc_all_finite", g_T[0], _reference.dgc_all_finite)(g_T)
 
 
 def gather_list(g_T: list[torch.Tensor], pos: torch.Tensor) -> torch.Tensor:
     """Values of the concatenation of the contiguous tensors ``g_T`` at int64 positions ``pos`` (the
     C++ op on the CPU; elsewhere one gather from ``concat_view``)."""
-    if _has_kernel("gather_list", g_T[0]):
-        return torch.ops.zen_ext.gather_list(g_T, pos)
-    return concat_view(g_T).index_select(0, pos)
+    return _dispatch("gather_list", g_T[0], lambda g_T, pos: concat_view(g_T).index_select(0, pos))(g_T, pos)
 
 
 def concat_view(g_T: list[torch.Tensor]) -> torch.Tensor:
@@ -426,18 +386,22 @@ def concat_view(g_T: list[torch.Tensor]) -> torch.Tensor:
 CATCH_UP_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def has_catch_up_adamw_op(params: list[torch.Tensor]) -> bool:
-    """Whether ``catch_up_adamw_`` runs ``params``: a kernel for their device (CPU builds), contiguous
-    tensors of float32/bf16/fp16 on one device, each gradient (if set) contiguous of its parameter's
-    dtype. Otherwise ``zen_ext.optim.CatchUpAdamW`` takes its torch path."""
-    return bool(params) and _has_kernel("catch_up_adamw_", params[0]) and all(
-        p.is_contiguous() and p.dtype in CATCH_UP_DTYPES and p.device == params[0].device
-        and (p.grad is None or (p.grad.is_contiguous() and p.grad.dtype == p.dtype)) for p in params)
+def _catch_up_fits(p_T: list[torch.Tensor], g_T: list[torch.Tensor]) -> bool:
+    """Whether the compiled ``catch_up_adamw_`` runs these tensors: a kernel for their device, contiguous
+    parameters of float32/bf16/fp16 on one device, each gradient contiguous of its parameter's dtype."""
+    return bool(p_T) and _has_kernel("catch_up_adamw_", p_T[0]) and all(
+        p.is_contiguous() and p.dtype in CATCH_UP_DTYPES and p.device == p_T[0].device
+        and g.is_contiguous() and g.dtype == p.dtype for p, g in zip(p_T, g_T))
 
 
 def catch_up_adamw_(p_T, g_T, m_T, v_T, age_T, *, lr: float, beta1: float, beta2: float, eps: float,
                     weight_decay: float, step: int, catch_up: bool) -> None:
-    """CatchUpAdamW's step over the tensors in one pass each (csrc/catch_up_adamw.h; the torch path in
-    ``zen_ext/optim.py`` is its oracle). Callers check ``has_catch_up_adamw_op`` first."""
-    torch.ops.zen_ext.catch_up_adamw_(p_T, g_T, m_T, v_T, age_T, lr, beta1, beta2, eps, weight_decay, step,
-                                      catch_up)
+    """``zen_ext.optim.CatchUpAdamW``'s step over the tensors: the compiled op (one pass per tensor,
+    csrc/catch_up_adamw.h) where it runs them all, else the torch reference per tensor (its oracle)."""
+    if _catch_up_fits(p_T, g_T):
+        torch.ops.zen_ext.catch_up_adamw_(p_T, g_T, m_T, v_T, age_T, lr, beta1, beta2, eps, weight_decay, step,
+                                          catch_up)
+        return
+    for p, g, m, v, age in zip(p_T, g_T, m_T, v_T, age_T):
+        _reference.catch_up_adamw_(p, g, m, v, age, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                                   weight_decay=weight_decay, step=step, catch_up=catch_up)

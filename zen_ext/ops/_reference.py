@@ -12,6 +12,8 @@ Legend: ``_K`` non-zeros, ``_P`` partitions, ``_R`` Feistel rounds.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 NUM_ROUNDS = 4
@@ -248,3 +250,45 @@ def decode_pull_(
     if rows:
         idx = permute(pos * num_parts + part, numel, keys_R, inverse=True)
         out[idx] = vals
+
+
+def catch_up_adamw_(p, g, m, v, age, *, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                    step: int, catch_up: bool) -> None:
+    """CatchUpAdamW's step of one parameter in torch ops (``zen_ext.optim.CatchUpAdamW.step``'s steps),
+    the oracle of the fused op (csrc/catch_up_adamw.h)."""
+    # Step 1: decoupled weight decay on every weight, as AdamW; every coordinate ages.
+    if weight_decay:
+        p.mul_(1 - lr * weight_decay)
+    age.add_(1)
+    # Step 2: k steps of mean G/k and mean square G²/k, folded into the moments in closed form. A group
+    # with catch_up off (gradients no compressor delays: natural sparsity's rows were not held back)
+    # takes every gradient, zero or not: AdamW.
+    sent = g != 0 if catch_up else torch.ones_like(g, dtype=torch.bool)
+    g_mean = g / age
+    keep1 = torch.pow(beta1, age)
+    keep2 = torch.pow(beta2, age)
+    m.copy_(torch.where(sent, keep1 * m + (1 - keep1) * g_mean, m))
+    v.copy_(torch.where(sent, keep2 * v + (1 - keep2) * g * g_mean, v))  # G²/k
+    # Step 3: the k steps' movement at once, bias-corrected at the global step.
+    denom = (v.sqrt() / math.sqrt(1 - beta2 ** step)).add_(eps)
+    update = torch.where(sent, age * m / denom, torch.zeros_like(m))
+    p.add_(update, alpha=-lr / (1 - beta1 ** step))
+    age.masked_fill_(sent, 0)
+
+
+def dgc_gather_kept(keep_C, pos_C, v_C, ok, count_C):
+    """``zen_ext::dgc_gather_kept`` in torch ops: the kept candidates first (in order), zeros after, and
+    ``[ok (1 when absent), count_C[0], kept]``."""
+    keep = keep_C.nonzero().flatten()
+    n = keep.numel()
+    pos_K, v_K = torch.zeros_like(pos_C), torch.zeros_like(v_C)
+    pos_K[:n] = pos_C.index_select(0, keep)
+    v_K[:n] = v_C.index_select(0, keep)
+    flag = ok.reshape(1).to(torch.int64) if ok is not None else torch.ones(1, dtype=torch.int64, device=pos_C.device)
+    kept = torch.full((1,), n, dtype=torch.int64, device=pos_C.device)
+    return pos_K, v_K, torch.cat([flag, count_C.reshape(-1)[:1].to(torch.int64), kept])
+
+
+def dgc_all_finite(g_T):
+    """``zen_ext::dgc_all_finite`` in torch ops: whether every element of the tensors is finite."""
+    return torch.stack([torch.isfinite(g).all() for g in g_T]).all()

@@ -224,7 +224,7 @@ class DGCSparsifier(Sparsifier):
         # element-wise, since huge finite values may overflow the norm too. (fp32 norms; fp64
         # gradients keep fp64, which torch will not narrow.) Norms are >= 0, so their sum is below inf
         # exactly when every one is finite (or, harmlessly, when finite norms overflow the sum).
-        if one_pass and ops.has_dgc_sample_op(flats[0]):
+        if one_pass:
             norm_T, finite = None, ops.dgc_all_finite(flats)
         else:
             norm_T = torch.stack(torch._foreach_norm(flats, 2, dtype=torch.float64 if wire == torch.float64
