@@ -1,7 +1,7 @@
 // CUDA kernel of zen_ext::catch_up_adamw_: CatchUpAdamW's step (zen_ext/optim.py) in one launch per
 // tensor, where the torch path launches about twenty. The per-element logic is csrc/catch_up_adamw.h,
 // which the CPU op (csrc/cpu/catch_up_adamw.cpp) runs too; gpu_check compares the two.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -1,7 +1,10 @@
 // The concatenation of a DGC bucket's gradients as one CUDA tensor, for the DGC kernels
 // (csrc/cuda/dgc_kernel.cu, csrc/cuda/dgc_sample.cu). Host only.
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 
 namespace zen_ext {
 namespace dgc {

@@ -10,7 +10,8 @@
 //      tile's kept entries in order (a ballot per warp, the warps' counts in shared memory); the grid
 //      zeroes the padding past the last kept entry, and block 0 writes the three values.
 // Launched on the current stream, no host read.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -11,7 +11,10 @@
 //      plus the popcount prefix of the words before it (so the order is the elements' order); the grid
 //      writes the padding after the last candidate.
 // The first `capacity` candidates are written; the count says how many there were.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

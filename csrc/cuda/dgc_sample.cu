@@ -4,7 +4,10 @@
 // per-sample logic is csrc/dgc_sample.h, which the CPU op (csrc/cpu/dgc_sample.cpp) runs too; gpu_check
 // compares the two byte for byte. A position outside the bucket cannot be raised from the device: its
 // key carries the value 0 (the grid is built by zen_ext and never leaves the unit; the CPU op raises).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/ones.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

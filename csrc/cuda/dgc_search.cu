@@ -3,7 +3,9 @@
 // refinement pass over its candidates (block-wide counts, one thread moves the probe), then writes the
 // unit's threshold and keep mask. One launch per bucket, where the torch path issues about two hundred
 // small ones; launched on the current stream, no host read.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Dispatch.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

@@ -8,7 +8,11 @@
 // counts_P (exact), order_K grouped by partition (inside a partition: parallel slots in slot order,
 // then serial slots in counter order, then overflow entries), pos_K = P(idx) // n of each grouped
 // entry, stats_3 = [collisions (failed parallel probes), serial writes, serial-memory overflows].
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cumsum.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>

@@ -9,7 +9,10 @@
 // * decode_pull_ reads the header on the device and cannot raise on a malformed message without a
 //   host read: entries outside the partition are skipped (the CPU op raises). Messages come from
 //   encode_pull on a peer, which checks them.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cumsum.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <c10/cuda/CUDAException.h>
