@@ -14,11 +14,12 @@ from zen_ext.core.coo import decode_coo, encode_coo
 BASELINES = ["agsparse", "sparcml", "omnireduce", "sparse_ps"]
 
 
-def run(name, inputs, op="sum", **opts):
-    """Per-rank outputs and stats of ``name`` and of ``dense`` on the same inputs."""
+def run(name, inputs, op="sum", gather_impl="auto", **opts):
+    """Per-rank outputs and stats of ``name`` and of ``dense`` on the same inputs (``gather_impl``: the
+    all-gather's round structure, ``comm/gather.py``; the byte tests pin ``direct``, one message per peer)."""
     n = len(inputs)
     scheme, dense = build_scheme(name, **opts), build_scheme("dense")
-    world = SimWorld(n)
+    world = SimWorld(n, gather_impl=gather_impl)
     got = world.run(lambda c, x: scheme.sync(c, x, op=op), inputs)
     want = SimWorld(n).run(lambda c, x: dense.sync(c, x, op=op), inputs)
     return got, want, world.stats
@@ -138,7 +139,7 @@ def test_property_equals_dense(name, n, numel, data):
 def test_agsparse_bytes_are_one_coo_message_per_peer():
     n, nnz, numel = 4, 50, 10_000
     inputs = int_inputs(n, numel, nnz, empty_rank=2)
-    _, _, stats = run("agsparse", inputs)
+    _, _, stats = run("agsparse", inputs, gather_impl="direct")
     entry = 4 + 4  # int32 index + fp32 value
     for r, s in enumerate(stats):
         mine = 0 if r == 2 else nnz
@@ -153,7 +154,7 @@ def test_sparse_ps_first_owner_carries_a_skewed_gradient():
     n, numel = 4, 4000
     idx = torch.arange(0, 400)  # all in the first range of 1000
     inputs = [SparseGrad(idx, torch.ones(400), numel) for _ in range(n)]
-    _, _, stats = run("sparse_ps", inputs)
+    _, _, stats = run("sparse_ps", inputs, gather_impl="direct")
     assert stats[0].bytes_recv == (n - 1) * (8 + 8) + (n - 1) * 400 * 8  # counts, sizes, 3 pushes of 400
     assert stats[0].bytes_sent == (n - 1) * 8 + (n - 1) * (8 + 400 * 8)  # counts, then its aggregate to all
     for s in stats[1:]:
