@@ -1,9 +1,10 @@
-"""Python wrappers of the zen_ext hashing ops (csrc/), falling back to the pure-torch reference.
+"""Python wrappers of the zen_ext ops (csrc/), falling back to the pure-torch reference.
 
 ``HAVE_CPP_OP`` says whether the compiled library loaded. Without it every op still works, only slower:
-the reference in ``_reference.py`` is bit-identical and doubles as the test oracle. ``_dispatch`` is the
-one place that chooses the compiled kernel or the reference, per op and device; ``_fake.py`` holds the
-ops' fake (meta) kernels. A CUDA tensor that
+the reference in ``_reference.py`` (``_reference_dgc.py`` for DGC's ops) is bit-identical and doubles as
+the test oracle. ``_has_kernel`` (through ``_dispatch``) is the one place that chooses the compiled kernel
+or the reference, per op and device, so callers just call an op; ``_fake.py`` holds the ops' fake (meta)
+kernels. A CUDA tensor that
 meets a build without the CUDA kernel (CUDA torch wheels ship no nvcc, so ``launch/setup.sh`` builds
 the CPU kernels only) takes the reference too, and one ``RuntimeWarning`` per process says so and how
 to fix it.
@@ -18,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from . import _reference
+from . import _reference, _reference_dgc
 from ._reference import MAX_NUMEL, NUM_ROUNDS, derive_keys, domain_bits
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ __all__ = [
     "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
     "aggregate_push", "aggregate_push_into", "read_aggregate_count", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
     "has_dgc_search_op", "dgc_threshold_search", "has_dgc_gather_kept_op", "dgc_gather_kept", "has_dgc_sample_op", "dgc_sample_keys", "dgc_sort_unkey", "dgc_all_finite",
-    "gather_list", "emulate_cuda_layout", "catch_up_adamw_",
+    "gather_list", "emulate_cuda_layout", "force_reference", "catch_up_adamw_",
 ]
 
 if HAVE_CPP_OP:
@@ -60,6 +61,25 @@ def _warn_reference(device_type: str, why: str) -> None:
 
 
 _KERNELS: dict[tuple[str, str], bool] = {}
+_FORCED_REFERENCE: frozenset[str] = frozenset()
+
+
+class force_reference:
+    """Context manager: the named ops take their pure-torch reference on every device, as where no kernel
+    is built (benchmarks time an op against its reference in one run; tests run the reference path)."""
+
+    def __init__(self, *names: str) -> None:
+        self.names = frozenset(names)
+
+    def __enter__(self):
+        global _FORCED_REFERENCE
+        self._prev, _FORCED_REFERENCE = _FORCED_REFERENCE, _FORCED_REFERENCE | self.names
+        return self
+
+    def __exit__(self, *exc):
+        global _FORCED_REFERENCE
+        _FORCED_REFERENCE = self._prev
+        return False
 
 
 def _has_kernel(op: str, t: torch.Tensor) -> bool:
@@ -68,6 +88,8 @@ def _has_kernel(op: str, t: torch.Tensor) -> bool:
     and some are CPU-only by design (the caller's device then takes the reference, silently); a CUDA
     tensor that meets a build without any CUDA kernel warns once. Cached per (op, device type)."""
     dev = t.device.type
+    if op in _FORCED_REFERENCE:
+        return False
     if not HAVE_CPP_OP:
         if dev == "cuda":
             _warn_reference(dev, "the zen_ext C++ op is not built (zen_ext._C failed to import)")
@@ -251,9 +273,12 @@ def zero_(t: torch.Tensor) -> torch.Tensor:
     return t.zero_()
 
 
+# --- DGC's ops (zen_ext.compress.dgc.thresholds drives them) ---------------------------------------------------
+# Each runs its kernel where ``t``'s device has one, else its pure-torch reference (_reference_dgc.py, bit for
+# bit the same): callers just call them. The ``has_dgc_*_op`` queries are for tests and benchmarks, which
+# compare a kernel with its reference; nothing in zen_ext outside ops/ asks them.
 def has_dgc_select_op(t: torch.Tensor) -> bool:
-    """Whether ``dgc_accumulate_select_`` and ``dgc_gather_kept``, which compacts what the search keeps
-    of its candidates, have kernels for ``t``'s device (CPU, and CUDA builds)."""
+    """Whether ``dgc_accumulate_select_`` and ``dgc_gather_kept`` have kernels for ``t``'s device (tests)."""
     return _has_kernel("dgc_accumulate_select_", t) and _has_kernel("dgc_gather_kept", t)
 
 
@@ -271,20 +296,22 @@ def dgc_accumulate_select_(
     back) the first three hold exactly ``capacity`` entries: the first candidates, then padding
     (position ``numel``, value 0, run ``len(ends_U)``: past every run, so the threshold search never
     scans it); ``count`` may exceed ``capacity`` (some candidates are
-    then missing). With ``ok`` false nothing is written and ``count`` is 0. Callers check
-    ``has_dgc_select_op`` first; the torch path of ``zen_ext.compress.dgc.sparsifier`` is its oracle.
+    then missing). With ``ok`` false nothing is written and ``count`` is 0. Memory of fp32 or fp64,
+    gradients of its dtype or bf16/fp16 with fp32 memory (csrc/dgc_dtypes.h).
     """
-    return torch.ops.zen_ext.dgc_accumulate_select_(R, U, g_T, momentum, thr_U, ends_U, ok, int(capacity))
+    return _dispatch("dgc_accumulate_select_", R, _reference_dgc.dgc_accumulate_select_)(
+        R, U, g_T, momentum, thr_U, ends_U, ok, int(capacity))
 
 
 def has_dgc_search_op(t: torch.Tensor) -> bool:
-    """Whether ``dgc_threshold_search`` has a kernel for ``t``'s device (CPU, and CUDA builds)."""
+    """Whether ``dgc_threshold_search`` has a kernel for ``t``'s device (tests and benchmarks)."""
     return _has_kernel("dgc_threshold_search", t)
 
 
 def dgc_threshold_search(
     sorted_S: torch.Tensor, start_U: torch.Tensor, ns_U: torch.Tensor, k_U: torch.Tensor, first_U: torch.Tensor,
-    v_C: torch.Tensor, unit_C: torch.Tensor, t_low_U: torch.Tensor, passes: int,
+    v_C: torch.Tensor, unit_C: torch.Tensor, t_low_U: torch.Tensor, passes: int, *,
+    all_reduce: Callable[[torch.Tensor], object] | None = None, early_stop: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """DGC's sampled threshold search, every pass of every unit in one op (one kernel on a GPU).
 
@@ -292,16 +319,22 @@ def dgc_threshold_search(
     to keep, first probe at sample rank ``first_U[u]`` (``ns_U``, ``k_U``, ``first_U`` float64), lower
     bound ``t_low_U[u]``; candidates ``v_C`` (signed values) with ascending units ``unit_C``. Returns
     ``(thr_U, keep_C)``: each unit's threshold after ``passes`` refinements and ``|v_C| ≥ thr_U[unit_C]``.
-    Callers check ``has_dgc_search_op`` first; ``_ThresholdSearch`` in ``zen_ext.compress.dgc.units`` is
-    its oracle (and the path under tensor parallelism, whose counts are all-reduced every pass).
     Candidates of unit ``≥ U`` (a capacity-sized buffer's padding) belong to no unit: never kept.
+
+    ``all_reduce`` sums each pass's int64 counts in place over a group (tensor parallelism: every rank
+    then moves alike); the kernel cannot call out between passes, so the torch loop runs then.
+    ``early_stop`` lets the torch loop stop once every unit is in the band (a host read per pass: only
+    where reading costs nothing); the results are the same.
     """
-    return torch.ops.zen_ext.dgc_threshold_search(sorted_S, start_U, ns_U, k_U, first_U, v_C, unit_C, t_low_U,
-                                                  int(passes))
+    if all_reduce is None and _has_kernel("dgc_threshold_search", sorted_S):
+        return torch.ops.zen_ext.dgc_threshold_search(sorted_S, start_U, ns_U, k_U, first_U, v_C, unit_C, t_low_U,
+                                                      int(passes))
+    return _reference_dgc.dgc_threshold_search(sorted_S, start_U, ns_U, k_U, first_U, v_C, unit_C, t_low_U,
+                                               int(passes), all_reduce=all_reduce, early_stop=early_stop)
 
 
 def has_dgc_gather_kept_op(t: torch.Tensor) -> bool:
-    """Whether ``dgc_gather_kept`` has a kernel for ``t``'s device (CPU, and CUDA builds)."""
+    """Whether ``dgc_gather_kept`` has a kernel for ``t``'s device (tests)."""
     return _has_kernel("dgc_gather_kept", t)
 
 
@@ -315,14 +348,13 @@ def dgc_gather_kept(
     ``pos_C`` and ``v_C`` first (ascending), then zeros; ``stats`` int64 ``[ok (1 when absent),
     count_C[0], kept]``, the three values the caller reads with one copy (then it slices the first
     ``kept`` entries: the same layout on every device).
-    Where the device has no kernel, its torch reference (``nonzero`` and ``index_select``) runs.
     """
-    return _dispatch("dgc_gather_kept", keep_C, _reference.dgc_gather_kept)(keep_C, pos_C, v_C, ok, count_C)
+    return _dispatch("dgc_gather_kept", keep_C, _reference_dgc.dgc_gather_kept)(keep_C, pos_C, v_C, ok, count_C)
 
 
 def has_dgc_sample_op(t: torch.Tensor) -> bool:
     """Whether ``dgc_sample_keys``, ``dgc_sort_unkey`` and ``dgc_all_finite`` have kernels for ``t``'s
-    device (CPU, CUDA builds)."""
+    device (tests)."""
     return all(_has_kernel(op, t) for op in ("dgc_sample_keys", "dgc_sort_unkey", "dgc_all_finite"))
 
 
@@ -336,18 +368,17 @@ def dgc_sample_keys(
     its value is ``|R + U·momentum + g|`` there (``|R + g|`` without ``U``; ``g`` the concatenation of
     ``g_T``, never built; NaN as 0, inf as the largest float), the value the pending velocity update
     would give, and its key ``u·2³² + (2³¹ − 1 − bits(value))``: ascending keys are ascending units and
-    descending values. ``_Layout.sample_positions`` and ``_sort_per_unit`` (``zen_ext.compress.dgc.units``)
-    are its torch oracle.
+    descending values.
     """
-    return torch.ops.zen_ext.dgc_sample_keys(R, U, g_T, float(momentum), grid_S, unit_S, hash_U, stride_U,
-                                             int(shift))
+    return _dispatch("dgc_sample_keys", R, _reference_dgc.dgc_sample_keys)(
+        R, U, g_T, float(momentum), grid_S, unit_S, hash_U, stride_U, int(shift))
 
 
 def dgc_sort_unkey(keys: torch.Tensor, low_U: torch.Tensor, tiny: float, key_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``dgc_sample_keys``'s keys (in ``[0, 2^key_bits)``) sorted ascending, as their float32 values, and
     ``max(sorted value at low_U[u], tiny)`` per unit (the candidates' lower threshold), in one op (on a
     GPU a radix sort over ``key_bits`` bits only, and one kernel)."""
-    return torch.ops.zen_ext.dgc_sort_unkey(keys, low_U, float(tiny), int(key_bits))
+    return _dispatch("dgc_sort_unkey", keys, _reference_dgc.dgc_sort_unkey)(keys, low_U, float(tiny), int(key_bits))
 
 
 def dgc_all_finite(g_T: list[torch.Tensor]) -> torch.Tensor:
@@ -355,7 +386,7 @@ def dgc_all_finite(g_T: list[torch.Tensor]) -> torch.Tensor:
     one pass (two launches on a GPU whatever the number of tensors; nothing read back)."""
     if not g_T:  # the dispatcher needs a tensor to pick a device
         raise ValueError("dgc_all_finite needs at least one tensor")
-    return _dispatch("dgc_all_finite", g_T[0], _reference.dgc_all_finite)(g_T)
+    return _dispatch("dgc_all_finite", g_T[0], _reference_dgc.dgc_all_finite)(g_T)
 
 
 def gather_list(g_T: list[torch.Tensor], pos: torch.Tensor) -> torch.Tensor:

@@ -275,20 +275,3 @@ def catch_up_adamw_(p, g, m, v, age, *, lr: float, beta1: float, beta2: float, e
     p.add_(update, alpha=-lr / (1 - beta1 ** step))
     age.masked_fill_(sent, 0)
 
-
-def dgc_gather_kept(keep_C, pos_C, v_C, ok, count_C):
-    """``zen_ext::dgc_gather_kept`` in torch ops: the kept candidates first (in order), zeros after, and
-    ``[ok (1 when absent), count_C[0], kept]``."""
-    keep = keep_C.nonzero().flatten()
-    n = keep.numel()
-    pos_K, v_K = torch.zeros_like(pos_C), torch.zeros_like(v_C)
-    pos_K[:n] = pos_C.index_select(0, keep)
-    v_K[:n] = v_C.index_select(0, keep)
-    flag = ok.reshape(1).to(torch.int64) if ok is not None else torch.ones(1, dtype=torch.int64, device=pos_C.device)
-    kept = torch.full((1,), n, dtype=torch.int64, device=pos_C.device)
-    return pos_K, v_K, torch.cat([flag, count_C.reshape(-1)[:1].to(torch.int64), kept])
-
-
-def dgc_all_finite(g_T):
-    """``zen_ext::dgc_all_finite`` in torch ops: whether every element of the tensors is finite."""
-    return torch.stack([torch.isfinite(g).all() for g in g_T]).all()

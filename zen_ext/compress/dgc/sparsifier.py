@@ -56,7 +56,7 @@ Momentum correction moves the momentum into the sparsifier: use an optimizer wit
 DGC parameters (DGC's ``DGCSGD``), or set ``momentum_correction=False`` to keep plain error feedback.
 
 ``zen.dgc`` is ``config.DGCConfig``; the sampled search is ``thresholds.py``; units, sampling grid and
-search state are in ``units.py``.
+search constants are in ``units.py``; the search's passes are ``zen_ext.ops.dgc_threshold_search``.
 
 Legend: ``_N`` elements of one gradient, ``_K`` selected, ``_S`` samples, ``_U`` selection units.
 """
@@ -83,6 +83,17 @@ logger = logging.getLogger(__name__)
 
 _ONE_PASS_WIRE = (torch.float32, torch.bfloat16, torch.float16)
 """Gradient dtypes the one-pass op widens into fp32 memory (exactly, as torch's mixed add does)."""
+
+
+def _one_pass_applies(cfg: DGCConfig, density: float, mdt: torch.dtype, wire: torch.dtype, flats) -> bool:
+    """Whether a bucket takes the one-pass path: the velocity update deferred into the candidate
+    selection (``ops.dgc_accumulate_select_``). It needs the sampled search below density 1, no
+    clipping (which scales by the norms first), memory and gradient dtypes the op accumulates
+    (fp64 with fp64; fp32 with fp32/bf16/fp16: csrc/dgc_dtypes.h) and contiguous gradients. The
+    multi-pass torch path it equals bit for bit takes every other bucket."""
+    return (density < 1.0 and cfg.threshold != "exact" and cfg.clip_norm is None
+            and (mdt == wire if mdt == torch.float64 else mdt == torch.float32 and wire in _ONE_PASS_WIRE)
+            and all(f.is_contiguous() for f in flats))
 
 
 @register_sparsifier(config=DGCConfig, priority=200)
@@ -214,9 +225,7 @@ class DGCSparsifier(Sparsifier):
         # the thresholds are sampled from R + the pending update at the sample positions. There the
         # flag stays on the device (the op skips the update where it is false) and is read with the
         # selection's counts: one host read for the bucket.
-        one_pass = (density < 1.0 and cfg.threshold != "exact" and cfg.clip_norm is None
-                    and (mdt == wire if mdt == torch.float64 else mdt == torch.float32 and wire in _ONE_PASS_WIRE)
-                    and ops.has_dgc_select_op(flats[0]) and all(f.is_contiguous() for f in flats))
+        one_pass = _one_pass_applies(cfg, density, mdt, wire, flats)
 
         # Step 1: an overflowed (fp16) gradient must reach the engine as such and never the memory.
         # The one-pass path needs only the flag: one op (two launches on a GPU). Elsewhere a 2-norm (one

@@ -3,8 +3,9 @@ that keeps about ``density`` of it, found from a sample and refined on the candi
 (``sampled_thresholds``). ``sparsifier.py`` calls it; ``units.py`` holds what is fixed per bucket
 layout and the search's state.
 
-Without TP every pass of every unit runs in one op (``dgc_threshold_search``, logic in
-csrc/dgc_search.h); under TP ``search_loop`` (its oracle) all-reduces each pass's counts.
+Every step is a ``zen_ext.ops`` op (its kernel, or its pure-torch reference where the device has none):
+the search runs every pass of every unit in one op (``dgc_threshold_search``, logic in
+csrc/dgc_search.h); under TP its torch loop all-reduces each pass's counts.
 
 Legend: ``_S`` samples, ``_C`` candidates, ``_K`` selected, ``_U`` selection units.
 """
@@ -17,8 +18,7 @@ import torch
 
 from ... import ops
 from .config import DGCConfig
-from .units import (CANDIDATE_FACTOR, _at_rank, _gather_units, _Layout, _SearchConstants, _sort_per_unit,
-                    _ThresholdSearch, sample_shift)
+from .units import _gather_units, _Layout, _sort_per_unit, sample_shift
 
 REFINE_PASSES = 4
 """Threshold refinement passes after the sampled estimate (each one count over the candidates)."""
@@ -50,7 +50,8 @@ def sampled_thresholds(R: torch.Tensor, lay: _Layout, density: float, tp_comm, t
     and selects the candidates in one pass. Returns None when ``finite`` was false (nothing written).
     """
     tp = tp_comm is not None and tp_comm.size > 1
-    if pending is not None and not tp and R.dtype == torch.float32 and ops.has_dgc_sample_op(R):
+    # The sampling ops take fp32 memory, and the samples of a TP group are pooled before the sort.
+    if pending is not None and not tp and R.dtype == torch.float32:
         sorted_S, t_low, consts, k_U = _fused_samples(R, lay, density, pending, tiny, cfg, step)
     else:
         sorted_S, t_low, consts, k_U = _samples(R, lay, density, pending, tp_comm if tp else None, tiny, cfg, step)
@@ -64,7 +65,7 @@ def sampled_thresholds(R: torch.Tensor, lay: _Layout, density: float, tp_comm, t
         pos_C, v_C, unit_C, count_C = ops.dgc_accumulate_select_(
             R, pending[0], pending[1], cfg.momentum, t_low.to(R.dtype), lay.unit_ends_N, pending[2], cap)
     # Step 4: search among the candidates.
-    thr_U, keep_C = _search(sorted_S, consts, v_C, unit_C, t_low, tp_comm if tp else None, lay, R)
+    thr_U, keep_C = _search(sorted_S, consts, v_C, unit_C, t_low, tp_comm if tp else None, R)
     # (index_select: 2.5x faster than advanced indexing for 1-D gathers on the CPU)
     if pending is None:
         keep = keep_C.nonzero().flatten()
@@ -78,7 +79,7 @@ def sampled_thresholds(R: torch.Tensor, lay: _Layout, density: float, tp_comm, t
     if n_cand > pos_C.numel():  # more candidates than the capacity: select them again, exactly
         lay.grow_capacity(n_cand)
         pos_C, v_C, unit_C = candidates(R, lay, t_low)
-        thr_U, keep_C = _search(sorted_S, consts, v_C, unit_C, t_low, tp_comm if tp else None, lay, R)
+        thr_U, keep_C = _search(sorted_S, consts, v_C, unit_C, t_low, tp_comm if tp else None, R)
         keep = keep_C.nonzero().flatten()
         return thr_U, pos_C.index_select(0, keep), v_C.index_select(0, keep)
     return thr_U, pos_K[:n_keep], v_K[:n_keep]
@@ -104,7 +105,7 @@ def _samples(R: torch.Tensor, lay: _Layout, density: float, pending, tp_comm, ti
     k_U = [max(1, math.ceil(density * n)) for n in numel_U]
     consts = lay.search_constants(ns_U, k_U, numel_U, R.device)
     sorted_S = _sort_per_unit(samples, unit_S if tp_comm is not None else consts.unit_S)
-    t_low = _at_rank(sorted_S, consts, consts.first_U * CANDIDATE_FACTOR).clamp(min=tiny)
+    t_low = sorted_S.index_select(0, consts.low_S).clamp(min=tiny)  # the sample at rank CANDIDATE_FACTOR·first
     return sorted_S, t_low, consts, k_U
 
 
@@ -130,37 +131,12 @@ def candidates(R: torch.Tensor, lay: _Layout, t_low: torch.Tensor):
     return pos_C, R.index_select(0, pos_C), torch.searchsorted(lay.unit_ends_N, pos_C, right=True)
 
 
-def _search(sorted_S, consts, v_C, unit_C, t_low, tp_comm, lay: _Layout, R: torch.Tensor):
-    """Step 4 of ``sampled_thresholds``: ``(thr_U, keep_C)``. Without TP, one op runs every pass of
-    every unit (one kernel on a GPU, where the loop issues about fifty small ones per pass)."""
-    if tp_comm is None and ops.has_dgc_search_op(R):
-        return ops.dgc_threshold_search(sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U,
-                                        v_C, unit_C, t_low.to(R.dtype), REFINE_PASSES)
-    return search_loop(sorted_S, consts, v_C, unit_C, t_low, tp_comm, lay)
-
-
-def search_loop(sorted_S, consts: _SearchConstants, v_C, unit_C, t_low, tp_comm, lay: _Layout):
-    """Step 4 with torch ops (``dgc_threshold_search``'s oracle, and the path under TP, where every
-    pass's counts are all-reduced so that every TP rank moves alike): ``(thr_U, keep_C)``."""
-    search = _ThresholdSearch(sorted_S, consts)
-    abs_C = v_C.abs()
-    # Padding of a capacity-sized candidate buffer has unit U (past every unit, value 0): the
-    # running-sum counts end before it, and it reads the last unit's threshold (never kept).
-    unit_clamped = unit_C.clamp(max=lay.units - 1)
-    # The candidates are in position order, so each unit's are one run: a count per unit is the
-    # difference of a running sum at the runs' ends (no atomics; an index_add into U counters
-    # serialized on the GPU: 54 % of a bucket's GPU time on an H200).
-    cut_U1 = torch.searchsorted(unit_C, lay.unit_range_U1)
-    for _ in range(REFINE_PASSES):
-        thr_U = torch.maximum(search.thr, t_low)
-        run_C1 = torch.nn.functional.pad((abs_C >= thr_U.index_select(0, unit_clamped)).cumsum(0), (1, 0))
-        counts_U = run_C1.index_select(0, cut_U1[1:]) - run_C1.index_select(0, cut_U1[:-1])
-        if tp_comm is not None:
-            tp_comm.all_reduce(counts_U)
-        search.update(counts_U)
-        # On the CPU reading a flag costs nothing: stop once every unit is in the band. On a GPU
-        # the passes run blind (a read would synchronize).
-        if counts_U.device.type in FREE_HOST_READ_DEVICES and bool(search.done.all()):
-            break
-    thr_U = torch.maximum(search.thr, t_low)
-    return thr_U, abs_C >= thr_U.index_select(0, unit_clamped)
+def _search(sorted_S, consts, v_C, unit_C, t_low, tp_comm, R: torch.Tensor):
+    """Step 4 of ``sampled_thresholds``: ``(thr_U, keep_C)``. Without TP one op runs every pass of every
+    unit (one kernel on a GPU, where a torch loop issues about fifty small ones per pass); under TP every
+    pass's counts are all-reduced, so that every TP rank moves alike. On the CPU reading a flag costs
+    nothing: a torch loop stops once every unit is in the band (on a GPU the passes run blind)."""
+    return ops.dgc_threshold_search(sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U, v_C, unit_C,
+                                    t_low.to(R.dtype), REFINE_PASSES,
+                                    all_reduce=tp_comm.all_reduce if tp_comm is not None else None,
+                                    early_stop=R.device.type in FREE_HOST_READ_DEVICES)

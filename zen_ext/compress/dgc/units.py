@@ -1,7 +1,7 @@
 """DGC's selection units: what is fixed per bucket layout (``_Layout``: units, blocks, the sample grid,
-the search constants, the candidates' capacity), the per-unit sort of samples, and the threshold
-search's state (``_ThresholdSearch``), with the pooling of samples over a TP group.
-``sparsifier.py`` (``DGCSparsifier``) drives them.
+the search constants, the candidates' capacity), the per-unit sort of samples, and the pooling of
+samples over a TP group. ``sparsifier.py`` (``DGCSparsifier``) drives them; the threshold search itself
+is ``zen_ext.ops.dgc_threshold_search``.
 
 Legend: ``_N`` elements of one gradient, ``_S`` samples, ``_U`` selection units.
 """
@@ -25,8 +25,6 @@ CANDIDATE_FACTOR = 2.0
 """Candidates are the values above the sample's ``CANDIDATE_FACTOR·k`` quantile (about twice the
 target): the search then moves among them, and only misses the band where the sample
 overestimated the unit's quantile by more than that factor."""
-REFINE_BAND = (0.8, 1.25)
-"""A count within ``[0.8·k, 1.25·k]`` is accepted; outside it the threshold moves (``_ThresholdSearch``)."""
 CAPACITY_FACTOR = 2.0
 """The candidates' buffer holds ``CAPACITY_FACTOR`` times the ``CANDIDATE_FACTOR·k`` expected (where
 the count is not read before the pass); it grows per layout when a pass finds more."""
@@ -203,7 +201,7 @@ def _sort_per_unit(vals: torch.Tensor, unit_ids: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _SearchConstants:
-    """Per-unit device tensors of ``_ThresholdSearch`` (``_Layout.search_constants``): first sample of
+    """Per-unit device tensors of the threshold search (``_Layout.search_constants``): first sample of
     each unit, samples, elements to keep and first probe's rank per unit (float64), and the unit of
     every sample."""
 
@@ -213,7 +211,7 @@ class _SearchConstants:
     first_U: torch.Tensor
     unit_S: torch.Tensor
     low_S: torch.Tensor
-    """Where each unit's candidate threshold lies in the sorted samples: ``_at_rank`` of the rank
+    """Where each unit's candidate threshold lies in the sorted samples: the sample at rank
     ``first_U·CANDIDATE_FACTOR``, fixed per layout and density, so computed once on the host."""
 
 
@@ -224,73 +222,14 @@ def sample_shift(step: int) -> int:
 
 
 def _low_index(first: list[float], ns_U: list[int]) -> list[int]:
-    """``_at_rank``'s index of rank ``first·CANDIDATE_FACTOR`` per unit, in float64 on the host (the same
-    IEEE operations as on the device)."""
+    """The index in the sorted samples of each unit's sample at 1-based rank ``first·CANDIDATE_FACTOR``
+    (the candidates' threshold), in float64 on the host with the IEEE operations of csrc/dgc_search.h's
+    ``at_rank`` on the device."""
     out, start = [], 0
     for f, ns in zip(first, ns_U):
         out.append(start + int(min(max(math.ceil(f * CANDIDATE_FACTOR) - 1.0, 0.0), ns - 1.0)))
         start += ns
     return out
-
-
-def _at_rank(sorted_S: torch.Tensor, units, rank_U: torch.Tensor) -> torch.Tensor:
-    """The sample at 1-based (fractional) rank ``rank_U`` of each unit's descending sort (``units``
-    has the units' ``start_U`` and ``ns_U``); csrc/dgc_search.h's ``at_rank`` mirrors it."""
-    idx = (rank_U.ceil() - 1).clamp(min=0).minimum(units.ns_U - 1).long() + units.start_U
-    return sorted_S[idx]
-
-
-class _ThresholdSearch:
-    """Find per-unit thresholds whose counts lie in ``REFINE_BAND·k``, on device tensors ``[U]`` only.
-
-    The first probe is each unit's sample density quantile. While only one side of the target is
-    known, the next probe moves the sample rank by ``k / count`` (exact if the sample were perfectly
-    representative). Once one probe counted too many and another too few, the next one interpolates
-    between the closest two in (threshold, log count), which a lumpy sample cannot make oscillate.
-    A probe inside the band is kept. Every unit moves at once (no host branch, no loop over units).
-
-    Args:
-        sorted_S: the samples sorted by unit, descending within each unit.
-        consts: the units' sample counts, elements to keep and first ranks, on ``sorted_S``'s device.
-    """
-
-    def __init__(self, sorted_S: torch.Tensor, consts: _SearchConstants) -> None:
-        self.sorted_S = sorted_S
-        self.start_U, self.ns_U, self.k_U = consts.start_U, consts.ns_U, consts.k_U
-        self.rank = consts.first_U
-        self.thr = self.at_rank(self.rank)
-        self.done = torch.zeros(self.ns_U.shape[0], dtype=torch.bool, device=sorted_S.device)
-        # Closest probe with too many selected (highest such threshold) and with too few (lowest).
-        self.has_over, self.t_over, self.c_over = self.done.clone(), torch.zeros_like(self.rank), torch.zeros_like(self.rank)
-        self.has_under, self.t_under, self.c_under = self.done.clone(), torch.zeros_like(self.rank), torch.zeros_like(self.rank)
-
-    def at_rank(self, rank_U: torch.Tensor) -> torch.Tensor:
-        """The sample at 1-based (fractional) rank ``rank_U`` of each unit's descending sort."""
-        return _at_rank(self.sorted_S, self, rank_U)
-
-    def update(self, count_U: torch.Tensor) -> None:
-        """Record the counts at ``self.thr`` and move ``self.thr`` to the next probes."""
-        lo, hi = REFINE_BAND
-        k, c, t = self.k_U, count_U.to(torch.float64), self.thr.to(torch.float64)
-        self.done = self.done | ((c >= lo * k) & (c <= hi * k))
-        over = (c > hi * k) & (~self.has_over | (t > self.t_over))
-        under = (c < lo * k) & (~self.has_under | (t < self.t_under))
-        self.t_over, self.c_over = torch.where(over, t, self.t_over), torch.where(over, c, self.c_over)
-        self.t_under, self.c_under = torch.where(under, t, self.t_under), torch.where(under, c, self.c_under)
-        self.has_over, self.has_under = self.has_over | over, self.has_under | under
-        # Next probe: rank step on the sample, or interpolation once the target is bracketed.
-        rank = (self.rank * k / c.clamp(min=1)).clamp(min=1).minimum(self.ns_U)
-        t_rank = self.at_rank(rank).to(torch.float64)
-        log_over, log_under = self.c_over.clamp(min=0.5).log(), self.c_under.clamp(min=0.5).log()
-        w = (log_over - k.log()) / (log_over - log_under).clamp(min=1e-12)
-        t_interp = self.t_over + (self.t_under - self.t_over) * w
-        t_next = torch.where(self.has_over & self.has_under, t_interp, t_rank)
-        self.rank = torch.where(self.done, self.rank, rank)
-        # A probe is a value of the memory's dtype and no finer than float32: in float64 it would carry
-        # the last-bit differences of log() between devices (csrc/dgc_search.h rounds the same way).
-        if self.thr.dtype == torch.float64:
-            t_next = t_next.to(torch.float32)
-        self.thr = torch.where(self.done, self.thr, t_next.to(self.thr.dtype))
 
 
 def _gather_units(vals: torch.Tensor, n_U: list[int], numel_U: list[int],

@@ -1,0 +1,212 @@
+"""Pure-torch reference of DGC's ops (``zen_ext::dgc_*``): what ``zen_ext.ops`` runs where a device has no
+kernel (a build without the C++ op, CUDA tensors with a CPU-only build), and the oracle the kernels must
+equal bit for bit (tests/ops/test_dgc_reference.py). The algorithms are DGC's sampled threshold search
+(``zen_ext.compress.dgc.thresholds`` drives it): sampling, the one-pass velocity update with candidate
+selection, the refinement passes among the candidates, and the compaction of what they keep.
+
+Every function mirrors the kernel's IEEE operations (two roundings for ``u·m + g``, never a fused
+multiply-add; thresholds as values of the memory's dtype), so a bucket selects the same entries on
+either path.
+
+Legend: ``_S`` samples, ``_C`` candidates, ``_U`` selection units (or runs), ``_T`` tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+REFINE_BAND = (0.8, 1.25)
+"""A count within ``[0.8·k, 1.25·k]`` is accepted; outside it the threshold moves (``_Search``;
+csrc/dgc_search.h's ``kBandLo``/``kBandHi``)."""
+_MEMORY_DTYPES = (torch.float32, torch.float64)
+
+
+def check_accumulate_dtypes(R: torch.Tensor, g_T: list[torch.Tensor], op: str) -> None:
+    """csrc/dgc_dtypes.h's rule: memory of fp32 or fp64; gradients of its dtype, or bf16/fp16 with fp32."""
+    if R.dtype not in _MEMORY_DTYPES:
+        raise RuntimeError(f"{op}: memory of {R.dtype} (supported: float32, float64)")
+    if not g_T:
+        raise RuntimeError(f"{op}: needs at least one gradient")
+    gdt = g_T[0].dtype
+    if any(g.dtype != gdt for g in g_T):
+        raise RuntimeError(f"{op}: every gradient must be of {gdt}")
+    if gdt != R.dtype and not (R.dtype == torch.float32 and gdt in (torch.bfloat16, torch.float16)):
+        raise RuntimeError(f"{op}: gradients of {gdt} with memory of {R.dtype} (supported: the memory's dtype, "
+                           "or bf16/fp16 with fp32 memory)")
+    if sum(g.numel() for g in g_T) != R.numel():
+        raise RuntimeError(f"{op}: the gradients hold {sum(g.numel() for g in g_T)} elements, R {R.numel()}")
+
+
+def _concat(g_T: list[torch.Tensor]) -> torch.Tensor:
+    """The concatenation of the 1-D tensors ``g_T``: one op whatever their number."""
+    return g_T[0] if len(g_T) == 1 else torch.cat(g_T)
+
+
+def dgc_accumulate_select_(R, U, g_T, momentum, thr_U, ends_U, ok=None, capacity=-1):
+    """``zen_ext::dgc_accumulate_select_`` in torch ops: the velocity update (``U = U·m + g; R += U``, or
+    ``R += g``; nothing where ``ok`` is false), then the candidates ``|R| ≥ thr`` of each run (runs end
+    at ``ends_U``) as ``(positions, R's values, runs, count [1])``; with ``capacity ≥ 0`` padded or cut
+    to that many (position ``numel``, value 0, run ``len(ends_U)``), ``count`` every candidate's."""
+    check_accumulate_dtypes(R, g_T, "dgc_accumulate_select_")
+    if capacity < -1:
+        raise RuntimeError(f"dgc_accumulate_select_: capacity ({capacity}) must be >= 0, or -1 for all")
+    n, runs = R.numel(), ends_U.numel()
+    long = dict(dtype=torch.int64, device=R.device)
+    # Step 1: the update, unless the flag says a gradient is not finite (then nothing is written).
+    if ok is None or bool(ok.reshape(-1)[0]):
+        g = _concat(g_T)
+        if U is not None:
+            U.mul_(momentum).add_(g)  # two roundings, as the kernels
+            R.add_(U)
+        else:
+            R.add_(g)
+        # Step 2: the candidates, with each run's threshold (two compares, as the kernels: NaN never).
+        sizes_U = torch.diff(ends_U, prepend=ends_U.new_zeros(1))
+        t = thr_U.to(R.dtype).repeat_interleave(sizes_U, output_size=n)
+        pos = ((R >= t) | (R <= -t)).nonzero().flatten()
+    else:
+        pos = torch.zeros(0, **long)
+    val = R.index_select(0, pos)
+    run = torch.searchsorted(ends_U, pos, right=True)
+    count = torch.full((1,), pos.numel(), **long)
+    if capacity < 0:
+        return pos, val, run, count
+    # Step 3: a buffer of the capacity: the first candidates, then padding past every run.
+    k = min(capacity, pos.numel())
+    pos_P = torch.full((capacity,), n, **long)
+    run_P = torch.full((capacity,), runs, **long)
+    val_P = R.new_zeros(capacity)
+    pos_P[:k], val_P[:k], run_P[:k] = pos[:k], val[:k], run[:k]
+    return pos_P, val_P, run_P, count
+
+
+def dgc_sample_keys(R, U, g_T, momentum, grid_S, unit_S, hash_U, stride_U, shift):
+    """``zen_ext::dgc_sample_keys`` in torch ops: sample ``s`` of unit ``u = unit_S[s]`` at
+    ``grid_S[s] + (hash_U[u] + shift) mod stride_U[u]``, its value ``|R + U·m + g|`` (NaN as 0, inf as the
+    largest float), as the key ``u·2³² + (2³¹ − 1 − bits(value))``."""
+    if R.dtype != torch.float32 or R.dim() != 1:
+        raise RuntimeError(f"dgc_sample_keys: R must be a contiguous 1-D float32 tensor, got {R.dtype} of shape "
+                           f"{tuple(R.shape)}")
+    check_accumulate_dtypes(R, g_T, "dgc_sample_keys")
+    if shift < 0:
+        raise RuntimeError(f"dgc_sample_keys: shift ({shift}) must be >= 0")
+    # Step 1: the positions, the pending update's value there, its magnitude.
+    pos_S = grid_S + (hash_U + shift).remainder(stride_U).index_select(0, unit_S)
+    g_S = _concat(g_T).index_select(0, pos_S)
+    delta = g_S if U is None else U.index_select(0, pos_S) * momentum + g_S
+    v_S = torch.nan_to_num((R.index_select(0, pos_S) + delta).abs(), nan=0.0)
+    # Step 2: the key, whose ascending order is by unit, then by value descending.
+    return (unit_S.to(torch.int64) << 32) | (0x7FFFFFFF - v_S.view(torch.int32)).to(torch.int64)
+
+
+def dgc_sort_unkey(keys, low_U, tiny, key_bits):
+    """``zen_ext::dgc_sort_unkey`` in torch ops: the keys sorted ascending, as their float32 values, and
+    ``max(value at low_U[u], tiny)`` per unit."""
+    if not 1 <= key_bits <= 64:
+        raise RuntimeError(f"dgc_sort_unkey: key_bits ({key_bits}) must be in [1, 64]")
+    # Equal keys are equal values: stability changes nothing (stable takes torch's radix sort on the CPU).
+    k = keys.sort(stable=True).values
+    vals = (0x7FFFFFFF - (k & 0xFFFFFFFF)).to(torch.int32).view(torch.float32)
+    return vals, vals.index_select(0, low_U).clamp(min=tiny)
+
+
+def at_rank(sorted_S: torch.Tensor, start_U: torch.Tensor, ns_U: torch.Tensor, rank_U: torch.Tensor) -> torch.Tensor:
+    """The sample at 1-based (fractional) rank ``rank_U`` of each unit's descending sort (csrc/dgc_search.h's
+    ``at_rank``)."""
+    return sorted_S[(rank_U.ceil() - 1).clamp(min=0).minimum(ns_U - 1).long() + start_U]
+
+
+class _Search:
+    """Per-unit thresholds whose counts lie in ``REFINE_BAND·k``, on device tensors ``[U]`` only.
+
+    The first probe is each unit's sample density quantile. While only one side of the target is
+    known, the next probe moves the sample rank by ``k / count`` (exact if the sample were perfectly
+    representative). Once one probe counted too many and another too few, the next one interpolates
+    between the closest two in (threshold, log count), which a lumpy sample cannot make oscillate.
+    A probe inside the band is kept. Every unit moves at once (no host branch, no loop over units).
+    """
+
+    def __init__(self, sorted_S, start_U, ns_U, k_U, first_U) -> None:
+        self.sorted_S, self.start_U, self.ns_U, self.k_U = sorted_S, start_U, ns_U, k_U
+        self.rank = first_U
+        self.thr = at_rank(sorted_S, start_U, ns_U, first_U)
+        self.done = torch.zeros(ns_U.shape[0], dtype=torch.bool, device=sorted_S.device)
+        # Closest probe with too many selected (highest such threshold) and with too few (lowest).
+        self.has_over, self.t_over, self.c_over = self.done.clone(), torch.zeros_like(self.rank), torch.zeros_like(self.rank)
+        self.has_under, self.t_under, self.c_under = self.done.clone(), torch.zeros_like(self.rank), torch.zeros_like(self.rank)
+
+    def update(self, count_U: torch.Tensor) -> None:
+        """Record the counts at ``self.thr`` and move ``self.thr`` to the next probes."""
+        lo, hi = REFINE_BAND
+        k, c, t = self.k_U, count_U.to(torch.float64), self.thr.to(torch.float64)
+        self.done = self.done | ((c >= lo * k) & (c <= hi * k))
+        over = (c > hi * k) & (~self.has_over | (t > self.t_over))
+        under = (c < lo * k) & (~self.has_under | (t < self.t_under))
+        self.t_over, self.c_over = torch.where(over, t, self.t_over), torch.where(over, c, self.c_over)
+        self.t_under, self.c_under = torch.where(under, t, self.t_under), torch.where(under, c, self.c_under)
+        self.has_over, self.has_under = self.has_over | over, self.has_under | under
+        # Next probe: rank step on the sample, or interpolation once the target is bracketed.
+        rank = (self.rank * k / c.clamp(min=1)).clamp(min=1).minimum(self.ns_U)
+        t_rank = at_rank(self.sorted_S, self.start_U, self.ns_U, rank).to(torch.float64)
+        log_over, log_under = self.c_over.clamp(min=0.5).log(), self.c_under.clamp(min=0.5).log()
+        w = (log_over - k.log()) / (log_over - log_under).clamp(min=1e-12)
+        t_interp = self.t_over + (self.t_under - self.t_over) * w
+        t_next = torch.where(self.has_over & self.has_under, t_interp, t_rank)
+        self.rank = torch.where(self.done, self.rank, rank)
+        # A probe is a value of the memory's dtype and no finer than float32: in float64 it would carry
+        # the last-bit differences of log() between devices (csrc/dgc_search.h rounds the same way).
+        if self.thr.dtype == torch.float64:
+            t_next = t_next.to(torch.float32)
+        self.thr = torch.where(self.done, self.thr, t_next.to(self.thr.dtype))
+
+
+def dgc_threshold_search(sorted_S, start_U, ns_U, k_U, first_U, v_C, unit_C, t_low_U, passes, *, all_reduce=None,
+                         early_stop=False):
+    """``zen_ext::dgc_threshold_search`` in torch ops: ``(thr_U, keep_C)`` after ``passes`` refinements.
+
+    ``all_reduce`` (optional) sums each pass's int64 counts in place over a group (tensor parallelism:
+    every rank then moves alike; the kernel cannot call out between passes). ``early_stop``: stop once
+    every unit is in the band (one host read per pass, so only where reading costs nothing; the kernel
+    stops per unit, and a unit in the band keeps its probe, so the results are the same)."""
+    units, device = start_U.numel(), v_C.device
+    if units == 0:
+        return v_C.new_empty(0), torch.zeros(v_C.shape, dtype=torch.bool, device=device)
+    search = _Search(sorted_S, start_U, ns_U, k_U, first_U)
+    abs_C = v_C.abs()
+    # Padding of a capacity-sized candidate buffer has unit U (past every unit): the running-sum counts
+    # end before it, and it is never kept.
+    unit_clamped = unit_C.clamp(max=units - 1)
+    # The candidates are in position order, so each unit's are one run: a count per unit is the
+    # difference of a running sum at the runs' ends (no atomics; an index_add into U counters
+    # serialized on the GPU: 54 % of a bucket's GPU time on an H200).
+    cut_U1 = torch.searchsorted(unit_C, torch.arange(units + 1, dtype=unit_C.dtype, device=device))
+    for _ in range(passes):
+        thr_U = torch.maximum(search.thr, t_low_U)
+        run_C1 = torch.nn.functional.pad((abs_C >= thr_U.index_select(0, unit_clamped)).cumsum(0), (1, 0))
+        counts_U = run_C1.index_select(0, cut_U1[1:]) - run_C1.index_select(0, cut_U1[:-1])
+        if all_reduce is not None:
+            all_reduce(counts_U)
+        search.update(counts_U)
+        if early_stop and bool(search.done.all()):
+            break
+    thr_U = torch.maximum(search.thr, t_low_U)
+    return thr_U, (abs_C >= thr_U.index_select(0, unit_clamped)) & (unit_C < units)
+
+
+def dgc_gather_kept(keep_C, pos_C, v_C, ok, count_C):
+    """``zen_ext::dgc_gather_kept`` in torch ops: the kept candidates first (in order), zeros after, and
+    ``[ok (1 when absent), count_C[0], kept]``."""
+    keep = keep_C.nonzero().flatten()
+    n = keep.numel()
+    pos_K, v_K = torch.zeros_like(pos_C), torch.zeros_like(v_C)
+    pos_K[:n] = pos_C.index_select(0, keep)
+    v_K[:n] = v_C.index_select(0, keep)
+    flag = ok.reshape(1).to(torch.int64) if ok is not None else torch.ones(1, dtype=torch.int64, device=pos_C.device)
+    kept = torch.full((1,), n, dtype=torch.int64, device=pos_C.device)
+    return pos_K, v_K, torch.cat([flag, count_C.reshape(-1)[:1].to(torch.int64), kept])
+
+
+def dgc_all_finite(g_T):
+    """``zen_ext::dgc_all_finite`` in torch ops: whether every element of the tensors is finite (one
+    concatenation: a norm would overflow on huge finite values, and an op per tensor grows with them)."""
+    return torch.isfinite(_concat(g_T)).all()
