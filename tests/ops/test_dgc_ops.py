@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from zen_ext import ops
+from zen_ext.ops import _reference_dgc
+from zen_ext.ops._reference_dgc import at_rank
 
 pytestmark = pytest.mark.skipif(not ops.has_dgc_select_op(torch.zeros(1)), reason="needs the zen_ext C++ op")
 
@@ -178,7 +180,13 @@ def test_gather_list_any_order_and_range_check():
         ops.gather_list(g_T, torch.tensor([1, 63]))
 
 
-# --- zen_ext::dgc_threshold_search against the torch search loop (its oracle) -------------------------
+# --- zen_ext::dgc_threshold_search against its torch reference (the search loop, also the TP path) -------
+def search_loop(sorted_S, consts, v_C, unit_C, t_low, passes=4, **kw):
+    """The torch loop (``_reference_dgc.dgc_threshold_search``) on a bucket's search constants."""
+    return _reference_dgc.dgc_threshold_search(sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U, v_C,
+                                               unit_C, t_low, passes, **kw)
+
+
 def _search_case(dtype, unit_sizes, density, seed, spread=True):
     """A bucket's samples, constants and candidates as ``thresholds.sampled_thresholds`` builds them."""
     import zen_ext.compress.dgc.units as units
@@ -194,7 +202,7 @@ def _search_case(dtype, unit_sizes, density, seed, spread=True):
     consts = lay.search_constants(ns_U, k_U, list(unit_sizes), "cpu")
     sorted_S = units._sort_per_unit(samples, consts.unit_S)
     tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
-    t_low = units._at_rank(sorted_S, consts, consts.first_U * units.CANDIDATE_FACTOR).clamp(min=tiny)
+    t_low = at_rank(sorted_S, consts.start_U, consts.ns_U, consts.first_U * units.CANDIDATE_FACTOR).clamp(min=tiny)
     pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
     v_C = R.index_select(0, pos_C)
     unit_C = torch.searchsorted(lay.unit_ends_N, pos_C, right=True)
@@ -210,14 +218,11 @@ def _search_case(dtype, unit_sizes, density, seed, spread=True):
     ([8192, 8192 * 3, 1024] * 20, 0.02),                   # many units
 ])
 @pytest.mark.parametrize("passes", [0, 1, 4])
-def test_search_op_equals_the_torch_loop(dtype, unit_sizes, density, passes, monkeypatch):
+def test_search_op_equals_the_torch_loop(dtype, unit_sizes, density, passes):
     """Same thresholds and keep mask as the torch loop, after any number of passes (the early stop of a
     unit in the band changes nothing)."""
-    import zen_ext.compress.dgc.thresholds as dgc
-
     lay, consts, sorted_S, v_C, unit_C, t_low = _search_case(dtype, unit_sizes, density, seed=len(unit_sizes))
-    monkeypatch.setattr(dgc, "REFINE_PASSES", passes)
-    want_thr, want_keep = dgc.search_loop(sorted_S, consts, v_C, unit_C, t_low, None, lay)
+    want_thr, want_keep = search_loop(sorted_S, consts, v_C, unit_C, t_low, passes)
     thr, keep = ops.dgc_threshold_search(sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U,
                                          v_C, unit_C, t_low, passes)
     assert thr.dtype == dtype and keep.dtype == torch.bool and keep.shape == v_C.shape
@@ -233,16 +238,14 @@ def test_search_op_equals_the_torch_loop(dtype, unit_sizes, density, passes, mon
 def test_search_op_units_without_candidates_and_no_candidates_at_all():
     """A unit with no candidate keeps t_low or a probe above it and selects nothing; an empty candidate
     list gives every unit a threshold and an empty mask."""
-    import zen_ext.compress.dgc.thresholds as dgc
-
     lay, consts, sorted_S, v_C, unit_C, t_low = _search_case(torch.float32, [4096, 4096, 4096], 0.01, seed=3)
     drop = unit_C != 1  # unit 1 loses its candidates
     args = (sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U)
-    want = dgc.search_loop(sorted_S, consts, v_C[drop], unit_C[drop], t_low, None, lay)
+    want = search_loop(sorted_S, consts, v_C[drop], unit_C[drop], t_low)
     got = ops.dgc_threshold_search(*args, v_C[drop], unit_C[drop], t_low, 4)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and got[0][1] >= t_low[1]
     empty = ops.dgc_threshold_search(*args, v_C[:0], unit_C[:0], t_low, 4)
-    want = dgc.search_loop(sorted_S, consts, v_C[:0], unit_C[:0], t_low, None, lay)
+    want = search_loop(sorted_S, consts, v_C[:0], unit_C[:0], t_low)
     assert torch.equal(empty[0], want[0]) and empty[1].numel() == 0
 
 
@@ -251,15 +254,13 @@ def test_search_op_units_without_candidates_and_no_candidates_at_all():
 def test_search_padding_of_a_capacity_buffer_belongs_to_no_unit(pad):
     """Candidates padded as dgc_accumulate_select_ pads them (value 0, unit U): op and torch loop give the
     unpadded thresholds and mask, and never keep the padding (the op does not even scan it)."""
-    import zen_ext.compress.dgc.thresholds as dgc
-
     lay, consts, sorted_S, v_C, unit_C, t_low = _search_case(torch.float32, [4096, 70000, 512], 0.02, seed=9)
     args = (sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U)
     want_thr, want_keep = ops.dgc_threshold_search(*args, v_C, unit_C, t_low, 4)
     v_P = torch.cat([v_C, torch.zeros(pad)])
     unit_P = torch.cat([unit_C, torch.full((pad,), lay.units, dtype=torch.int64)])
     for thr, keep in (ops.dgc_threshold_search(*args, v_P, unit_P, t_low, 4),
-                      dgc.search_loop(sorted_S, consts, v_P, unit_P, t_low, None, lay)):
+                      search_loop(sorted_S, consts, v_P, unit_P, t_low)):
         assert torch.equal(thr, want_thr) and torch.equal(keep[: v_C.numel()], want_keep)
         assert not keep[v_C.numel():].any()
 
@@ -318,7 +319,7 @@ def test_sample_keys_and_sort_unkey_equal_the_torch_path(gdt, with_u, numels, de
     """Keys, their order, the decoded values and the candidates' threshold equal the torch path bit for
     bit: every sample position (index 0 and the last of each unit among them, since a unit of 1..8
     elements samples all of it), NaN/±inf/−0/huge values, ties, bf16/fp16 gradients widened."""
-    from zen_ext.compress.dgc.units import _at_rank, CANDIDATE_FACTOR, sample_shift
+    from zen_ext.compress.dgc.units import CANDIDATE_FACTOR, sample_shift
     R, U, g_T, lay = _sample_case(gdt, numels, seed=len(numels))
     U = U if with_u else None
     for step in (0, 1, 977):
@@ -333,7 +334,7 @@ def test_sample_keys_and_sort_unkey_equal_the_torch_path(gdt, with_u, numels, de
         tiny = torch.finfo(torch.float32).smallest_normal * torch.finfo(torch.float32).eps
         got_sorted, got_low = ops.dgc_sort_unkey(keys, consts.low_S, tiny, lay.key_bits)
         assert torch.equal(got_sorted.view(torch.int32), want_sorted.view(torch.int32))
-        want_low = _at_rank(want_sorted, consts, consts.first_U * CANDIDATE_FACTOR).clamp(min=tiny)
+        want_low = at_rank(want_sorted, consts.start_U, consts.ns_U, consts.first_U * CANDIDATE_FACTOR).clamp(min=tiny)
         assert torch.equal(got_low, want_low)
 
 
