@@ -121,14 +121,12 @@ def bench_dgc(device: str, reps: int, small: bool) -> list[str]:
     timer = Timer(device)
     rows = ["| bucket | dtype | threshold search | tensors | MiB | DGC ms (min/med/max) | 8 passes ms | DGC / 8 passes | "
             "launches | host syncs | transient × bucket |", "|---|---|---|---|---|---|---|---|---|---|---|"]
-    has_op = ops.has_dgc_search_op
     sync_lines: list[str] = []
     for name, dtype_name, dtype, search in [(b, dn, dt, s) for b in ("large", "bench")
                                             for dn, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))
                                             for s in ("op", "torch loop")]:
-        # The same bucket with the dgc_threshold_search op and with its torch-loop oracle, same run.
-        ops.has_dgc_search_op = has_op if search == "op" else (lambda *_: False)
-        try:
+        # The same bucket with the dgc_threshold_search op and with its torch-loop reference, same run.
+        with ops.force_reference(*(() if search == "op" else ("dgc_threshold_search",))):
             shapes = BUCKETS[name] if not small else BUCKETS[name][:5]
             bucket, numels = make_bucket(shapes if not small else [(s[0] // 8, s[1] // 8) for s in shapes], dtype,
                                          device, 0)
@@ -170,8 +168,6 @@ def bench_dgc(device: str, reps: int, small: bool) -> list[str]:
             rows.append(f"| {name} | {dtype_name} | {search} | {len(numels)} | {mib:.1f} | "
                         f"{mmm(t_dgc, 1e3)} | {mmm(t_pass, 1e3)} | {mmm(ratio, 1, '{:.1f}')}× | {launches} | {syncs} | "
                         f"{transient:.2f} |")
-        finally:
-            ops.has_dgc_search_op = has_op
     if sync_lines:
         rows += ["", "Where each bucket's host synchronizations come from:", ""] + sync_lines
     return rows

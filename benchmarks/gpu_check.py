@@ -337,7 +337,7 @@ def check_dgc_search(rep: Report, device: str) -> None:
             consts = lay.search_constants(ns_U, [max(1, math.ceil(density * n)) for n in sizes], list(sizes), "cpu")
             sorted_S = units._sort_per_unit(R.index_select(0, pos_S).abs(), consts.unit_S)
             tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
-            t_low = units._at_rank(sorted_S, consts, consts.first_U * units.CANDIDATE_FACTOR).clamp(min=tiny)
+            t_low = sorted_S.index_select(0, consts.low_S).clamp(min=tiny)  # the sample at rank CANDIDATE_FACTOR·first
             pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
             v_C, unit_C = R.index_select(0, pos_C), torch.searchsorted(lay.unit_ends_N, pos_C, right=True)
             args = (sorted_S, consts.start_U, consts.ns_U, consts.k_U, consts.first_U, v_C, unit_C, t_low)
@@ -346,7 +346,8 @@ def check_dgc_search(rep: Report, device: str) -> None:
                     want = ops.dgc_threshold_search(*args, dgc.REFINE_PASSES)
                     got = ops.dgc_threshold_search(*(a.to(device) for a in args), dgc.REFINE_PASSES)
                 else:
-                    want = dgc.search_loop(sorted_S, consts, v_C, unit_C, t_low, None, lay)
+                    with ops.force_reference("dgc_threshold_search"):  # the torch loop
+                        want = ops.dgc_threshold_search(*args, dgc.REFINE_PASSES)
                     got = ops.dgc_threshold_search(*args, dgc.REFINE_PASSES)
                 if not (torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])):
                     bad.append(f"{len(sizes)} units: thresholds or keep mask differ")

@@ -1,6 +1,6 @@
 // DGC's per-unit threshold search (zen_ext::dgc_threshold_search), the logic shared by the CPU op
 // (csrc/cpu/dgc_search.cpp) and the CUDA kernel (csrc/cuda/dgc_search.cu). It mirrors, operation for
-// operation, ``_ThresholdSearch`` of zen_ext/compress/dgc/units.py (the torch path: tensor parallelism, where
+// operation, ``_Search`` of zen_ext/ops/_reference_dgc.py (the torch reference: tensor parallelism, where
 // every pass's counts are all-reduced, and the tests' oracle). Thresholds are carried as doubles, which
 // hold every float, bf16 and fp16 value exactly; a new probe is rounded through the memory's dtype as
 // the torch path's ``.to(thr.dtype)`` rounds it.
@@ -13,7 +13,7 @@
 namespace zen_ext {
 namespace dgc {
 
-constexpr double kBandLo = 0.8, kBandHi = 1.25;  // REFINE_BAND of zen_ext/compress/dgc/units.py
+constexpr double kBandLo = 0.8, kBandHi = 1.25;  // REFINE_BAND of zen_ext/ops/_reference_dgc.py
 
 // A product that nvcc must not contract into a fused multiply-add with a neighbouring sum: the CPU
 // rounds the product first, and the two devices must compute the same probe.
@@ -23,7 +23,7 @@ constexpr double kBandLo = 0.8, kBandHi = 1.25;  // REFINE_BAND of zen_ext/compr
 #define ZEN_DMUL_RN(a, b) ((a) * (b))
 #endif
 
-// A new probe as a value of the memory's dtype, and no finer than float32 (``_ThresholdSearch.update``
+// A new probe as a value of the memory's dtype, and no finer than float32 (``_Search.update``
 // rounds the same way): in float64 the probe would carry the last-bit differences of ``log`` between
 // the CPU's libm and CUDA's into the threshold.
 template <typename scalar_t>
@@ -42,7 +42,7 @@ struct Search {
   bool done = false, has_over = false, has_under = false;
 };
 
-// The sample at 1-based (fractional) rank of the unit's descending sort (``_ThresholdSearch.at_rank``).
+// The sample at 1-based (fractional) rank of the unit's descending sort (``_reference_dgc.at_rank``).
 template <typename scalar_t>
 ZEN_HD double at_rank(const scalar_t* sorted, int64_t start, double ns, double rank) {
   double r = ceil(rank) - 1.0;
@@ -51,7 +51,7 @@ ZEN_HD double at_rank(const scalar_t* sorted, int64_t start, double ns, double r
   return static_cast<double>(sorted[start + static_cast<int64_t>(r)]);
 }
 
-// Record the count at ``thr`` and move ``thr`` to the next probe (``_ThresholdSearch.update``).
+// Record the count at ``thr`` and move ``thr`` to the next probe (``_Search.update``).
 template <typename scalar_t>
 ZEN_HD void update(Search& s, double c, double& thr, const scalar_t* sorted, int64_t start) {
   const double k = s.k, t = thr;

@@ -3,7 +3,7 @@
 // torch path makes four (add, two compares, nonzero), and the candidates' values with their positions
 // (no gather from the bucket afterwards). Bit-identical to that path (zen_ext/compress/dgc/sparsifier.py,
 // ``sampled_thresholds`` (zen_ext/compress/dgc/thresholds.py) is its caller; tests/ops/test_dgc_ops.py and
-// tests/unit/test_dgc.py hold it to the torch path).
+// tests/unit/test_dgc.py hold it to the torch path, tests/ops/test_dgc_reference.py to its reference).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

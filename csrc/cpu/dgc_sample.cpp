@@ -3,7 +3,8 @@
 // (csrc/cuda/dgc_sample.cu). The torch path they replace (``sampled_thresholds`` (zen_ext/compress/dgc/thresholds.py),
 // steps 1-3) dispatched about thirty small ops per bucket: offsets, two gathers, the velocity, abs,
 // nan_to_num, the key, then the decoding and the rank lookup; on a GPU each was a kernel launch.
-// tests/ops/test_dgc_ops.py holds both ops to that torch path bit for bit.
+// tests/ops/test_dgc_ops.py holds both ops to that torch path bit for bit, tests/ops/test_dgc_reference.py to
+// their references (zen_ext/ops/_reference_dgc.py).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

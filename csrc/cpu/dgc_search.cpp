@@ -1,7 +1,7 @@
 // CPU kernel of DGC's threshold search (zen_ext::dgc_threshold_search): every refinement pass of every
 // selection unit in one op, where the torch path issues about fifty small tensor ops per pass. The
 // per-unit logic is csrc/dgc_search.h, shared with the CUDA kernel (csrc/cuda/dgc_search.cu); the
-// torch path of zen_ext/compress/dgc/units.py (``_ThresholdSearch``) is its oracle (tests/ops/test_dgc_ops.py).
+// torch reference in zen_ext/ops/_reference_dgc.py is its oracle (tests/ops/test_dgc_reference.py).
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

@@ -1,6 +1,6 @@
-"""The package's import structure (issues 22 and 37): the layers import one way (core ← planner ←
+"""The package's import structure (issues 22 and 37): the layers import one way (ops ← core ← planner ←
 compress ← reduction ← engines, the offline tools of analysis/ on top), no import circle anywhere in
-zen_ext/, and no module over the line bound. Every import counts: at module level, inside functions
+zen_ext/, no module over the line bound, and no module outside ops/ asking whether a kernel exists. Every import counts: at module level, inside functions
 (lazy imports) and by name through ``importlib.import_module``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import ast
 import os
 
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "zen_ext")
-ORDER = ["core", "planner", "compress", "reduction", "engines", "analysis"]
+ORDER = ["ops", "core", "planner", "compress", "reduction", "engines", "analysis"]
 """A layer may import the layers before it, never one after it (nor the offline tools, last)."""
 KNOWN_CIRCLES: list[set[str]] = []
 """Import circles allowed for now (none: every circle is a failure)."""
@@ -183,3 +183,34 @@ def test_no_module_over_the_line_bound():
                 if n > MAX_MODULE_LINES:
                     long.append(f"{os.path.relpath(path, ROOT)}: {n} lines")
     assert not long, long
+
+
+KERNEL_QUERIES = ("HAVE_CPP_OP", "_has_kernel", "_dispatch_has_kernel_for_dispatch_key")
+"""What asks whether a compiled kernel exists: besides these, every ``ops.has_*`` (tests' and benchmarks'
+queries)."""
+
+
+def kernel_queries(path: str) -> list[str]:
+    """The names in ``path`` that ask whether a compiled kernel exists (``ops`` decides that, issue 37)."""
+    tree = ast.parse(open(path).read())
+    return sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                   and (node.attr in KERNEL_QUERIES or (node.attr.startswith("has_") and node.attr.endswith("_op")))})
+
+
+def test_only_ops_decides_between_kernel_and_reference():
+    """Callers just call an op; ``zen_ext.ops`` runs its kernel or its torch reference."""
+    bad = []
+    for dirpath, _, files in os.walk(ROOT):
+        if os.path.relpath(dirpath, ROOT).split(os.sep)[0] == "ops":
+            continue
+        for f in files:
+            path = os.path.join(dirpath, f)
+            if f.endswith(".py") and kernel_queries(path):
+                bad.append(f"{os.path.relpath(path, ROOT)}: {kernel_queries(path)}")
+    assert not bad, bad
+
+
+def test_the_kernel_query_check_sees_a_query(tmp_path):
+    m = tmp_path / "m.py"
+    m.write_text("from zen_ext import ops\nif ops.has_dgc_select_op(t) and ops.HAVE_CPP_OP:\n    pass\n")
+    assert kernel_queries(str(m)) == ["HAVE_CPP_OP", "has_dgc_select_op"]

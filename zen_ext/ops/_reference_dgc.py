@@ -132,8 +132,9 @@ class _Search:
         self.thr = at_rank(sorted_S, start_U, ns_U, first_U)
         self.done = torch.zeros(ns_U.shape[0], dtype=torch.bool, device=sorted_S.device)
         # Closest probe with too many selected (highest such threshold) and with too few (lowest).
-        self.has_over, self.t_over, self.c_over = self.done.clone(), torch.zeros_like(self.rank), torch.zeros_like(self.rank)
-        self.has_under, self.t_under, self.c_under = self.done.clone(), torch.zeros_like(self.rank), torch.zeros_like(self.rank)
+        zero = torch.zeros_like(self.rank)
+        self.has_over, self.t_over, self.c_over = self.done.clone(), zero, zero
+        self.has_under, self.t_under, self.c_under = self.done.clone(), zero, zero
 
     def update(self, count_U: torch.Tensor) -> None:
         """Record the counts at ``self.thr`` and move ``self.thr`` to the next probes."""
