@@ -1,10 +1,10 @@
 """DGC's sampled threshold search (``zen.dgc.threshold: "sampled"``): per selection unit, a threshold
 that keeps about ``density`` of it, found from a sample and refined on the candidates only
 (``sampled_thresholds``). ``sparsifier.py`` calls it; ``units.py`` holds what is fixed per bucket
-layout and the search's state.
+layout and the search's constants.
 
-Every step is a ``zen_ext.ops`` op (its kernel, or its pure-torch reference where the device has none):
-the search runs every pass of every unit in one op (``dgc_threshold_search``, logic in
+Its fused steps are ``zen_ext.ops`` ops (each its kernel, or its pure-torch reference where the device
+has none): the search runs every pass of every unit in one op (``dgc_threshold_search``, logic in
 csrc/dgc_search.h); under TP its torch loop all-reduces each pass's counts.
 
 Legend: ``_S`` samples, ``_C`` candidates, ``_K`` selected, ``_U`` selection units.

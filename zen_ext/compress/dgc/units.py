@@ -59,7 +59,6 @@ class _Layout:
         self.ends_U = torch.tensor(ends, dtype=torch.int64, device=device)
         self.starts_U = torch.tensor(ends - np.array(bpu), dtype=torch.int64, device=device)
         self.unit_ends_N = torch.tensor(np.cumsum(self.unit_numels), dtype=torch.int64, device=device)
-        self.unit_range_U1 = torch.arange(self.units + 1, dtype=torch.int64, device=device)
         # The bits a sample's sort key uses (unit · 2^32 + 31 bits of value): what the radix sort sorts.
         self.key_bits = 32 + max(1, (self.units - 1).bit_length())
         self._sample_grids: dict[tuple, tuple] = {}
