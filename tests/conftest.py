@@ -6,6 +6,13 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Every process the tests start finds the venv's tools first. DeepSpeed JIT-builds its shm comm op with
+# whichever `ninja` is on PATH; the venv's (1.13) and a system one (1.11) hash the same command
+# differently in the shared .ninja_log, so runs that alternate between them rebuilt the op each time
+# (40–70 s per rebuild, several per session).
+_BIN = os.path.dirname(sys.executable)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _BIN:
+    os.environ["PATH"] = _BIN + os.pathsep + os.environ.get("PATH", "")
 # Multi-process tests run under the NCCL rules (zen_ext/comm/nccl_guard.py): spawned workers inherit
 # the variable and fail on a lone isend/irecv or a tensor on a device the backend would refuse.
 os.environ.setdefault("ZEN_NCCL_GUARD", "1")
@@ -31,3 +38,18 @@ def pytest_sessionfinish(session, exitstatus):
             os.unlink(path)
         except OSError:  # another process removed it first
             pass
+
+
+def pytest_collection_modifyitems(config, items):
+    """Multi-process tests fork their gloo workers from one fork server (``zen_ext.comm.local``): when the
+    session has engine tests, the server imports the engines once too, so that no worker pays their
+    import (2–5 s each per rank on 2 cores)."""
+    from zen_ext.comm import local
+
+    # Not colossalai: one test file uses it in workers, and the other engines' workers never had it loaded.
+    engines = ("deepspeed", "transformers")
+    if any("/e2e/" in str(item.fspath) or "/multiproc/" in str(item.fspath) for item in items):
+        import importlib.util
+
+        local.FORKSERVER_PRELOAD += [m for m in engines
+                                     if m not in local.FORKSERVER_PRELOAD and importlib.util.find_spec(m)]
