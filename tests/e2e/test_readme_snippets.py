@@ -1,5 +1,5 @@
-"""Every code block a user would copy from README.md, docs/deepspeed.md and docs/colossalai.md runs
-as written.
+"""Every code block a user would copy from README.md, docs/deepspeed.md, docs/colossalai.md and
+docs/demo.md runs as written.
 
 Each fenced block carries a marker on the line before it: ``<!-- snippet: NAME -->`` (run here),
 ``<!-- snippet: NAME (output) -->`` (an example of printed output, checked against the summary's
@@ -39,7 +39,7 @@ from tests.multiproc.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
-DOCS = ("README.md", "docs/deepspeed.md", "docs/colossalai.md")
+DOCS = ("README.md", "docs/deepspeed.md", "docs/colossalai.md", "docs/demo.md")
 MARK = re.compile(r"^<!--\s*snippet:\s*([\w.-]+)\s*(?:\((output|not run:[^)]*)\))?\s*-->\s*$")
 FENCE = re.compile(r"^```(\w*)\s*$")
 MODEL = "configs/models/llama-tiny-untied.json"

@@ -88,11 +88,16 @@ def test_at_scale_reads_the_last_stats_record(tmp_path):
     assert demo.at_scale(os.path.join(str(tmp_path), "nowhere")) is None
 
 
-def test_readme_sample_has_the_demo_s_own_lines_in_order():
-    """The README's sample output shows what demo.main prints today, in the order it prints it."""
-    readme = open(os.path.join(demo.ROOT, "README.md")).read()
-    start = readme.index("<!-- snippet: demo-output (output) -->")
-    block = readme[start:readme.index("```", readme.index("```", start) + 3)]
+def _block(path: str, name: str) -> str:
+    """The fenced block after ``<!-- snippet: NAME (output) -->`` in ``path`` (repo-relative)."""
+    text = open(os.path.join(demo.ROOT, path)).read()
+    start = text.index(f"<!-- snippet: {name} (output) -->")
+    return text[start:text.index("```", text.index("```", start) + 3)]
+
+
+def test_demo_doc_sample_has_the_demo_s_own_lines_in_order():
+    """docs/demo.md's sample output shows what demo.main prints today, in the order it prints it."""
+    block = _block("docs/demo.md", "demo-output")
     marks = ["ZEN gradient synchronization summary (", "  train loss:", "ZEN run finished in ", "eval loss: step ",
              "[2/2] Model prediction, not a measurement", "Demo finished in "]
     at = [block.find(m) for m in marks]
@@ -100,6 +105,14 @@ def test_readme_sample_has_the_demo_s_own_lines_in_order():
     src = open(demo.__file__).read()
     for m in ("ZEN run finished in ", "eval loss: ", "Demo finished in "):
         assert m in src
+
+
+def test_readme_excerpt_is_lines_of_the_demo_doc_sample():
+    """The README's short excerpt copies its lines from docs/demo.md's full sample, so the numbers agree."""
+    full = _block("docs/demo.md", "demo-output").split("\n")
+    excerpt = [line for line in _block("README.md", "demo-summary").split("\n")[2:] if line.strip()]
+    assert excerpt[0].startswith("ZEN gradient synchronization summary (") and len(excerpt) >= 8, excerpt
+    assert [line for line in excerpt if line not in full] == []
 
 
 def test_steps_to_reach_interpolates_between_eval_points():
