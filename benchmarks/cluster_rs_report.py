@@ -11,7 +11,8 @@ each (tag, hosts, rate, workload)'s last run, and every run gets its own table b
 / max ms per reduce-scatter, the busiest rank's logical bytes against ``dense``'s, the interface bytes,
 the link bound and time / bound, the byte/round model's prediction, rounds, the exact check against
 ``dense``, and the machine's CPU; ``auto``'s line gives its choice, the model's pick, and its predicted
-time against the measured one.
+time against the measured one. ``benchmarks/bench_e2e.py``'s ZeRO-3 lines (``--e2e``, default
+``benchmarks/results/cluster_e2e_zero3.jsonl`` where it exists) get a section of tokens/s against dense ZeRO-3.
 """
 
 from __future__ import annotations
