@@ -36,7 +36,10 @@ def test_markdown_writer_on_canned_lines():
     assert "| auto → zen | 99.0 | **110** | 132 | 3.64× | 0.50 | 14.68× |" in text
     assert ("auto chose zen (the model's pick too): measured 110 ms, predicted 88.0 ms (error -20 %); fastest "
             "fixed scheme zen 100 ms, auto = 1.10× it.") in text
-    assert "commit abc1234" in text and "/tmp" not in text
+    assert "commit abc1234" in text and "/tmp" not in text and "interface sent" not in text
+    # gloo's dense reduce-scatter moving more than a ring's bytes is flagged.
+    doubled = report.render([_line("dense", 0.4, 7_340_032, wire_tx=[14_680_064] * 8)] + lines[1:])
+    assert "dense's interface sent 2.00× its logical (ring reduce-scatter) bytes" in doubled
     # A wrong result shows in both tables; a repeated scheme starts a new run.
     bad = report.render(lines[:2] + [_line("zen", 0.1, 500_000, equal=False)])
     assert "| **no** |" in bad and "**no** (max err 2)" in bad
