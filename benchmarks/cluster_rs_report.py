@@ -26,10 +26,13 @@ from cluster_common import read_jsonl  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKLOAD_NAMES = {"dgc1": "DGC 1 %", "dgc5": "DGC 5 %", "text_rows": "text rows (skewed embedding)"}
-DEFAULT_COMMANDS = [
-    "launch/netlab/launch.sh -n 8 -r 250mbit -- benchmarks/bench_rs_cluster.py run --out benchmarks/results/cluster_rs.jsonl",
-    "launch/netlab/launch.sh -n 16 -r 100mbit -- benchmarks/bench_rs_cluster.py run --out benchmarks/results/cluster_rs.jsonl",
-    ".venv/bin/python benchmarks/bench_e2e.py --hosts 8 --rate 250mbit --configs dense_z3,zen_dgc1_z3 "
+DEFAULT_COMMANDS = [  # as root, from the repository root, WORK a scratch folder (run_cluster_report.sh: /tmp/zen_cluster)
+    "launch/netlab/launch.sh -n 8 -r 250mbit --timeout 590 -- benchmarks/bench_rs_cluster.py run --quiet-wait 45 "
+    "--out benchmarks/results/cluster_rs.jsonl",
+    "launch/netlab/launch.sh -n 16 -r 100mbit --timeout 590 -- benchmarks/bench_rs_cluster.py run --quiet-wait 45 "
+    "--out benchmarks/results/cluster_rs.jsonl",
+    ".venv/bin/python benchmarks/bench_e2e.py --hosts 8 --rate 250mbit --model benchmarks/configs/llama-lab16.json "
+    "--configs dense_z3,zen_dgc1_z3 --reps 3 --steps 8 --quiet-wait 45 --work \"$WORK\"/e2e8_z3 "
     "--out benchmarks/results/cluster_e2e_zero3.jsonl",
     ".venv/bin/python benchmarks/cluster_rs_report.py",
 ]
@@ -183,7 +186,8 @@ def render(recs: list[dict], commands: list[str] | None = None, notes: list[str]
         "dense. Time: first rank's start to the last rank's end, min / **median** / max over interleaved "
         "repeats. Bytes: the Communicator's logical count of the busiest rank (max of sent and received); "
         "link bound: that over the TCP goodput of one host's link; wire: the interface's own count (headers "
-        "included). Predicted: `zen_ext/core/rs_auto.py`'s byte and round model on the lab's rate (α 50 µs). "
+        "included). Predicted: `zen_ext/core/rs_auto.py`'s byte and round model on the lab's rate "
+        f"(α {recs[0].get('latency_us', 50):g} µs). "
         "`= dense`: the shard equals the dense reduce-scatter's exactly on every rank (integer-valued inputs). "
         "Workloads as `benchmarks/bench_reduce_scatter.py` (its bytes in SimWorld: "
         "[reduce_scatter.md](reduce_scatter.md)).",
