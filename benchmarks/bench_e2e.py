@@ -16,6 +16,12 @@ fused step), and dense on the config's AdamW: each as a user gets it. DGC's dens
   (DGC on every parameter of ≥ ``dgc.min_numel`` elements, the embedding included);
 * ``zen_natural``: ``{"scheme": "zen"}`` with natural sparsity only: the untied embedding's non-zero
   rows go through ZEN, everything else through the dense all-reduce (lossless: same losses as dense);
+* ``dense_z3`` / ``zen_dgc1_z3`` / ``zen_dgc5_z3`` / ``zen_natural_z3``: ZeRO-3 as
+  ``configs/demo_ds_zero3.json`` sets it (``reduce_scatter`` on), DeepSpeed's dense reduce-scatter vs
+  ZEN's reduce-scatter (each rank receives only its partition; issue 39); not in the default list (run
+  as root, not under ``launch.sh``: the script starts the lab itself, e.g. ``bench_e2e.py --hosts 8
+  --rate 250mbit --configs dense_z3,zen_dgc1_z3``).
+  Each configuration is compared with the dense one of its ZeRO settings (``baseline_of``);
 * ``zen_dgc10`` / ``zen_dgc20``: DGC at 10 % / 20 % (not in the default list: time to quality);
 * ``zen_dgc1_b8`` / ``zen_dgc1_b8_async``: DGC 1 % with 8 MB ZEN buckets, in turn / pipelined with
   ``zen.async_sync`` (not in the default list; benchmarks/results/deepspeed_pipeline.md);
@@ -51,6 +57,10 @@ from cluster_common import append_jsonl, goodput_bytes_per_s, mmm, portable_path
 DEFAULT_MODEL = os.path.join(ROOT, "benchmarks", "configs", "llama-bench.json")
 RECIPE = os.path.join(ROOT, "recipes", "finetune_llm.py")
 _Z2_OVERLAP = {"stage": 2, "overlap_comm": True, "reduce_bucket_size": 2_000_000}
+# ZeRO-3 as the ZeRO-3 demo sets it (parameters, gradients and optimizer state sharded; reduce_scatter on,
+# so the zen configurations run ZEN's reduce-scatter: docs/deepspeed_zero3.md).
+with open(os.path.join(ROOT, "configs", "demo_ds_zero3.json")) as _f:
+    _Z3 = json.load(_f)["zero_optimization"]
 CONFIGS = {
     "dense": dict(describe="DeepSpeed all-reduce", zen=None),
     "zen_dgc1": dict(describe="zen, DGC 1 %", zen={"scheme": "zen", "dgc": {"enabled": True, "density": 0.01},
@@ -80,7 +90,23 @@ CONFIGS = {
                                                      "natural": {"enabled": False}}),
     "zen_natural": dict(describe="zen, embedding rows (rest dense)",
                         zen={"scheme": "zen", "natural": {"enabled": True}, "dgc": {"enabled": False}}),
+    # ZeRO-3 (issue 39): DeepSpeed's dense reduce-scatter against ZEN's, each rank receiving only its
+    # partition; not in the default list. DGC needs gradient_accumulation_steps 1 under ZeRO-3 (set above).
+    "dense_z3": dict(describe="DeepSpeed ZeRO-3, dense reduce-scatter", zero=_Z3, zen=None),
+    "zen_dgc1_z3": dict(describe="zen reduce-scatter, DGC 1 %, ZeRO-3", zero=_Z3, zen={
+        "scheme": "zen", "dgc": {"enabled": True, "density": 0.01}, "natural": {"enabled": False}}),
+    "zen_dgc5_z3": dict(describe="zen reduce-scatter, DGC 5 %, ZeRO-3", zero=_Z3, zen={
+        "scheme": "zen", "dgc": {"enabled": True, "density": 0.05}, "natural": {"enabled": False}}),
+    "zen_natural_z3": dict(describe="zen reduce-scatter, embedding rows (rest dense), ZeRO-3", zero=_Z3,
+                           zen={"scheme": "zen", "natural": {"enabled": True}, "dgc": {"enabled": False}}),
 }
+
+
+def baseline_of(name: str) -> str | None:
+    """The dense configuration with ``name``'s ZeRO settings (``dense`` for ZeRO-0, ``dense_z3`` for ZeRO-3):
+    ratios and the bytes a dense step sends are taken against it."""
+    zero = CONFIGS[name].get("zero", {"stage": 0})
+    return next((k for k, c in CONFIGS.items() if c["zen"] is None and c.get("zero", {"stage": 0}) == zero), None)
 
 
 def ds_config(name: str, a) -> dict:
@@ -192,17 +218,25 @@ def main(argv=None) -> int:
                   f"final loss {r['steps'][-1]['loss']:.4f}, run {r['wall_s']:.0f} s, load {busy[name][-1]:.2f}",
                   flush=True)
     recs = {name: summarize(name, runs[name], a, busy[name]) for name in names}
-    # What DeepSpeed's ring all-reduce sends per step, as ZEN's statistics count it for the same buckets.
-    dense_bytes = next((r["dense_bytes_per_step"] for r in recs.values() if r.get("dense_bytes_per_step")), None)
+    # What the dense collective sends per step for the same buckets (DeepSpeed's ring all-reduce, or its
+    # reduce-scatter under ZeRO-3), as ZEN's statistics count it: per ZeRO setting, from a zen configuration.
     goodput = goodput_bytes_per_s(a.rate)
-    for r in recs.values():
+    for name, r in recs.items():
+        base = baseline_of(name)
+        dense_bytes = next((x["dense_bytes_per_step"] for k, x in recs.items()
+                            if x.get("dense_bytes_per_step") and baseline_of(k) == base), None)
         if dense_bytes:
-            r["dense_allreduce_bound_s"] = dense_bytes / goodput if goodput else None
-            if r["config"] == "dense":
+            r["dense_bound_s"] = dense_bytes / goodput if goodput else None
+            if base == "dense":  # the key benchmarks/cluster_report.py reads
+                r["dense_allreduce_bound_s"] = r["dense_bound_s"]
+            if name == base:
                 r["bytes_sent_per_step"] = dense_bytes
-    dense_med = recs["dense"]["tokens_per_s_med"] if "dense" in recs else None
     for name, rec in recs.items():
-        vs = f", {rec['tokens_per_s_med'] / dense_med:.2f}x dense" if dense_med and name != "dense" else ""
+        base = baseline_of(name)
+        dense_med = recs[base]["tokens_per_s_med"] if base in recs and base != name else None
+        rec["baseline"] = base
+        rec["vs_baseline"] = rec["tokens_per_s_med"] / dense_med if dense_med else None
+        vs = f", {rec['tokens_per_s_med'] / dense_med:.2f}x {base}" if dense_med else ""
         print(f"{name:>12}: tokens/s {rec['tokens_per_s_min']:.0f} / {rec['tokens_per_s_med']:.0f} / "
               f"{rec['tokens_per_s_max']:.0f} (min/median/max of {rec['reps']} runs){vs}", flush=True)
         if a.out:
