@@ -6,7 +6,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 config="$1"
 shift
-export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$root/.venv/bin:$PATH" OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}"
 if [[ -n "${HOSTFILE:-}" ]]; then
   hosts=(--hostfile "$HOSTFILE")
 else

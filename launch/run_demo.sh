@@ -6,5 +6,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 bash launch/setup.sh
-export OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1
+# The venv's tools first: DeepSpeed JIT-builds its ops with the `ninja` on PATH, and two ninja versions
+# sharing its build cache rebuild the op (40-70 s) each time they alternate.
+export PATH="$root/.venv/bin:$PATH" OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1
 exec .venv/bin/python -m zen_ext demo "$@"
