@@ -11,7 +11,7 @@ from zen_ext import SimWorld, SparseGrad, build_scheme
 from zen_ext.comm import gather
 
 _SCHEMES_128 = ("zen", "zen_coo", "agsparse", "sparse_ps", "omnireduce", "sparcml")
-_SCHEMES_1024 = ("zen", "agsparse")
+_SCHEMES_1024 = ("zen",)  # the pull issue 38 is about; agsparse gathers the same way and is checked at 128
 
 
 def _inputs(n: int, numel: int, nnz: int) -> tuple[list[SparseGrad], torch.Tensor]:
