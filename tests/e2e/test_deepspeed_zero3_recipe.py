@@ -51,6 +51,7 @@ def test_recipe_runs_zero3_with_zen(tmp_path):
     out = proc.stdout
     assert "ZEN on DeepSpeed ZeRO-3" in out and "reduce-scatter zen (ZeRO-3" in out, out[-3000:]
     assert "ZEN gradient synchronization summary (2 ranks, 3 optimizer steps)" in out
+    assert "per rank  vs  DeepSpeed's dense reduce-scatter" in out  # what dense_bytes counts here
     with open(os.path.join(str(tmp_path / "run"), "train_log.jsonl")) as f:
         log = [json.loads(line) for line in f]
     assert [r["step"] for r in log] == [1, 2, 3]

@@ -80,6 +80,7 @@ class ShardedReduceMixin:
 
     def _install_sharded(self) -> None:
         opt = self.engine.optimizer
+        self.stats.dense_name = "DeepSpeed's dense reduce-scatter"  # what dense_bytes counts on this path
         self._rs_layouts: dict[tuple, tuple] = {}
         self._rs_pending = None
         if self.stage == 3:
