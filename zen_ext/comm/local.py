@@ -9,10 +9,10 @@ and ``os._exit`` because DDP + gloo on torch 2.13 aborts at interpreter exit in 
 Workers start from a fork server that has imported ``FORKSERVER_PRELOAD`` once (torch, zen_ext): a
 worker costs a fork, not an interpreter start and torch's import (~0.1 s instead of 2–7 s for four
 ranks on 2 cores). A worker runs with the caller's environment as it is at the call (the fork server's
-own was fixed when it started), and imports ``fn``'s module itself, as under ``spawn``; variables read at import time (``ZEN_DISABLE_CPP_OP``)
-keep the value they had when the fork server started. Callers that
-know their workers import more (a test suite running DeepSpeed) extend ``FORKSERVER_PRELOAD`` before
-the first call.
+own was fixed when it started), and imports ``fn``'s module itself, as under ``spawn``. Variables read
+at import time (``ZEN_DISABLE_CPP_OP``) keep the value they had when the fork server started. Callers
+that know their workers import more (a test suite running DeepSpeed) extend ``FORKSERVER_PRELOAD``
+before the first call.
 
 With ``ZEN_NCCL_GUARD=1`` in the environment (``tests/conftest.py`` sets it), each worker runs under
 ``zen_ext.comm.nccl_guard``: a lone ``isend``/``irecv`` or a tensor on the wrong device fails the test.
