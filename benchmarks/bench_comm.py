@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster_common import (  # noqa: E402
-    Lab, SpanProbe, append_jsonl, finish_process, init_from_env, mmm, portable_path, wait_quiet,
+    Lab, SpanProbe, append_jsonl, finish_process, init_from_env, mmm, portable_path, rotated, wait_quiet_all,
 )
 
 if TYPE_CHECKING:
@@ -218,14 +218,11 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
     del ref
 
     # Step 3: interleaved repeats, after waiting (bounded) for an idle machine.
-    pre_busy = -1.0
-    if a.quiet_wait > 0:
-        pre_busy = wait_quiet(a.quiet_wait, a.quiet_level) if rank == 0 else -1.0
-        dist.barrier()
+    pre_busy = wait_quiet_all(a.quiet_wait, a.quiet_level, rank)
     names = list(schemes)
     recs: dict[str, list[dict]] = {name: [] for name in names}
     for rep in range(a.reps):
-        order = names[rep % len(names):] + names[: rep % len(names)]
+        order = rotated(names, rep)
         for name in order:
             dist.barrier()
             before = comm.stats.snapshot()

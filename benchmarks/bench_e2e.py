@@ -52,7 +52,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_common import append_jsonl, goodput_bytes_per_s, mmm, portable_path, read_jsonl, wait_quiet  # noqa: E402
+from cluster_common import append_jsonl, goodput_bytes_per_s, mmm, portable_path, read_jsonl, rotated, wait_quiet  # noqa: E402
 
 DEFAULT_MODEL = os.path.join(ROOT, "benchmarks", "configs", "llama-bench.json")
 RECIPE = os.path.join(ROOT, "recipes", "finetune_llm.py")
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     runs: dict[str, list[dict]] = {n: [] for n in names}
     busy: dict[str, list[float]] = {n: [] for n in names}
     for rep in range(a.reps):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+        for name in rotated(names, rep):
             busy[name].append(wait_quiet(a.quiet_wait, a.quiet_level) if a.quiet_wait > 0 else -1.0)
             r = run_once(name, rep, a)
             runs[name].append(r)

@@ -41,7 +41,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from cluster_common import (  # noqa: E402
-    Lab, SpanProbe, append_jsonl, finish_process, init_from_env, mmm, wait_quiet,
+    Lab, SpanProbe, append_jsonl, finish_process, init_from_env, mmm, rotated, wait_quiet_all,
 )
 
 SCHEMES = ("dense", "direct", "zen", "auto")
@@ -156,14 +156,11 @@ def run_workload(a, lab: Lab, label: str, comm, rank: int, n: int) -> list[dict]
     del ref
 
     # Step 3: interleaved repeats.
-    pre_busy = -1.0
-    if a.quiet_wait > 0:
-        pre_busy = wait_quiet(a.quiet_wait, a.quiet_level) if rank == 0 else -1.0
-        dist.barrier()
+    pre_busy = wait_quiet_all(a.quiet_wait, a.quiet_level, rank)
     names = list(schemes)
     recs: dict[str, list[dict]] = {name: [] for name in names}
     for rep in range(a.reps):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+        for name in rotated(names, rep):
             dist.barrier()
             before = comm.stats.snapshot()
             timings: dict = {}

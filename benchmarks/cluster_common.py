@@ -132,6 +132,25 @@ def wait_quiet(max_s: float, level: float) -> float:
             return busy
 
 
+def wait_quiet_all(max_s: float, level: float, rank: int) -> float:
+    """``wait_quiet`` on rank 0, then a barrier, so every rank starts its repeats together; rank 0's busy
+    fraction (``-1.0`` elsewhere, and when ``max_s`` is 0: no wait)."""
+    if max_s <= 0:
+        return -1.0
+    import torch.distributed as dist
+
+    busy = wait_quiet(max_s, level) if rank == 0 else -1.0
+    dist.barrier()
+    return busy
+
+
+def rotated(names: list, rep: int) -> list:
+    """Repeat ``rep``'s order: ``names`` rotated by ``rep``, so a slow drift of the shared machine hits
+    every variant alike (interleaved repeats)."""
+    k = rep % len(names)
+    return names[k:] + names[:k]
+
+
 # --- one timed operation over all ranks ---------------------------------------------------------
 class SpanProbe:
     """Measures one operation on every rank; ``finish`` all-gathers the numbers to every rank.
