@@ -49,7 +49,7 @@ fi
 # Step 2: engines and tools, every install constrained so that nothing can replace torch.
 log "installing deepspeed, transformers, datasets, test tools"
 "${pip[@]}" install -c "$constraints" "deepspeed==0.19.8" "transformers==4.51.3" datasets tokenizers \
-  pytest pytest-timeout hypothesis numpy tqdm psutil packaging rich click contexttimer ninja \
+  pytest pytest-timeout pytest-xdist hypothesis numpy tqdm psutil packaging rich click contexttimer ninja \
   safetensors einops pydantic sentencepiece protobuf "peft==0.13.2" accelerate matplotlib setuptools wheel
 
 # Step 3: colossalai 0.5.0 pins torch<=2.5.1, so it goes in --no-deps; galore_torch and bitsandbytes

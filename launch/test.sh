@@ -4,6 +4,9 @@
 #   bash launch/test.sh --quick    the quick tier for work in progress: tests/unit and tests/ops without
 #                                  the tests marked slow or nvcc (CUDA compile checks); a few minutes
 # Extra arguments go to pytest, e.g. `bash launch/test.sh -m "not slow"` or `bash launch/test.sh tests/unit`.
+# Test files run on ZEN_TEST_WORKERS pytest-xdist workers (default: the CPU count, at most 4; 1 runs
+# them in this process). A file's tests stay on one worker, in order (--dist loadfile), so a module's
+# fixtures run once; most tests wait on subprocesses (launchers, gloo ranks, nvcc) and leave a core idle.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -16,4 +19,8 @@ bash launch/setup.sh
 # The venv's tools first: DeepSpeed JIT-builds its ops with the `ninja` on PATH, and two ninja versions
 # sharing its build cache rebuild the op (40-70 s) each time they alternate.
 export PATH="$root/.venv/bin:$PATH" OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1
-exec .venv/bin/python -m pytest -ra --durations=15 "${quick[@]}" "$@"
+workers="${ZEN_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
+(( workers > 4 )) && workers=4
+xdist=()
+(( workers > 1 )) && xdist=(-n "$workers" --dist loadfile)
+exec .venv/bin/python -m pytest -ra --durations=15 "${xdist[@]}" "${quick[@]}" "$@"

@@ -20,8 +20,14 @@ os.environ.setdefault("ZEN_NCCL_GUARD", "1")
 # DeepSpeed's CPU shared-memory all-reduce (its deepspeed_shm_comm op) creates one /dev/shm buffer per
 # rank, named by the master port, and never unlinks it (about 69 MB each). The tests launch DeepSpeed on a
 # free port each time, so a run of the suite would leave about 1 GB of RAM behind in /dev/shm, and
-# repeated runs on one machine end in the OOM killer. The session removes the buffers it created.
+# repeated runs on one machine end in the OOM killer. The session removes the buffers it created: the
+# whole session, so under pytest-xdist only the controller (a worker that finished first would unlink
+# the buffers of a DeepSpeed run still going on another worker).
 _DS_SHM = "/dev/shm/deepspeed_allreduce_buffer_*"
+
+
+def _xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
 
 
 def pytest_sessionstart(session):
@@ -33,6 +39,8 @@ def pytest_sessionstart(session):
 def pytest_sessionfinish(session, exitstatus):
     import glob
 
+    if _xdist_worker(session.config):
+        return
     for path in set(glob.glob(_DS_SHM)) - getattr(session.config, "_zen_shm_before", set()):
         try:
             os.unlink(path)
