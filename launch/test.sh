@@ -19,7 +19,7 @@ bash launch/setup.sh
 # The venv's tools first: DeepSpeed JIT-builds its ops with the `ninja` on PATH, and two ninja versions
 # sharing its build cache rebuild the op (40-70 s) each time they alternate.
 export PATH="$root/.venv/bin:$PATH" OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1
-workers="${ZEN_TEST_WORKERS:-$(nproc 2>/dev/null || echo 1)}"
+workers="${ZEN_TEST_WORKERS:-$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)}"  # not nproc: it obeys OMP_NUM_THREADS
 (( workers > 4 )) && workers=4
 xdist=()
 (( workers > 1 )) && xdist=(-n "$workers" --dist loadfile)
