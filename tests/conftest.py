@@ -48,11 +48,25 @@ def pytest_sessionfinish(session, exitstatus):
             pass
 
 
+# The files that took over a minute each on 2 cores (`--durations`): collected first, so that pytest-xdist
+# (launch/test.sh, --dist loadfile hands out files in collection order) starts them early and no worker
+# ends the run alone with one of them. Order inside a file is kept.
+LONG_FILES = ("tests/ops/test_cuda_compile.py", "tests/e2e/test_readme_snippets.py",
+              "tests/e2e/test_colossalai_recipe.py", "tests/e2e/test_deepspeed_recipe.py",
+              "tests/e2e/test_deepspeed_engine.py", "tests/e2e/test_deepspeed_zero3.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Multi-process tests fork their gloo workers from one fork server (``zen_ext.comm.local``): when the
-    session has engine tests, the server imports the engines once too, so that no worker pays their
-    import (2–5 s each per rank on 2 cores)."""
+    """Long files first (``LONG_FILES``). Multi-process tests fork their gloo workers from one fork server
+    (``zen_ext.comm.local``): when the session has engine tests, the server imports the engines once
+    too, so that no worker pays their import (2–5 s each per rank on 2 cores)."""
     from zen_ext.comm import local
+
+    def rank(item) -> int:
+        path = os.path.relpath(str(item.fspath), ROOT)
+        return LONG_FILES.index(path) if path in LONG_FILES else len(LONG_FILES)
+
+    items[:] = sorted(items, key=rank)  # stable: collection order otherwise
 
     # Not colossalai: one test file uses it in workers, and the other engines' workers never had it loaded.
     engines = ("deepspeed", "transformers")

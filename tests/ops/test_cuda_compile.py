@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import glob
+import hashlib
 import math
 import os
 import re
@@ -130,11 +131,61 @@ def _check_object_links(obj) -> None:
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _BUILDS: dict[str, concurrent.futures.Future] = {}
 KEEP_PTX = (PULL_CU, SELECT_CU, SAMPLE_CU)  # the tests that read their PTX
+# A successful compile is kept, as ccache would, under a key of everything that shapes it: nvcc's
+# version, the command line, torch's version and every file under csrc/ and tests/ops/*.cu. Any change
+# to them compiles again (and can fail); an unchanged tree reuses the object, ptxas's report and the
+# PTX, and every check below still runs on them. ZEN_NVCC_CACHE=0 turns it off; ZEN_NVCC_CACHE=<dir>
+# moves it (default ~/.cache/zen_ext/nvcc).
+_CACHE_SETTING = os.environ.get("ZEN_NVCC_CACHE", "")
+CACHE_DIR = None if _CACHE_SETTING == "0" else (
+    _CACHE_SETTING or os.path.join(os.path.expanduser("~"), ".cache", "zen_ext", "nvcc"))
 
 
 @pytest.fixture(scope="module")
 def build_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("nvcc")
+
+
+def _inputs_digest() -> str:
+    h = hashlib.sha256()
+    version = subprocess.run([NVCC, "--version"], capture_output=True, text=True).stdout
+    h.update(f"{version}\ntorch {torch.__version__}\n".encode())
+    files = sorted(glob.glob(os.path.join(ROOT, "csrc", "**", "*"), recursive=True)
+                   + glob.glob(os.path.join(ROOT, "tests", "ops", "*.cu")))
+    for f in files:
+        if os.path.isfile(f):
+            h.update(os.path.relpath(f, ROOT).encode())
+            with open(f, "rb") as fh:
+                h.update(hashlib.sha256(fh.read()).digest())
+    return h.hexdigest()
+
+
+def _nvcc_cached(args: list[str], out, keep, digest: str) -> subprocess.CompletedProcess:
+    """``nvcc args`` writing ``out`` (and PTX into ``keep``), or the kept result of the same inputs."""
+    key = hashlib.sha256((digest + "\0".join(a.replace(str(out.parent), "<build>") for a in args)).encode()).hexdigest()
+    entry = os.path.join(CACHE_DIR, key[:32]) if CACHE_DIR else None
+    if entry and os.path.isfile(os.path.join(entry, "stderr")):
+        shutil.copy(os.path.join(entry, "out"), out)
+        os.chmod(out, 0o755)
+        if keep is not None:
+            for f in glob.glob(os.path.join(entry, "*.ptx")):
+                shutil.copy(f, keep)
+        with open(os.path.join(entry, "stderr")) as fh:
+            return subprocess.CompletedProcess([NVCC, *args], 0, "", fh.read())
+    proc = subprocess.run([NVCC, *args], capture_output=True, text=True, timeout=900)
+    if entry and proc.returncode == 0:
+        tmp = f"{entry}.tmp{os.getpid()}"
+        os.makedirs(tmp, exist_ok=True)
+        shutil.copy(out, os.path.join(tmp, "out"))
+        for f in glob.glob(str(keep / "*.ptx")) if keep is not None else ():
+            shutil.copy(f, tmp)
+        with open(os.path.join(tmp, "stderr"), "w") as fh:
+            fh.write(proc.stderr)
+        try:
+            os.rename(tmp, entry)  # atomic: a concurrent session sees all of it or none
+        except OSError:  # another session stored it first
+            shutil.rmtree(tmp, ignore_errors=True)
+    return proc
 
 
 def _start_builds(build_dir) -> None:
@@ -143,6 +194,7 @@ def _start_builds(build_dir) -> None:
         return
     _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1))
     flags = _torch_nvcc_flags()
+    digest = _inputs_digest()
     for cu in (KERNEL_CU, PULL_CU, SEARCH_CU, SELECT_CU, SAMPLE_CU, KEPT_CU, CATCH_UP_CU):
         obj = build_dir / (os.path.basename(cu) + ".o")
         keep = build_dir / (os.path.basename(cu) + ".keep")
@@ -150,11 +202,25 @@ def _start_builds(build_dir) -> None:
         if extra:
             keep.mkdir()
         args = ["-c", cu, "-o", str(obj), *flags, *GENCODE, "-Xptxas", "-v", *extra]
-        _BUILDS[cu] = _POOL.submit(subprocess.run, [NVCC, *args], capture_output=True, text=True, timeout=900)
+        _BUILDS[cu] = _POOL.submit(_nvcc_cached, args, obj, keep if extra else None, digest)
+    exe = build_dir / "hash_kernel_harness"
     _BUILDS[HARNESS_CU] = _POOL.submit(
-        subprocess.run, [NVCC, "-std=c++17", "-O2", *GENCODE, "-Xptxas", "-v", HARNESS_CU, "-o",
-                         str(build_dir / "hash_kernel_harness")], capture_output=True, text=True, timeout=900)
+        _nvcc_cached, ["-std=c++17", "-O2", *GENCODE, "-Xptxas", "-v", HARNESS_CU, "-o", str(exe)], exe, None, digest)
     _POOL.shutdown(wait=False)
+
+
+def test_compile_cache_key_covers_every_source(tmp_path, monkeypatch):
+    # A kept compile is reused only for the same inputs: any byte of csrc/ or a test .cu changes the key.
+    shutil.copytree(os.path.join(ROOT, "csrc"), tmp_path / "csrc")
+    (tmp_path / "tests" / "ops").mkdir(parents=True)
+    shutil.copy(HARNESS_CU, tmp_path / "tests" / "ops")
+    monkeypatch.setitem(globals(), "ROOT", str(tmp_path))
+    before = _inputs_digest()
+    assert _inputs_digest() == before
+    for edited in (tmp_path / "csrc" / "cuda" / "dgc_kept.cu", tmp_path / "tests" / "ops" / "hash_kernel_harness.cu"):
+        edited.write_text(edited.read_text() + "\n// edited\n")
+        assert _inputs_digest() != before
+        before = _inputs_digest()
 
 
 def _built(cu: str, build_dir) -> subprocess.CompletedProcess:
