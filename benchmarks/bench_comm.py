@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -187,7 +188,10 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
         outs = []
         for key, g in (mine_dense if scheme.name == "dense" else mine).items():
             t: dict = {}
-            res = scheme.sync(comm, g, key=key, timings=t, out=outs_buf.get(key))
+            # One slot per scheme and slice, as a Synchronizer's bucket: exchanges carry their counts in
+            # the payload from the second call on (comm/base.py); --count-round measures the old form.
+            with (nullcontext() if a.count_round else comm.slot((scheme.name, key))):
+                res = scheme.sync(comm, g, key=key, timings=t, out=outs_buf.get(key))
             # The warm-up round (no timings) compares the results afterwards: keep copies.
             outs.append(res.clone() if outs_buf and timings is None else res)
             if timings is not None:
@@ -269,6 +273,7 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
             wire_tx=[statistics.median(r["wire_tx"][k] for r in rs) for k in range(n)],
             bound_s=bound, eff=bound / t_med if lab.goodput else None, rounds=rounds,
             gather_rounds=ag_rounds, gather_bound_s=ag_bound, gather_impl=comm.gather_impl,
+            counts="round" if a.count_round else "inline",
             auto_predicted_s=(_auto_predicted(schemes[name], list(mine), rank) if name == AUTO else None),
             latency_us=a.latency_us, modeled_s=modeled_time_s(stats, net) if net else None,
             **preds.get(name, dict(predicted_s=None, predicted_max_sent=None)),
@@ -344,6 +349,9 @@ def main(argv=None) -> int:
     pr.add_argument("--tag", default="")
     pr.add_argument("--gather-impl", default="auto", choices=["auto", "direct", "ring", "bruck", "bruck4"],
                     help="the all-gather's rounds (zen_ext/comm/gather.py); 'direct' is the pre-issue-38 structure")
+    pr.add_argument("--count-round", action="store_true",
+                    help="exchanges send their counts in a round of their own (no slot), as before the "
+                         "count-carrying exchange")
     pr.add_argument("--fresh-result", action="store_true",
                     help="a new result tensor per sync instead of one reused buffer per slice (out=)")
     a = p.parse_args(argv)

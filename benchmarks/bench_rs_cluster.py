@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 
@@ -143,7 +144,10 @@ def run_workload(a, lab: Lab, label: str, comm, rank: int, n: int) -> list[dict]
 
     def one(name: str, timings: dict | None) -> torch.Tensor:
         x = mine_dense if name == "dense" else mine
-        return schemes[name].reduce_scatter(comm, x, ranges, op="sum", out=out, timings=timings, key=label)
+        # One slot per scheme, as a Synchronizer's bucket: exchanges carry their counts in the payload
+        # from the second call on (comm/base.py); --count-round measures the old form.
+        with (nullcontext() if a.count_round else comm.slot((name, label))):
+            return schemes[name].reduce_scatter(comm, x, ranges, op="sum", out=out, timings=timings, key=label)
 
     # Step 2: warm-up and the exact check against dense.
     ref = one("dense", None).clone()
@@ -207,7 +211,7 @@ def summarize(name: str, rs: list[dict], check: dict, preds: dict, lab: Lab, n: 
         why=rs[0]["why"] if name == "auto" else None, phases=phases, check_equal=check["equal"],
         check_max_abs_err=check["max_abs_err"], cpu_all=statistics.median(r["cpu_all"] for r in rs),
         cpu_ours=statistics.median(r["cpu_ours"] for r in rs), foreign=statistics.median(r["foreign"] for r in rs),
-        pre_busy=pre_busy, inputs_s=t_inputs, tag=a.tag, commit=_commit(),
+        pre_busy=pre_busy, inputs_s=t_inputs, tag=a.tag, commit=_commit(), counts="round" if a.count_round else "inline",
         utc=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
         records=[dict(span=r["span"], cpu_all=r["cpu_all"], cpu_ours=r["cpu_ours"], foreign=r["foreign"])
                  for r in rs],
@@ -263,6 +267,9 @@ def main(argv=None) -> int:
     pr.add_argument("--quiet-level", type=float, default=0.3)
     pr.add_argument("--out", default=None, help="append JSON lines here (rank 0)")
     pr.add_argument("--tag", default="", help="a label of this run (cluster_rs_report.py shows it)")
+    pr.add_argument("--count-round", action="store_true",
+                    help="exchanges send their counts in a round of their own (no slot), as before the "
+                         "count-carrying exchange")
     a = p.parse_args(argv)
     if a.reps < 1:
         raise SystemExit(f"--reps ({a.reps}) must be >= 1")

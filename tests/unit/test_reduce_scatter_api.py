@@ -270,3 +270,36 @@ def test_an_index_outside_the_gradient_is_named():
     bad = SparseGrad(torch.tensor([3, 10]), torch.ones(2), 10)
     with pytest.raises(RuntimeError, match=r"reduce-scatter 'zen': grad.indices \(10\) must lie in \[0, 10\)"):
         SimWorld(1).run(lambda comm: rs.reduce_scatter(comm, bad, [(0, 10)]))  # SimWorld wraps the ValueError
+
+
+@pytest.mark.parametrize("scheme,rounds", [("zen", 2), ("direct", 1)])
+def test_reduce_scatter_flat_carries_counts_in_the_payload_from_the_second_step(scheme, rounds):
+    # The Synchronizer runs each bucket layout in a Communicator slot: a step's exchanges are sized from
+    # the last step's counts, so a repeat of the same gradients takes one round per exchange; new
+    # gradients (more rows on some ranks: an overflow round between those pairs) stay equal to dense.
+    n = 3
+    kinds = {**KINDS, "w1": "dense", "w2": "dense"}  # natural rows only: counts fixed by the inputs
+    ranges = [(0, 100), (100, 1000), (1000, NUMEL)]
+    seeds = [11, 11, 12, 12]
+
+    def fn(comm):
+        dense = Synchronizer(dp_comm=comm, scheme=build_scheme("dense"), param_kinds=kinds, natural={},
+                             reduce_scatter="dense")
+        sparse = Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=kinds, natural={},
+                              reduce_scatter=scheme)
+        got = []
+        for seed in seeds:
+            x = bucket_inputs(n, seed=seed)[comm.rank]
+            want = dense.reduce_scatter_flat(x.clone(), SLICES, ranges, "sum")
+            before = comm.op_stats.get("exchange_v")
+            before = before.rounds if before else 0
+            mine = sparse.reduce_scatter_flat(x.clone(), SLICES, ranges, "sum")
+            got.append((torch.equal(want, mine), comm.op_stats["exchange_v"].rounds - before))
+        return got
+
+    for r, got in enumerate(SimWorld(n).run(fn)):
+        assert all(eq for eq, _ in got), r
+        per_step = [k for _, k in got]
+        # Step 1: counts in a round of their own; a repeat: one round per exchange.
+        assert per_step[0] == 2 * rounds and per_step[1] == rounds and per_step[3] == rounds, (r, per_step)
+        assert rounds <= per_step[2] <= 2 * rounds, (r, per_step)

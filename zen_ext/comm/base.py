@@ -4,7 +4,9 @@ Both implementations (``TorchCommunicator`` over torch.distributed, ``SimWorld``
 count bytes with the same logical model below, so a scheme's traffic is identical in both:
 
 * ``exchange_v``: each rank sends an int64 count to every peer, then one message per non-empty payload
-  (2 rounds).
+  (2 rounds). Inside a declared ``slot`` (a recurring, agreed call site: a Synchronizer bucket), from
+  the second call on, the count travels in the payload message itself (1 round): see "Counts in the
+  payload" below.
 * ``all_gather_v``: the counts (8 bytes each, in one round, or ``⌈log2 n⌉`` Bruck rounds at a few
   hundred ranks and more), then the payloads in the rounds of the algorithm ``comm/gather.py`` picks
   (direct, ring or Bruck), each message counted with the blocks it really carries.
@@ -28,6 +30,20 @@ own before any payload moves, so ranks that pass different gradients get a Runti
 ranks' values instead of a wrong sum or a hang. A sync whose first collective is an ``all_reduce`` or a
 ``broadcast`` (``dense``) checks it with one 8-byte all-gather first. Every rank receives every other
 rank's signature, so when any two differ, every rank detects it at the same collective and raises.
+
+**Counts in the payload** (``slot``). A receiver must post a receive of the exact size before a byte
+arrives (NCCL and gloo have no probe), which is why a plain ``exchange_v`` sends the counts in a round
+of their own. On the emulated cluster that round costs as much as a 300 KB payload round at 16 hosts
+(``benchmarks/results/count_round.md``). Where the same exchange recurs (every step syncs the same buckets),
+the counts of its last call size the next one: inside ``with comm.slot(name):``, the k-th
+``exchange_v`` sends peer ``j`` one message of ``inline_segment_bytes(cap)`` bytes, ``[count,
+signature | the first min(count, cap) elements | zeros]``, where ``cap = next_capacity(the count this
+pair carried in that call last time)`` (some headroom; 0 after an empty message). Both sides know
+``cap`` without a message: it is a function of counts both saw on the wire, under a key both build
+from the slot name, the signed call site and the ordinal (never from the data being exchanged, so
+ranks that pass different gradients still exchange messages of matching sizes and then fail at the
+signature check). A payload longer than its ``cap`` sends the rest in a second round between the two
+ranks only. The first call of a key, and any call outside a slot, uses the count round.
 """
 
 from __future__ import annotations
@@ -42,6 +58,7 @@ import torch
 from . import gather
 
 _COUNT_BYTES = 8  # per peer and variable-size call: the int64 count (the signature word is a check)
+_HEAD_BYTES = 16  # the count and the signature word in front of a payload (see "Counts in the payload")
 _SIG_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
                torch.uint8, torch.int8, torch.int16, torch.bool)
 _SIG_OPS = ("sum", "mean")
@@ -62,6 +79,19 @@ def describe_signature(word: int) -> str:
     dtype = _SIG_DTYPES[d - 1] if 0 < d <= len(_SIG_DTYPES) else "another dtype"
     op = _SIG_OPS[o - 1] if 0 < o <= len(_SIG_OPS) else "another op"
     return f"numel {(word >> 12) & ((1 << 50) - 1)}, dtype {dtype}, op {op!r}"
+
+
+def next_capacity(count: int) -> int:
+    """Elements the next call of a slot's exchange reserves for a pair that carried ``count`` this time:
+    1/16 headroom (DGC's per-pair counts move by a few percent between steps) and a small floor; 0 after
+    an empty message (pairs that were empty, like SparCML's non-partners, stay header-only)."""
+    return 0 if count <= 0 else count + count // 16 + 8
+
+
+def inline_segment_bytes(cap: int, elem_bytes: int) -> int:
+    """Bytes of one count-carrying message: the 16-byte head and ``cap`` elements, padded to 8 bytes so
+    that the next segment's head is aligned."""
+    return _HEAD_BYTES + -(-cap * elem_bytes // 8) * 8
 
 
 @dataclass
@@ -149,6 +179,9 @@ class Communicator(abc.ABC):
         self._sig_word = 0  # the declared sync call (0: none), see the module docstring
         self._sig_where = ""
         self._sig_checked = False
+        self._slot: list | None = None  # [name, exchanges so far] while a slot is declared
+        # (slot name, call site, ordinal) -> (send capacities, receive capacities) per peer, elements.
+        self._capacities: dict[tuple, tuple[list[int], list[int]]] = {}
 
     # --- device and options -------------------------------------------------------------------------
     @property
@@ -198,11 +231,26 @@ class Communicator(abc.ABC):
         parts = self._all_gather_v(torch.tensor([word], dtype=torch.int64, device=self.device))
         return [int(p[0]) for p in parts]
 
+    # --- slots -------------------------------------------------------------------------------------
+    @contextmanager
+    def slot(self, name):
+        """Declare a recurring call site that every rank reaches in the same order (a Synchronizer's
+        bucket): its exchanges carry their counts in the payload messages from their second call on
+        (see "Counts in the payload" in the module docstring). ``name``: hashable, the same on every rank
+        (never derived from gradient values). Nests, restoring the outer slot."""
+        saved = self._slot
+        self._slot = [name, 0]
+        try:
+            yield
+        finally:
+            self._slot = saved
+
     # --- public API -------------------------------------------------------------------------------
     def exchange_v(self, send: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Variable-size all-to-all: ``send[j]`` goes to rank ``j``; returns ``recv[j]`` from rank ``j``.
 
-        All tensors are 1-D and of one dtype; counts travel first, then the payloads.
+        All tensors are 1-D and of one dtype. Counts travel in a round of their own, or, inside a
+        ``slot`` that has seen this call before, in the payload messages (module docstring).
         """
         if len(send) != self.size:
             raise ValueError(f"exchange_v needs one tensor per rank ({self.size}), got {len(send)}")
@@ -210,16 +258,42 @@ class Communicator(abc.ABC):
         if len(dtypes) != 1 or any(t.dim() != 1 for t in send):
             raise ValueError(f"exchange_v tensors must be 1-D of one dtype, got {sorted(map(str, dtypes))}")
         send = [t.contiguous() for t in send]
-        recv = self._exchange_v(send)
+        key = None
+        if self._slot is not None and self.size > 1:
+            key = (self._slot[0], self._sig_where, self._slot[1])
+            self._slot[1] += 1
+        caps = self._capacities.get(key) if key is not None else None
         peers = [j for j in range(self.size) if j != self.rank]
-        self._account(sent=len(peers) * _COUNT_BYTES, recv=len(peers) * _COUNT_BYTES, msgs=len(peers),
-                      rounds=2 if peers else 0, op="exchange_v")
-        for j in peers:
-            if send[j].numel():
-                self._account(sent=_nbytes(send[j]), msgs_sent=1, op="exchange_v")
-            if recv[j].numel():
-                self._account(recv=_nbytes(recv[j]), msgs_recv=1, op="exchange_v")
+        if caps is None:
+            recv = self._exchange_v(send)
+            self._account(sent=len(peers) * _COUNT_BYTES, recv=len(peers) * _COUNT_BYTES, msgs=len(peers),
+                          rounds=2 if peers else 0, op="exchange_v")
+            for j in peers:
+                if send[j].numel():
+                    self._account(sent=_nbytes(send[j]), msgs_sent=1, op="exchange_v")
+                if recv[j].numel():
+                    self._account(recv=_nbytes(recv[j]), msgs_recv=1, op="exchange_v")
+        else:
+            recv = self._exchange_v_inline(send, *caps)
+            self._account_inline(send, recv, *caps)
+        if key is not None:
+            self._capacities[key] = ([next_capacity(t.numel()) for t in send],
+                                     [next_capacity(t.numel()) for t in recv])
         return recv
+
+    def _account_inline(self, send, recv, send_caps: list[int], recv_caps: list[int]) -> None:
+        """One count-carrying message per peer and direction (head and capacity, padding included: it is
+        on the wire), then the overflow of the pairs whose payload outgrew its capacity, a second round
+        for a rank that has any."""
+        esz = send[0].element_size()
+        overflow = False
+        for j in (j for j in range(self.size) if j != self.rank):
+            for t, cap, direction in ((send[j], send_caps[j], "sent"), (recv[j], recv_caps[j], "recv")):
+                nb = inline_segment_bytes(cap, esz) - (_HEAD_BYTES - _COUNT_BYTES)  # the signature is a check
+                extra = max(0, t.numel() - cap) * esz
+                overflow |= extra > 0
+                self._account(**{direction: nb + extra}, **{f"msgs_{direction}": 1 + (extra > 0)}, op="exchange_v")
+        self._account(rounds=2 if overflow else 1, op="exchange_v")
 
     def all_gather_v(self, t: torch.Tensor) -> list[torch.Tensor]:
         """Variable-size all-gather of a 1-D tensor: counts first (checked), no padding on the wire;
@@ -336,6 +410,13 @@ class Communicator(abc.ABC):
     # --- transport ----------------------------------------------------------------------------------
     @abc.abstractmethod
     def _exchange_v(self, send: list[torch.Tensor]) -> list[torch.Tensor]: ...
+
+    def _exchange_v_inline(self, send: list[torch.Tensor], send_caps: list[int],
+                           recv_caps: list[int]) -> list[torch.Tensor]:
+        """The count-carrying exchange: ``send_caps[j]`` / ``recv_caps[j]`` elements reserved per peer (the
+        same numbers on both sides of each pair). Transports without one run the two-round form (the
+        accounting still counts the one-round wire)."""
+        return self._exchange_v(send)
 
     @abc.abstractmethod
     def _all_gather_v(self, t: torch.Tensor) -> list[torch.Tensor]: ...

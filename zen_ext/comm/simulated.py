@@ -77,6 +77,19 @@ class SimCommunicator(Communicator):
         self._verify_signatures([g[0] for g in got])
         return [got[j][1][self.rank] for j in range(self.size)]
 
+    def _exchange_v_inline(self, send: list[torch.Tensor], send_caps: list[int],
+                           recv_caps: list[int]) -> list[torch.Tensor]:
+        # As _exchange_v, and each receiver checks what a real transport relies on without a message:
+        # the sender reserved for it exactly what it reserves for the sender (else NCCL would hang).
+        got = self._post_and_collect((self._sig_word, send, send_caps))
+        for j, (_, _, theirs) in enumerate(got):
+            if j != self.rank and theirs[self.rank] != recv_caps[j]:
+                raise RuntimeError(f"SimWorld: rank {j} reserved {theirs[self.rank]} elements for rank {self.rank}, "
+                                   f"which reserved {recv_caps[j]} (the count-carrying exchange's capacities "
+                                   f"must be agreed)")
+        self._verify_signatures([g[0] for g in got])
+        return [got[j][1][self.rank] for j in range(self.size)]
+
     def _all_gather_v(self, t: torch.Tensor) -> list[torch.Tensor]:
         return self._all_gather_v_start(t).parts
 

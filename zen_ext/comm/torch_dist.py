@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from . import gather
-from .base import GatherHandle, Communicator, backend_device
+from .base import GatherHandle, Communicator, backend_device, inline_segment_bytes
 
 __all__ = ["EXCHANGE_IMPLS", "TorchCommunicator", "backend_device"]
 
@@ -132,6 +132,69 @@ class TorchCommunicator(Communicator):
         if home != dev:
             recv = [r.to(home) for r in recv]
         recv[self.rank] = send[self.rank]
+        return recv
+
+    def _exchange_v_inline(self, send: list[torch.Tensor], send_caps: list[int],
+                           recv_caps: list[int]) -> list[torch.Tensor]:
+        """Counts in the payload messages (``comm/base.py``, "Counts in the payload"): one round, and a
+        second between the pairs whose payload outgrew its capacity.
+
+        1. One uint8 send buffer (one concatenation): per peer ``[count, signature | first min(count,
+           cap) elements | zeros]``, ``inline_segment_bytes(cap)`` long; a receive buffer of the peers'
+           segments, sized from ``recv_caps`` (known without a message).
+        2. The segments in one ``batch_isend_irecv`` (``p2p``) or one ``all_to_all_single`` (``a2a``; an
+           8-byte segment to oneself, so gloo never sees an empty split).
+        3. One host read of every peer's head; check the signatures.
+        4. Overflow: the rest of each outgrown payload, pair by pair, in one ``batch_isend_irecv``
+           (only the two ranks of a pair know it happened, so it cannot be a collective).
+        5. Each received part a view of its segment (or, after an overflow, the two pieces joined).
+        """
+        n, rank = self.size, self.rank
+        dev, home = self.device, send[0].device
+        dtype, esz = send[0].dtype, send[0].element_size()
+        staged = [t.to(dev) for t in send] if home != dev else send
+        a2a = self.exchange_impl == "a2a"
+        # Step 1: the send buffer and the receive segments.
+        counts = [t.numel() for t in send]
+        heads = self._header([w for c in counts for w in (c, self._sig_word)]).view(torch.uint8).view(n, 16)
+        seg_out = [inline_segment_bytes(c, esz) if j != rank else 8 * a2a for j, c in enumerate(send_caps)]
+        seg_in = [inline_segment_bytes(c, esz) if j != rank else 8 * a2a for j, c in enumerate(recv_caps)]
+        pad = torch.zeros(max(seg_out), dtype=torch.uint8, device=dev)
+        pieces = []
+        for j in range(n):
+            if j == rank:
+                pieces.append(pad[:seg_out[j]])
+                continue
+            body = staged[j][:min(counts[j], send_caps[j])].view(torch.uint8)
+            pieces += [heads[j], body, pad[:seg_out[j] - 16 - body.numel()]]
+        buf_out = torch.cat(pieces)
+        buf_in = torch.empty(sum(seg_in), dtype=torch.uint8, device=dev)
+        outs, ins = list(buf_out.split(seg_out)), list(buf_in.split(seg_in))
+        # Step 2: the one round.
+        if a2a:
+            dist.all_to_all_single(buf_in, buf_out, seg_in, seg_out, group=self.group)
+        else:
+            others = [j for j in range(n) if j != rank]
+            self._batch_p2p({j: outs[j] for j in others}, {j: ins[j] for j in others})
+        # Step 3: the heads, in one host read.
+        others = [j for j in range(n) if j != rank]
+        head = torch.stack([ins[j][:16] for j in others]).view(torch.int64).view(-1, 2).tolist()
+        words, recv_counts = [self._sig_word] * n, [0] * n
+        for j, (c, w) in zip(others, head):
+            recv_counts[j], words[j] = c, w
+        self._verify_signatures(words)
+        # Step 4: overflow, between the pairs that have one.
+        tails_out = {j: staged[j][send_caps[j]:] for j in others if counts[j] > send_caps[j]}
+        tails_in = {j: torch.empty(recv_counts[j] - recv_caps[j], dtype=dtype, device=dev)
+                    for j in others if recv_counts[j] > recv_caps[j]}
+        if tails_out or tails_in:
+            self._batch_p2p(tails_out, tails_in)
+        # Step 5: the parts.
+        recv = [send[rank]] * n
+        for j in others:
+            first = ins[j][16:16 + min(recv_counts[j], recv_caps[j]) * esz].view(dtype)
+            part = torch.cat([first, tails_in[j]]) if j in tails_in else first
+            recv[j] = part if home == dev else part.to(home)
         return recv
 
     def _all_gather_v(self, t: torch.Tensor) -> list[torch.Tensor]:

@@ -97,6 +97,10 @@ class Plan:
     dense_ranges: list[tuple[int, int]]
     groups: list[SliceGroup]
     """One per sparsifier kind present, in the registry's order."""
+    slot: int = 0
+    """The layout's ordinal in its Synchronizer, the same on every rank (layouts are agreed, so planned,
+    in the same order everywhere): the communicator ``slot`` its scheme calls run in, so their exchanges
+    carry their counts in the payload messages from the second step on (comm/base.py)."""
 
     def group(self, kind: str) -> SliceGroup | None:
         return next((g for g in self.groups if g.kind == kind), None)

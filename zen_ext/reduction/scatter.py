@@ -103,8 +103,9 @@ def reduce_scatter_flat(sync, flat: torch.Tensor, slices: list[GradSlice], range
             a, b = max(part.segs[0][0], lo), min(part.segs[0][1], hi)
             outs.append(out_R[a - lo : b - lo] if len(part.segs) == 1 and a <= b else None)
         timings: list[dict] = [{} for _ in parts]
-        results = scheme.reduce_scatter_group(dp, [p.grad() for p in parts], [map_ranges(p.segs, rs) for p in parts],
-                                              op, outs=outs, timings=timings, keys=[p.key for p in parts])
+        with dp.slot(("reduce_scatter", plan.slot)):
+            results = scheme.reduce_scatter_group(dp, [p.grad() for p in parts], [map_ranges(p.segs, rs) for p in parts],
+                                                  op, outs=outs, timings=timings, keys=[p.key for p in parts])
         for part, o, res, t in zip(parts, outs, results, timings):
             if o is None:
                 place(res, part.segs, lo, hi, out_R)

@@ -322,8 +322,9 @@ class Synchronizer:
                 lo, hi = (p.slice.offset, p.slice.offset + p.slice.numel) if p.slice is not None else (g.lo, g.hi)
                 outs.append(out_N[lo:hi] if p.slice is not None or g.tiled else None)
             timings: list[dict] = [{} for _ in prep.parts]
-            results = self.scheme.sync_group(dp, [p.grad for p in prep.parts], op, timings=timings,
-                                             keys=[p.key for p in prep.parts], outs=outs)
+            with dp.slot(("sync", plan.slot)):
+                results = self.scheme.sync_group(dp, [p.grad for p in prep.parts], op, timings=timings,
+                                                 keys=[p.key for p in prep.parts], outs=outs)
             for p, res, t in zip(prep.parts, results, timings):
                 if p.slice is None and not p.group.tiled:
                     at = 0
@@ -457,6 +458,7 @@ class Synchronizer:
                 plan, error = None, exc
             agree(plan, key, error, dp_comm=self.dp_comm, tp_comm=self.tp_comm, scheme=self.scheme,
                   configs=self.configs, tp_kinds=self._tp_kinds, param_kinds=self.param_kinds)
+            plan.slot = len(self._plans)
             self._plans[key] = plan
         for group in plan.groups:
             if group.fused and group.tiled and not group.in_order:
