@@ -162,7 +162,9 @@ def _inputs_digest() -> str:
 
 def _nvcc_cached(args: list[str], out, keep, digest: str) -> subprocess.CompletedProcess:
     """``nvcc args`` writing ``out`` (and PTX into ``keep``), or the kept result of the same inputs."""
-    key = hashlib.sha256((digest + "\0".join(a.replace(str(out.parent), "<build>") for a in args)).encode()).hexdigest()
+    # Paths are keyed relative to the checkout and the build folder, so a fresh clone elsewhere (CI) hits.
+    key = hashlib.sha256((digest + "\0".join(a.replace(str(out.parent), "<build>").replace(ROOT, "<root>")
+                                              for a in args)).encode()).hexdigest()
     entry = os.path.join(CACHE_DIR, key[:32]) if CACHE_DIR else None
     if entry and os.path.isfile(os.path.join(entry, "stderr")):
         shutil.copy(os.path.join(entry, "out"), out)
