@@ -132,6 +132,53 @@ def test_auto_says_why_and_keeps_its_choice():
     assert len({t["scheme"] for _, t in got}) == 1
 
 
+def test_auto_measures_close_candidates_and_keeps_the_fastest():
+    # The model's favourite is made slow on one rank only (sleeps in its runs there): after every close
+    # candidate ran twice, every rank settles on another one (the slowest rank's time counts), and
+    # every call, trials included, equals dense.
+    import time
+
+    from zen_ext.core import rs_auto
+
+    n, rows = 4, 4000
+    ranges = even_ranges(rows, n)
+    inputs = make_inputs("random", n, rows, 1, torch.float32, ranges, seed=5)
+    want = [torch.stack([x.to_dense() for x in inputs]).sum(0)[lo:hi] for lo, hi in ranges]
+    auto = build_reduce_scatter("auto", schemes=["direct", "zen"])
+    auto_margin, rs_auto.EXPLORE_MARGIN = rs_auto.EXPLORE_MARGIN, 1e9  # both candidates are close
+    favourite = {}
+
+    def slow_on_rank_1(name, run):
+        def wrapped(comm, *args):
+            if comm.rank == 1 and name == favourite.get("name"):
+                time.sleep(0.2)
+            return run(comm, *args)
+        return wrapped
+
+    for name, built in auto._built.items():
+        built._reduce_scatter_group = slow_on_rank_1(name, built._reduce_scatter_group)
+
+    def fn(comm, x):
+        out = []
+        for _ in range(6):
+            t: dict = {}
+            res = auto.reduce_scatter(comm, x, ranges, "sum", timings=t, key="g")
+            favourite.setdefault("name", t["scheme"])  # the first call runs the predicted best
+            out.append((res, t["scheme"], t["why"]))
+        return out
+
+    try:
+        got = SimWorld(n).run(fn, inputs)
+    finally:
+        rs_auto.EXPLORE_MARGIN = auto_margin
+    other = ({"direct", "zen"} - {favourite["name"]}).pop()
+    for r, calls in enumerate(got):
+        assert all(torch.equal(res, want[r]) for res, _, _ in calls), r
+        ran = [s for _, s, _ in calls]
+        assert ran[:4] == [favourite["name"], other] * 2 and ran[4:] == [other, other], (r, ran)
+        assert "measured" in calls[-1][2] and calls[-1][2].endswith(f"-> {other}"), calls[-1][2]
+
+
 def test_zen_balances_a_hot_range_that_direct_overloads():
     # Every rank touches the same 40 hot rows, all inside rank 0's range (frequent tokens' embedding rows).
     n, rows = 8, 8000
