@@ -34,9 +34,7 @@ if [[ ! -x "$venv/bin/python" ]]; then
     "$py" -m venv "$venv"
   fi
 fi
-# --no-compile: pip would byte-compile every file of every package (transformers ships thousands of model
-# files); Python compiles the few modules a run imports on first use and keeps them.
-pip=("$venv/bin/python" -m pip --disable-pip-version-check -q --no-compile)
+pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
 constraints="$venv/constraints.txt"
 if [[ -n "$cuda_torch" ]]; then
   echo "torch==$cuda_torch" >"$constraints"
