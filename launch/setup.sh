@@ -35,6 +35,8 @@ if [[ ! -x "$venv/bin/python" ]]; then
   fi
 fi
 pip=("$venv/bin/python" -m pip --disable-pip-version-check -q)
+# --no-compile on every install: pip would byte-compile every file of every package (torch and
+# transformers ship thousands); Python compiles the few modules a run imports, on first use.
 constraints="$venv/constraints.txt"
 if [[ -n "$cuda_torch" ]]; then
   echo "torch==$cuda_torch" >"$constraints"
@@ -42,13 +44,13 @@ else
   cp launch/constraints.txt "$constraints"
   if ! "$venv/bin/python" -c 'import torch, sys; sys.exit(torch.__version__.split("+")[0] != "2.13.0")' 2>/dev/null; then
     log "installing torch 2.13.0"
-    "${pip[@]}" install -c "$constraints" "torch==2.13.0"
+    "${pip[@]}" install --no-compile -c "$constraints" "torch==2.13.0"
   fi
 fi
 
 # Step 2: engines and tools, every install constrained so that nothing can replace torch.
 log "installing deepspeed, transformers, datasets, test tools"
-"${pip[@]}" install -c "$constraints" "deepspeed==0.19.8" "transformers==4.51.3" datasets tokenizers \
+"${pip[@]}" install --no-compile -c "$constraints" "deepspeed==0.19.8" "transformers==4.51.3" datasets tokenizers \
   pytest pytest-timeout pytest-xdist hypothesis numpy tqdm psutil packaging rich click contexttimer ninja \
   safetensors einops pydantic sentencepiece protobuf "peft==0.13.2" accelerate matplotlib setuptools wheel
 
@@ -56,7 +58,7 @@ log "installing deepspeed, transformers, datasets, test tools"
 # are imported by colossalai.booster, the rest of its requirements are not needed for training.
 if ! "$venv/bin/python" -c 'import importlib.metadata as m; assert m.version("colossalai") == "0.5.0"' 2>/dev/null; then
   log "installing colossalai 0.5.0 (--no-deps)"
-  "${pip[@]}" install --no-deps --no-build-isolation "colossalai==0.5.0" galore-torch bitsandbytes
+  "${pip[@]}" install --no-compile --no-deps --no-build-isolation "colossalai==0.5.0" galore-torch bitsandbytes
 fi
 
 # Step 4: zen_ext itself, editable, built against the installed torch (build isolation would pull
