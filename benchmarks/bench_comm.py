@@ -123,8 +123,9 @@ def load_workload(spec: str) -> tuple[str, str, "TraceStep"]:
 
 
 # --- one workload --------------------------------------------------------------------------------
-def _predictions(step, n: int, schemes: list[str], net) -> dict[str, dict]:
-    """Planner-model prediction (time and max bytes sent) per scheme, summed over the step's slices."""
+def _predictions(step, n: int, schemes: list[str], net, first_call: bool = False) -> dict[str, dict]:
+    """Planner-model prediction (time and max bytes sent) per scheme, summed over the step's slices: of
+    a slot's repeat (counts in the payload), or with ``first_call`` of the count-round form."""
     from zen_ext.planner import cost_model as cm
     from zen_ext.planner.network import modeled_time_s
     from zen_ext.planner.profile import profile_from_grads
@@ -133,7 +134,7 @@ def _predictions(step, n: int, schemes: list[str], net) -> dict[str, dict]:
     for grads in step.slices.values():
         prof = profile_from_grads(grads[:n])
         for s in out:
-            stats = cm.predict_stats(s, prof)
+            stats = cm.predict_stats(s, prof, first_call=first_call)
             out[s]["predicted_s"] += modeled_time_s(stats, net) if net else float("nan")
             out[s]["predicted_max_sent"] += max(x.bytes_sent for x in stats)
     return out
@@ -176,7 +177,7 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
     schemes = {name: build_scheme(name, profile_steps=1) if name == AUTO else build_scheme(name)
                for name in a.schemes}
     net = Network(bandwidth_gbps=lab.goodput * 8 / 1e9, latency_us=a.latency_us) if lab.goodput else None
-    preds = _predictions(step, n, list(schemes), net) if rank == 0 else {}
+    preds = _predictions(step, n, list(schemes), net, a.count_round) if rank == 0 else {}
 
     # Results land in one buffer per slice, reused by every scheme and repeat, as the engines pass
     # their bucket (``out=``); ``--fresh-result`` gives every sync a new tensor instead (on the CPU a

@@ -9,7 +9,8 @@ count bytes with the same logical model below, so a scheme's traffic is identica
   payload" below.
 * ``all_gather_v``: the counts (8 bytes each, in one round, or ``⌈log2 n⌉`` Bruck rounds at a few
   hundred ranks and more), then the payloads in the rounds of the algorithm ``comm/gather.py`` picks
-  (direct, ring or Bruck), each message counted with the blocks it really carries.
+  (direct, ring or Bruck), each message counted with the blocks it really carries. Inside a slot, from
+  the second call on, the counts travel in the blocks (no count round; see below).
 * ``all_reduce``: a ring (reduce-scatter then all-gather): ``2·(n−1)/n`` of the buffer each way,
   ``2·(n−1)`` rounds.
 * ``broadcast``: the root sends the buffer to every peer (1 round).
@@ -43,7 +44,12 @@ pair carried in that call last time)`` (some headroom; 0 after an empty message)
 from the slot name, the signed call site and the ordinal (never from the data being exchanged, so
 ranks that pass different gradients still exchange messages of matching sizes and then fail at the
 signature check). A payload longer than its ``cap`` sends the rest in a second round between the two
-ranks only. The first call of a key, and any call outside a slot, uses the count round.
+ranks only. The k-th ``all_gather_v`` of a slot does the same with every rank's block: rank ``j``'s
+block is ``[count, signature | first min(count, cap_j) elements | zeros]``, ``cap_j`` from the count
+rank ``j`` gathered last time (every rank saw it), the payload rounds ``comm/gather.py``'s for those
+block sizes, and a rank whose payload outgrew its block sends the rest to every peer in one more round
+(every rank knows which did once the blocks are in). The first call of a key, and any call outside a
+slot, uses the count round. The capacity rule and the segment layout: ``comm/inline.py``.
 """
 
 from __future__ import annotations
@@ -56,9 +62,7 @@ from typing import Sequence
 import torch
 
 from . import gather
-
-_COUNT_BYTES = 8  # per peer and variable-size call: the int64 count (the signature word is a check)
-_HEAD_BYTES = 16  # the count and the signature word in front of a payload (see "Counts in the payload")
+from .inline import COUNT_BYTES as _COUNT_BYTES, counted_bytes, next_capacity
 _SIG_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
                torch.uint8, torch.int8, torch.int16, torch.bool)
 _SIG_OPS = ("sum", "mean")
@@ -79,19 +83,6 @@ def describe_signature(word: int) -> str:
     dtype = _SIG_DTYPES[d - 1] if 0 < d <= len(_SIG_DTYPES) else "another dtype"
     op = _SIG_OPS[o - 1] if 0 < o <= len(_SIG_OPS) else "another op"
     return f"numel {(word >> 12) & ((1 << 50) - 1)}, dtype {dtype}, op {op!r}"
-
-
-def next_capacity(count: int) -> int:
-    """Elements the next call of a slot's exchange reserves for a pair that carried ``count`` this time:
-    1/16 headroom (DGC's per-pair counts move by a few percent between steps) and a small floor; 0 after
-    an empty message (pairs that were empty, like SparCML's non-partners, stay header-only)."""
-    return 0 if count <= 0 else count + count // 16 + 8
-
-
-def inline_segment_bytes(cap: int, elem_bytes: int) -> int:
-    """Bytes of one count-carrying message: the 16-byte head and ``cap`` elements, padded to 8 bytes so
-    that the next segment's head is aligned."""
-    return _HEAD_BYTES + -(-cap * elem_bytes // 8) * 8
 
 
 @dataclass
@@ -182,6 +173,8 @@ class Communicator(abc.ABC):
         self._slot: list | None = None  # [name, exchanges so far] while a slot is declared
         # (slot name, call site, ordinal) -> (send capacities, receive capacities) per peer, elements.
         self._capacities: dict[tuple, tuple[list[int], list[int]]] = {}
+        # (slot name, call site, ordinal) -> every rank's block capacity of that all_gather_v, elements.
+        self._gather_capacities: dict[tuple, list[int]] = {}
 
     # --- device and options -------------------------------------------------------------------------
     @property
@@ -245,6 +238,16 @@ class Communicator(abc.ABC):
         finally:
             self._slot = saved
 
+    def _slot_key(self) -> tuple | None:
+        """The key of this call inside the declared slot (None outside one): the slot's name, the signed
+        call site and the call's ordinal, agreed on every rank since they reach the slot's calls in the
+        same order, and never derived from the data."""
+        if self._slot is None or self.size == 1:
+            return None
+        key = (self._slot[0], self._sig_where, self._slot[1])
+        self._slot[1] += 1
+        return key
+
     # --- public API -------------------------------------------------------------------------------
     def exchange_v(self, send: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Variable-size all-to-all: ``send[j]`` goes to rank ``j``; returns ``recv[j]`` from rank ``j``.
@@ -258,10 +261,7 @@ class Communicator(abc.ABC):
         if len(dtypes) != 1 or any(t.dim() != 1 for t in send):
             raise ValueError(f"exchange_v tensors must be 1-D of one dtype, got {sorted(map(str, dtypes))}")
         send = [t.contiguous() for t in send]
-        key = None
-        if self._slot is not None and self.size > 1:
-            key = (self._slot[0], self._sig_where, self._slot[1])
-            self._slot[1] += 1
+        key = self._slot_key()
         caps = self._capacities.get(key) if key is not None else None
         peers = [j for j in range(self.size) if j != self.rank]
         if caps is None:
@@ -289,15 +289,16 @@ class Communicator(abc.ABC):
         overflow = False
         for j in (j for j in range(self.size) if j != self.rank):
             for t, cap, direction in ((send[j], send_caps[j], "sent"), (recv[j], recv_caps[j], "recv")):
-                nb = inline_segment_bytes(cap, esz) - (_HEAD_BYTES - _COUNT_BYTES)  # the signature is a check
+                nb = counted_bytes(cap, esz)
                 extra = max(0, t.numel() - cap) * esz
                 overflow |= extra > 0
                 self._account(**{direction: nb + extra}, **{f"msgs_{direction}": 1 + (extra > 0)}, op="exchange_v")
         self._account(rounds=2 if overflow else 1, op="exchange_v")
 
     def all_gather_v(self, t: torch.Tensor) -> list[torch.Tensor]:
-        """Variable-size all-gather of a 1-D tensor: counts first (checked), no padding on the wire;
-        the rounds are ``comm/gather.py``'s."""
+        """Variable-size all-gather of a 1-D tensor: counts first (checked), no padding on the wire, or,
+        inside a ``slot`` that has seen this call before, counts in the payload blocks; the rounds are
+        ``comm/gather.py``'s."""
         handle = self.all_gather_v_start(t)
         for _ in handle.as_completed():
             pass
@@ -312,10 +313,14 @@ class Communicator(abc.ABC):
         if t.dim() != 1:
             raise ValueError(f"all_gather_v_start needs a 1-D tensor, got {t.dim()}-D")
         t = t.contiguous()
-        handle = self._all_gather_v_start(t)
+        key = self._slot_key()
+        caps = self._gather_capacities.get(key) if key is not None else None
+        handle = self._all_gather_v_start(t) if caps is None else self._all_gather_v_start_inline(t, caps)
         if handle.plan is not None:
             sent, recv, ms, mr, rounds = gather.traffic(handle.plan, self.rank)
             self._account(sent=sent, recv=recv, msgs_sent=ms, msgs_recv=mr, rounds=rounds, op="all_gather_v")
+            if key is not None:
+                self._gather_capacities[key] = [next_capacity(c) for c in handle.plan.counts]
             return handle
         # A transport without a plan (tests' and benchmarks' wrappers): the direct algorithm's wire,
         # sizes in one header round.
@@ -389,7 +394,11 @@ class Communicator(abc.ABC):
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
         saved = self.stats.snapshot()
         saved_op = self.op_stats.get("all_gather_v", CommStats()).snapshot()
-        parts = self.all_gather_v(data)
+        saved_slot, self._slot = self._slot, None  # one-off sizes: the count round, not a slot's call
+        try:
+            parts = self.all_gather_v(data)
+        finally:
+            self._slot = saved_slot
         # Restore in place: callers (SimWorld.stats) hold a reference to this CommStats object.
         for key, value in saved.as_dict().items():
             setattr(self.stats, key, value)
@@ -424,6 +433,14 @@ class Communicator(abc.ABC):
     def _all_gather_v_start(self, t: torch.Tensor) -> GatherHandle:
         # Transports without asynchronous requests complete the whole gather here.
         return GatherHandle(self.rank, self._all_gather_v(t))
+
+    def _all_gather_v_start_inline(self, t: torch.Tensor, caps: list[int]) -> GatherHandle:
+        """The count-carrying gather: rank ``j``'s block is ``[count, signature | first min(count, caps[j])
+        elements | zeros]`` (``caps`` the same list on every rank), the rounds ``comm/gather.py``'s for
+        those block sizes, then one round in which each rank whose payload outgrew its capacity sends
+        the rest to every peer (after the blocks every rank knows which did). The handle's plan carries
+        ``caps``. Transports without one run the count round (their plan says so)."""
+        return self._all_gather_v_start(t)
 
     @abc.abstractmethod
     def _all_reduce(self, t: torch.Tensor, op: str) -> None: ...

@@ -28,6 +28,11 @@ on its way: a rank's buffer ends in relative order, and part ``j`` is a view of 
 Wire: a count message carries ``count`` pairs of int64 (the count bytes are traffic, 8 per pair; the
 signature word is a check and not counted, as in ``comm/base.py``); a payload message carries the
 concatenated blocks and is left out on both sides when empty.
+
+Inside a Communicator slot, from a call's second time on (``comm/inline.py``), there is no count
+phase: every block is ``[count, signature | payload | zeros]`` of a capacity every rank derives from
+the last call's counts, the payload algorithm is chosen for those block sizes, and a rank whose payload
+outgrew its block sends the rest to every peer in one more round (``GatherPlan.caps``; ``traffic``).
 """
 
 from __future__ import annotations
@@ -36,9 +41,10 @@ import functools
 from dataclasses import dataclass
 from typing import Sequence
 
+from .inline import COUNT_BYTES as _COUNT_BYTES, counted_bytes, inline_segment_bytes
+
 GATHER_IMPLS = ("auto", "direct", "ring", "bruck", "bruck4")
 _RADIX = {"bruck": 2, "bruck4": 4}
-_COUNT_BYTES = 8
 
 
 @dataclass(frozen=True)
@@ -188,12 +194,20 @@ def choose(impl: str, nbytes: Sequence[float], costs: GatherCosts) -> str:
 
 @dataclass
 class GatherPlan:
-    """What a started gather did: its payload algorithm and every rank's count (elements)."""
+    """What a started gather did: its payload algorithm and every rank's count (elements); ``caps``:
+    every rank's block capacity when the counts travelled in the blocks (``comm/inline.py``), None when
+    they had a round of their own."""
 
     algo: str
     counts: list[int]
     elem_bytes: int
     costs: GatherCosts = GatherCosts()
+    caps: list[int] | None = None
+
+
+def inline_block_bytes(caps: Sequence[float], elem_bytes: int) -> list[float]:
+    """Every rank's block on the wire when the counts travel in the blocks (what ``choose`` weighs)."""
+    return [inline_segment_bytes(c, elem_bytes) for c in caps]
 
 
 def traffic(plan: GatherPlan, rank: int) -> tuple[int, int, int, int, int]:
@@ -202,13 +216,17 @@ def traffic(plan: GatherPlan, rank: int) -> tuple[int, int, int, int, int]:
     if n == 1:
         return 0, 0, 0, 0, 0
     sent = recv = ms = mr = 0
-    counting = count_schedule(n, rank, plan.costs)
+    esz = plan.elem_bytes
+    counting = count_schedule(n, rank, plan.costs) if plan.caps is None else []
     for recvs, sends in counting:
         sent += sum(m.count for m in sends) * _COUNT_BYTES
         recv += sum(m.count for m in recvs) * _COUNT_BYTES
         ms += len(sends)
         mr += len(recvs)
-    rel = [plan.counts[(rank + i) % n] * plan.elem_bytes for i in range(n)]
+    if plan.caps is None:
+        rel = [plan.counts[(rank + i) % n] * esz for i in range(n)]
+    else:  # every block carries its head, so no message is empty
+        rel = [counted_bytes(plan.caps[(rank + i) % n], esz) for i in range(n)]
     rounds = schedule(plan.algo, n, rank)
     for recvs, sends in rounds:
         for m in sends:
@@ -219,4 +237,15 @@ def traffic(plan: GatherPlan, rank: int) -> tuple[int, int, int, int, int]:
             b = sum(rel[m.first:m.first + m.count])
             recv += b
             mr += b > 0
-    return sent, recv, ms, mr, len(counting) + len(rounds)
+    overflow = 0
+    if plan.caps is not None:
+        # The rest of each payload that outgrew its block, from its rank to every peer, in one round.
+        tails = [max(0, c - cap) * esz for c, cap in zip(plan.counts, plan.caps)]
+        if any(tails):
+            overflow = 1
+            if tails[rank]:
+                sent += (n - 1) * tails[rank]
+                ms += n - 1
+            recv += sum(b for j, b in enumerate(tails) if j != rank)
+            mr += sum(1 for j, b in enumerate(tails) if j != rank and b)
+    return sent, recv, ms, mr, len(counting) + len(rounds) + overflow

@@ -131,6 +131,43 @@ class SimCommunicator(Communicator):
         parts = [blocks[(j - rank) % n] for j in range(n)]
         return GatherHandle(rank, parts, plan=gather.GatherPlan(algo, counts, esz, self.gather_costs))
 
+    def _all_gather_v_start_inline(self, t: torch.Tensor, caps: list[int]) -> GatherHandle:
+        """The count-carrying gather (``comm/inline.py``), as TorchCommunicator runs it.
+
+        1. Check what a real transport relies on without a message: every rank holds the same ``caps``
+           (else NCCL would hang on mismatched sizes).
+        2. The payload rounds of the algorithm chosen for the block sizes; a block is ``(count,
+           signature, the first min(count, cap) elements)``. Check the signatures.
+        3. Overflow: the ranks whose payload outgrew its block hand the rest to every peer.
+        """
+        n, rank = self.size, self.rank
+        # Step 1: agreed capacities.
+        for j, theirs in enumerate(self._post_and_collect(list(caps))):
+            if list(theirs) != list(caps):
+                raise RuntimeError(f"SimWorld: rank {j} sized all_gather_v's blocks {list(theirs)}, rank {rank} "
+                                   f"{list(caps)} (the count-carrying gather's capacities must be agreed)")
+        # Step 2: the blocks.
+        esz = t.element_size()
+        algo = gather.choose(self.gather_impl, gather.inline_block_bytes(caps, esz), self.gather_costs)
+        blocks: list[Any] = [None] * n
+        blocks[0] = (t.numel(), self._sig_word, t[:caps[rank]])
+        for recvs, sends in gather.schedule(algo, n, rank):
+            got = self._round({m.peer: blocks[m.first:m.first + m.count] for m in sends}, [m.peer for m in recvs])
+            for m, payload in zip(recvs, got):
+                blocks[m.first:m.first + m.count] = payload
+        mine = [blocks[(j - rank) % n] for j in range(n)]
+        self._verify_signatures([b[1] for b in mine])
+        counts = [b[0] for b in mine]
+        parts = [b[2] for b in mine]
+        parts[rank] = t
+        # Step 3: overflow.
+        if any(c > cap for c, cap in zip(counts, caps)):
+            tails = self._post_and_collect(t[caps[rank]:] if counts[rank] > caps[rank] else None)
+            for j in range(n):
+                if j != rank and tails[j] is not None:
+                    parts[j] = torch.cat([parts[j], tails[j]])
+        return GatherHandle(rank, parts, plan=gather.GatherPlan(algo, counts, esz, self.gather_costs, list(caps)))
+
     def _gather_words(self, word: int) -> list[int]:
         return self._post_and_collect(word)
 

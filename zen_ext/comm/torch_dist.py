@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from . import gather
-from .base import GatherHandle, Communicator, backend_device, inline_segment_bytes
+from .base import GatherHandle, Communicator, backend_device
+from .inline import HEAD_BYTES, inline_segment_bytes
 
 __all__ = ["EXCHANGE_IMPLS", "TorchCommunicator", "backend_device"]
 
@@ -285,6 +286,66 @@ class TorchCommunicator(Communicator):
         return GatherHandle(rank, parts, {j: (lambda j=j: wait_for(j)) for j in order},
                             lambda: complete_through(len(rounds) - 1), order,
                             gather.GatherPlan(algo, counts, esz, self.gather_costs))
+
+    def _all_gather_v_start_inline(self, t: torch.Tensor, caps: list[int]) -> GatherHandle:
+        """The count-carrying gather (``comm/inline.py``): no count round, and the whole gather done here.
+
+        1. One uint8 buffer of every rank's block in relative order, ``inline_segment_bytes(caps[j])``
+           each (every rank holds the same ``caps``); this rank's block written in place.
+        2. The payload rounds of the algorithm ``gather.choose`` picks for those block sizes, each one
+           ``batch_isend_irecv``.
+        3. One host read of every block's head; check the signatures.
+        4. Overflow: each rank whose payload outgrew its block sends the rest to every peer, in one
+           ``batch_isend_irecv`` (every rank read who did in step 3, so every rank takes part or none).
+        5. Part ``j``: a view of its block (after an overflow, the two pieces joined).
+
+        Unlike the count-round form, the handle yields nothing before the last round: a block's length is
+        in its head, and reading heads round by round would take a host read per round.
+        """
+        n, rank = self.size, self.rank
+        dev, home = self.device, t.device
+        dtype, esz = t.dtype, t.element_size()
+        staged = t.to(dev) if home != dev else t
+        # Step 1: the buffer, this rank's block in it.
+        seg = [inline_segment_bytes(caps[(rank + i) % n], esz) for i in range(n)]
+        offs = [0]
+        for b in seg:
+            offs.append(offs[-1] + b)
+        flat = torch.empty(offs[-1], dtype=torch.uint8, device=dev)
+        body = staged[:caps[rank]].view(torch.uint8)
+        flat[:HEAD_BYTES].copy_(self._header([t.numel(), self._sig_word]).view(torch.uint8))
+        flat[HEAD_BYTES:HEAD_BYTES + body.numel()].copy_(body)
+        flat[HEAD_BYTES + body.numel():offs[1]].zero_()
+        # Step 2: the rounds.
+        algo = gather.choose(self.gather_impl, gather.inline_block_bytes(caps, esz), self.gather_costs)
+
+        def span(m: gather.Msg) -> torch.Tensor:
+            return flat[offs[m.first]:offs[m.first + m.count]]
+
+        for recvs, sends in gather.schedule(algo, n, rank):
+            for work in self._post([(m.peer, span(m)) for m in recvs], [(m.peer, span(m)) for m in sends]):
+                work.wait()
+        # Step 3: the heads, in one host read.
+        heads = torch.stack([flat[offs[i]:offs[i] + HEAD_BYTES] for i in range(n)]).view(torch.int64).tolist()
+        counts, sigs = [0] * n, [0] * n
+        for i, (c, w) in enumerate(heads):
+            counts[(rank + i) % n], sigs[(rank + i) % n] = c, w
+        self._verify_signatures(sigs)
+        # Step 4: overflow.
+        others = [j for j in range(n) if j != rank]
+        tails_in = {j: torch.empty(counts[j] - caps[j], dtype=dtype, device=dev)
+                    for j in others if counts[j] > caps[j]}
+        if tails_in or counts[rank] > caps[rank]:
+            tail = staged[caps[rank]:]
+            self._batch_p2p({j: tail for j in others} if counts[rank] > caps[rank] else {}, tails_in)
+        # Step 5: the parts.
+        parts = [t] * n
+        for i in range(1, n):
+            j = (rank + i) % n
+            first = flat[offs[i] + HEAD_BYTES:offs[i] + HEAD_BYTES + min(counts[j], caps[j]) * esz].view(dtype)
+            part = torch.cat([first, tails_in[j]]) if j in tails_in else first
+            parts[j] = part if home == dev else part.to(home)
+        return GatherHandle(rank, parts, plan=gather.GatherPlan(algo, counts, esz, self.gather_costs, list(caps)))
 
     def _gather_words(self, word: int) -> list[int]:
         got = torch.empty(self.size, dtype=torch.int64, device=self.device)

@@ -24,6 +24,7 @@ import torch
 
 from ..comm import gather
 from ..comm.base import CommStats
+from ..comm.inline import COUNT_BYTES as _COUNT_BYTES, next_capacity
 from .types import index_dtype
 
 BLOCK_SIZE = 256
@@ -32,7 +33,6 @@ PRIMITIVES = ("fill_s_per_byte", "scatter_s_per_elem", "sort_s_per_entry", "hash
 """The units of computation a work model counts: bytes filled, cast or copied (memory bandwidth),
 elements scattered (``index_add_`` at random positions), indices sorted (``torch.unique``), indices
 hashed (h0), bits of a hash bitmap decoded."""
-_COUNT_BYTES = 8  # the Communicator's int64 size/count per peer (comm/base.py)
 
 
 class ProfileView(Protocol):
@@ -74,52 +74,80 @@ class ProfileView(Protocol):
 
 
 class Traffic:
-    """Predicted ``CommStats`` of every rank, built with the Communicator's byte model (comm/base.py):
-    ``exchange_v`` sends each peer an 8-byte count, then the payload where it is not empty;
-    ``all_gather_v`` runs the rounds of ``comm/gather.py``; rounds are counted as the communicators do."""
+    """Predicted ``CommStats`` of every rank, built with the Communicator's byte model (comm/base.py).
+
+    ``stats``: a step of a Synchronizer, whose exchanges run in a Communicator slot and, from their
+    second call on, carry their counts in the payload (one round, one message per peer, the payload's
+    capacity ``next_capacity`` on the wire; a step whose counts repeat the last one's, so no overflow).
+    ``first_stats``: a call outside a slot, or a slot's first: each peer gets an 8-byte count in a round
+    of its own, then the payload where it is not empty. ``all_gather_v`` runs the rounds of
+    ``comm/gather.py``, in a slot's repeat on count-carrying blocks (the same rule); rounds are counted
+    as the communicators do. Payloads are uint8 (every scheme packs its messages, ``core/wire.py``).
+    """
 
     def __init__(self, n: int) -> None:
         self.n = n
         self.stats = [CommStats() for _ in range(n)]
+        self.first_stats = [CommStats() for _ in range(n)]
+
+    def _add(self, r: int, sent: float, recv: float, msgs_sent: int, msgs_recv: int, rounds: int) -> None:
+        """Traffic that is the same in both forms (collectives other than ``exchange_v``)."""
+        for s in (self.first_stats[r], self.stats[r]):
+            s.bytes_sent += sent
+            s.bytes_recv += recv
+            s.msgs_sent += msgs_sent
+            s.msgs_recv += msgs_recv
+            s.rounds += rounds
 
     def exchange_v(self, bytes_PP: torch.Tensor) -> None:
-        """``bytes_PP[src, dst]``: payload bytes from ``src`` to ``dst``; counts go to every peer."""
+        """``bytes_PP[src, dst]``: payload bytes from ``src`` to ``dst``."""
         n = self.n
+        if n <= 1:
+            return
         bytes_PP = bytes_PP.to(torch.float64).clone()
         bytes_PP.fill_diagonal_(0)
         nonempty = bytes_PP > 0
         sent, recv = bytes_PP.sum(1).tolist(), bytes_PP.sum(0).tolist()
         msent, mrecv = nonempty.sum(1).tolist(), nonempty.sum(0).tolist()
-        for r, s in enumerate(self.stats):
-            s.bytes_sent += (n - 1) * _COUNT_BYTES + sent[r]
-            s.bytes_recv += (n - 1) * _COUNT_BYTES + recv[r]
-            s.msgs_sent += n - 1 + msent[r]
-            s.msgs_recv += n - 1 + mrecv[r]
-            s.rounds += 2 if n > 1 else 0
+        # Counts in the payload: the count word, then the capacity (padded to 8 bytes) of a payload of
+        # the same size as the last step's (comm/inline.py); an empty pair sends its count word only.
+        cap_PP = torch.where(nonempty, bytes_PP + torch.floor(bytes_PP / 16) + 8, bytes_PP)
+        inline_PP = _COUNT_BYTES + torch.ceil(cap_PP / 8) * 8
+        inline_PP.fill_diagonal_(0)
+        isent, irecv = inline_PP.sum(1).tolist(), inline_PP.sum(0).tolist()
+        for r in range(n):
+            s, f = self.stats[r], self.first_stats[r]
+            s.bytes_sent, s.bytes_recv = s.bytes_sent + isent[r], s.bytes_recv + irecv[r]
+            s.msgs_sent, s.msgs_recv, s.rounds = s.msgs_sent + n - 1, s.msgs_recv + n - 1, s.rounds + 1
+            f.bytes_sent += (n - 1) * _COUNT_BYTES + sent[r]
+            f.bytes_recv += (n - 1) * _COUNT_BYTES + recv[r]
+            f.msgs_sent += n - 1 + msent[r]
+            f.msgs_recv += n - 1 + mrecv[r]
+            f.rounds += 2
 
     def all_gather_v(self, sizes: Sequence[float], impl: str = "auto") -> None:
         """``sizes[r]``: rank ``r``'s payload bytes, gathered in the rounds ``comm/gather.py`` picks for
-        them (its ``choose`` with the default costs, as the communicators do)."""
-        plan = gather.GatherPlan(gather.choose(impl, sizes, gather.GatherCosts()), list(sizes), 1)
-        for r, s in enumerate(self.stats):
-            sent, recv, ms, mr, rounds = gather.traffic(plan, r)
-            s.bytes_sent += sent
-            s.bytes_recv += recv
-            s.msgs_sent += ms
-            s.msgs_recv += mr
-            s.rounds += rounds
+        them (its ``choose`` with the default costs, as the communicators do); in a slot's repeat, for
+        blocks of the capacity the same sizes leave (``comm/inline.py``), without a count round."""
+        costs = gather.GatherCosts()
+        first = gather.GatherPlan(gather.choose(impl, sizes, costs), list(sizes), 1)
+        caps = [next_capacity(b) for b in sizes]
+        steady = gather.GatherPlan(gather.choose(impl, gather.inline_block_bytes(caps, 1), costs), list(sizes), 1,
+                                   costs, caps)
+        for r in range(self.n):
+            for stats, plan in ((self.first_stats, first), (self.stats, steady)):
+                sent, recv, ms, mr, rounds = gather.traffic(plan, r)
+                s = stats[r]
+                s.bytes_sent, s.bytes_recv = s.bytes_sent + sent, s.bytes_recv + recv
+                s.msgs_sent, s.msgs_recv, s.rounds = s.msgs_sent + ms, s.msgs_recv + mr, s.rounds + rounds
 
     def all_reduce(self, nbytes: int) -> None:
         """A ring all-reduce of ``nbytes`` on every rank."""
         n = self.n
         if n > 1:
             ring = 2 * (n - 1) * nbytes // n
-            for s in self.stats:
-                s.bytes_sent += ring
-                s.bytes_recv += ring
-                s.msgs_sent += 2 * (n - 1)
-                s.msgs_recv += 2 * (n - 1)
-                s.rounds += 2 * (n - 1)
+            for r in range(n):
+                self._add(r, ring, ring, 2 * (n - 1), 2 * (n - 1), 2 * (n - 1))
 
 
 @dataclass

@@ -67,13 +67,17 @@ def prefers_balanced_parallelism(n: int, gammas: dict[int, float]) -> bool:
 
 
 # --- predictions ------------------------------------------------------------------------------------
-def predict_stats(scheme: str, profile: SparsityProfile, options: dict | None = None) -> list[CommStats]:
-    """Predicted per-rank ``CommStats`` of ``scheme`` (built with ``options``) on ``profile``.
+def predict_stats(scheme: str, profile: SparsityProfile, options: dict | None = None,
+                  first_call: bool = False) -> list[CommStats]:
+    """Predicted per-rank ``CommStats`` of ``scheme`` (built with ``options``) on ``profile``: of a
+    Synchronizer's steady step (counts carried in the payload), or with ``first_call`` of a call
+    outside a Communicator slot (counts in a round of their own; ``core/cost.py``'s ``Traffic``).
 
     Raises:
         ValueError: no predictor for ``scheme`` (lists the ones there are).
     """
-    return cost_model_of(scheme).predict_traffic(profile, options or {}).stats
+    traffic = cost_model_of(scheme).predict_traffic(profile, options or {})
+    return traffic.first_stats if first_call else traffic.stats
 
 
 def predict_time_s(scheme: str, profile: SparsityProfile, net: Network, options: dict | None = None) -> float:
