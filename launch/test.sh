@@ -19,6 +19,11 @@ bash launch/setup.sh
 # The venv's tools first: DeepSpeed JIT-builds its ops with the `ninja` on PATH, and two ninja versions
 # sharing its build cache rebuild the op (40-70 s) each time they alternate.
 export PATH="$root/.venv/bin:$PATH" OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1
+# The set-up installs without byte-compiling (pip --no-compile): the suite's first imports compile what
+# it uses and keep it. Where the environment says PYTHONDONTWRITEBYTECODE, every one of the suite's
+# ~300 Python processes would compile torch, DeepSpeed and transformers from source again (18 s against
+# 8 s per process to import them), so the suite writes its bytecode.
+unset PYTHONDONTWRITEBYTECODE
 workers="${ZEN_TEST_WORKERS:-$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)}"  # not nproc: it obeys OMP_NUM_THREADS
 (( workers > 4 )) && workers=4
 xdist=()
