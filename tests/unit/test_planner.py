@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -148,6 +149,30 @@ def test_auto_is_exact_while_and_after_profiling(n):
             assert torch.equal(o, expected)
     choices = {a.last_choice("g") for a in autos}
     assert len(choices) == 1  # one decision, everywhere (reason included)
+
+
+def test_auto_prices_the_form_its_collectives_run(monkeypatch):
+    # Outside a slot every collective sends its counts in a round of its own; inside one (a Synchronizer's
+    # bucket) the steady steps carry them in the payload: auto predicts the form the sync will run.
+    seen = []
+    predict = cm.predict_stats
+    monkeypatch.setattr(cm, "predict_stats", lambda *a, **k: seen.append(k["first_call"]) or predict(*a, **k))
+    inputs = W.dgc_topk(4, numel=1 << 12, density=0.1)
+    expected = sum(x.to_dense() for x in inputs)
+    for in_slot in (False, True):
+        seen.clear()
+        autos = [build_scheme("auto", profile_steps=2) for _ in inputs]
+
+        def fn(c, x):
+            outs = []
+            for _ in range(3):
+                with (c.slot("bucket") if in_slot else contextlib.nullcontext()):
+                    outs.append(autos[c.rank].sync(c, x, key="g"))
+            return outs
+
+        for outs in SimWorld(len(inputs)).run(fn, inputs):
+            assert all(torch.equal(o, expected) for o in outs)
+        assert seen and set(seen) == {not in_slot}, (in_slot, seen)
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])

@@ -238,6 +238,12 @@ class Communicator(abc.ABC):
         finally:
             self._slot = saved
 
+    @property
+    def in_slot(self) -> bool:
+        """Whether a slot is declared: its recurring collectives carry their counts in the payload from
+        their second call on (the planner prices that steady form then, the count round otherwise)."""
+        return self._slot is not None
+
     def _slot_key(self) -> tuple | None:
         """The key of this call inside the declared slot (None outside one): the slot's name, the signed
         call site and the call's ordinal, agreed on every rank since they reach the slot's calls in the

@@ -23,7 +23,8 @@ transports, ``zen.exchange_impl``:
   buffers carry one extra element addressed to oneself.
 
 ``all_gather_v`` (agreement checks, planner profiles, DGC's TP samples, ZEN's pulls) runs the rounds of
-``comm/gather.py`` (counts in a Bruck all-gather, then direct, ring or Bruck payload rounds), each
+``comm/gather.py`` (counts in a round of their own, then direct, ring or Bruck payload rounds; inside a
+slot, from a call's second time on, counts in the blocks: ``_all_gather_v_start_inline``), each
 round one ``batch_isend_irecv``, whatever ``exchange_impl`` says, so ranks that disagree on
 ``exchange_impl`` or ``gather_impl`` still meet in the agreement check that reports it (``options()``).
 """

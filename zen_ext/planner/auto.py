@@ -333,7 +333,8 @@ class AutoScheme(SyncScheme):
             preds, wires, raw = {}, {}, {}
             for c in self.candidates:
                 opts = self._schemes[c].options()
-                stats = cm.predict_stats(c, profile, opts)
+                # In a slot (a Synchronizer's bucket) the steady steps carry their counts in the payload.
+                stats = cm.predict_stats(c, profile, opts, first_call=not comm.in_slot)
                 wires[c] = Wire.of(stats, cal.network)
                 preds[c] = (modeled_time_s(stats, cal.network) if self.model == "alpha_beta" else
                             cm.predict_total_s(c, work, wires[c], cal.network.alpha_s, cal.rates, opts, refine,
