@@ -1,4 +1,5 @@
-"""exchange_v with the counts in the payload messages (inside a ``Communicator.slot``), on real gloo processes.
+"""exchange_v with the counts in the payload messages (inside a ``Communicator.slot``), on real gloo processes
+(the count-carrying all_gather_v: test_gather_inline.py; the signature check of both is here).
 
 Every call equals the two-round form (exact: integer-valued payloads), the byte, message and round
 counts equal SimWorld's, and a rank passing a different gradient still fails at the signature check on
@@ -66,7 +67,7 @@ def test_count_carrying_exchange_equals_the_two_round_form(world_size, exchange_
         assert sim[r][1] == rounds
 
 
-def _mismatch_worker(rank, world_size):
+def _mismatch_worker(rank, world_size, collective):
     from zen_ext.comm.torch_dist import TorchCommunicator
 
     comm = TorchCommunicator()
@@ -74,12 +75,18 @@ def _mismatch_worker(rank, world_size):
         numel = 1000 + (1 if rank == 1 and step == 2 else 0)  # rank 1 passes a different gradient at step 2
         with comm.slot("b"), comm.signed(numel, torch.float32, "sum", where="test"):
             try:
-                comm.exchange_v([torch.ones(10 + step) for _ in range(world_size)])
+                if collective == "exchange_v":
+                    comm.exchange_v([torch.ones(10 + step) for _ in range(world_size)])
+                else:
+                    comm.all_gather_v(torch.ones(10 + rank + step))
             except RuntimeError as exc:
                 return step, str(exc)
     return None, "no error"
 
 
-def test_count_carrying_exchange_checks_signatures_on_every_rank():
-    for r, (step, msg) in enumerate(run_workers(_mismatch_worker, 3)):
+@pytest.mark.parametrize("collective", ["exchange_v", "all_gather_v"])
+def test_count_carrying_collectives_check_signatures_on_every_rank(collective):
+    # The third call carries its counts in the payload: sizes still match (they come from the slot's
+    # history, not the data) and every rank fails at the signature check instead of hanging.
+    for r, (step, msg) in enumerate(run_workers(_mismatch_worker, 3, collective)):
         assert step == 2 and "ranks disagree" in msg and "numel 1001" in msg, (r, step, msg)

@@ -13,11 +13,12 @@ COUNT_BYTES = 8  # the int64 count per message and variable-size call (the signa
 HEAD_BYTES = 16  # the count and the signature word in front of a payload
 
 
-def next_capacity(count: int) -> int:
+def next_capacity(count):
     """Elements the next call of a slot's collective reserves for a message that carried ``count`` this
     time: 1/16 headroom (DGC's per-pair counts move by a few percent between steps) and a small floor; 0
-    after an empty message (pairs that were empty, like SparCML's non-partners, stay header-only)."""
-    return 0 if count <= 0 else count + count // 16 + 8
+    after an empty message (pairs that were empty, like SparCML's non-partners, stay header-only).
+    ``count``: an int, or a tensor of counts (the planner's predicted byte matrices)."""
+    return (count > 0) * (count + count // 16 + 8)
 
 
 def inline_segment_bytes(cap: int, elem_bytes: int) -> int:

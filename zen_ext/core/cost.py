@@ -24,7 +24,7 @@ import torch
 
 from ..comm import gather
 from ..comm.base import CommStats
-from ..comm.inline import COUNT_BYTES as _COUNT_BYTES, next_capacity
+from ..comm.inline import COUNT_BYTES as _COUNT_BYTES, counted_bytes, next_capacity
 from .types import index_dtype
 
 BLOCK_SIZE = 256
@@ -111,8 +111,7 @@ class Traffic:
         msent, mrecv = nonempty.sum(1).tolist(), nonempty.sum(0).tolist()
         # Counts in the payload: the count word, then the capacity (padded to 8 bytes) of a payload of
         # the same size as the last step's (comm/inline.py); an empty pair sends its count word only.
-        cap_PP = torch.where(nonempty, bytes_PP + torch.floor(bytes_PP / 16) + 8, bytes_PP)
-        inline_PP = _COUNT_BYTES + torch.ceil(cap_PP / 8) * 8
+        inline_PP = counted_bytes(next_capacity(bytes_PP), 1)
         inline_PP.fill_diagonal_(0)
         isent, irecv = inline_PP.sum(1).tolist(), inline_PP.sum(0).tolist()
         for r in range(n):
