@@ -348,6 +348,26 @@ def progress_bar(rank: int, start: int, steps: int):
     return update
 
 
+def log_step(rec: dict, log_file, records: list[dict], progress) -> None:
+    """A step's record, the same in every recipe: its JSON line (rank 0 holds ``log_file``; the others
+    pass ``None``), the run's records and the progress bar."""
+    if log_file is not None:
+        log_file.write(json.dumps(rec) + "\n")
+        log_file.flush()
+    records.append(rec)
+    progress(rec)
+
+
+def gather_peak_memory(world: int, **extra) -> list[dict]:
+    """Every rank's peak resident memory in MiB (CPU tensors live there; ``ru_maxrss`` is KiB on Linux),
+    with ``extra`` fields of its own, gathered to every rank (a collective: all ranks call it)."""
+    import resource
+
+    peak: list = [None] * world
+    dist.all_gather_object(peak, {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **extra})
+    return peak
+
+
 # --- configuration errors: one line, once --------------------------------------------------------------
 class ConfigError(Exception):
     """A bad configuration, found before training starts (the message is the validator's one line)."""

@@ -22,7 +22,6 @@ import argparse
 import copy
 import json
 import os
-import resource
 import sys
 import time
 
@@ -240,11 +239,7 @@ def main(argv=None) -> list[dict]:
             rec["dense_bytes"] = zen.totals["dense_bytes"]
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             rec["eval_loss"] = common.evaluate(engine, eval_blocks, micro, dp_rank, dp_size, dp_group)
-        if log_file is not None:
-            log_file.write(json.dumps(rec) + "\n")
-            log_file.flush()
-        records.append(rec)
-        progress(rec)
+        common.log_step(rec, log_file, records, progress)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             engine.save_checkpoint(ckpt_dir, tag=f"step{step}")
             common.save_optimizer_name(os.path.join(ckpt_dir, f"step{step}"), optimizer_id, rank)
@@ -252,8 +247,7 @@ def main(argv=None) -> list[dict]:
     # Step 4: summary, each rank's peak memory (resident set: CPU tensors live there; KiB on Linux), and the
     # final model where asked (ZeRO-1/2 keep full parameters on every rank).
     text = zen.summary() if zen is not None else None
-    peak = [None] * dist.get_world_size()
-    dist.all_gather_object(peak, {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+    peak = common.gather_peak_memory(dist.get_world_size())
     if rank == 0:
         log_file.close()
         common.write_outputs(args.output_dir, records, text)

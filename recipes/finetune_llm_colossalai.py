@@ -263,11 +263,7 @@ def main(argv=None) -> list[dict]:
             rec["dense_bytes"] = zen.stats.totals["dense_bytes"]
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             rec["eval_loss"] = common.evaluate(model, eval_blocks, micro, dp_rank, dp_size, dp_group)
-        if log_file is not None:
-            log_file.write(json.dumps(rec) + "\n")
-            log_file.flush()
-        records.append(rec)
-        progress(rec)
+        common.log_step(rec, log_file, records, progress)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             save_checkpoint(booster, plugin, model, optimizer, scheduler, args.output_dir, step, rank,
                             optimizer_id)

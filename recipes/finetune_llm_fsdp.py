@@ -135,18 +135,12 @@ def main(argv=None) -> list[dict]:
             rec["bytes_sent"], rec["dense_bytes"] = zen.totals["bytes_sent"], zen.totals["dense_bytes"]
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             rec["eval_loss"] = common.evaluate(model, eval_blocks, fsdp["micro_batch"], rank, world, dist.group.WORLD)
-        if log_file is not None:
-            log_file.write(json.dumps(rec) + "\n")
-            log_file.flush()
-        records.append(rec)
-        progress(rec)
+        common.log_step(rec, log_file, records, progress)
 
     # Step 4: summary and each rank's peak memory (resident set: CPU tensors live there; KiB on Linux).
     text = zen.summary() if zen is not None else None
-    peak = [None] * world
-    dist.all_gather_object(peak, {"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                                  "peak_rss_at_start_mib": rss_start / 1024,
-                                  "cuda_peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device else None})
+    peak = common.gather_peak_memory(world, peak_rss_at_start_mib=rss_start / 1024,
+                                     cuda_peak_mib=torch.cuda.max_memory_allocated() / 2**20 if device else None)
     if rank == 0:
         log_file.close()
         common.write_outputs(args.output_dir, records, text)

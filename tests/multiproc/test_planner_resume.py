@@ -8,6 +8,9 @@ a resumed run that lost the planner's state re-profiles on the dense gradients a
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import torch
 
 from tests.multiproc.launch import run_workers
@@ -47,8 +50,11 @@ def _run(rank, world, resume_with_state):
     sd = first.state_dict()
     resumed = AutoScheme(**OPTS)
     if resume_with_state:
-        torch.save(sd, f"/tmp/zen_auto_state_{rank}.pt")  # through a real checkpoint file
-        resumed.load_state_dict(torch.load(f"/tmp/zen_auto_state_{rank}.pt", weights_only=False))
+        # Through a real checkpoint file, in a directory of this process's own (two suites at once on
+        # one machine must not read each other's state).
+        with tempfile.TemporaryDirectory() as d:
+            torch.save(sd, os.path.join(d, f"zen_auto_state_{rank}.pt"))
+            resumed.load_state_dict(torch.load(os.path.join(d, f"zen_auto_state_{rank}.pt"), weights_only=False))
     more, more_choices = sync_steps(resumed, range(CUT, STEPS))
     return ref_outs, ref_choices, outs + more, choices + more_choices, resumed.explain()
 
