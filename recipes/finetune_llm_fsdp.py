@@ -154,7 +154,8 @@ def shard(model, *, mixed_precision: str = "fp32", cpu_offload: bool = False,
     dtypes = MIXED_PRECISION[mixed_precision]
     kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=dtypes[0], reduce_dtype=dtypes[1]) if dtypes
           else MixedPrecisionPolicy(),
-          "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
+          "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload  # pinning needs one
+          else OffloadPolicy()}
     order = {id(m): i for i, m in enumerate(model.modules())}
     for unit in sorted(units, key=lambda u: -order[id(u)]):  # children before their parents
         fully_shard(unit, **kw)
