@@ -1,4 +1,4 @@
-"""The model / data / tokenizer pipeline shared by the fine-tuning recipes (DeepSpeed, ColossalAI).
+"""The model / data / tokenizer pipeline shared by the fine-tuning recipes (DeepSpeed, ColossalAI, FSDP2).
 
 Engine-neutral: nothing here imports DeepSpeed or ColossalAI, and nothing downloads unless asked
 to (an HF model or dataset *name*; everything else is local).
@@ -233,6 +233,32 @@ def add_run_args(p, default_output_dir: str) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
 
 
+def add_optimizer_args(p) -> None:
+    """The optimizer flags the DeepSpeed and FSDP2 recipes share (``optimizer_choice`` reads them)."""
+    p.add_argument("--catch_up_adam", action="store_true",
+                   help="train with zen_ext.optim.CatchUpAdamW (the config's AdamW settings): a coordinate DGC held "
+                   "back for k steps moves k steps' worth when it arrives. The default already when zen.dgc is "
+                   "on and the config's optimizer is Adam/AdamW; with this flag any other optimizer is an error")
+    p.add_argument("--plain_adam", action="store_true",
+                   help="keep the config's optimizer even when zen.dgc is on (by default DGC under Adam/AdamW "
+                   "trains with CatchUpAdamW, which closes most of DGC's loss gap to dense)")
+
+
+def optimizer_choice(args, dgc_on: bool, adam: bool) -> tuple[str, str]:
+    """Which optimizer a recipe trains with, and why (for the start line): ``"catch_up"``
+    (``--catch_up_adam``, or the default for DGC under an Adam/AdamW config: it closes most of DGC's loss
+    gap to dense, README "Time to quality") or ``"config"`` (the config's optimizer: no DGC, not Adam, or
+    ``--plain_adam``). ``dgc_on``: the run's ``zen.dgc`` is enabled; ``adam``: the config's optimizer is
+    Adam or AdamW."""
+    if args.catch_up_adam:
+        return "catch_up", "--catch_up_adam"
+    if args.plain_adam:
+        return "config", "--plain_adam"
+    if dgc_on and adam:
+        return "catch_up", "the default for DGC under Adam; --plain_adam keeps the config's"
+    return "config", "no DGC" if not dgc_on else "not Adam"
+
+
 def select_texts(texts: list[str], part: str = "all", max_docs: int = 0) -> list[str]:
     """The documents a run uses: all, or the first or second half (``--data_part``: pretrain on one,
     fine-tune on the other), then at most ``max_docs`` of them."""
@@ -275,13 +301,14 @@ def all_reduce_mean(value: float, group) -> float:
     return t.item() / dist.get_world_size(group)
 
 
-def evaluate(engine, blocks, micro_batch: int, dp_rank: int, dp_size: int, dp_group) -> float:
+def evaluate(engine, blocks, micro_batch: int, dp_rank: int, dp_size: int, dp_group, device=None) -> float:
     """Mean loss over the eval blocks (each replica a share, averaged over replicas).
 
-    Batches go to the model's device; the totals are summed on the group's device.
+    Batches go to ``device`` (default: the model's; FSDP2's CPU offload keeps parameters on the CPU and
+    computes on the accelerator); the totals are summed on the group's device.
     """
     engine.eval()
-    device = model_device(engine)
+    device = device if device is not None else model_device(engine)
     loss_sum, count = 0.0, 0
     with torch.no_grad():
         for batch in eval_batches(blocks, micro_batch, dp_rank, dp_size):

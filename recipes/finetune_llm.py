@@ -39,13 +39,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save_model", default=None, help="save the final model and tokenizer here with save_pretrained "
                    "(a later run fine-tunes from it: --model DIR --tokenizer DIR)")
     p.add_argument("--frozen_variance_after", default=None, help=argparse.SUPPRESS)  # removed: load_ds_config
-    p.add_argument("--catch_up_adam", action="store_true",
-                   help="train with zen_ext.optim.CatchUpAdamW (the config's AdamW settings): a coordinate DGC held "
-                   "back for k steps moves k steps' worth when it arrives. The default already when zen.dgc is "
-                   "on and the config's optimizer is Adam/AdamW; with this flag any other optimizer is an error")
-    p.add_argument("--plain_adam", action="store_true",
-                   help="keep the config's optimizer even when zen.dgc is on (by default DGC under Adam/AdamW "
-                   "trains with CatchUpAdamW, which closes most of DGC's loss gap to dense)")
+    common.add_optimizer_args(p)
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     return p.parse_args(argv)
 
@@ -95,17 +89,11 @@ def optimizer_choice(args, ds_config: dict) -> tuple[str, str]:
     (``--catch_up_adam``, or the default for DGC under an Adam/AdamW config: it closes most of DGC's loss
     gap to dense, README "Time to quality") or ``"config"`` (the config's optimizer: no DGC, not Adam, or
     ``--plain_adam``)."""
-    if args.catch_up_adam:
-        return "catch_up", "--catch_up_adam"
-    if args.plain_adam:
-        return "config", "--plain_adam"
     zen = ds_config.get("zen")
     dgc_on = (isinstance(zen, dict) and zen.get("enabled", True) and isinstance(zen.get("dgc"), dict)
               and zen["dgc"].get("enabled", False))
     opt_type = str((ds_config.get("optimizer") or {}).get("type")).lower()
-    if dgc_on and opt_type in ("adam", "adamw"):
-        return "catch_up", "the default for DGC under Adam; --plain_adam keeps the config's"
-    return "config", "no DGC" if not dgc_on else "not Adam"
+    return common.optimizer_choice(args, bool(dgc_on), opt_type in ("adam", "adamw"))
 
 
 def optimizer_identity(args, ds_config: dict) -> str:

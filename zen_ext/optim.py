@@ -30,6 +30,25 @@ def _run_closure(closure):
         return closure()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (its storage: in-place updates land in the DTensor), any other tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _check_placements(p: torch.Tensor) -> None:
+    """A DTensor parameter's gradient must be placed as the parameter (FSDP2's are): the local shards
+    then hold the same elements."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(p, DTensor) and (not isinstance(p.grad, DTensor) or p.grad.placements != p.placements
+                                   or p.grad.device_mesh != p.device_mesh):
+        got = p.grad.placements if isinstance(p.grad, DTensor) else type(p.grad).__name__
+        raise ValueError(f"CatchUpAdamW: a DTensor parameter placed {p.placements} has a gradient placed {got}; "
+                         f"it must be placed as its parameter (as FSDP2's gradients are)")
+
+
 def _adam_state(st: dict, p: torch.Tensor) -> dict:
     """``p``'s state with Adam's moments (created at the first step) and its step count advanced."""
     if not st:
@@ -60,7 +79,10 @@ class CatchUpAdamW(torch.optim.Optimizer):
     collective. Where every coordinate has a non-zero gradient every step (``k = 1``), this is AdamW.
     Use it as the client optimizer of ``deepspeed.initialize`` (the DeepSpeed recipe: ``--catch_up_adam``),
     with ZeRO 0–2; its state (``exp_avg``, ``exp_avg_sq``, ``age``, ``step``) is saved with the engine's
-    checkpoints like any torch optimizer's.
+    checkpoints like any torch optimizer's. On FSDP2's DTensor parameters each rank steps its local shard
+    (every operation is per element, so a shard's step is the full tensor's step restricted to it) and
+    the per-element state is a DTensor placed as its parameter, so ``torch.distributed.checkpoint``'s
+    optimizer state dict saves and reshards it (recipes/finetune_llm_fsdp.py).
 
     Args:
         params: parameters or parameter groups.
@@ -100,7 +122,8 @@ class CatchUpAdamW(torch.optim.Optimizer):
 
         ``zen_ext.ops.catch_up_adamw_`` runs them: contiguous float32/bf16/fp16 CPU parameters in the
         fused op (one pass per tensor, and a coordinate that waits costs only its decay and age), any
-        other in its torch reference (``zen_ext/ops/_reference.py``), the op's oracle.
+        other in its torch reference (``zen_ext/ops/_reference.py``), the op's oracle. DTensors (FSDP2)
+        go in as their local shards; their state is created as DTensors placed like the parameter.
         """
         from . import ops
 
@@ -112,6 +135,7 @@ class CatchUpAdamW(torch.optim.Optimizer):
             for p in group["params"]:
                 if p.grad is None:
                     continue
+                _check_placements(p)
                 st = _adam_state(self.state[p], p)
                 if "age" not in st:
                     # fp32 whatever the parameter's dtype: a bf16 count stops at 256 (256 + 1 rounds
@@ -120,8 +144,9 @@ class CatchUpAdamW(torch.optim.Optimizer):
                 by_step.setdefault(st["step"], []).append(p)
             for t, params in by_step.items():  # one step count per group in practice
                 sts = [self.state[p] for p in params]
-                ops.catch_up_adamw_(params, [p.grad for p in params], [s["exp_avg"] for s in sts],
-                                    [s["exp_avg_sq"] for s in sts], [s["age"] for s in sts], lr=hp["lr"],
+                ops.catch_up_adamw_([_local(p) for p in params], [_local(p.grad) for p in params],
+                                    [_local(s["exp_avg"]) for s in sts], [_local(s["exp_avg_sq"]) for s in sts],
+                                    [_local(s["age"]) for s in sts], lr=hp["lr"],
                                     beta1=hp["betas"][0], beta2=hp["betas"][1], eps=hp["eps"],
                                     weight_decay=hp["wd"], step=t, catch_up=hp["catch_up"])
         return loss

@@ -152,21 +152,39 @@ class ZenAttachment:
         2. Otherwise (a resize, or no file of this rank's) rank 0's file, whose shared part every rank
            takes, so all ranks resume alike (a rank without a file of its own would restart at step 0).
         Files hold only tensors, numbers and strings: read with ``weights_only=True`` (no code from a
-        tampered file runs).
+        tampered file runs). ``load_own_or_shared`` does the choosing.
         """
         path, first = self.rank_state_path(root, tag), self.rank_state_path(root, tag, 0)
         mine = torch.load(path, map_location="cpu", weights_only=True) if os.path.isfile(path) else None
-        # Step 1: this rank's file.
+        shared = (lambda: torch.load(first, map_location="cpu", weights_only=True)) if os.path.isfile(first) else None
+        return self.load_own_or_shared(mine, shared, where=path)
+
+    def load_own_or_shared(self, mine: dict | None, shared, where: str) -> bool:
+        """Restore this rank's state from a checkpoint that holds one ``state_dict()`` per rank (the
+        engines' files, a distributed checkpoint's per-rank entries); returns False (with a warning) when
+        it holds none.
+
+        1. ``mine`` (this rank's own state), saved at the same data-parallel size: all of it.
+        2. Otherwise (a resize, or no state of this rank's) ``shared()`` (rank 0's state, loaded only
+           when needed), whose shared part every rank takes, so all ranks resume alike (a rank without a
+           state of its own would restart at step 0).
+
+        Args:
+            mine: this rank's saved ``state_dict()``, or None.
+            shared: a callable returning rank 0's saved ``state_dict()``, or None when there is none.
+            where: where this rank's state was looked for (for the warning).
+        """
+        # Step 1: this rank's state.
         if mine is not None and mine.get("dp_size") == self.dp_size:
             self.load_state_dict(mine)
             return True
         # Step 2: rank 0's shared part.
-        if os.path.isfile(first):
-            sd = torch.load(first, map_location="cpu", weights_only=True)
+        if shared is not None:
+            sd = shared()
             why = (("" if mine is not None else f"no ZEN state was saved for rank {self.rank}, and ")
                    + f"the checkpoint was saved with dp_size {sd.get('dp_size')}, now {self.dp_size}")
             self.load_state_dict(sd, why=why)
             return True
         logging.getLogger(self.log_name).warning(
-            "zen: no ZEN state at %s (a checkpoint without ZEN?): DGC residuals start fresh", path)
+            "zen: no ZEN state at %s (a checkpoint without ZEN?): DGC residuals start fresh", where)
         return False
