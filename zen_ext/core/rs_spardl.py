@@ -20,7 +20,7 @@ from .cost import Traffic
 from .coo import entry_bytes
 from .rs_base import ReduceScatterScheme
 from .rs_zen import ZenReduceScatter
-from .spardl import SparDLConfig, predict_spardl_rounds, spardl_reduce
+from .spardl import SparDLConfig, SparDLScheme, predict_spardl_rounds, spardl_reduce
 from .timing import PhaseTimer
 from .types import AccumulatedGrad
 
@@ -41,7 +41,7 @@ def predict_spardl_bytes(n: int, lengths: list[int], density: float, numel: int,
 class SparDLReduceScatter(ReduceScatterScheme):
     """Spar-Reduce-Scatter over the owners' ranges, residuals kept where they are dropped."""
 
-    name = "spardl"
+    name = SparDLScheme.name  # the reduce-scatter form of the all-reduce scheme, under its name
     lossless = False
     takes_accumulated = True
 
