@@ -20,7 +20,6 @@ This module is engine-neutral: it reads plain dicts and imports neither DeepSpee
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import json
 import logging
@@ -31,14 +30,13 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from ._keys import unknown_keys_message
+from ._keys import SECTION, near_miss_sections, unknown_keys_message, warn_near_miss_sections  # noqa: F401 (API)
 from .compress import registered, spec_of
+from .core.spardl import SparDLConfig
 
 SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
 MAX_BUCKET_CAP_MB = 2.0**20
 """Largest ``bucket_cap_mb`` (1 TiB): the cap in bytes must be a Python int (``bucket_cap_bytes``)."""
-SECTION = "zen"
-"""The top-level key of the section in a DeepSpeed / ColossalAI JSON config."""
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +121,8 @@ class ZenConfig(_Section):
     nodes with the same number (> 1) of ranks on each, decided from every rank's host name (gathered
     once at start; ``ZEN_EXT_HOST`` overrides it), else flat ZEN with one log line saying why; true
     forces it (an error naming what is supported if it cannot apply); false never. Default auto."""
+    spardl: SparDLConfig = field(default_factory=SparDLConfig)
+    """Options of the SparDL scheme (see the ``zen.spardl`` table; ``core/spardl.py``)."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """Cost-model inputs of ``scheme: "auto"`` (see the ``zen.planner`` table)."""
     stats: StatsConfig = field(default_factory=StatsConfig)
@@ -244,12 +244,12 @@ class ZenConfig(_Section):
 
     # --- what the config builds -----------------------------------------------------------------------
     def scheme_options(self) -> dict:
-        """Constructor options of ``scheme``: the planner fields for ``"auto"``, and ``seed`` /
-        ``pull_format`` for schemes whose constructor takes them (hash-based schemes)."""
+        """Constructor options of ``scheme``: the planner fields for ``"auto"``, ``zen.spardl``'s for
+        SparDL, and ``seed`` / ``pull_format`` for schemes whose constructor takes them."""
         from .core.registry import scheme_class
 
         accepted = set(inspect.signature(scheme_class(self.scheme).__init__).parameters) - {"self"}
-        opts = {"seed": self.seed, "pull_format": self.pull_format}
+        opts = {"seed": self.seed, "pull_format": self.pull_format, **dataclasses.asdict(self.spardl)}
         if self.scheme == "auto":
             opts.update(dataclasses.asdict(self.planner))
         return {k: v for k, v in opts.items() if k in accepted}
@@ -327,32 +327,6 @@ def check_deepspeed_settings(ds: dict) -> None:
         raise NotImplementedError(
             f"zen supports data parallelism and AutoTP tensor + data parallelism, not sequence "
             f"parallelism (sequence_parallel_size = {sp})")
-
-
-def near_miss_sections(config: dict) -> list[str]:
-    """Top-level keys of ``config`` that look like a misspelled ``"zen"`` (``"zne"``, ``"Zen"``,
-    ``"zen_ext"``): a key starting with "zen" or within difflib ratio 0.6 of it, case and spaces
-    ignored. DeepSpeed's own keys are all further away (the nearest, ``"zero"``/``"mean"``, 0.57)."""
-    out = []
-    for key in config:
-        if not isinstance(key, str) or key == SECTION:
-            continue
-        k = key.strip().lower()
-        if k.startswith(SECTION) or difflib.SequenceMatcher(None, k, SECTION).ratio() >= 0.6:
-            out.append(key)
-    return out
-
-
-def warn_near_miss_sections(config: dict) -> list[str]:
-    """Warn (``logging`` WARNING, shown without any logging set-up) about near-miss section names
-    when the config has no ``"zen"`` key: DeepSpeed ignores unknown top-level keys, so a typo would
-    otherwise train with the dense all-reduce and say nothing. Returns the keys warned about."""
-    keys = near_miss_sections(config)
-    if keys and SECTION not in config:
-        log.warning("zen: the config has no \"zen\" section but has %s; did you mean \"zen\"? Without it ZEN is "
-                    "NOT attached and gradients use the engine's dense all-reduce",
-                    ", ".join(json.dumps(k) for k in keys))
-    return keys
 
 
 # --- validation ---------------------------------------------------------------------------------------

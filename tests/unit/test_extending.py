@@ -125,4 +125,4 @@ def test_a_builtin_scheme_is_named_only_by_its_own_file():
         own = os.path.abspath(inspect.getsourcefile(cls))
         named += [f"{os.path.relpath(f, root)} names {cls.name!r}" for f in files
                   if os.path.abspath(f) != own and f'"{cls.name}"' in open(f).read()]
-    assert len(BUILTIN_SCHEMES) == 7 and not named, named
+    assert len(BUILTIN_SCHEMES) == 8 and not named, named

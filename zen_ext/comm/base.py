@@ -14,6 +14,7 @@ count bytes with the same logical model below, so a scheme's traffic is identica
 * ``all_reduce``: a ring (reduce-scatter then all-gather): ``2·(n−1)/n`` of the buffer each way,
   ``2·(n−1)`` rounds.
 * ``broadcast``: the root sends the buffer to every peer (1 round).
+* ``sendrecv``: fixed-size point-to-point messages both sides size without a header (1 round).
 
 ``CommStats.rounds`` counts the communication rounds a rank waits through (each waits for the last).
 
@@ -392,6 +393,25 @@ class Communicator(abc.ABC):
                 self._account(recv=_nbytes(t), msgs_recv=1, rounds=1)
         return t
 
+    def sendrecv(self, sends: dict, recv_counts: dict, dtype: torch.dtype = torch.uint8) -> dict:
+        """One round of point-to-point messages whose sizes both sides know without a header (a fixed
+        schedule: SparDL's bags of ``k/P`` entries): ``sends[j]`` (1-D, ``dtype``) goes to rank ``j``,
+        ``recv_counts[j]`` elements come from rank ``j``; one ``batch_isend_irecv``, no count round. The
+        call signature is checked once before, as for ``all_reduce``. Every rank takes part."""
+        if self.rank in sends or self.rank in recv_counts or any(t.dim() != 1 or t.dtype != dtype for t in sends.values()):
+            raise ValueError(f"sendrecv needs 1-D {dtype} payloads to other ranks than this one ({self.rank})")
+        self._check_signature_first()
+        got = self._sendrecv({j: t.contiguous() for j, t in sends.items()}, dict(recv_counts), dtype)
+        bad = [(j, got[j].numel(), c) for j, c in recv_counts.items() if got[j].numel() != c]
+        if bad:
+            raise RuntimeError(f"sendrecv: rank {self.rank} expected {bad[0][2]} elements from rank {bad[0][0]}, "
+                               f"got {bad[0][1]} (a fixed schedule's sizes must agree on both sides)")
+        esz = torch.empty(0, dtype=dtype).element_size()
+        self._account(sent=sum(_nbytes(t) for t in sends.values()), recv=esz * sum(recv_counts.values()),
+                      msgs_sent=sum(1 for t in sends.values() if t.numel()),
+                      msgs_recv=sum(1 for c in recv_counts.values() if c), rounds=int(self.size > 1), op="sendrecv")
+        return got
+
     def all_gather_object(self, obj) -> list:
         """All-gather a small picklable object (agreement checks, profiles); not counted as traffic."""
         import pickle
@@ -447,6 +467,12 @@ class Communicator(abc.ABC):
         the rest to every peer (after the blocks every rank knows which did). The handle's plan carries
         ``caps``. Transports without one run the count round (their plan says so)."""
         return self._all_gather_v_start(t)
+
+    def _sendrecv(self, sends: dict, recv_counts: dict, dtype: torch.dtype) -> dict:
+        # Transports without one: through the variable-size exchange (its count round is not accounted).
+        empty = torch.empty(0, dtype=dtype, device=self.device)
+        recv = self._exchange_v([sends.get(j, empty) for j in range(self.size)])
+        return {j: recv[j] for j in recv_counts}
 
     @abc.abstractmethod
     def _all_reduce(self, t: torch.Tensor, op: str) -> None: ...

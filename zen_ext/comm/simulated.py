@@ -168,6 +168,10 @@ class SimCommunicator(Communicator):
                     parts[j] = torch.cat([parts[j], tails[j]])
         return GatherHandle(rank, parts, plan=gather.GatherPlan(algo, counts, esz, self.gather_costs, list(caps)))
 
+    def _sendrecv(self, sends: dict, recv_counts: dict, dtype: torch.dtype) -> dict:
+        got = self._post_and_collect(sends)
+        return {j: got[j].get(self.rank, torch.empty(0, dtype=dtype, device=self._device)) for j in recv_counts}
+
     def _gather_words(self, word: int) -> list[int]:
         return self._post_and_collect(word)
 

@@ -348,6 +348,15 @@ class TorchCommunicator(Communicator):
             parts[j] = part if home == dev else part.to(home)
         return GatherHandle(rank, parts, plan=gather.GatherPlan(algo, counts, esz, self.gather_costs, list(caps)))
 
+    def _sendrecv(self, sends: dict, recv_counts: dict, dtype: torch.dtype) -> dict:
+        """One fixed-size round as one ``batch_isend_irecv`` on the communicator's device."""
+        dev = self.device
+        home = next(iter(sends.values())).device if sends else dev
+        recvs = {j: torch.empty(c, dtype=dtype, device=dev) for j, c in recv_counts.items()}
+        for work in self._post(list(recvs.items()), [(j, t.to(dev)) for j, t in sends.items()]):
+            work.wait()
+        return {j: r.to(home) for j, r in recvs.items()}
+
     def _gather_words(self, word: int) -> list[int]:
         got = torch.empty(self.size, dtype=torch.int64, device=self.device)
         _all_gather_single(got, self._header([word]), group=self.group)

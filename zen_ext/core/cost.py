@@ -124,6 +124,18 @@ class Traffic:
             f.msgs_recv += n - 1 + mrecv[r]
             f.rounds += 2
 
+    def sendrecv(self, sends: Sequence[Sequence[tuple[int, float]]]) -> None:
+        """One round of fixed-size point-to-point messages (``Communicator.sendrecv``: no count, the same
+        in both forms): ``sends[src]`` lists ``(dst, payload bytes)``."""
+        if self.n <= 1:
+            return
+        for src, msgs in enumerate(sends):
+            for dst, b in msgs:
+                self._add(src, b, 0, int(b > 0), 0, 0)
+                self._add(dst, 0, b, 0, int(b > 0), 0)
+        for r in range(self.n):
+            self._add(r, 0, 0, 0, 0, 1)
+
     def all_gather_v(self, sizes: Sequence[float], impl: str = "auto") -> None:
         """``sizes[r]``: rank ``r``'s payload bytes, gathered in the rounds ``comm/gather.py`` picks for
         them (its ``choose`` with the default costs, as the communicators do); in a slot's repeat, for

@@ -14,10 +14,11 @@ from .rs_auto import AutoReduceScatter
 from .rs_base import ReduceScatterScheme
 from .rs_dense import DenseReduceScatter
 from .rs_direct import DirectReduceScatter
+from .rs_spardl import SparDLReduceScatter
 from .rs_zen import ZenReduceScatter
 
 BUILTIN_REDUCE_SCATTERS: tuple[type[ReduceScatterScheme], ...] = (
-    DenseReduceScatter, DirectReduceScatter, ZenReduceScatter, AutoReduceScatter)
+    DenseReduceScatter, DirectReduceScatter, ZenReduceScatter, AutoReduceScatter, SparDLReduceScatter)
 """Core's reduce-scatter schemes (``dense`` is the oracle every lossless one must equal)."""
 
 _REGISTRY: dict[str, type[ReduceScatterScheme]] = {}

@@ -17,12 +17,15 @@ from .omnireduce import OmniReduceScheme
 from .scheme import SyncScheme
 from .sparcml import SparCMLScheme
 from .sparse_ps import SparsePSScheme
+from .spardl import SparDLScheme
 from .zen import ZenCooScheme, ZenScheme
 
 BUILTIN_SCHEMES: tuple[type[SyncScheme], ...] = (
-    DenseScheme, ZenScheme, SparCMLScheme, ZenCooScheme, AGSparseScheme, OmniReduceScheme, SparsePSScheme)
+    DenseScheme, ZenScheme, SparCMLScheme, ZenCooScheme, AGSparseScheme, OmniReduceScheme, SparsePSScheme,
+    SparDLScheme)
 """Core's schemes, in the order ``auto`` breaks exact ties in and tables list them: the simpler first,
-the oracle (dense all-reduce: no profile makes it slower than itself) before all."""
+the oracle (dense all-reduce: no profile makes it slower than itself) before all; the lossy ``spardl``
+last (``auto`` never picks a lossy scheme)."""
 
 _REGISTRY: dict[str, type[SyncScheme]] = {}
 

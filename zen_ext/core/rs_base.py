@@ -27,7 +27,7 @@ from typing import ClassVar, Sequence
 import torch
 
 from ..comm.base import Communicator
-from .scheme import check_op, check_out
+from .scheme import check_op, check_out, refuse_accumulated
 from .types import SparseGrad
 
 _SIG_DIGEST_BITS = 50  # the numel field of the signature word (comm/base.py encode_signature)
@@ -39,6 +39,8 @@ class ReduceScatterScheme(abc.ABC):
 
     name: ClassVar[str]
     lossless: ClassVar[bool] = True
+    takes_accumulated: ClassVar[bool] = False
+    """Whether it takes an ``AccumulatedGrad`` (``core/types.py``) and selects from it itself (``spardl``)."""
 
     def reduce_scatter(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, ranges: Sequence[tuple[int, int]], op: str = "sum",
@@ -125,6 +127,7 @@ class ReduceScatterScheme(abc.ABC):
 
     def _facts(self, grad: SparseGrad | torch.Tensor):
         """``(dense numel, dtype, device)``, after the index check (one host read unless in range by construction)."""
+        refuse_accumulated(self, grad, "reduce-scatter")
         if isinstance(grad, SparseGrad):
             grad.check_range(where=f"reduce-scatter {self.name!r}")
             return grad.dense_numel, grad.values.dtype, grad.values.device

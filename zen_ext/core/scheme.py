@@ -20,7 +20,7 @@ import torch
 
 from ..comm.base import Communicator
 from .cost import BLOCK_SIZE, ProfileView, Traffic, WorkCounts
-from .types import SparseGrad
+from .types import AccumulatedGrad, SparseGrad
 
 REDUCE_OPS = ("sum", "mean")
 PartitionFn = Callable[[torch.Tensor], torch.Tensor]
@@ -37,6 +37,9 @@ class SyncScheme(abc.ABC):
     reduce_scatter, ZeRO-3 and FSDP2; None: the scheme has no reduce-scatter form (sharded engines refuse it)."""
     #: The phases (keys of the ``timings`` it fills) whose time is the wire's; empty: no cost model.
     wire_phases: ClassVar[tuple[str, ...]] = ()
+    #: Whether it takes an ``AccumulatedGrad`` (a sparsifier's dense memory, ``core/types.py``) and selects
+    #: from it itself (``spardl``); every other scheme refuses one.
+    takes_accumulated: ClassVar[bool] = False
     #: What ``partition_fn`` maps: ``"index"`` (rows in row form) or ``"block"`` (OmniReduce's blocks).
     partition_unit: ClassVar[str] = "index"
 
@@ -121,6 +124,7 @@ class SyncScheme(abc.ABC):
     def _validate(self, grad: SparseGrad | torch.Tensor, op: str, out: torch.Tensor | None):
         """``op``, every index inside ``[0, numel)``, ``out``; returns ``(dense numel, dtype, device)``."""
         check_op(op)
+        refuse_accumulated(self, grad, "scheme")
         if isinstance(grad, SparseGrad):
             grad.check_range(where=f"scheme {self.name!r}")
             dense_numel, dtype, device = grad.dense_numel, grad.values.dtype, grad.values.device
@@ -211,6 +215,14 @@ def _into(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         out.copy_(res.reshape(-1))
         return out
     return res
+
+
+def refuse_accumulated(scheme, grad, what: str) -> None:
+    """Raise ValueError when ``grad`` is a sparsifier's memory handed to a scheme that does not select
+    from it (it would synchronize nothing)."""
+    if isinstance(grad, AccumulatedGrad) and not scheme.takes_accumulated:
+        raise ValueError(f"{what} {scheme.name!r} got an AccumulatedGrad (a sparsifier's dense memory), which only "
+                         f"schemes that select their own entries take (spardl)")
 
 
 def check_op(op: str) -> None:

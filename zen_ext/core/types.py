@@ -98,6 +98,27 @@ class SparseGrad:
                                  f"(indices span [{lo}, {hi}])")
 
 
+@dataclass
+class AccumulatedGrad(SparseGrad):
+    """A gradient handed over dense, with its memory, to a scheme that selects its entries itself
+    (``spardl``): ``memory`` is the flat accumulated gradient (the local gradient plus the residual, in
+    the memory dtype), which the scheme overwrites with what it keeps; ``density`` the fraction of
+    entries it may send. As a SparseGrad it has no entries (``values`` is empty, in the wire dtype):
+    every other scheme refuses it (``SyncScheme._validate``) rather than sync nothing. ``momentum``:
+    the sparsifier's momentum, zeroed where the scheme consumed the local value (DGC's masking), or None.
+    """
+
+    memory: torch.Tensor = None  # acc_N, flat, contiguous
+    density: float = 1.0
+    momentum: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, memory: torch.Tensor, density: float, wire_dtype: torch.dtype,
+           momentum: torch.Tensor | None = None) -> "AccumulatedGrad":
+        empty = torch.empty(0, dtype=wire_dtype, device=memory.device)
+        return cls(empty.long(), empty, memory.numel(), True, memory.reshape(-1), float(density), momentum)
+
+
 def as_sparse(grad: "SparseGrad | torch.Tensor") -> SparseGrad:
     return grad if isinstance(grad, SparseGrad) else SparseGrad.from_dense(grad)
 

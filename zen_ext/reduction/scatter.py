@@ -162,7 +162,8 @@ def sparse_parts(prepared: list) -> list[_SparsePart]:
     for p in prepared:
         g, s = p.group, p.slice
         if s is None:
-            segs = [(g.lo, g.hi)] if g.tiled else [(x.offset, x.offset + x.numel) for x in g.slices]
+            spanned = g.tiled and p.grad.numel == g.hi - g.lo  # spardl's memory is over the concatenation
+            segs = [(g.lo, g.hi)] if spanned else [(x.offset, x.offset + x.numel) for x in g.slices]
             out.append(_SparsePart(p.key, g.kind, segs, [p.grad], [0], p.numel))
             continue
         width = p.grad.row_width

@@ -46,7 +46,7 @@ from ..compress.registry import DENSE, all_kinds, registered
 from ..compress.state import SparsifierState
 from ..core.registry import build_scheme
 from ..core.scheme import SyncScheme, check_op
-from ..core.types import SparseGrad
+from ..core.types import AccumulatedGrad, SparseGrad
 from .plan import GradSlice, Plan, SliceGroup, agree, build_plan
 from .scatter import reduce_scatter_flat
 
@@ -173,6 +173,9 @@ class Synchronizer:
         self.sparsifiers: dict[str, Sparsifier] = {
             k: specs[k].cls.from_config(cfg, state=self.state, dp_size=dp_comm.size)
             for k, cfg in self.configs.items() if cfg.enabled}
+        for sp in self.sparsifiers.values():  # spardl selects from DGC's accumulated memory itself
+            if hasattr(sp, "hand_over"):
+                sp.hand_over = self.scheme.takes_accumulated
         self._tp_kinds = tuple(k for k in self.configs if specs[k].cls.uses_tp_group)
         self.row_kinds = frozenset(k for k in self.sparsifiers if specs[k].cls.row_sparse)
         """The enabled kinds whose gradients are sparse by rows (``Sparsifier.row_sparse``)."""
@@ -271,7 +274,9 @@ class Synchronizer:
             else:  # one SparseGrad over the concatenation, mapped onto the group's span when tiled
                 sg = sp.compress([NamedGrad(s.state_key, flat_N[s.offset : s.offset + s.numel]) for s in group.slices],
                                  tp_comm=self.tp_comm)
-                if group.tiled:
+                if isinstance(sg, AccumulatedGrad):  # dense memory over the concatenation (spardl)
+                    grad = sg
+                elif group.tiled:
                     idx_K = sg.indices if group.in_order else group.to_bucket(sg.indices) - group.lo
                     grad = SparseGrad(idx_K, sg.values, group.hi - group.lo, in_range=True)
                 else:
@@ -317,16 +322,16 @@ class Synchronizer:
         # partition and aggregated counts) reads once per bucket, not once per slice.
         if prep.parts:
             outs = []
-            for p in prep.parts:
+            for p in prep.parts:  # a part over its group's span writes there (a concatenation does not)
                 g = p.group
                 lo, hi = (p.slice.offset, p.slice.offset + p.slice.numel) if p.slice is not None else (g.lo, g.hi)
-                outs.append(out_N[lo:hi] if p.slice is not None or g.tiled else None)
+                outs.append(out_N[lo:hi] if p.slice is not None or (g.tiled and p.grad.numel == hi - lo) else None)
             timings: list[dict] = [{} for _ in prep.parts]
             with dp.slot(("sync", plan.slot)):
                 results = self.scheme.sync_group(dp, [p.grad for p in prep.parts], op, timings=timings,
                                                  keys=[p.key for p in prep.parts], outs=outs)
-            for p, res, t in zip(prep.parts, results, timings):
-                if p.slice is None and not p.group.tiled:
+            for p, res, t, o in zip(prep.parts, results, timings, outs):
+                if o is None:
                     at = 0
                     for s in p.group.slices:  # concatenation order
                         out_N[s.offset : s.offset + s.numel] = res[at : at + s.numel]

@@ -70,7 +70,7 @@ from typing import Sequence
 import torch
 
 from ... import ops
-from ...core.types import SparseGrad
+from ...core.types import AccumulatedGrad, SparseGrad
 from ..base import NamedGrad, Sparsifier
 from ..registry import register_sparsifier
 from ..state import SparsifierState
@@ -150,6 +150,9 @@ class DGCSparsifier(Sparsifier):
         self._journal: dict[int, tuple] = {}
         """id(flat residual) → (residual, momentum, their copies at the step's first touch)."""
         self._discard = False
+        self.hand_over = False
+        """Hand the accumulated memory to the scheme instead of selecting (an ``AccumulatedGrad``): set by
+        the Synchronizer when its scheme selects its own entries (``spardl``, ``core/spardl.py``)."""
 
     # --- loss scaling and skipped steps -------------------------------------------------------------
     def set_loss_scale(self, scale: float) -> None:
@@ -225,7 +228,7 @@ class DGCSparsifier(Sparsifier):
         # the thresholds are sampled from R + the pending update at the sample positions. There the
         # flag stays on the device (the op skips the update where it is false) and is read with the
         # selection's counts: one host read for the bucket.
-        one_pass = _one_pass_applies(cfg, density, mdt, wire, flats)
+        one_pass = not self.hand_over and _one_pass_applies(cfg, density, mdt, wire, flats)
 
         # Step 1: an overflowed (fp16) gradient must reach the engine as such and never the memory.
         # The one-pass path needs only the flag: one op (two launches on a GPU). Elsewhere a 2-norm (one
@@ -280,6 +283,9 @@ class DGCSparsifier(Sparsifier):
         else:
             torch._foreach_add_(R_T, gs)
         del gs
+        if self.hand_over:  # the scheme selects from R and leaves its residual there (core/spardl.py)
+            masked = U if cfg.momentum_correction and cfg.momentum_masking else None
+            return AccumulatedGrad.of(R, cfg.density_at(self.state.step), wire, masked)
 
         # Step 3 + 4: thresholds, one per selection unit, and the selection mask they give.
         tiny = torch.finfo(mdt).smallest_normal * torch.finfo(mdt).eps  # zeros never travel
