@@ -93,7 +93,7 @@ def main() -> None:
     print(text)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"# DGC state per rank: 1-D FSDP vs HSDP\n\n{__doc__.split(chr(10))[0]}\n\n"
+            f.write(f"# DGC state per rank: 1-D FSDP vs HSDP\n\n{' '.join(__doc__.split(chr(10) * 2)[0].split())}\n\n"
                     f"`OMP_NUM_THREADS=1 python benchmarks/bench_fsdp_hsdp_state.py --out {args.out}` "
                     f"(4 gloo ranks, {STEPS} steps, P = {per_rank[0][MESHES[0][0]]['p']:,} parameters)\n\n"
                     f"{text}\n\n{NOTE}\n")
