@@ -245,8 +245,11 @@ def _errors(rank, world):
     out["disabled"] = caught(lambda: zen_ext.fsdp.attach(ok, {"enabled": False}))
     # Ranks that attach with different sections: every rank raises (none waits in a later collective).
     out["disagree"] = caught(lambda: zen_ext.fsdp.attach(ok, {"bucket_cap_mb": 1 + rank}))
-    zen_ext.fsdp.attach(ok, {})
+    zen_ext.fsdp.attach(ok, NATURAL)
     out["twice"] = caught(lambda: zen_ext.fsdp.attach(ok, {}))
+    # A shard dim of size 1 (plain replication) is served: FSDP skips its reduce-scatter, ZEN averages.
+    out["replicate-only"] = (_train(_shard(SplitLM(torch.float32), _mesh((2, 1))), rank, world, torch.float32),
+                             _train(ok, rank, world, torch.float32))
     dist.barrier()
     return out
 
@@ -260,3 +263,33 @@ def test_unsupported_setups_raise_clear_errors():
         assert out["disagree"][0] == "RuntimeError" and "another zen than rank 0" in out["disagree"][1]
         assert out["twice"][0] == "NotImplementedError" and "already has an all-reduce hook" in out["twice"][1]
         assert "1-D device mesh" in out["mixed"][1] and "HSDP" in out["mixed"][1]  # SUPPORTED names both
+        ref, got = out["replicate-only"]
+        assert ref[0] == got[0] and all(torch.equal(got[2][n], ref[2][n]) for n in ref[2])
+
+
+# --- docs/fsdp.md's HSDP snippet ---------------------------------------------------------------------------
+def _snippet(rank, world):
+    import os
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "..", "docs", "fsdp.md")).read()
+    block = doc.split("<!-- snippet: fsdp-hsdp ", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    scope: dict = {}
+    exec(compile(block, "docs/fsdp.md#fsdp-hsdp", "exec"), scope)  # noqa: S102 - the documented lines, as written
+    model, optimizer, zen = scope["model"], scope["optimizer"], scope["zen"]
+    for step in range(2):
+        tokens = torch.randint(0, 1000, (8, 16), generator=torch.Generator().manual_seed(10 * step + rank))
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.roll(-1, 1).flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    sd = zen.state_dict()
+    zen.close()
+    return type(zen).__name__, sd["step"], sd["mesh"], _state_bytes(sd["sync"]["sparsifiers"])
+
+
+def test_docs_snippet_runs():
+    """The snippet attaches DGC to both Linear weights (16,384 and 256,000 elements, min_numel 1024): each rank
+    keeps the fp32 residual of its shard, half of each (whole rows: 128 of 256 rows, 500 of 1000)."""
+    for kind, step, mesh, state in run_workers(_snippet, 4):
+        assert (kind, step, mesh) == ("ZenHSDP", 2, [2, 2])
+        assert 4 * (16_384 + 256_000) // 2 <= state < 4 * (16_384 + 256_000) // 2 + 64, state  # + thresholds
