@@ -8,7 +8,7 @@ mesh) on real gloo processes, against plain HSDP.
 * with DGC, every lossless scheme (``zen``, ``agsparse``) equals ``dense`` fed the same DGC output, and
   DGC's state is the shard's: ``P / L`` elements a rank where 1-D FSDP keeps ``P``;
 * ``state_dict`` round trip: a resumed run equals an uninterrupted one; ``close()`` hands the all-reduce
-  back to FSDP;
+  back to FSDP; ``guard_nonfinite`` turns a NaN on one rank into NaN on every rank's shard;
 * clear errors for what is not served, and for ranks that attach differently.
 """
 
@@ -204,12 +204,20 @@ def _resume(rank, world):
     plain = _shard(SplitLM(torch.float32), _mesh((2, 2)))
     closed = _shard(SplitLM(torch.float32), _mesh((2, 2)))
     zen_ext.fsdp.attach(closed, zen).close()
+    # guard_nonfinite: a NaN on rank 1 reaches its shard group's shards through FSDP's reduce-scatter, and the
+    # other node's through the guard (over every rank), which NaN-fills instead of synchronizing.
+    guarded = _shard(SplitLM(torch.float32), _mesh((2, 2)))
+    g = zen_ext.fsdp.attach(guarded, zen, guard_nonfinite=True)
+    loss = guarded(*_batch(0, rank, world, torch.float32))
+    (loss * float("nan") if rank == 1 else loss).backward()
+    all_nan = all(bool(p.grad.to_local().isnan().all()) for p in guarded.parameters() if p.grad.to_local().numel())
     return sd, restored, ref_params, params, b.step, _train(plain, rank, world, torch.float32)[2], \
-        _train(closed, rank, world, torch.float32)[2]
+        _train(closed, rank, world, torch.float32)[2], (all_nan, g.totals["nonfinite_steps"])
 
 
-def test_state_dict_round_trip_and_close():
-    for rank, (sd, restored, ref_params, params, step, plain, closed) in enumerate(run_workers(_resume, 4)):
+def test_state_dict_round_trip_close_and_guard():
+    for rank, (sd, restored, ref_params, params, step, plain, closed, guard) in enumerate(run_workers(_resume, 4)):
+        assert guard[0] and guard[1] >= 1, (rank, guard)
         assert str(sd["sync"]) == str(restored["sync"]) and sd["step"] == 3 and step == 6
         assert sd["mesh"] == [2, 2] and "proj.weight" in str(sd["sync"]["sparsifiers"])
         for name in ref_params:
