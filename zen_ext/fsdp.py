@@ -9,8 +9,25 @@ After the ``fully_shard`` calls, before the first backward::
 
 ``config`` is the ``"zen"`` section (docs/deepspeed.md lists every key); docs/fsdp.md has the rest.
 Importing this module imports torch.distributed.fsdp, nothing else.
+A model on a 2-D (replicate, shard) mesh (HSDP) is served too: ZEN all-reduces each shard across the
+replicas (docs/fsdp.md, "HSDP").
 """
 
-from .engines.fsdp import SUPPORTED, ZenFSDP, ZenReduceScatter, attach, chunk_layout
+from .engines import fsdp as _flat
+from .engines import fsdp_hsdp as _hsdp
+from .engines.fsdp import SUPPORTED, ZenFSDP, ZenReduceScatter, chunk_layout
+from .engines.fsdp_hsdp import ZenHSDP, shard_layout
 
-__all__ = ["SUPPORTED", "ZenFSDP", "ZenReduceScatter", "attach", "chunk_layout"]
+__all__ = ["SUPPORTED", "ZenFSDP", "ZenHSDP", "ZenReduceScatter", "attach", "chunk_layout", "shard_layout"]
+
+
+def attach(model, config=None, *, optimizer=None, guard_nonfinite: bool = False) -> ZenFSDP:
+    """Attach ZEN to an FSDP2 ``model`` after its ``fully_shard`` calls; returns the attachment.
+
+    On a 1-D mesh, ZEN's reduce-scatter on every FSDP module (``zen_ext.engines.fsdp.attach``, whose
+    docstring lists the arguments); on a 2-D ``("replicate", "shard")`` mesh (HSDP), FSDP's reduce-scatter
+    inside the node and ZEN's all-reduce of each shard across the replicas
+    (``zen_ext.engines.fsdp_hsdp.attach``, a ``ZenHSDP``). docs/fsdp.md has both.
+    """
+    engine = _hsdp if _hsdp.hsdp_param_groups(model) else _flat
+    return engine.attach(model, config, optimizer=optimizer, guard_nonfinite=guard_nonfinite)

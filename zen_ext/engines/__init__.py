@@ -7,7 +7,9 @@
 * ``zen_ext.engines.ddp``: the torch DDP communication hook (no engine beyond torch); what it keeps is
   ``ddp_state.ZenHookState``.
 * ``zen_ext.engines.fsdp``: a ZEN reduce-scatter on every torch FSDP2 module (``attach`` after
-  ``fully_shard``); public alias ``zen_ext.fsdp``. The attachment is ``ZenFSDP``.
+  ``fully_shard``); public alias ``zen_ext.fsdp``. The attachment is ``ZenFSDP``. On a 2-D
+  ``(replicate, shard)`` mesh (HSDP) ``fsdp_hsdp``: FSDP's reduce-scatter inside the node, ZEN's
+  all-reduce of each shard across the replicas (``ZenHSDP``); ``zen_ext.fsdp.attach`` picks by mesh.
 * ``zen_ext.engines.colossalai``: the ColossalAI Booster plugins; public alias ``zen_ext.colossalai``.
   Importing it imports ColossalAI (its plugins subclass ColossalAI's), so only a ColossalAI user does.
   Its JSON config and the plugin arguments' checks are ``colossalai_config``.

@@ -39,7 +39,9 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SUPPORTED", "ZenFSDP", "ZenReduceScatter", "attach", "chunk_layout"]
 
-SUPPORTED = ("FSDP2 fully_shard on a 1-D device mesh (every data-parallel rank shards), one parameter group "
+SUPPORTED = ("FSDP2 fully_shard on a 1-D device mesh (every data-parallel rank shards), or HSDP on a 2-D "
+             "(\"replicate\", \"shard\") mesh spanning every rank with a replicate dim of size >= 2 "
+             "(zen_ext.fsdp.attach: ZEN all-reduces each shard across the replicas), one parameter group "
              "per fully_shard call (no per-parameter mesh from shard_placement_fn), Shard(0) placements")
 """What ``attach`` serves, named in its errors."""
 

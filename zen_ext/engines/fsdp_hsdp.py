@@ -1,0 +1,285 @@
+"""ZEN for torch FSDP2 HSDP (``fully_shard`` on a 2-D ``(replicate, shard)`` mesh): FSDP's own dense
+reduce-scatter inside the node, ZEN's all-reduce of each rank's shard across the replicas.
+
+Under HSDP, FSDP reduce-scatters each FSDP module's gradients over the shard dim (the ranks of one
+node, fast links), then all-reduces the rank's shard over the replicate dim (one rank per node, slow
+links). ZEN replaces only that cross-replica all-reduce, so sparsifiers run on the node-summed shard:
+DGC's residual (and every per-element state) is ``P / L`` elements a rank, ``L`` the shard dim's size,
+not ``P`` as under a 1-D mesh (docs/fsdp.md, "HSDP").
+
+How FSDP is driven (torch 2.13, ``_fully_shard/_fsdp_collectives.py`` ``foreach_reduce``): FSDP offers no
+switch that skips its HSDP all-reduce and still hands out the gradient (``set_requires_all_reduce(False)``
+keeps the shard back for gradient accumulation, and skips the all-reduce hook too). So ``attach`` gives
+each FSDP parameter group a one-rank replicate group, which makes FSDP's native all-reduce the identity
+and its divide factors those of the shard dim alone (``AVG`` over ``L``, or the pre/post factors of
+``L``), and sets an all-reduce hook (``FSDPModule.set_all_reduce_hook``) that FSDP calls right after, on
+the reduce-scatter output: ZEN all-reduces it over the real replicate group (``BucketReducer.reduce_``,
+the all-reduce path every other adapter uses), ``mean`` over the ``N`` replicas when no gradient divide
+factor is set (FSDP's HSDP then averages over ``N·L``) and ``sum`` when one is (FSDP then pre-multiplies by
+``1/factor`` and sums both levels). The post-divide FSDP applies after the hook is its shard dim's part,
+so the gradient is FSDP's. ``close()`` hands the all-reduce back to FSDP.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from ..comm.torch_dist import TorchCommunicator
+from ..config import ZenConfig, load_json_config
+from ..reduction.attachment import assemble
+from ..reduction.hierarchy import local_host_facts
+from ..reduction.stats import startup_line
+from ..reduction.synchronizer import GradSlice
+from .fsdp import SUPPORTED, ZenFSDP, chunk_layout
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ZenAllReduceHook", "ZenHSDP", "attach", "hsdp_param_groups", "shard_layout"]
+
+
+def shard_layout(params: list[tuple[str, tuple[int, ...]]], shard_size: int, shard_rank: int
+                 ) -> tuple[list[GradSlice], int]:
+    """The reduce-scatter output of shard rank ``shard_rank`` (its row of FSDP's chunk layout) as named slices.
+
+    Returns:
+        ``(slices, numel)``: ``chunk_layout``'s slices of row ``shard_rank``, offsets counted from the row's
+        start (one slice per parameter chunk, whole rows, ``start`` its offset in the parameter; padding in
+        none), and the row's elements.
+    """
+    slices, numel = chunk_layout(params, shard_size)
+    row = numel // shard_size
+    lo = shard_rank * row
+    return [dataclasses.replace(s, offset=s.offset - lo) for s in slices if lo <= s.offset < lo + row], row
+
+
+def hsdp_param_groups(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, object]]:
+    """``(name, module, param group)`` of every FSDP parameter group of ``model`` on a 2-D (HSDP) mesh;
+    empty for a model without one (a 1-D mesh, no ``fully_shard``); refuses a model with both kinds."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+
+    found = [(name, m, pg) for name, m in model.named_modules() if isinstance(m, FSDPModule)
+             for pg in m._get_fsdp_state()._fsdp_param_groups]
+    hsdp = [f for f in found if isinstance(f[2].mesh_info, HSDPMeshInfo)]
+    if hsdp and len(hsdp) < len(found):
+        other = next(name or "<root>" for name, _, pg in found if not isinstance(pg.mesh_info, HSDPMeshInfo))
+        raise NotImplementedError(f"zen_ext.fsdp: FSDP module {other} is not on the 2-D (HSDP) mesh its other "
+                                  f"modules are on; supported: {SUPPORTED}")
+    return hsdp
+
+
+class ZenAllReduceHook:
+    """The all-reduce hook set on one FSDP module: its parameter group, parameters, the attachment."""
+
+    def __init__(self, attachment: "ZenHSDP", module_name: str, param_group,
+                 params: list[tuple[str, tuple[int, ...]]]) -> None:
+        self.attachment = attachment  # FSDP keeps the hook, so the model keeps the attachment alive
+        self.module_name, self.param_group, self.params = module_name, param_group, params
+        self.layouts: dict[int, list[GradSlice]] = {}
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        self.attachment.all_reduce(self, reduce_output)
+
+    def slices_for(self, numel: int) -> list[GradSlice]:
+        """The named slices of this rank's shard of ``numel`` elements (cached per size)."""
+        slices = self.layouts.get(numel)
+        if slices is None:
+            mesh_info = self.param_group.mesh_info
+            slices, expected = shard_layout(self.params, mesh_info.shard_mesh_size, mesh_info.shard_mesh_rank)
+            if numel != expected:
+                raise RuntimeError(
+                    f"zen_ext.fsdp: FSDP reduced a {numel}-element shard for module {self.module_name or '<root>'}, "
+                    f"but its parameters that require gradients ({', '.join(n for n, _ in self.params)}) make "
+                    f"{expected}: some got no gradient in this backward pass. ZEN needs every one of them reduced: "
+                    f"call set_reduce_scatter_unused_params(True) on the model (unused parameters then reduce zeros)")
+            self.layouts[numel] = slices
+        return slices
+
+
+class ZenHSDP(ZenFSDP):
+    """What ZEN keeps for an FSDP2 HSDP model (built by ``attach``): the reducer over the replicate group,
+    statistics, steps; ``state_dict()`` holds this rank's shard-sized DGC residuals (keyed by parameter name
+    and chunk offset) and the mesh shape; ``close()`` hands the all-reduce back to FSDP."""
+
+    __slots__ = ("mesh_shape", "_native")
+
+    def __init__(self, *, cfg: ZenConfig, group, built, rank: int, mesh_shape: tuple[int, int]) -> None:
+        super().__init__(cfg=cfg, group=group, built=built, rank=rank)
+        self.stats.dense_name = "FSDP's dense HSDP all-reduce"
+        self.mesh_shape = mesh_shape
+        self.dp_size = mesh_shape[0] * mesh_shape[1]  # a checkpoint's residuals fit only this world and layout
+        self._native: list[tuple[object, object]] = []  # (param group, its own replicate group), for close()
+
+    @property
+    def summary_label(self) -> str:
+        return f"FSDP2 HSDP replicate={self.mesh_shape[0]} x shard={self.mesh_shape[1]}"
+
+    def all_reduce(self, hook: ZenAllReduceHook, shard: torch.Tensor) -> None:
+        """The cross-replica all-reduce of one module's shard, in place (FSDP's HSDP all-reduce).
+
+        1. Map the shard to named slices (once per layout).
+        2. The op: ``mean`` over the replicas without a gradient divide factor, ``sum`` with one.
+        3. All-reduce over the replicate group (``BucketReducer.reduce_``: the non-finite guard, buckets of
+           ``zen.bucket_cap_mb``, the Synchronizer's routing) on this thread; open the step's end callback.
+        """
+        if self.closed:
+            raise RuntimeError("zen_ext.fsdp: the attachment was closed (close() ends training); attach anew to train")
+        t0 = time.perf_counter()
+        # Step 1: layout.
+        slices = hook.slices_for(shard.numel())
+        # Step 2: the op.
+        op = "mean" if hook.param_group.gradient_divide_factor is None else "sum"
+        # Step 3: the reduction, and the step's end.
+        self.reducer.reduce_(shard.view(-1), slices, op, pipelined=False)
+        self._t_step += time.perf_counter() - t0
+        if not self._step_open:
+            self._step_open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_step)
+
+    def close(self) -> None:
+        """End of training: FSDP's own HSDP all-reduce is back (its replicate groups, no hook), the statistics
+        file is closed and the Synchronizer dropped. Idempotent."""
+        for pg, native in self._native:
+            pg.mesh_info.replicate_process_group = native
+        for hook in self.comms:
+            hook.param_group._all_reduce_hook = None
+        self._native = []
+        super().close()
+
+    def _extra_state(self) -> dict:
+        return {"step": self.step, "mesh": list(self.mesh_shape)}
+
+    def load_state_dict(self, sd: dict, why: str = "") -> None:
+        """Restore ``state_dict()``; saved on another ``(replicate, shard)`` mesh, only the shared part (the
+        shards, and with them the residuals' elements, differ)."""
+        saved = tuple(sd.get("mesh") or ())
+        if not why and saved != self.mesh_shape:
+            why = f"the checkpoint was saved on a {saved} (replicate, shard) mesh, now {self.mesh_shape}"
+        super().load_state_dict(sd, why)
+
+
+def _check_groups(found: list) -> tuple[object, tuple[int, int]]:
+    """Refuse what ``attach`` does not serve; returns the mesh and its ``(replicate, shard)`` sizes."""
+    from torch.distributed.tensor import Shard
+
+    for name, module, pg in found:
+        where, mesh = name or "<root>", pg.mesh_info.mesh
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise NotImplementedError(f"zen_ext.fsdp: FSDP module {where} has {len(groups)} parameter groups "
+                                      f"(parameters on several meshes); supported: {SUPPORTED}")
+        names = mesh.mesh_dim_names
+        if names is None or "replicate" not in names[0] or "shard" not in names[1]:
+            raise NotImplementedError(f"zen_ext.fsdp: FSDP module {where} is sharded over a 2-D mesh with dims "
+                                      f"{names}; FSDP replicates over dim 0 and shards over dim 1, so name them "
+                                      f"(\"replicate\", \"shard\") in that order; supported: {SUPPORTED}")
+        if getattr(pg.mesh_info, "spmd_mesh", None) is not None:
+            raise NotImplementedError(f"zen_ext.fsdp: FSDP module {where} holds parameters on a larger SPMD mesh "
+                                      f"(FSDP with tensor parallelism); supported: {SUPPORTED}")
+        if pg.mesh_info.replicate_mesh_size < 2:
+            raise NotImplementedError(f"zen_ext.fsdp: FSDP module {where} is sharded over a 2-D mesh whose replicate "
+                                      f"dim has size {pg.mesh_info.replicate_mesh_size}: nothing crosses the replicas; "
+                                      f"shard over mesh[\"shard\"]; supported: {SUPPORTED}")
+        if mesh.size() != dist.get_world_size():
+            raise NotImplementedError(f"zen_ext.fsdp: the HSDP mesh of FSDP module {where} holds {mesh.size()} of "
+                                      f"{dist.get_world_size()} ranks; supported: {SUPPORTED}")
+        for fp in pg.fsdp_params:
+            if fp.fsdp_placement != Shard(0):
+                raise NotImplementedError(f"zen_ext.fsdp: a parameter of FSDP module {where} is placed Shard("
+                                          f"{fp.fsdp_placement.dim}) (shard_placement_fn); supported: {SUPPORTED}")
+        if pg._all_reduce_hook is not None:
+            raise NotImplementedError(f"zen_ext.fsdp: FSDP module {where} already has an all-reduce hook "
+                                      f"({type(pg._all_reduce_hook).__name__}); attach once, to a model without one")
+    meshes = {(tuple(pg.mesh_info.mesh.mesh.flatten().tolist()), pg.mesh_info.mesh.shape) for _, _, pg in found}
+    if len(meshes) > 1:
+        raise NotImplementedError(f"zen_ext.fsdp: the FSDP modules are sharded over different meshes "
+                                  f"{sorted(meshes)}; supported: {SUPPORTED}")
+    mesh = found[0][2].mesh_info.mesh
+    return mesh, (mesh.size(0), mesh.size(1))
+
+
+def _agree(mesh, cfg: ZenConfig, signature: list) -> None:
+    """Check that every rank attaches alike (one gather over the world, before any group is changed), so a
+    mismatch raises on every rank instead of hanging in a later collective; warn when a shard group spans
+    several hosts (the dense reduce-scatter then crosses the slow links)."""
+    mine = {"mesh": (tuple(mesh.shape), tuple(mesh.mesh_dim_names), mesh.mesh.tolist()),
+            "modules": signature, "zen": cfg.to_dict(), "host": local_host_facts()[0]}
+    every = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    for r, theirs in enumerate(every):
+        for field in ("mesh", "modules", "zen"):
+            if theirs[field] != every[0][field]:
+                raise RuntimeError(f"zen_ext.fsdp: rank {r} attaches with another {field} than rank 0 "
+                                   f"({theirs[field]} vs {every[0][field]}); every rank must attach the same "
+                                   f"model, mesh and \"zen\" section")
+    spanning = [g for g in mesh.mesh.tolist() if len({every[r]["host"] for r in g}) > 1]
+    if spanning and dist.get_rank() == 0:
+        log.warning("zen: the HSDP shard groups %s span several hosts: FSDP's dense reduce-scatter then crosses "
+                    "nodes; put the shard dim inside a node (init_device_mesh(..., (nodes, ranks_per_node)))",
+                    spanning[:4])
+
+
+def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfinite: bool = False) -> ZenHSDP:
+    """ZEN as the cross-replica all-reduce of every FSDP module of an HSDP ``model``; returns the attachment.
+
+    ``zen_ext.fsdp.attach`` calls it for a model on a 2-D mesh (docs/fsdp.md, "HSDP"); its arguments are
+    those of the 1-D ``zen_ext.engines.fsdp.attach`` (``guard_nonfinite``: over every rank of the mesh).
+
+    1. Find the FSDP parameter groups and refuse what is not served (``SUPPORTED``); check that every rank
+       attaches the same mesh, modules and section.
+    2. Route each parameter (natural / dgc / dense) and build the Synchronizer over the replicate group.
+    3. Per FSDP module: a one-rank replicate group for FSDP's native all-reduce, and a ``ZenAllReduceHook``.
+
+    Raises:
+        ValueError, TypeError: an invalid section or ``zen.enabled`` false.
+        NotImplementedError: what is not ``SUPPORTED``, ``zen.hierarchical`` true, attaching twice.
+        RuntimeError: ranks that attach differently.
+    """
+    # Step 1: the parameter groups, refusals, agreement.
+    if isinstance(config, (str, os.PathLike)):  # the section itself, or a run config with a "zen" key
+        section = load_json_config(config)
+        config = ZenConfig.from_json_section(section["zen"] if "zen" in section else section)
+    cfg = config if isinstance(config, ZenConfig) else ZenConfig.from_dict(config)
+    if not cfg.enabled:
+        raise ValueError("zen.enabled (False) must be true to attach ZEN; skip attach to keep FSDP's all-reduce")
+    if cfg.hierarchical is True:
+        raise NotImplementedError("zen.hierarchical (True) must be false or \"auto\" with FSDP2 HSDP: FSDP already "
+                                  "reduces inside the node (its reduce-scatter over the shard dim) and ZEN runs "
+                                  "across the nodes (the replicate dim)")
+    found = hsdp_param_groups(model)
+    mesh, shape = _check_groups(found)
+    names = {id(p): n for n, p in model.named_parameters()}
+    per_module = [(name, module, pg, [(names[id(fp.sharded_param)], tuple(fp._orig_size)) for fp in pg.fsdp_params
+                                      if fp.sharded_param.requires_grad]) for name, module, pg in found]
+    _agree(mesh, cfg, [(name, params) for name, _, _, params in per_module])
+    rank = dist.get_rank()
+    cfg, dgc_note = cfg.resolve_defaults(optimizer, quiet=rank != 0)
+    # Step 2: routing and the Synchronizer over the replicate group.
+    replicate = found[0][2].mesh_info.replicate_process_group
+    comm = TorchCommunicator(replicate, cfg.exchange_impl)
+    built = assemble(model, cfg, sync_comm=comm, tp_comm=None, rank=rank, dp_size=comm.size,
+                     device=next((p.device for p in model.parameters()), torch.device("cpu")),
+                     guard_comm=TorchCommunicator(dist.group.WORLD) if guard_nonfinite else None,
+                     worker_in_reducer=False, worker_off="FSDP2 HSDP (FSDP reads the shard when the hook returns)")
+    zen = ZenHSDP(cfg=cfg, group=replicate, built=built, rank=rank, mesh_shape=shape)
+    # Step 3: FSDP's native all-reduce over one rank, ZEN's in the hook.
+    alone = dist.new_group([rank], use_local_synchronization=True)
+    for name, module, pg, params in per_module:
+        if not params:
+            continue
+        hook = ZenAllReduceHook(zen, name, pg, params)
+        if pg.mesh_info.replicate_process_group is not alone:  # param groups may share a mesh info
+            zen._native.append((pg, pg.mesh_info.replicate_process_group))
+            pg.mesh_info.replicate_process_group = alone
+        module.set_all_reduce_hook(hook)
+        zen.comms.append(hook)
+    if rank == 0:
+        print(startup_line(f"FSDP2 HSDP (replicate={shape[0]} x shard={shape[1]}, {len(zen.comms)} FSDP modules)",
+                           cfg, built.kinds, {n: p.numel() for n, p in model.named_parameters()}, dgc_note), flush=True)
+    return zen
