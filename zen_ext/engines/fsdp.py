@@ -26,7 +26,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..comm.torch_dist import TorchCommunicator
 from ..config import ZenConfig, load_json_config
@@ -34,6 +33,7 @@ from ..core.rs_base import even_ranges
 from ..reduction.attachment import Assembled, ZenAttachment, assemble
 from ..reduction.stats import startup_line
 from ..reduction.synchronizer import GradSlice
+from .fsdp_compat import ReduceScatter, check_fsdp_internals
 
 log = logging.getLogger(__name__)
 
@@ -269,6 +269,7 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
                                   "reduction is implemented for zen_ext.deepspeed only")
     if not dist.is_initialized():
         raise RuntimeError("zen_ext.fsdp.attach needs torch.distributed initialized (fully_shard does too)")
+    check_fsdp_internals(model)  # a torch the tests did not run, or one without an internal read below
     modules = _fsdp_modules(model)
     group = modules[0][2].mesh_info.shard_process_group if modules else dist.group.WORLD
     rank = dist.get_rank()
