@@ -69,7 +69,8 @@ def _train(rank, reduce_dtype, zen):
         grads.append({n: p.grad.to_local().clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-    out = {"losses": losses, "grads": grads, "w": {n: p.detach().to_local().clone() for n, p in model.named_parameters()}}
+    weights = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+    out = {"losses": losses, "grads": grads, "w": weights}
     if a is not None:
         out["kinds"] = dict(a.sync.param_kinds)
         a.close()
