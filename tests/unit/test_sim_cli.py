@@ -1,4 +1,4 @@
-"""``python -m zen_ext sim``: argument parsing, outputs, traces, and the issue's acceptance checks on the
+"""``python -m zen_ext sim``: argument parsing, outputs, traces, and the simulator's acceptance checks on the
 calibrated embedding workload (small n here; n = 128 in one test and in benchmarks/sim_report.py)."""
 
 from __future__ import annotations
