@@ -38,7 +38,8 @@ class AccumulationWatch:
 
     def __init__(self, model: torch.nn.Module, param_kinds: dict[str, str]) -> None:
         self.kinds = sorted({k for k in param_kinds.values() if k != "dense" and spec_of(k).cls.once_per_step})
-        self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        # Weak: the global hook below must not keep the model alive if close() is never called.
+        self.params = weakref.WeakValueDictionary({n: p for n, p in model.named_parameters() if p.requires_grad})
         self._ids = {id(p) for p in self.params.values()}
         self.reduced = 0  # backward passes that reduced since an optimizer holding these parameters stepped
         self._mine: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer → holds our params?
@@ -58,7 +59,7 @@ class AccumulationWatch:
         this reduce-scatter's result to a gradient an earlier one left (no optimizer step between)."""
         if not self.kinds:
             return
-        if self.reduced and any(self.params[n].grad is not None for n in names if n in self.params):
+        if self.reduced and any(getattr(self.params.get(n), "grad", None) is not None for n in names):
             kind = self.kinds[0]
             raise NotImplementedError(
                 f"zen_ext.fsdp: a second backward pass reduce-scattered before the optimizer stepped (gradient "
