@@ -1,4 +1,4 @@
-"""DGC compression of one bucket vs 8 memory passes over it (issue 12.5), and its transient memory (12.6).
+"""DGC compression of one bucket vs 8 memory passes over it, and its transient memory.
 
 Usage::
 

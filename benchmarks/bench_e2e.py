@@ -18,7 +18,7 @@ fused step), and dense on the config's AdamW: each as a user gets it. DGC's dens
   rows go through ZEN, everything else through the dense all-reduce (lossless: same losses as dense);
 * ``dense_z3`` / ``zen_dgc1_z3`` / ``zen_dgc5_z3`` / ``zen_natural_z3``: ZeRO-3 as
   ``configs/demo_ds_zero3.json`` sets it (``reduce_scatter`` on), DeepSpeed's dense reduce-scatter vs
-  ZEN's reduce-scatter (each rank receives only its partition; issue 39); not in the default list (run
+  ZEN's reduce-scatter (each rank receives only its partition; docs/deepspeed_zero3.md); not in the default list (run
   as root, not under ``launch.sh``: the script starts the lab itself, e.g. ``bench_e2e.py --hosts 8
   --rate 250mbit --configs dense_z3,zen_dgc1_z3``).
   Each configuration is compared with the dense one of its ZeRO settings (``baseline_of``);
@@ -90,7 +90,7 @@ CONFIGS = {
                                                      "natural": {"enabled": False}}),
     "zen_natural": dict(describe="zen, embedding rows (rest dense)",
                         zen={"scheme": "zen", "natural": {"enabled": True}, "dgc": {"enabled": False}}),
-    # ZeRO-3 (issue 39): DeepSpeed's dense reduce-scatter against ZEN's, each rank receiving only its
+    # ZeRO-3 (docs/deepspeed_zero3.md): DeepSpeed's dense reduce-scatter against ZEN's, each rank receiving only its
     # partition; not in the default list. DGC needs gradient_accumulation_steps 1 under ZeRO-3 (set above).
     "dense_z3": dict(describe="DeepSpeed ZeRO-3, dense reduce-scatter", zero=_Z3, zen=None),
     "zen_dgc1_z3": dict(describe="zen reduce-scatter, DGC 1 %, ZeRO-3", zero=_Z3, zen={

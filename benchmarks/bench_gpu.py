@@ -1,4 +1,4 @@
-"""GPU cost of DGC and ZEN, each as a ratio to a baseline measured in the same run (issue 23, item 4).
+"""GPU cost of DGC and ZEN, each as a ratio to a baseline measured in the same run (docs/kernels.md).
 
 Usage (on a GPU machine, after the extension is built; ~1 minute)::
 
@@ -220,7 +220,7 @@ def bench_zen(device: str, reps: int, small: bool) -> list[str]:
 
 # --- 2b. embedding rows: the bitmap pull against the COO pull -------------------------------------------------
 def bench_zen_rows(device: str, reps: int, small: bool) -> list[str]:
-    """ZEN's bitmap pull and COO pull (``zen_coo``) on embedding rows, n = 16 (issue 23: in the emulated
+    """ZEN's bitmap pull and COO pull (``zen_coo``) on embedding rows, n = 16 (cluster_rows16.md: in the emulated
     cluster ``zen`` took 2.3x ``zen_coo``'s time on rows 256 wide). GPU busy time per rank and each ZEN
     variant's five most expensive kernels."""
     n, width = 16, 256

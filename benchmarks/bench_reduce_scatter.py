@@ -1,5 +1,5 @@
 """Bytes and messages per rank of the sparse reduce-scatters against the dense reduce-scatter and
-today's all-reduce-then-keep path (SimWorld, real scheme code; issue 39 item 1).
+today's all-reduce-then-keep path (SimWorld, real scheme code; docs/reduce_scatter.md).
 
 Usage: ``.venv/bin/python benchmarks/bench_reduce_scatter.py [--ranks 8,16] [--out benchmarks/results/reduce_scatter.md]``
 
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
         "counted by the Communicator's logical model (deterministic). `dense RS /` and `AR-keep /`: the",
         "dense reduce-scatter's and the all-reduce-then-keep path's busiest-rank bytes over this row's",
         "(max of sent, received); `(mean)`: the same over the ranks' mean of sent and received (the arithmetic",
-        "of issue 39 is a mean; hot ranges make the busiest owner receive more). > 1 means fewer bytes.",
+        "of docs/deepspeed_zero3.md is a mean; hot ranges make the busiest owner receive more). > 1 means fewer bytes.",
         "Every sparse row's result equals the dense",
         "reduce-scatter's exactly (checked by the script).",
         "",

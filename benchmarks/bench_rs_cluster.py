@@ -1,4 +1,4 @@
-"""Reduce-scatter wall time on the emulated cluster: dense, direct, zen and auto (issue 39).
+"""Reduce-scatter wall time on the emulated cluster: dense, direct, zen and auto (docs/reduce_scatter.md).
 
 Usage (root; ``launch/netlab/launch.sh`` runs one process per emulated host)::
 

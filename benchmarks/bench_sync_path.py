@@ -1,4 +1,4 @@
-"""The engine-neutral reduction path's own cost per bucket, for A/B runs of two trees (issue 22).
+"""The engine-neutral reduction path's own cost per bucket, for A/B runs of two trees (benchmarks/results/overhead.md).
 
 What an engine calls per bucket — ``BucketReducer.reduce_`` → ``Synchronizer`` (routing, the
 sparsifiers, one scheme call) — on an LLM-shaped bucket: one embedding (natural rows), ``--layers``

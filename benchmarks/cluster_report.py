@@ -31,7 +31,7 @@ WORKLOAD_NAMES = {
     "synth_dgc1": "synthetic DGC 1 %", "synth_dgc5": "synthetic DGC 5 %", "synth_embedding": "synthetic embedding (Zipf)",
 }
 TARGETS = dict(comm_dgc1_vs_dense=8.0, comm_vs_best_baseline=1.5, e2e_vs_dense=2.5, hash_over_saved=0.05)
-# Issue 13's targets: the cost model's error, auto vs the best fixed scheme, ZEN past 4 hosts, end to end.
+# The cluster targets: the cost model's error, auto vs the best fixed scheme, ZEN past 4 hosts, end to end.
 TARGETS_13 = dict(model_median_abs_err=0.25, auto_over_best_fixed=1.10, zen_vs_best_8=1.3, zen_vs_best_16=1.5,
                   e2e_dgc1_vs_dense_4=1.8)
 
@@ -375,8 +375,8 @@ def breakdown_section(comm_rows: list[dict], over_rows: list[dict]) -> list[str]
 
 # --- targets ---------------------------------------------------------------------------------------------
 def targets_13_section(comm: dict, e2e: dict, model: dict) -> list[str]:
-    """Issue 13's targets, each with met/missed and the measured ratio to the target."""
-    lines = ["| target (issue 13) | measured | met? | measured / target |", "|---|---|---|---:|"]
+    """The cluster targets, each with met/missed and the measured ratio to the target."""
+    lines = ["| target | measured | met? | measured / target |", "|---|---|---|---:|"]
 
     def row(name, got, target, detail, larger_is_better=True):
         if got is None:
@@ -423,7 +423,7 @@ def targets_section(comm: dict, e2e: dict, over: dict) -> list[str]:
         gap = "" if ok else f" — short by {100 * (1 - got / target):.0f} %"
         lines.append(f"| {name} | {detail} | {'yes' if ok else 'no' + gap} |")
 
-    # The original targets are stated for 4 hosts (the scaling targets are issue 13's table).
+    # The original targets are stated for 4 hosts (the scaling targets are the first table's).
     four = {k[1:]: v for k, v in comm.items() if k[0] == 4}
     for rate in sorted({k[0] for k in four}, key=_rate_key):
         for w in ("trace_dgc1", "synth_dgc1"):

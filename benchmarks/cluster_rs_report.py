@@ -169,7 +169,7 @@ def render(recs: list[dict], commands: list[str] | None = None, notes: list[str]
     loads = [float(r["loadavg"][0]) for r in recs if r.get("loadavg")]
     foreign = [r["foreign"] for r in recs]
     lines = [
-        "# Sparse reduce-scatter: wall time in the emulated cluster (issue 39)",
+        "# Sparse reduce-scatter: wall time in the emulated cluster",
         "",
         f"Measured {utcs[0] if utcs else '?'} – {utcs[-1] if utcs else '?'} (commit {', '.join(commits) or '?'}) with "
         "`benchmarks/bench_rs_cluster.py` in `launch/netlab` (one network namespace per host, tbf-shaped links, "

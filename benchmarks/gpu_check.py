@@ -1019,7 +1019,8 @@ def _gloo_worker(rank, world_size, device):
 
 
 MAX_OWN_SYNCS = 4
-"""Issue 20's bound on a bucket's host synchronizations, flat in the ranks (the transport's staging aside)."""
+"""The bound on a bucket's host synchronizations, flat in the ranks (the transport's staging aside;
+tests/unit/test_bucket_host_syncs.py)."""
 
 
 def _is_gloo_staging(where: str) -> bool:

@@ -21,7 +21,7 @@
 #   overhead bench_overhead: hashing/encoding/aggregation compute vs the time saved in `comm` (4 hosts)
 #   overlap  bench_overlap: DDP step time with zen.async_sync on vs off, 2 hosts at $OVERLAP_RATE (~2 min)
 #   report   cluster_model_eval.py (compute-aware cost model vs the measured runs), then
-#            cluster_report.py renders the markdown (issue 13's targets: met/missed, ratio) and plots
+#            cluster_report.py renders the markdown (the cluster targets: met/missed, ratio) and plots
 #
 # Why these sizes past 4 hosts: 8 and 16 ranks share the machine's 2 cores, so each rank computes 4-8x
 # slower than in the 4-host lab. To keep the links, not the cores, the bottleneck, the larger labs use

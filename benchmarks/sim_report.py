@@ -15,7 +15,7 @@ Runs, with the real scheme code in SimWorld (``python -m zen_ext sim``), at 10 G
    bandwidth dominates (the simulated row width 64 keeps 128 ranks in memory; predictions equal the
    SimWorld measurements byte for byte when unsampled, tests/unit/test_planner.py), and the Def. 8
    imbalance of zen's and sparse_ps' partitions at that size;
-5. ``sim_summary.md``: the acceptance checks of issue 3 with their numbers.
+5. ``sim_summary.md``: the simulator's acceptance checks with their numbers.
 
 About 8 minutes on 2 cores (``--quick``: n ≤ 16, under a minute).
 """
@@ -127,7 +127,7 @@ def summary(out: str, emb: dict, tokens: dict | None, dgc: dict | None, bert_imb
         return {r["scheme"]: r for r in report["results"] if r["n"] == n}
 
     ranks = emb["config"]["ranks"]
-    lines = ["# Simulator acceptance checks (issue 3)", "",
+    lines = ["# Simulator acceptance checks", "",
              "Calibrated embedding workload: V = 30522, 600 tokens/rank, Zipf s = 1.05, rows of 64 elements, element "
              "COO, coalesced (the non-zero rows of a dense gradient bucket). Real scheme code in SimWorld.", "",
              "| check | result | numbers |", "|---|---|---|"]

@@ -51,8 +51,8 @@ QUIET_LOGGERS = {"bitsandbytes.backends.cpu.ops": "an optional 4-bit CPU kernel 
 
 
 def quiet_known_warnings() -> None:
-    """Hide the third-party notices above, which every recipe run printed once per rank (issue 14,
-    item 7); anything else still shows. Applied when this module is imported, before the recipes
+    """Hide the third-party notices above, which every recipe run printed once per rank;
+    anything else still shows. Applied when this module is imported, before the recipes
     import DeepSpeed or ColossalAI. Set ``ZEN_EXT_SHOW_ALL_WARNINGS=1`` to see them."""
     if os.environ.get("ZEN_EXT_SHOW_ALL_WARNINGS") == "1":
         return

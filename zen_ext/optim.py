@@ -62,7 +62,7 @@ def _adam_state(st: dict, p: torch.Tensor) -> dict:
 class CatchUpAdamW(torch.optim.Optimizer):
     """AdamW that takes a gradient DGC held back for ``k`` steps as ``k`` steps' worth (a lazy catch-up).
 
-    Why it exists (issue 21): under error feedback a coordinate arrives as a burst ``G``, the sum of the
+    Why it exists (benchmarks/results/time_to_quality_catch_up.md): under error feedback a coordinate arrives as a burst ``G``, the sum of the
     ``k`` gradients it missed, and nothing in between. Plain Adam takes the burst as one gradient: its
     square lands in the second moment, and the coordinate moves about ``lr / sqrt(1 − β2)`` in total
     whatever ``k`` is. Here a coordinate whose synchronized gradient is exactly zero (not sent, or an

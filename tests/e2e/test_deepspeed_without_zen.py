@@ -1,4 +1,4 @@
-"""A DeepSpeed config whose section is misspelled (issue 14, item 4): a warning at ``initialize``, no
+"""A DeepSpeed config whose section is misspelled: a warning at ``initialize``, no
 start-up line, and ``engine.zen`` says why instead of DeepSpeed's generic AttributeError."""
 
 import logging

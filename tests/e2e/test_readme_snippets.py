@@ -19,7 +19,7 @@ How a block runs:
    ``python``/``torchrun``/``deepspeed`` first on PATH and ``OMP_NUM_THREADS=1 DS_ACCELERATOR=cpu`` (as
    the README says for CPU).
 
-Every run must exit 0 and print no traceback and no ``Exception ignored`` (item 7 of issue 14: the
+Every run must exit 0 and print no traceback and no ``Exception ignored`` (the
 ColossalAI plugin's ``__del__`` at interpreter exit). A run that fails with exactly torch's known DDP
 exit abort (``TORCH_EXIT_ABORT``) is run once more.
 """
@@ -295,7 +295,7 @@ def test_json_blocks_are_valid_configs():
     ds = json.loads(BY_NAME["deepspeed-json"].text)
     cfg = ZenConfig.from_ds_config(ds)
     assert cfg.enabled and cfg.scheme == "auto" and cfg.dgc.enabled and cfg.dgc.momentum_correction is None
-    assert "optimizer" in ds  # ZeRO-1 needs one (issue 14, item 1)
+    assert "optimizer" in ds  # ZeRO-1 needs one
     from zen_ext.engines.colossalai import ColossalAIConfig
 
     cai = ColossalAIConfig.from_json(json.loads(BY_NAME["cai-doc-json"].text))

@@ -1,4 +1,4 @@
-"""A config error in the recipe is one clear line, printed once (rank 0), and every rank exits 2 (issue 24)."""
+"""A config error in the recipe is one clear line, printed once (rank 0), and every rank exits 2."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The DeepSpeed recipe saves its final model with save_pretrained, and a second run fine-tunes from it
-(issue 21, item 1: fine-tuning from saved weights, offline), and ``--plain_adam``'s start line."""
+(fine-tuning from saved weights, offline), and ``--plain_adam``'s start line."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The DDP hook's end of training (issue 14, items 3 and 6): ``optimizer=`` decides DGC's momentum
+"""The DDP hook's end of training: ``optimizer=`` decides DGC's momentum
 correction, ``close()`` flushes the statistics, drops the group references, is idempotent, and the
 hook refuses buckets afterwards; the plain-DDP script of the README exits 0 through torchrun."""
 
@@ -117,7 +117,7 @@ def test_plain_ddp_script_runs_through_torchrun(tmp_path):
         pytest.xfail("torch DDP + gloo aborted at exit (known, torch's; docs/colossalai.md: Ending a run)")
 
 
-if __name__ == "__main__":  # the shutdown stress of issue 14, item 6
+if __name__ == "__main__":  # the shutdown stress (many short runs)
     import argparse
     import tempfile
 

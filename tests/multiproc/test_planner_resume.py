@@ -1,4 +1,4 @@
-"""Issue 11.7: the ``auto`` planner's state is checkpointed; a resumed run equals the uninterrupted one.
+"""The ``auto`` planner's state is checkpointed; a resumed run equals the uninterrupted one.
 
 Two gloo ranks. The gradients are very sparse for the first syncs (the planner profiles them and picks
 agsparse) and dense afterwards: an uninterrupted run keeps agsparse (no re-profiling configured), while
@@ -69,7 +69,7 @@ def test_resumed_auto_equals_the_uninterrupted_run():
 
 
 def test_without_the_state_a_resumed_run_diverges():
-    """The failure the checkpoint prevents (what issue 11.7 observed): re-profiling picks dense."""
+    """The failure the checkpoint prevents (what a resumed run without it did): re-profiling picks dense."""
     for ref_outs, ref_choices, outs, choices, _ in run_workers(_run, 2, False):
         assert choices[CUT:] == ["dense"] * (STEPS - CUT) != ref_choices[CUT:]
 

@@ -1,4 +1,4 @@
-"""Issue 11 (reliability) on real gloo processes: index ranges on the wire path, TP routing and
+"""Reliability on real gloo processes: index ranges on the wire path, TP routing and
 agreement, a planning error on one rank, and the hierarchy decided from hosts the ranks report.
 
 Every scenario that used to hang runs under a short ``timeout_s``: before the fixes these tests failed

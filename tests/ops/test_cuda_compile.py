@@ -263,7 +263,7 @@ def test_pull_kernels_compile(build_dir):
     # Every value dtype of the dispatch (fp32, fp64, fp16, bf16) has its encode kernel.
     for tag in ("IffE", "IddE", "IN3c104HalfEfE", "IN3c108BFloat16EfE"):
         assert f"encode_kernel{tag}" in entries, f"encode_kernel not instantiated for {tag}: {entries}"
-    # No byte store of a converted half value (the pattern ptxas miscompiles: issue 20).
+    # No byte store of a converted half value (the pattern ptxas miscompiles: docs/gpu.md).
     ptx = _kept_ptx(PULL_CU, build_dir)
     assert "encode_kernel" in ptx, "nvcc -keep left no PTX"
     assert _byte_stores_of_converted_halves(ptx) == [], "encode_pull stores a converted bf16/fp16 value byte-wise"
@@ -342,7 +342,7 @@ def _byte_stores_of_converted_halves(ptx: str) -> list[str]:
     return bad
 
 
-# The kernels of issue 20's reproducer (docs/gpu.md): a Half/BFloat16 converted from fp32 and written
+# The kernels of the ptxas reproducer (docs/gpu.md): a Half/BFloat16 converted from fp32 and written
 # into a byte buffer with memcpy (variant 0) or a byte loop (variant 2) got the saturated uint8 of the
 # value as its low byte with nvcc 13.0 for sm_90 (an H200, 2026-11-26: bf16 214 of 300 values wrong);
 # one aligned 16-bit store (variant 1, what csrc/cuda/pull_kernel.cu does) was exact.

@@ -19,7 +19,7 @@ from zen_ext import SimWorld, build_scheme
 from zen_ext.reduction.synchronizer import Synchronizer
 
 MAX_SYNCS_PER_BUCKET = 4
-"""Issue 20's bound, what a bucket costs in steady state: the natural rows' counts (one read for every
+"""The host-read bound, what a bucket costs in steady state: the natural rows' counts (one read for every
 embedding slice), DGC's one read (finiteness flag, candidates' and selection's counts), and one
 ``sync_group`` of zen over the natural rows and the DGC slices (partition counts, aggregated counts:
 one read each for the group); the SparseGrads the Synchronizer builds skip the index-range read (in

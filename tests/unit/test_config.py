@@ -164,7 +164,7 @@ def test_docs_hold_the_generated_reference():
         assert "(docs/deepspeed.md#config-reference)" in f.read()
 
 
-# --- issue 11, item 10: values a JSON parser accepts that must not reach the engine ---------------------
+# --- values a JSON parser accepts that must not reach the engine ---------------------
 @pytest.mark.parametrize("section, exc, text", [
     # Python's json module reads NaN, Infinity and -Infinity: every numeric field refuses them by name.
     ({"bucket_cap_mb": float("inf")}, ValueError, "zen.bucket_cap_mb (inf) must be a finite number"),

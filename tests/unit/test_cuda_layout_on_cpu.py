@@ -1,4 +1,4 @@
-"""The Python side reads the CUDA ops' outputs correctly, tested on the CPU (issue 20).
+"""The Python side reads the CUDA ops' outputs correctly, tested on the CPU (docs/gpu.md).
 
 Where a CUDA op's output differs from the CPU op's (``aggregate_push``'s count is ``[count, outside]``,
 ``hash_partition``'s order inside a partition follows the hash slots), ``zen_ext.ops.emulate_cuda_layout``

@@ -38,7 +38,7 @@ def test_comparison_table_has_both_runs_and_the_gaps(tmp_path):
     assert _row(text, "training loop (sum of step times)") == ["20.0 s", "21.0 s", "0.95x"]
     assert _row(text, "start-up (launch to first step)") == ["35 s", "5 s"]
     assert _row(text, "evaluation, checkpoints, exit") == ["5 s", "4 s"]
-    assert "wall time" not in text  # the whole run's time is not set side by side (issue 37)
+    assert "wall time" not in text  # the whole run's time is not set side by side (docs/demo.md)
     pytest.importorskip("matplotlib")
     png = tmp_path / "c.png"
     assert demo.plot_both(zen, dense, str(png)) and png.stat().st_size > 1000

@@ -396,7 +396,7 @@ def test_tp_on_a_dp_by_tp_grid():
     assert not torch.equal(thr[0], thr[2])
 
 
-# --- batched operations per bucket (issue 12.5) ------------------------------------------------------
+# --- batched operations per bucket (benchmarks/bench_dgc.py) ------------------------------------------------------
 class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts every aten operation dispatched (a foreach op is one, as one launch)."""
 
@@ -451,7 +451,7 @@ def test_ops_per_bucket_do_not_grow_with_the_number_of_tensors(monkeypatch, cfg,
 def test_gpu_code_path_dispatches_few_ops_whatever_the_tensors(monkeypatch, cfg, dtype):
     """The multi-pass path of a CUDA bucket (the one that bf16 memory takes, forced here for every
     config; the threshold search in one op, which has a CUDA kernel), run on CPU tensors: at most ``GPU_PATH_MAX_OPS`` dispatched ops per bucket, the
-    same for 4 and 64 tensors. The torch search loop alone issued about 240 (issue 23: 351 kernels on an
+    same for 4 and 64 tensors. The torch search loop alone issued about 240 (docs/kernels.md: 351 kernels on an
     H200 for a 49-tensor bucket)."""
     GPU_PATH_MAX_OPS = 70
     monkeypatch.setattr(dgc_module, "FREE_HOST_READ_DEVICES", ())
@@ -533,7 +533,7 @@ def test_flat_memory_survives_checkpoint_and_rebuckets():
     assert set(b.state.state_dict()["params"]["p0"]) == {"residual", "momentum", "threshold"}
 
 
-# --- fp16 range, loss scaling, skipped steps (issue 11.1) --------------------------------------------
+# --- fp16 range, loss scaling, skipped steps ----------------------------------------------------------
 @pytest.mark.parametrize("wire", [torch.float16, torch.bfloat16])
 def test_values_past_the_wire_range_are_clamped_not_frozen(wire):
     """Accumulated values past the wire dtype's max used to be sent as inf and poison the residual.
@@ -639,7 +639,7 @@ def test_overflowed_step_leaves_residual_and_momentum_bitwise_unchanged():
         assert not torch.equal(after1["a"]["residual"], before1["a"]["residual"])  # normal steps update
 
 
-# --- residual dtype (issue 12.6) ---------------------------------------------------------------------
+# --- residual dtype (benchmarks/bench_dgc.py's memory) ----------------------------------------------------
 def test_residual_dtype_option_validates_and_halves_memory():
     with pytest.raises(ValueError) as info:
         DGCConfig.from_dict({"residual_dtype": "float16"})

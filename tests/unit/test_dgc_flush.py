@@ -1,6 +1,6 @@
 """``zen.dgc.flush_fraction``: a rotating stride of residuals sent each step, the same positions on every
-rank, at the same density budget (issue 21's bounded-wait experiment); conservation stays exact and the
-Synchronizer's result is the reduction of what each rank sent."""
+rank, at the same density budget (the bounded-wait experiment of docs/results/time_to_quality_history.md);
+conservation stays exact and the Synchronizer's result is the reduction of what each rank sent."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The all-gather's rounds at 128 and 1,024 SimWorld ranks (issue 38): where ``comm/gather.py`` picks the
+"""The all-gather's rounds at 128 and 1,024 SimWorld ranks (results/cluster_pull16.md): where ``comm/gather.py`` picks the
 Bruck rounds, ZEN's pull takes ``⌈log2 n⌉`` payload rounds after its count rounds (1 at 128 ranks,
 ``⌈log2 n⌉`` at 1,024), and every scheme that gathers stays equal to the dense all-reduce."""
 
@@ -11,7 +11,7 @@ from zen_ext import SimWorld, SparseGrad, build_scheme
 from zen_ext.comm import gather
 
 _SCHEMES_128 = ("zen", "zen_coo", "agsparse", "sparse_ps", "omnireduce", "sparcml")
-_SCHEMES_1024 = ("zen",)  # the pull issue 38 is about; agsparse gathers the same way and is checked at 128
+_SCHEMES_1024 = ("zen",)  # the pull of cluster_pull16.md; agsparse gathers the same way and is checked at 128
 
 
 def _inputs(n: int, numel: int, nnz: int) -> tuple[list[SparseGrad], torch.Tensor]:

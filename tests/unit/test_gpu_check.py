@@ -62,7 +62,7 @@ def test_grouping_comparison_can_fail():
 
 
 def test_gpu_bench_cpu_smoke(tmp_path):
-    """benchmarks/bench_gpu.py (issue 23's GPU benchmark) runs end to end at small sizes on the CPU."""
+    """benchmarks/bench_gpu.py (docs/kernels.md's GPU cost tables) runs end to end at small sizes on the CPU."""
     import bench_gpu
 
     out = tmp_path / "gpu_bench.md"

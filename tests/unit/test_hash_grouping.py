@@ -1,4 +1,4 @@
-"""The partitioner's GPU grouping (h0, then a stable radix sort of partition ids; issue 23: hashing in
+"""The partitioner's GPU grouping (h0, then a stable radix sort of partition ids; docs/kernels.md: hashing in
 ≤ 1 ms at the paper's scale) run on the CPU: the same counts, order and positions as the C++
 ``hash_partition`` op, for any number of partitions and adversarial index sets, and zen stays exact."""
 

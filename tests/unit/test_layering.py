@@ -169,7 +169,7 @@ def test_the_checker_finds_a_circle_through_a_lazy_import():
 
 
 MAX_MODULE_LINES = 500
-"""Issue 22's bound: a module that grows past it holds more than one concern; split it by concern."""
+"""The module size bound: a module that grows past it holds more than one concern; split it by concern."""
 
 
 def test_no_module_over_the_line_bound():
@@ -191,7 +191,7 @@ queries)."""
 
 
 def kernel_queries(path: str) -> list[str]:
-    """The names in ``path`` that ask whether a compiled kernel exists (``ops`` decides that, issue 37)."""
+    """The names in ``path`` that ask whether a compiled kernel exists (``ops`` decides that)."""
     tree = ast.parse(open(path).read())
     return sorted({node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
                    and (node.attr in KERNEL_QUERIES or (node.attr.startswith("has_") and node.attr.endswith("_op")))})

@@ -1,4 +1,4 @@
-"""Node-sharded (hierarchical) reduction through Communicators, in SimWorld (issue 22): ``NodeShardedReduce``
+"""Node-sharded (hierarchical) reduction through Communicators, in SimWorld: ``NodeShardedReduce``
 no longer calls ``torch.distributed`` itself, so N nodes of L ranks run in one process, and the
 Communicator's ``reduce_scatter`` / ``all_gather`` are checked on their own."""
 

@@ -97,7 +97,7 @@ def test_modeled_time_is_the_slowest_full_duplex_rank():
 
 
 def test_modeled_time_prices_rounds_and_simultaneous_flows():
-    """Issue 38: a round pays the latency, each message beyond one in a round the flow cost."""
+    """A round pays the latency, each message beyond one in a round the flow cost (cluster_pull16.md)."""
     net = Network(bandwidth_gbps=8.0, latency_us=10.0, flow_us=2.0)
     direct = CommStats(bytes_sent=1000, bytes_recv=1000, msgs_sent=15, msgs_recv=15, rounds=2)
     bruck = CommStats(bytes_sent=1000, bytes_recv=1000, msgs_sent=5, msgs_recv=5, rounds=5)
@@ -299,7 +299,7 @@ def test_auto_restricted_candidates_and_mean_op():
             assert torch.equal(o, w)
 
 
-# --- issue 11.9: empty and tiny gradients -------------------------------------------------------------
+# --- empty and tiny gradients -----------------------------------------------------------------------
 def test_auto_on_a_zero_element_gradient_returns_empty():
     """Used to raise ZeroDivisionError (the profile's density divided by numel 0)."""
     for dtype in (torch.float32, torch.bfloat16):

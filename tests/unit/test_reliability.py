@@ -1,4 +1,4 @@
-"""Issue 11 (reliability), single-process parts: index ranges, the hierarchy decision, resize of the
+"""Reliability, single-process parts: index ranges, the hierarchy decision, resize of the
 checkpointed state, and the repository's docs and results naming no machine paths.
 
 Multi-process parts (TP agreement, hosts faked per rank, resize on gloo, fast failure) are in

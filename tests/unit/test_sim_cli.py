@@ -1,4 +1,4 @@
-"""``python -m zen_ext sim``: argument parsing, outputs, traces, and the issue's acceptance checks on the
+"""``python -m zen_ext sim``: argument parsing, outputs, traces, and the simulator's acceptance checks on the
 calibrated embedding workload (small n here; n = 128 in one test and in benchmarks/sim_report.py)."""
 
 from __future__ import annotations
@@ -81,8 +81,8 @@ def test_trace_replay_matches_the_workload(tmp_path):
 
 
 def test_acceptance_on_the_calibrated_embedding_small_n():
-    """Issue 3 "done when", at n = 8 and 16: every lossless scheme equals dense; zen has the lowest
-    max-per-rank bytes; zen's Push/Pull imbalance <= 1.1 while sparse_ps' is >= 3; auto is exact."""
+    """The simulator's acceptance checks (results/sim_summary.md), at n = 8 and 16: every lossless scheme
+    equals dense; zen has the lowest max-per-rank bytes; zen's Push/Pull imbalance <= 1.1 while sparse_ps' is >= 3; auto is exact."""
     args = sim_cli.build_parser().parse_args(["--ranks", "8,16", "--no-progress"])
     report = sim_cli.simulate(args)
     for n in (8, 16):

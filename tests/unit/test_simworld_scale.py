@@ -1,4 +1,4 @@
-"""SimWorld reaches 128 ranks on a 10M-element gradient at 1 % density (issue 2), running real zen code."""
+"""SimWorld reaches 128 ranks on a 10M-element gradient at 1 % density, running real zen code."""
 
 import pytest
 import torch

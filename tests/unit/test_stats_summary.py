@@ -1,4 +1,4 @@
-"""The end-of-run summary: scheme counts add up, one train loss, binary units (issue 24)."""
+"""The end-of-run summary: scheme counts add up, one train loss, binary units."""
 
 from __future__ import annotations
 

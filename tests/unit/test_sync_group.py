@@ -1,4 +1,5 @@
-"""``SyncScheme.sync_group``: several gradients of one bucket in one call (issue 20: host reads).
+"""``SyncScheme.sync_group``: several gradients of one bucket in one call (host reads per bucket:
+test_bucket_host_syncs.py).
 
 Every scheme must return what ``sync`` returns for each member; ``zen`` runs the members step by step
 together, so its host reads (partition counts, aggregated counts) happen once per group, whatever the

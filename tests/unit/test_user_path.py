@@ -1,4 +1,4 @@
-"""Issue 14, the pieces of the user's path that need no processes: Accelerate's "auto" placeholders
+"""The pieces of the user's path that need no processes: Accelerate's "auto" placeholders
 and the ``"zen"`` section, DGC's optimizer-dependent default, near-miss section names, the
 start-up line."""
 

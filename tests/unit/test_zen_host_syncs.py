@@ -1,4 +1,4 @@
-"""Host synchronizations per ``zen`` call are bounded by a constant independent of the ranks (issue 12).
+"""Host synchronizations per ``zen`` call are bounded by a constant independent of the ranks.
 
 On a GPU every read of a device value on the host (``.item()``, ``.tolist()``, ``int(t)``, ``.cpu()``,
 ``nonzero``, boolean-mask indexing, ...) stalls the stream. The counter below wraps those tensor

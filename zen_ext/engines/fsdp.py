@@ -26,7 +26,6 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from ..comm.torch_dist import TorchCommunicator
 from ..config import ZenConfig, load_json_config
@@ -34,6 +33,8 @@ from ..core.rs_base import even_ranges
 from ..reduction.attachment import Assembled, ZenAttachment, assemble
 from ..reduction.stats import startup_line
 from ..reduction.synchronizer import GradSlice
+from .fsdp_compat import ReduceScatter, check_fsdp_internals
+from .fsdp_steps import AccumulationWatch
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ class ZenFSDP(ZenAttachment):
     and chunk offset, per rank) and ``annotate`` come from ``ZenAttachment``; ``close()`` at the end."""
 
     __slots__ = ("cfg", "rank", "dp_size", "sync", "reducer", "stats", "worker", "group", "comms", "step", "_t_step",
-                 "_step_open", "closed")
+                 "_step_open", "closed", "accumulation")
 
     log_name = log.name
 
@@ -134,6 +135,7 @@ class ZenFSDP(ZenAttachment):
         self.worker = None  # FSDP records its event right after the call: no work may stay on a thread
         self.comms: list[ZenReduceScatter] = []
         self.step, self._t_step, self._step_open, self.closed = 0, 0.0, False, False
+        self.accumulation = None  # an AccumulationWatch, set by attach
 
     @property
     def summary_label(self) -> str:
@@ -143,7 +145,8 @@ class ZenFSDP(ZenAttachment):
     def reduce_scatter(self, comm: ZenReduceScatter, out: torch.Tensor, flat: torch.Tensor, group, op) -> None:
         """FSDP's reduce-scatter of one module: ``out`` gets this rank's row of the reduced ``flat``.
 
-        1. Check the group and map the layout to named slices (once per layout).
+        1. Check the group and map the layout to named slices (once per layout); refuse a DGC step
+           accumulated across reduce-scatters (``fsdp_steps.AccumulationWatch``).
         2. Turn FSDP's op into ZEN's (``PREMUL_SUM``'s factor multiplies the input, as NCCL does).
         3. Reduce-scatter into ``out`` (``BucketReducer.reduce_scatter_``: the non-finite guard, buckets of
            ``zen.bucket_cap_mb``, the Synchronizer's routing); open the step's end-of-backward callback.
@@ -156,6 +159,8 @@ class ZenFSDP(ZenAttachment):
             raise NotImplementedError(f"zen_ext.fsdp: FSDP reduce-scattered over a group other than its mesh's shard "
                                       f"group (set_separate_reduce_scatter_group?); supported: {SUPPORTED}")
         slices = comm.slices_for(flat.numel(), self.dp_size)
+        if not self._step_open and self.accumulation is not None:  # DGC, accumulating across reduce-scatters?
+            self.accumulation.begin_backward(n for n, _ in comm.params)
         # Step 2: the op.
         zen_op, factor = _reduce_op(op)
         if factor is not None and factor != 1.0:
@@ -183,6 +188,8 @@ class ZenFSDP(ZenAttachment):
         if self.closed:
             return
         self.closed = True
+        if self.accumulation is not None:
+            self.accumulation.close()
         self._release()
         self.sync = self.reducer = None
 
@@ -271,6 +278,7 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
                                   "reduction is implemented for zen_ext.deepspeed only")
     if not dist.is_initialized():
         raise RuntimeError("zen_ext.fsdp.attach needs torch.distributed initialized (fully_shard does too)")
+    check_fsdp_internals(model)  # a torch the tests did not run, or one without an internal read below
     modules = _fsdp_modules(model)
     group = modules[0][2].mesh_info.shard_process_group if modules else dist.group.WORLD
     rank = dist.get_rank()
@@ -288,6 +296,7 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
                                   f"(after_sync), but an FSDP rank holds only its shard; "
                                   f"supported: sparsifiers without after_sync (natural rows, DGC)")
     zen = ZenFSDP(cfg=cfg, group=group, built=built, rank=rank)
+    zen.accumulation = AccumulationWatch(model, built.sync.param_kinds)
     # Step 3: a reduce-scatter per FSDP module.
     names = {id(p): n for n, p in model.named_parameters()}
     for name, module, pg in modules:

@@ -145,8 +145,8 @@ def hash_partition(
 # Where a CUDA op's output differs from the CPU op's in layout or order, the Python side reads it through
 # one accessor (``read_aggregate_count``) or must not depend on it (the order inside a partition). Tests
 # run the CPU path with the CUDA conventions forced (``emulate_cuda_layout``), so a reader that only
-# knows the CPU layout fails in CI, not first on a GPU (issue 20: ``auto``'s calibration read the count
-# with ``int()``).
+# knows the CPU layout fails in CI, not first on a GPU (as ``auto``'s calibration did, reading the count with ``int()``:
+# docs/gpu.md, "What the first GPU run found").
 _EMULATE_CUDA_LAYOUT = False
 
 

@@ -37,7 +37,7 @@ class _Calibration:
 
     @classmethod
     def from_state(cls, st: dict) -> "_Calibration":
-        flow = st.get("flow_us")  # absent in states saved before issue 38: flows cost the latency
+        flow = st.get("flow_us")  # absent in states saved before flows had a cost of their own: the latency
         return cls(Network(float(st["bandwidth_gbps"]), float(st["latency_us"]),
                            None if flow is None else float(flow)),
                    ComputeRates.from_list(st["rates"]), bool(st["measured_link"]))

@@ -1,0 +1,78 @@
+"""FSDP2 gradient accumulation against sparsifiers that must see one gradient per optimizer step.
+
+FSDP2 reduce-scatters in every backward pass unless the module was told otherwise
+(``set_requires_gradient_sync(False)``); a sharded gradient that is already there when the next
+reduce-scatter lands gets the new one added (FSDP's ``foreach_reduce``). Accumulating micro-batches
+without ``set_requires_gradient_sync(False)`` therefore runs ZEN once per micro-batch. For a lossless
+kind (natural rows, dense) that is only more traffic: the sum of the reduced micro-batches equals the
+reduced sum. For a ``once_per_step`` sparsifier (DGC: its residual, momentum correction and warm-up
+advance per call) it is a different algorithm, top-k of each micro-batch, counted as one step per
+micro-batch. ``AccumulationWatch`` refuses it at the second micro-batch's first reduce-scatter, before
+the first optimizer step, as DeepSpeed's adapter refuses DGC with ZeRO-2/3 gradient accumulation.
+
+The signal is FSDP's own accumulation condition: a backward pass begins reducing while a trainable
+sharded gradient of the module is still there, and no optimizer holding the model's parameters has
+stepped since the last backward pass that reduced (a global ``torch.optim`` step pre-hook, so
+``attach`` needs no ``optimizer=``; it tells apart ``zero_grad(set_to_none=False)``, which leaves zeros).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..compress.registry import spec_of
+
+__all__ = ["AccumulationWatch"]
+
+
+class AccumulationWatch:
+    """Refuse FSDP2 gradient accumulation across reduce-scatters when a ``once_per_step`` kind is routed.
+
+    Args:
+        model: the FSDP2 root module (its trainable parameters are the sharded ones FSDP accumulates into).
+        param_kinds: parameter name → routed kind (``Synchronizer.param_kinds``).
+    """
+
+    def __init__(self, model: torch.nn.Module, param_kinds: dict[str, str]) -> None:
+        self.kinds = sorted({k for k in param_kinds.values() if k != "dense" and spec_of(k).cls.once_per_step})
+        # Weak: the global hook below must not keep the model alive if close() is never called.
+        self.params = weakref.WeakValueDictionary({n: p for n, p in model.named_parameters() if p.requires_grad})
+        self._ids = {id(p) for p in self.params.values()}
+        self.reduced = 0  # backward passes that reduced since an optimizer holding these parameters stepped
+        self._mine: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer → holds our params?
+        self._hook = (register_optimizer_step_pre_hook(self._on_step) if self.kinds
+                      else None)
+
+    def _on_step(self, optimizer, args, kwargs) -> None:
+        mine = self._mine.get(optimizer)
+        if mine is None:
+            mine = self._mine[optimizer] = any(id(p) in self._ids for g in optimizer.param_groups
+                                               for p in g["params"])
+        if mine:
+            self.reduced = 0
+
+    def begin_backward(self, names) -> None:
+        """A backward pass starts reducing, first the parameters ``names``: raise if FSDP is about to add
+        this reduce-scatter's result to a gradient an earlier one left (no optimizer step between)."""
+        if not self.kinds:
+            return
+        if self.reduced and any(getattr(self.params.get(n), "grad", None) is not None for n in names):
+            kind = self.kinds[0]
+            raise NotImplementedError(
+                f"zen_ext.fsdp: a second backward pass reduce-scattered before the optimizer stepped (gradient "
+                f"accumulation with gradient sync on), and zen.{kind} must see one gradient per optimizer step: "
+                f"reducing each micro-batch would run {kind} per micro-batch and count each as a step. Call "
+                f"model.set_requires_gradient_sync(False) before every micro-batch's backward but the last "
+                f"(set_requires_gradient_sync(True) before the last), or turn zen.{kind} off. (zen_ext counts "
+                f"optimizer steps through torch.optim's step pre-hook: an optimizer that is not a "
+                f"torch.optim.Optimizer must zero gradients with set_to_none=True.)")
+        self.reduced += 1
+
+    def close(self) -> None:
+        """Remove the global optimizer hook (idempotent)."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
