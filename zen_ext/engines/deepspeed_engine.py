@@ -149,9 +149,6 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
         same on every rank: a rank's own ``LOCAL_WORLD_SIZE`` differs between the nodes of an uneven
         hostfile, and node groups are created by a collective that every rank must join or skip.
         """
-        if self.sharded:
-            self._inter_group, self.hierarchy_reason = None, "a ZeRO reduce-scatter reduces over the whole group"
-            return None
         node, self._inter_group, self.hierarchy_reason = maybe_node_sharding(
             self.cfg.hierarchical, self.dp_ranks, self.rank, log)
         return node

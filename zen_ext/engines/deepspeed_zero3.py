@@ -63,16 +63,21 @@ class ShardedReduceMixin:
         if getattr(opt, "all2all_process_group", None) is not None:
             raise NotImplementedError("zen with ZeRO-3 does not serve zero_quantized_gradients (ZeRO++ qgZ, a lossy "
                                       "INT4 all-to-all); remove it, or remove \"zen\"")
-        if self.cfg.hierarchical is True:
-            raise NotImplementedError("zen.hierarchical (True) must be false or \"auto\" with a ZeRO reduce-scatter "
-                                      "(ZeRO-3, reduce_scatter true): node-sharded reduction serves the all-reduce")
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place in the data-parallel group (the Synchronizer's group is the inter-node one
+        with node-level reduction)."""
+        return self.dp_ranks.index(self.rank)
 
     def _reduction_choice(self) -> str:
         """What reduces the gradients and why, for the start-up line."""
         if self.sharded:
             rs = self.sync.rs_scheme.name
             why = "ZeRO-3" if self.stage == 3 else "zero_optimization.reduce_scatter true"
-            return f"reduce-scatter {rs} ({why}: each rank receives only its partition)"
+            level = ("node-level: dense inside the node, " + rs + " across nodes" if self.reducer.node is not None
+                     else rs)
+            return f"reduce-scatter {level} ({why}: each rank receives only its partition)"
         if self.stage in (1, 2):
             return ("all-reduce, each rank keeps its partition (zero_optimization.reduce_scatter false; "
                     "set it true for ZEN's reduce-scatter)")
@@ -187,7 +192,7 @@ class ShardedReduceMixin:
         bucket = opt.ipg_buckets[comm_dtype]
         named = [(self.names[id(opt.bit16_groups[i][j])], g) for (i, j, _), g in zip(bucket.params, bucket.grads)]
         whole = locate_slices([tensor], named)
-        base, size, me = tensor.data_ptr(), tensor.element_size(), self.sync.dp_comm.rank
+        base, size, me = tensor.data_ptr(), tensor.element_size(), self.dp_rank
         segments, compact = [], []
         for dst, view, output in pending:
             a = (view.data_ptr() - base) // size
@@ -235,8 +240,8 @@ class ShardedReduceMixin:
             flat = flat.to(comm_dtype)
         if divide_by != 1:
             flat.div_(divide_by)
-        lo, hi = ranges[self.sync.dp_comm.rank]
-        mine = [s for s in segments if s[0] == self.sync.dp_comm.rank]
+        lo, hi = ranges[self.dp_rank]
+        mine = [s for s in segments if s[0] == self.dp_rank]
         shard = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
         scale = getattr(self.engine.optimizer, "loss_scale", None) if self.engine.fp16_enabled() else None
         if scale is not None:  # DGC memory follows the fp16 loss scale (docs/sparsifiers.md)
