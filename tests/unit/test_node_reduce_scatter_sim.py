@@ -13,6 +13,9 @@ process, each rank with its intra-node and inter-node Communicators.
 
 from __future__ import annotations
 
+import json
+import os
+import re
 import threading
 
 import pytest
@@ -255,3 +258,14 @@ def test_what_is_refused_is_named():
 
     with pytest.raises(RuntimeError, match="uneven nodes are not supported"):
         SimWorld(2).run(uneven_owners)
+
+
+def test_the_docs_section_turns_node_level_on():
+    """docs/deepspeed_zero3.md's "Node-level DGC" block is a valid section that asks for it."""
+    from zen_ext.config import ZenConfig
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    text = open(os.path.join(root, "docs", "deepspeed_zero3.md")).read()
+    block = re.search(r"<!-- snippet: node-level-zen -->\n```json\n(.*?)```", text, re.S).group(1)
+    cfg = ZenConfig.from_dict(json.loads(block)["zen"])
+    assert cfg.hierarchical is True and cfg.sections()["dgc"].enabled
