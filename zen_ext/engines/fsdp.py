@@ -281,7 +281,7 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
                      guard_comm=TorchCommunicator(group) if guard_nonfinite else None, worker_in_reducer=False,
                      worker_off="FSDP2 (it records its event when the reduce-scatter returns)")
     built.sync.rs_scheme = cfg.build_reduce_scatter()  # NotImplementedError now for a scheme without one
-    readers = sorted(getattr(built.sync, "_after_sync", ()))
+    readers = built.sync.after_sync_kinds
     if readers:
         raise NotImplementedError(f"zen_ext.fsdp: sparsifier(s) {readers} read the synchronized gradient back "
                                   f"(after_sync), but an FSDP rank holds only its shard; "
