@@ -156,8 +156,32 @@ class ShardedReduceMixin:
 
             opt = self.engine.optimizer
             stream = opt.reduction_stream if opt.overlap_comm else get_accelerator().current_stream()
+            named = self._zero2_named(communication_data_type)
             with get_accelerator().stream(stream):
-                self._reduce_zero2_bucket(tensor, pending, communication_data_type)
+                self._reduce_zero2_bucket(tensor, pending, communication_data_type, named)
+
+    def _record_zero2_segments(self, tensor, communication_data_type) -> list:
+        """Run DeepSpeed's ``average_tensor`` on ``tensor`` recording its owner segments (its pre-divide
+        included) without reducing them; the asynchronous IPG hand-over reduces them on the worker."""
+        from deepspeed.accelerator import get_accelerator
+
+        self._rs_pending = []
+        try:
+            self._orig_average_tensor(tensor, communication_data_type)
+            opt = self.engine.optimizer
+            # Its pre-divide ran on the reduction stream: the worker's reads follow it (as DeepSpeed's own
+            # waits, only on accelerators with streams).
+            if opt.overlap_comm and not get_accelerator().resolves_data_dependency():
+                get_accelerator().current_stream().wait_stream(opt.reduction_stream)
+            return self._rs_pending
+        finally:
+            self._rs_pending = None
+
+    def _zero2_named(self, comm_dtype) -> list:
+        """``(name, gradient)`` of the current IPG bucket's parameters (read before the bucket is cleared)."""
+        opt = self.engine.optimizer
+        bucket = opt.ipg_buckets[comm_dtype]
+        return [(self.names[id(opt.bit16_groups[i][j])], g) for (i, j, _), g in zip(bucket.params, bucket.grads)]
 
     def _allreduce_no_retain(self, bucket, communication_data_type, numel_per_bucket=500000000, rank=None, log=None,
                              divide=True, process_group=None, output_bucket=None):
@@ -184,13 +208,11 @@ class ShardedReduceMixin:
         return self._rs_pending is not None and servable and self._is_dp_group(
             process_group if process_group is not None else opt.dp_process_group)
 
-    def _reduce_zero2_bucket(self, tensor, pending, comm_dtype) -> None:
+    def _reduce_zero2_bucket(self, tensor, pending, comm_dtype, named) -> None:
         """The recorded owner segments of ``tensor`` (one ZeRO IPG bucket, or one oversized gradient),
-        named by the parameters they cut, reduce-scattered; this rank's land back in place (and in
-        DeepSpeed's compact partition buffer where it keeps one)."""
+        named by the parameters they cut (``named``: ``_zero2_named``), reduce-scattered; this rank's land
+        back in place (and in DeepSpeed's compact partition buffer where it keeps one)."""
         opt = self.engine.optimizer
-        bucket = opt.ipg_buckets[comm_dtype]
-        named = [(self.names[id(opt.bit16_groups[i][j])], g) for (i, j, _), g in zip(bucket.params, bucket.grads)]
         whole = locate_slices([tensor], named)
         base, size, me = tensor.data_ptr(), tensor.element_size(), self.dp_rank
         segments, compact = [], []
