@@ -1,10 +1,11 @@
-"""FSDP2 on a 1-D mesh spanning two emulated nodes of two ranks (``ZEN_EXT_HOST`` per rank), with
-``zen.hierarchical``: the node-level reduce-scatter (``reduction/node_scatter.py``) on real gloo processes.
+"""FSDP2 on a 1-D mesh spanning emulated nodes (``ZEN_EXT_HOST`` per rank: 2 nodes × 2 ranks, 2 × 3 and
+3 × 2), with ``zen.hierarchical``: the node-level reduce-scatter (``reduction/node_scatter.py``) on real
+gloo processes.
 
 * natural-only node-level ZEN equals plain FSDP2 bitwise (losses, every step's gradient shard,
   parameters), fp32 and bf16, ops AVG and SUM (``SplitLM``: integer gradients, exact sums);
 * with DGC, node-level ``zen`` equals node-level ``dense`` fed the same DGC output, and each rank's DGC
-  state is about half the flat path's (L = 2);
+  state is about 1/L of the flat path's;
 * ``"auto"`` on one emulated host runs flat.
 """
 
@@ -12,12 +13,12 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from tests.multiproc.launch import run_workers
 from tests.multiproc.test_fsdp import STEPS, SplitLM, _shard, _train
 
-L = 2  # ranks per emulated node
 DGC = {"enabled": True, "density": 0.3, "min_numel": 8, "momentum_correction": False, "warmup_steps": 0}
 
 
@@ -39,7 +40,7 @@ def _run(rank, world, dtype, op, zen):
     return out
 
 
-def _node_worker(rank, world):
+def _node_worker(rank, world, L):
     os.environ["ZEN_EXT_HOST"] = f"node{rank // L}"
     natural = {"scheme": "zen", "hierarchical": True, "natural": {"enabled": True}}
     cases = {}
@@ -56,8 +57,9 @@ def _node_worker(rank, world):
     return cases, flat[3], auto[3]
 
 
-def test_node_level_fsdp2_equals_plain_fsdp2_at_2x2():
-    for rank, (cases, flat, auto) in enumerate(run_workers(_node_worker, 2 * L, timeout_s=900)):
+@pytest.mark.parametrize("N, L", [(2, 2), (2, 3), (3, 2)])
+def test_node_level_fsdp2_equals_plain_fsdp2(N, L):
+    for rank, (cases, flat, auto) in enumerate(run_workers(_node_worker, N * L, L, timeout_s=900)):
         for (what, dtype, op), (ref, got) in cases.items():
             where = f"rank {rank} {what} {dtype} {op}"
             losses, grads, params, info = got
