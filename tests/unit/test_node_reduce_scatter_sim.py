@@ -259,6 +259,16 @@ def test_what_is_refused_is_named():
     with pytest.raises(RuntimeError, match="uneven nodes are not supported"):
         SimWorld(2).run(uneven_owners)
 
+    def disagree(r, node, inter):  # one rank of node 1 hands over a shorter bucket
+        sync = Synchronizer(dp_comm=inter, scheme="zen", param_kinds=NATURAL, natural={})
+        red = BucketReducer(sync, cap_bytes=1 << 20, dp_size=4, node=node)
+        numel = NUMEL - (1 if r == 3 else 0)
+        ranges = even_ranges(numel, 4)
+        red.reduce_scatter_(torch.zeros(numel), [SLICES[0]], ranges, "sum", torch.empty(ranges[r][1] - ranges[r][0]))
+
+    with pytest.raises(RuntimeError, match=r"the ranks of a node disagree on a bucket's layout.*local rank \d has"):
+        node_grid(blocks(2, 2), disagree)
+
 
 def test_the_docs_section_turns_node_level_on():
     """docs/deepspeed_zero3.md's "Node-level DGC" block is a valid section that asks for it."""

@@ -25,6 +25,7 @@ Legend: ``_N`` elements of the bucket, ``_T`` elements of this rank's shard ``T_
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from typing import Sequence
 
 import torch
@@ -44,6 +45,8 @@ class NodeLayout:
     """Elements of each local rank's block in Step A (the longest ``|T_l|``)."""
     pieces: list[list[tuple[int, int]]]
     """``pieces[l]``: the bucket ranges that make ``T_l``, in order."""
+    lens: list[int]
+    """``|T_l|`` for every ``l``."""
     rows: torch.Tensor | None
     """When every range has one length ``w`` and they tile the bucket: the owners in block order,
     so Step A's reorder is one ``index_select`` of ``[n, w]`` rows (no padding)."""
@@ -89,7 +92,8 @@ class NodeReduceScatter:
                  out: torch.Tensor) -> torch.Tensor:
         """Write this rank's range ``ranges[me]`` of ``flat_N``'s reduction over all ``n`` ranks into ``out``.
 
-        1. Layout (once per bucket layout): ``T_l``'s pieces, Step A's width, Step B's sub-buckets.
+        1. Layout (once per bucket layout, agreed inside the node): ``T_l``'s pieces, Step A's width,
+           Step B's sub-buckets.
         2. Step A: reorder into ``[L, width]`` blocks and reduce-scatter inside the node (sum).
         3. Step B: per sub-bucket of the node sum of ``T_l``, the Synchronizer's reduce-scatter (sum)
            across the nodes into this rank's piece of ``out``.
@@ -105,21 +109,22 @@ class NodeReduceScatter:
         if lay is None:
             if len(self._layouts) > 4096:  # layouts change only on engine bucket rebuilds; bound the cache
                 self._layouts.clear()
+            self._agree(key, flat_N.dtype)
             lay = self._layouts[key] = self._plan(flat_N.numel(), slices, ranges, flat_N.element_size(),
                                                   flat_N.device)
         if lay.width == 0:
             return out  # an empty bucket: nothing to reduce on any rank (the layout is the same everywhere)
         # Step 2: Step A, dense inside the node.
-        L = self.node.local_size
         if lay.rows is not None:
             blocks = flat_N.view(self.n, -1).index_select(0, lay.rows)
-        else:
-            blocks = flat_N.new_zeros(L, lay.width)
-            for l, pieces in enumerate(lay.pieces):
-                at = 0
-                for a, b in pieces:
-                    blocks[l, at : at + b - a] = flat_N[a:b]
-                    at += b - a
+        else:  # one cat of the owners' ranges and the blocks' padding (one kernel on a GPU)
+            pad = flat_N.new_zeros(lay.width - min(lay.lens))
+            parts = []
+            for pieces, len_ in zip(lay.pieces, lay.lens):
+                parts.extend(flat_N[a:b] for a, b in pieces if b > a)
+                if len_ < lay.width:
+                    parts.append(pad[: lay.width - len_])
+            blocks = torch.cat(parts)
         node_sum = self.node.intra.reduce_scatter(blocks.reshape(-1))[: lay.shard_len]
         # Step 3: Step B, sparse across nodes.
         if lay.shard_len:
@@ -155,4 +160,15 @@ class NodeReduceScatter:
             clipped = [(min(max(s, a), b) - a, min(max(e, a), b) - a) for s, e in inter_ranges]
             pa, pb = min(max(lo, a), b), min(max(hi, a), b)
             buckets.append((a, b, list(members), clipped, (pa - lo, pb - lo)))
-        return NodeLayout(width=width, pieces=pieces, rows=rows, shard_len=lens[mine], buckets=buckets)
+        return NodeLayout(width=width, pieces=pieces, lens=lens, rows=rows, shard_len=lens[mine], buckets=buckets)
+
+    def _agree(self, key: tuple, dtype) -> None:
+        """A new layout shapes Step A's collective: the node's ranks compare it once (one object all-gather
+        inside the node) and every rank raises, naming both, instead of mismatching sizes there."""
+        digest = hashlib.blake2b(repr(key).encode(), digest_size=8).hexdigest()
+        mine = {"numel": key[0], "dtype": str(dtype), "layout": digest}
+        for r, theirs in enumerate(self.node.intra.all_gather_object(mine)):
+            if theirs != mine:
+                raise RuntimeError(f"zen.hierarchical: the ranks of a node disagree on a bucket's layout (numel, "
+                                   f"dtype, owner ranges, slices): local rank {r} has {theirs}, local rank "
+                                   f"{self.node.local_rank} has {mine}; every rank must pass the same layout")

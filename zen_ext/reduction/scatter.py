@@ -112,8 +112,8 @@ def reduce_scatter_flat(sync, flat: torch.Tensor, slices: list[GradSlice], range
             sync.note_part(part.kind, part.numel, part.nnz, t, part.key)
 
     # Step 5: statistics.
-    sync.note_bucket(dp.stats - dp_before, predict_dense_bytes(n, [e - s for s, e in rs], flat_N.element_size())["bytes"],
-                     time.perf_counter() - t_start)
+    dense = predict_dense_bytes(n, [e - s for s, e in rs], flat_N.element_size())["bytes"]
+    sync.note_bucket(dp.stats - dp_before, dense, time.perf_counter() - t_start)
     return out_R
 
 
