@@ -428,7 +428,7 @@ def _validate(obj, path: str) -> None:
 def _rules_zen(c: ZenConfig, p: str) -> None:
     from .comm.torch_dist import EXCHANGE_IMPLS
     from .core.registry import available_schemes
-    from .core.zen import PULL_FORMATS
+    from .core.zen_wire import PULL_FORMATS
 
     schemes = available_schemes()
     if c.scheme not in schemes:

@@ -36,7 +36,8 @@ from .. import ops
 from ..ops._reference import mask_to_words, words_to_mask
 from .rs_base import ReduceScatterScheme, RSProfile, as_units
 from .wire import exchange_packed, pack, view_as
-from .zen import _FMT_BITMAP, _FMT_COO, _FMT_DENSE, _FMT_NAMES, _HEADER_BYTES, ZenScheme, _Call, pull_costs
+from .zen import ZenScheme
+from .zen_wire import FMT_BITMAP, FMT_DENSE, FMT_NAMES, HEADER_BYTES, ZenCall, cheapest_format
 
 _MAX_LAYOUTS = 64
 
@@ -52,7 +53,7 @@ def predict_zen_bytes(p: RSProfile) -> dict:
     pull = []
     for r in range(n):
         u, s = p.union(r) / n, p.lengths[r] / n
-        pull.append(0 if u == 0 else _HEADER_BYTES + min(u * e, -(-s // 64) * 8 + u * p.val_bytes, s * p.val_bytes))
+        pull.append(0 if u == 0 else HEADER_BYTES + min(u * e, -(-s // 64) * 8 + u * p.val_bytes, s * p.val_bytes))
     pull_sent = sum(pull) - min(pull)  # a server sends to every owner but itself
     sent = max(ps + pull_sent for ps in push_sent)
     recv = max(pr + (n - 1) * c for pr, c in zip(push_recv, pull))
@@ -128,7 +129,7 @@ class ZenReduceScatter(ReduceScatterScheme):
         """
         n, rank = comm.size, comm.rank
         units = [as_units(g, rs) for g, rs in zip(grads, ranges)]
-        calls = [_Call(sg, t) for (sg, _), t in zip(units, timings)]
+        calls = [ZenCall(sg, t) for (sg, _), t in zip(units, timings)]
         # Steps 1-3: partition, push, aggregate.
         self.zen.push_aggregate(comm, calls, op, exchange=lambda sends: exchange_packed(comm, sends))
         # Step 4: per-owner counts.
@@ -154,7 +155,7 @@ class ZenReduceScatter(ReduceScatterScheme):
             c.recv = recv
             del c.acc, c.words, c.ts
         # Step 6: decode.
-        heads = [b[:_HEADER_BYTES] for c in calls for b in c.recv if b.numel()]
+        heads = [b[:HEADER_BYTES] for c in calls for b in c.recv if b.numel()]
         head_vals = torch.cat(heads).view(torch.int64).tolist() if heads else []
         results, h = [], 0
         for c, (_, urs), out, timing in zip(calls, units, outs, timings):
@@ -184,7 +185,7 @@ class ZenReduceScatter(ReduceScatterScheme):
         sel = torch.nonzero_static(c.ts, size=total).flatten() if total else c.ts.new_empty(0, dtype=torch.int64)
         vals = c.acc[c.lay.own_order[sel]].to(c.dtype)
         fmts = [self._choose(k, cuts[r + 1] - cuts[r], c.isz, c.vsz) if k else -1 for r, k in enumerate(oc)]
-        c.formats = {name: fmts.count(f) for f, name in _FMT_NAMES.items() if f in fmts}
+        c.formats = {name: fmts.count(f) for f, name in FMT_NAMES.items() if f in fmts}
         head = torch.tensor([v for f, k in zip(fmts, oc) for v in (f, k)], dtype=torch.int64, device=c.device)
         send, at = [], 0
         for r, (k, fmt) in enumerate(zip(oc, fmts)):
@@ -193,9 +194,9 @@ class ZenReduceScatter(ReduceScatterScheme):
                 send.append(torch.empty(0, dtype=torch.uint8, device=c.device))
                 continue
             hdr = head[2 * r : 2 * r + 2]
-            if fmt == _FMT_DENSE:
+            if fmt == FMT_DENSE:
                 send.append(pack(hdr, c.acc[c.lay.own_order[a:b]].to(c.dtype)))
-            elif fmt == _FMT_BITMAP:
+            elif fmt == FMT_BITMAP:
                 send.append(pack(hdr, mask_to_words(c.ts[a:b]), vals[at : at + k]))
             else:
                 send.append(pack(hdr, (sel[at : at + k] - a).to(c.idt), vals[at : at + k]))
@@ -205,10 +206,10 @@ class ZenReduceScatter(ReduceScatterScheme):
     @staticmethod
     def _decode(buf: torch.Tensor, fmt: int, cnt: int, tg: torch.Tensor, c) -> tuple[torch.Tensor, torch.Tensor]:
         """``(where, values)`` of one pulled message: offsets into this rank's range and their rows."""
-        s, w, off = tg.numel(), c.width, _HEADER_BYTES
-        if fmt == _FMT_DENSE:
+        s, w, off = tg.numel(), c.width, HEADER_BYTES
+        if fmt == FMT_DENSE:
             return tg, view_as(buf, off, s * w, c.dtype).view(s, w)
-        if fmt == _FMT_BITMAP:
+        if fmt == FMT_BITMAP:
             nw = -(-s // 64)
             bits = words_to_mask(view_as(buf, off, nw, torch.int64), s)
             where = tg[torch.nonzero_static(bits, size=cnt).flatten()]
@@ -217,9 +218,5 @@ class ZenReduceScatter(ReduceScatterScheme):
         return tg[pos], view_as(buf, off + cnt * c.isz, cnt * w, c.dtype).view(cnt, w)
 
     def _choose(self, count: int, size: int, isz: int, vsz: int) -> int:
-        forced = self.zen.pull_format
-        if forced != "auto":
-            return {"coo": _FMT_COO, "bitmap": _FMT_BITMAP, "dense": _FMT_DENSE}[forced]
-        costs = pull_costs(count, size, isz, vsz)
-        return min(costs, key=lambda f: (costs[f], -f))  # ties go to the simpler decode (dense first)
+        return cheapest_format(count, size, isz, vsz, self.zen.pull_format)
 

@@ -9,10 +9,8 @@ Wire formats (indices never travel as floats):
 
 * push: per peer one message ``[pos (int32, or int64 if numel ≥ 2^31) | values (gradient dtype)]``,
   or the peer's whole partition as dense values when that is not larger (its size tells them apart);
-* pull: per server one message ``[header int64×2 = (format, count) | body]`` where the body is the
-  cheapest of COO (``pos | values``), hash bitmap (``⌈|𝕀_i|/64⌉`` little-endian 64-bit words, i.e.
-  ``⌈|𝕀_i|/8⌉`` bytes padded to 8, ``| values``), or dense (``|𝕀_i|`` values), so every rank knows how
-  to decode it (paper Fig. 17a crossover). Layout: ``csrc/pull_format.h``.
+* pull: per server one message ``[header (format, count) | body]`` in the cheapest of COO, hash
+  bitmap and dense: ``core/zen_wire.py`` (shared with the reduce-scatter, ``core/rs_zen.py``).
 
 Steps 3–5 run in fused ops (``zen_ext.ops.aggregate_push`` / ``encode_pull`` / ``decode_pull_``: C++ on
 the CPU, CUDA kernels on the GPU, ``ops/_reference.py`` otherwise): one pass each, the result written
@@ -30,18 +28,12 @@ import torch
 
 from ..comm.base import Communicator
 from .. import ops
-from .bitmap import bitmap_bytes
 from .cost import BLOCK_SIZE, Dims, ProfileView, Traffic, WorkCounts
 from .hashing import HashConfig, HashPartitioner
 from .scheme import PartitionFn, SyncScheme
-from .timing import PhaseTimer
-from .types import SparseGrad, acc_dtype, as_sparse, index_dtype
+from .types import SparseGrad, acc_dtype, as_sparse
 from .wire import pack
-
-PULL_FORMATS = ("auto", "coo", "bitmap", "dense")
-_FMT_COO, _FMT_BITMAP, _FMT_DENSE = ops._reference.FMT_COO, ops._reference.FMT_BITMAP, ops._reference.FMT_DENSE
-_FMT_NAMES = {_FMT_COO: "coo", _FMT_BITMAP: "bitmap", _FMT_DENSE: "dense"}
-_HEADER_BYTES = 16
+from .zen_wire import FMT_BY_NAME, FMT_NAMES, HEADER_BYTES, PULL_FORMATS, ZenCall, cheapest_format, pull_costs
 
 
 def _start_pull(comm: Communicator, msg: torch.Tensor):
@@ -58,32 +50,6 @@ def _start_pull(comm: Communicator, msg: torch.Tensor):
         return start(msg).as_completed()
     pulled = comm.all_gather_v(msg)
     return iter([(comm.rank, pulled[comm.rank])] + [(i, b) for i, b in enumerate(pulled) if i != comm.rank])
-
-
-def pull_costs(count: int, part_size: int, idx_bytes: int, val_bytes: int) -> dict[int, int]:
-    """Body bytes of each pull format for ``count`` non-zeros of a partition of ``part_size``."""
-    bm = bitmap_bytes(part_size)
-    return {
-        _FMT_DENSE: part_size * val_bytes,
-        _FMT_BITMAP: bm + (-bm % 8) + count * val_bytes,
-        _FMT_COO: count * (idx_bytes + val_bytes),
-    }
-
-
-class _Call:
-    """One gradient's state while ``ZenScheme._sync_group`` runs it (facts, then each step's tensors)."""
-
-    def __init__(self, sg: SparseGrad, timings: dict | None) -> None:
-        self.sg = sg
-        self.dtype, self.device = sg.values.dtype, sg.values.device
-        self.idt = index_dtype(sg.numel)
-        self.width = sg.row_width
-        # vsz: bytes of one value entry (a whole row in row form).
-        self.isz, self.vsz = torch.empty(0, dtype=self.idt).element_size(), sg.values.element_size() * self.width
-        self.row_shape = tuple(sg.values.shape[1:])
-        # CUDA events on a GPU (perf_counter would time only the launches of the asynchronous phases,
-        # and auto's compute model learns from these times); perf_counter on the CPU.
-        self.timer = PhaseTimer(self.device, enabled=timings is not None)
 
 
 class ZenScheme(SyncScheme):
@@ -133,7 +99,7 @@ class ZenScheme(SyncScheme):
             p = self._partitioners[key] = HashPartitioner(numel, n, self.seed, self.hash_config)
         return p
 
-    def push_aggregate(self, comm: Communicator, calls: list["_Call"], op: str, exchange=None) -> None:
+    def push_aggregate(self, comm: Communicator, calls: list["ZenCall"], op: str, exchange=None) -> None:
         """Steps 1–3 of ``_sync_group`` for every call of a group (shared with ``rs_zen``'s reduce-scatter):
         partition by h0, push (one host read of the group's partition counts, one exchange per call,
         carrying the call's signature), aggregate into each call's compact buffer. Leaves ``c.part``,
@@ -224,7 +190,7 @@ class ZenScheme(SyncScheme):
         Steps 4 and 5 run for one gradient after the other.
         """
         n = comm.size
-        calls = [_Call(as_sparse(g), t) for g, t in zip(grads, timings)]
+        calls = [ZenCall(as_sparse(g), t) for g, t in zip(grads, timings)]
         self.push_aggregate(comm, calls, op)
         counts = ops.read_aggregate_counts([c.count_1 for c in calls])
 
@@ -260,7 +226,7 @@ class ZenScheme(SyncScheme):
                 ops.decode_pull_(rows, item[1], item[0], n, keys_dev, c.isz)
             c.timer.write_into(timing)
             if timing is not None:
-                timing["pull_format"] = _FMT_NAMES[fmt]
+                timing["pull_format"] = FMT_NAMES[fmt]
             results.append(res)
         return results
 
@@ -290,10 +256,7 @@ class ZenScheme(SyncScheme):
         return state
 
     def _choose_format(self, count: int, part_size: int, isz: int, vsz: int) -> int:
-        if self.pull_format != "auto":
-            return {"coo": _FMT_COO, "bitmap": _FMT_BITMAP, "dense": _FMT_DENSE}[self.pull_format]
-        costs = pull_costs(count, part_size, isz, vsz)
-        return min(costs, key=lambda f: (costs[f], -f))  # ties go to the simpler decode (dense first)
+        return cheapest_format(count, part_size, isz, vsz, self.pull_format)
 
 
     # --- cost model --------------------------------------------------------------------------------
@@ -321,9 +284,9 @@ class ZenScheme(SyncScheme):
             costs = pull_costs(int(round(per_server[i])), part, p.index_bytes, vsz)
             if fmt == "auto":
                 return min(costs.values())
-            return costs[{"coo": _FMT_COO, "bitmap": _FMT_BITMAP, "dense": _FMT_DENSE}[fmt]]
+            return costs[FMT_BY_NAME[fmt]]
 
-        tr.all_gather_v([_HEADER_BYTES + body(i) for i in range(n)])
+        tr.all_gather_v([HEADER_BYTES + body(i) for i in range(n)])
         return tr
 
     @staticmethod

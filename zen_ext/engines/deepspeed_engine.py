@@ -149,9 +149,6 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
         same on every rank: a rank's own ``LOCAL_WORLD_SIZE`` differs between the nodes of an uneven
         hostfile, and node groups are created by a collective that every rank must join or skip.
         """
-        if self.sharded:
-            self._inter_group, self.hierarchy_reason = None, "a ZeRO reduce-scatter reduces over the whole group"
-            return None
         node, self._inter_group, self.hierarchy_reason = maybe_node_sharding(
             self.cfg.hierarchical, self.dp_ranks, self.rank, log)
         return node
@@ -166,10 +163,10 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
         elif self.zero_reduces:
             self._orig_reduction = eng.optimizer.gradient_reduction_w_predivide
             eng.optimizer.gradient_reduction_w_predivide = self._gradient_reduction_w_predivide
-            if self.async_ipg_off is None:
-                self._orig_reduce_ipg = eng.optimizer.reduce_ipg_grads
-                eng.optimizer.reduce_ipg_grads = self._reduce_ipg_async
-        else:
+        if self.zero_reduces and self.async_ipg_off is None:  # all-reduce or reduce_scatter: whole IPG buckets
+            self._orig_reduce_ipg = eng.optimizer.reduce_ipg_grads
+            eng.optimizer.reduce_ipg_grads = self._reduce_ipg_async
+        if not self.sharded and not self.zero_reduces:
             self._orig_allreduce_bucket = eng.allreduce_bucket
             eng.allreduce_bucket = self._allreduce_bucket
         self._orig_step = eng.step

@@ -32,8 +32,9 @@ class AsyncIPGMixin:
             return "zen.async_sync is off"
         if self.worker is None:
             return "no communication worker (node sharding or a tensor-parallel group)"
-        if not self.zero_reduces or self.sharded:
-            return "not a ZeRO-1/2 optimizer that all-reduces (ZeRO-3, or reduce_scatter true)"
+        if not self.zero_reduces or self.stage == 3:
+            return ("not a ZeRO-1/2 optimizer (ZeRO-3 consumes its gradient partitions inside DeepSpeed right "
+                    "after the reduce-scatter)")
         if not getattr(opt, "overlap_comm", False):
             return "zero_optimization.overlap_comm is false (one IPG buffer)"
         if not getattr(opt, "contiguous_gradients", False):
@@ -85,7 +86,11 @@ class AsyncIPGMixin:
             # Step 2: snapshot, bookkeeping.
             flat = bucket.buffer[bucket.index].narrow(0, 0, bucket.elements)
             members = [(opt.bit16_groups[i][j], i, pid) for i, j, pid in bucket.params]
-            slices = self._ipg_slices(flat, bucket)
+            if self.sharded:  # reduce_scatter true: DeepSpeed's owner segments, recorded here, reduced there
+                reduce = functools.partial(self._reduce_zero2_bucket, flat, self._record_zero2_segments(flat, dt), dt,
+                                           self._zero2_named(dt))
+            else:
+                reduce = functools.partial(self._reduce, flat, self._ipg_slices(flat, bucket), dt, pipelined=False)
             for p, _, pid in members:
                 if opt.params_already_reduced[pid]:
                     raise RuntimeError(f"zen: parameter {self.names[id(p)]} was handed to the gradient reduction "
@@ -94,7 +99,7 @@ class AsyncIPGMixin:
             bucket.clear()
             # Step 3: the worker reduces and copies.
             self.async_ipg_buckets += 1
-            job = self.worker.submit(functools.partial(self._finish_ipg, flat, slices, dt, members), [flat])
+            job = self.worker.submit(functools.partial(self._finish_ipg, reduce, members), [flat])
             # Step 4: the previous bucket's buffer is refilled next.
             prev, self._ipg_last_job = self._ipg_last_job, job
             if prev is not None:
@@ -102,18 +107,19 @@ class AsyncIPGMixin:
         if comm_dtype is None:
             self._wait_ipg_jobs()
 
-    def _finish_ipg(self, flat, slices, comm_dtype, members) -> torch.Tensor:
-        """The worker's half of ``_reduce_ipg_async``: reduce ``flat`` in place (its ZEN buckets in turn:
-        this already runs on the worker), then DeepSpeed's per-parameter step of ``reduce_ipg_grads``."""
+    def _finish_ipg(self, reduce, members) -> None:
+        """The worker's half of ``_reduce_ipg_async``: ``reduce()`` the bucket in place (the all-reduce, its
+        ZEN buckets in turn since this already runs on the worker; or, with ``reduce_scatter``, the
+        reduce-scatter of DeepSpeed's recorded owner segments, this rank's landing in place), then
+        DeepSpeed's per-parameter step of ``reduce_ipg_grads``."""
         opt = self.engine.optimizer
-        self._reduce(flat, slices, comm_dtype, pipelined=False)
+        reduce()
         for p, group_idx, pid in members:
             mine = opt.is_param_in_current_partition[pid]
             if opt.partition_gradients and not mine:
                 opt.clear_grad_attribute(p)  # ZeRO-2: another rank owns this gradient
             elif mine:
                 opt.copy_grads_in_partition(p, group_idx)
-        return flat
 
     def _wait_ipg_jobs(self) -> None:
         """Wait for every IPG bucket handed to the worker (FIFO: the last one implies the others);

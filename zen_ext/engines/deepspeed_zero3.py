@@ -63,16 +63,21 @@ class ShardedReduceMixin:
         if getattr(opt, "all2all_process_group", None) is not None:
             raise NotImplementedError("zen with ZeRO-3 does not serve zero_quantized_gradients (ZeRO++ qgZ, a lossy "
                                       "INT4 all-to-all); remove it, or remove \"zen\"")
-        if self.cfg.hierarchical is True:
-            raise NotImplementedError("zen.hierarchical (True) must be false or \"auto\" with a ZeRO reduce-scatter "
-                                      "(ZeRO-3, reduce_scatter true): node-sharded reduction serves the all-reduce")
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place in the data-parallel group (the Synchronizer's group is the inter-node one
+        with node-level reduction)."""
+        return self.dp_ranks.index(self.rank)
 
     def _reduction_choice(self) -> str:
         """What reduces the gradients and why, for the start-up line."""
         if self.sharded:
             rs = self.sync.rs_scheme.name
             why = "ZeRO-3" if self.stage == 3 else "zero_optimization.reduce_scatter true"
-            return f"reduce-scatter {rs} ({why}: each rank receives only its partition)"
+            level = ("node-level: dense inside the node, " + rs + " across nodes" if self.reducer.node is not None
+                     else rs)
+            return f"reduce-scatter {level} ({why}: each rank receives only its partition)"
         if self.stage in (1, 2):
             return ("all-reduce, each rank keeps its partition (zero_optimization.reduce_scatter false; "
                     "set it true for ZEN's reduce-scatter)")
@@ -151,8 +156,32 @@ class ShardedReduceMixin:
 
             opt = self.engine.optimizer
             stream = opt.reduction_stream if opt.overlap_comm else get_accelerator().current_stream()
+            named = self._zero2_named(communication_data_type)
             with get_accelerator().stream(stream):
-                self._reduce_zero2_bucket(tensor, pending, communication_data_type)
+                self._reduce_zero2_bucket(tensor, pending, communication_data_type, named)
+
+    def _record_zero2_segments(self, tensor, communication_data_type) -> list:
+        """Run DeepSpeed's ``average_tensor`` on ``tensor`` recording its owner segments (its pre-divide
+        included) without reducing them; the asynchronous IPG hand-over reduces them on the worker."""
+        from deepspeed.accelerator import get_accelerator
+
+        self._rs_pending = []
+        try:
+            self._orig_average_tensor(tensor, communication_data_type)
+            opt = self.engine.optimizer
+            # Its pre-divide ran on the reduction stream: the worker's reads follow it (as DeepSpeed's own
+            # waits, only on accelerators with streams).
+            if opt.overlap_comm and not get_accelerator().resolves_data_dependency():
+                get_accelerator().current_stream().wait_stream(opt.reduction_stream)
+            return self._rs_pending
+        finally:
+            self._rs_pending = None
+
+    def _zero2_named(self, comm_dtype) -> list:
+        """``(name, gradient)`` of the current IPG bucket's parameters (read before the bucket is cleared)."""
+        opt = self.engine.optimizer
+        bucket = opt.ipg_buckets[comm_dtype]
+        return [(self.names[id(opt.bit16_groups[i][j])], g) for (i, j, _), g in zip(bucket.params, bucket.grads)]
 
     def _allreduce_no_retain(self, bucket, communication_data_type, numel_per_bucket=500000000, rank=None, log=None,
                              divide=True, process_group=None, output_bucket=None):
@@ -179,15 +208,13 @@ class ShardedReduceMixin:
         return self._rs_pending is not None and servable and self._is_dp_group(
             process_group if process_group is not None else opt.dp_process_group)
 
-    def _reduce_zero2_bucket(self, tensor, pending, comm_dtype) -> None:
+    def _reduce_zero2_bucket(self, tensor, pending, comm_dtype, named) -> None:
         """The recorded owner segments of ``tensor`` (one ZeRO IPG bucket, or one oversized gradient),
-        named by the parameters they cut, reduce-scattered; this rank's land back in place (and in
-        DeepSpeed's compact partition buffer where it keeps one)."""
+        named by the parameters they cut (``named``: ``_zero2_named``), reduce-scattered; this rank's land
+        back in place (and in DeepSpeed's compact partition buffer where it keeps one)."""
         opt = self.engine.optimizer
-        bucket = opt.ipg_buckets[comm_dtype]
-        named = [(self.names[id(opt.bit16_groups[i][j])], g) for (i, j, _), g in zip(bucket.params, bucket.grads)]
         whole = locate_slices([tensor], named)
-        base, size, me = tensor.data_ptr(), tensor.element_size(), self.sync.dp_comm.rank
+        base, size, me = tensor.data_ptr(), tensor.element_size(), self.dp_rank
         segments, compact = [], []
         for dst, view, output in pending:
             a = (view.data_ptr() - base) // size
@@ -235,8 +262,8 @@ class ShardedReduceMixin:
             flat = flat.to(comm_dtype)
         if divide_by != 1:
             flat.div_(divide_by)
-        lo, hi = ranges[self.sync.dp_comm.rank]
-        mine = [s for s in segments if s[0] == self.sync.dp_comm.rank]
+        lo, hi = ranges[self.dp_rank]
+        mine = [s for s in segments if s[0] == self.dp_rank]
         shard = torch.empty(hi - lo, dtype=flat.dtype, device=flat.device)
         scale = getattr(self.engine.optimizer, "loss_scale", None) if self.engine.fp16_enabled() else None
         if scale is not None:  # DGC memory follows the fp16 loss scale (docs/sparsifiers.md)

@@ -31,6 +31,7 @@ from ..comm.torch_dist import TorchCommunicator
 from ..config import ZenConfig, load_json_config
 from ..core.rs_base import even_ranges
 from ..reduction.attachment import Assembled, ZenAttachment, assemble
+from ..reduction.hierarchy import maybe_node_sharding
 from ..reduction.stats import startup_line
 from ..reduction.synchronizer import GradSlice
 from .fsdp_compat import ReduceScatter, check_fsdp_internals
@@ -131,7 +132,7 @@ class ZenFSDP(ZenAttachment):
         self.cfg, self.group, self.rank = cfg, group, rank
         self.sync, self.reducer, self.stats = built.sync, built.reducer, built.stats
         self.stats.dense_name = "FSDP's dense reduce-scatter"
-        self.dp_size = self.sync.dp_comm.size
+        self.dp_size = built.reducer.dp_size  # the whole shard group, also when the Synchronizer's is across nodes
         self.worker = None  # FSDP records its event right after the call: no work may stay on a thread
         self.comms: list[ZenReduceScatter] = []
         self.step, self._t_step, self._step_open, self.closed = 0, 0.0, False, False
@@ -263,7 +264,8 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
     Raises:
         ValueError, TypeError: an invalid section, ``zen.enabled`` false, or a model without ``fully_shard``.
         NotImplementedError: what is not ``SUPPORTED`` (HSDP, several parameter groups in a module, ...),
-            a scheme without a reduce-scatter form, ``zen.hierarchical`` true, a sparsifier that reads the
+            a scheme without a reduce-scatter form, ``zen.hierarchical`` true where the shard group does
+            not span several equal multi-rank nodes (also ValueError), a sparsifier that reads the
             synchronized gradient back, or attaching twice.
     """
     # Step 1: configuration and the FSDP modules.
@@ -273,9 +275,6 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
     cfg = config if isinstance(config, ZenConfig) else ZenConfig.from_dict(config)
     if not cfg.enabled:
         raise ValueError("zen.enabled (False) must be true to attach ZEN; skip attach to keep FSDP's reduce-scatter")
-    if cfg.hierarchical is True:
-        raise NotImplementedError("zen.hierarchical (True) must be false or \"auto\" with FSDP2: node-sharded "
-                                  "reduction is implemented for zen_ext.deepspeed only")
     if not dist.is_initialized():
         raise RuntimeError("zen_ext.fsdp.attach needs torch.distributed initialized (fully_shard does too)")
     check_fsdp_internals(model)  # a torch the tests did not run, or one without an internal read below
@@ -283,14 +282,16 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
     group = modules[0][2].mesh_info.shard_process_group if modules else dist.group.WORLD
     rank = dist.get_rank()
     cfg, dgc_note = cfg.resolve_defaults(optimizer, quiet=rank != 0)  # the start-up line says what it chose
-    # Step 2: routing and the Synchronizer.
-    comm = TorchCommunicator(group, cfg.exchange_impl)
-    built = assemble(model, cfg, sync_comm=comm, tp_comm=None, rank=rank, dp_size=comm.size,
+    # Step 2: node-level or flat (zen.hierarchical, reduction/node_scatter.py), routing and the Synchronizer.
+    dp_ranks = dist.get_process_group_ranks(group)
+    node, inter, _ = maybe_node_sharding(cfg.hierarchical, dp_ranks, rank, log)
+    comm = TorchCommunicator(inter if node is not None else group, cfg.exchange_impl)
+    built = assemble(model, cfg, sync_comm=comm, tp_comm=None, rank=rank, dp_size=len(dp_ranks), node=node,
                      device=next((p.device for p in model.parameters()), torch.device("cpu")),
                      guard_comm=TorchCommunicator(group) if guard_nonfinite else None, worker_in_reducer=False,
                      worker_off="FSDP2 (it records its event when the reduce-scatter returns)")
     built.sync.rs_scheme = cfg.build_reduce_scatter()  # NotImplementedError now for a scheme without one
-    readers = sorted(getattr(built.sync, "_after_sync", ()))
+    readers = built.sync.after_sync_kinds
     if readers:
         raise NotImplementedError(f"zen_ext.fsdp: sparsifier(s) {readers} read the synchronized gradient back "
                                   f"(after_sync), but an FSDP rank holds only its shard; "
@@ -307,6 +308,7 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
             module.set_custom_reduce_scatter(rs)
             zen.comms.append(rs)
     if rank == 0:
-        print(startup_line(f"FSDP2 (dp={comm.size}, {len(zen.comms)} FSDP modules)", cfg, built.kinds,
+        level = f", node-level: {node.local_size} ranks a node" if node is not None else ""
+        print(startup_line(f"FSDP2 (dp={len(dp_ranks)}{level}, {len(zen.comms)} FSDP modules)", cfg, built.kinds,
                            {n: p.numel() for n, p in model.named_parameters()}, dgc_note), flush=True)
     return zen

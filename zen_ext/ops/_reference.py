@@ -125,7 +125,7 @@ def hash_partition(
 
 
 # ---------------------------------------------------------------------------------------------------
-# ZEN's server-side aggregation and pull (wire format: csrc/pull_format.h and zen_ext/core/zen.py)
+# ZEN's server-side aggregation and pull (wire format: csrc/pull_format.h and zen_ext/core/zen_wire.py)
 # ---------------------------------------------------------------------------------------------------
 
 FMT_COO, FMT_BITMAP, FMT_DENSE = 0, 1, 2

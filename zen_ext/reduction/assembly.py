@@ -7,12 +7,12 @@ import logging
 
 from ..compress.routing import classify_parameters
 from ..config import ZenConfig
-from .synchronizer import Synchronizer, resize_warning
+from .synchronizer import Synchronizer
 from .stats import StepStats, append_planner_reasons, report_summary
 
 log = logging.getLogger(__name__)
 
-__all__ = ["build_synchronizer", "restore_sync_state", "summary_text"]
+__all__ = ["build_synchronizer", "resize_warning", "restore_sync_state", "summary_text"]
 
 
 def build_synchronizer(module, cfg: ZenConfig, *, sync_comm, tp_comm, rank: int) -> tuple[dict[str, str], Synchronizer]:
@@ -50,3 +50,20 @@ def restore_sync_state(sync: Synchronizer, sd: dict, dp_size: int, why: str = ""
         (logger or log).warning(resize_warning(sd.get("dp_size"), dp_size, sd["sync"], why))
     sync.load_state_dict(sd["sync"], per_rank=not partial)
     return partial
+
+
+def resize_warning(saved_dp_size, dp_size: int, sd: dict, why: str = "") -> str:
+    """The one warning a resumed run logs when it restores only the shared part of a Synchronizer state.
+
+    Args:
+        saved_dp_size: the data-parallel size the state was saved with (None if unknown).
+        dp_size: the data-parallel size now.
+        sd: the Synchronizer ``state_dict()`` being restored.
+        why: what made it a partial restore, when not the size (e.g. a missing per-rank file).
+    """
+    kept = [f"the step counter ({sd['sparsifiers']['step']}; DGC warm-up and sampling continue from it)"]
+    if "scheme" in sd:
+        kept.append("the scheme's state (the auto planner's choices)")
+    cause = why or f"the checkpoint was saved with dp_size {saved_dp_size}, now {dp_size}"
+    return (f"zen: {cause}: restored {' and '.join(kept)}; DGC residuals, momenta and thresholds are per rank "
+            f"and restart from zero")

@@ -113,11 +113,21 @@ def decide_hierarchy(setting: "bool | str", hosts: Sequence[Hashable], dp_groups
     return layouts, f"{len(nodes)} nodes of {len(nodes[0])} ranks per data-parallel group"
 
 
-def create_node_groups(layouts: dict, rank: int):
+def owner_order(nodes: list[list[int]], dp_ranks: Sequence[int]) -> list[list[int]]:
+    """``owners[l]``: the data-parallel ranks (places in ``dp_ranks``) of the ranks with local index
+    ``l``, in the rank order of their inter-node group (``new_group`` orders its members by global
+    rank): whose ranges the node-level reduce-scatter gives local rank ``l`` (``reduction/node_scatter.py``)."""
+    place = {g: i for i, g in enumerate(dp_ranks)}
+    return [[place[g] for g in sorted(n[l] for n in nodes)] for l in range(len(nodes[0]))]
+
+
+def create_node_groups(layouts: dict, rank: int, dp_ranks: Sequence[int] | None = None):
     """Create the intra-node and inter-node groups of every data-parallel group (a collective).
 
     ``torch.distributed.new_group`` must be called by every rank for every group in the same order:
     ``layouts`` (from ``decide_hierarchy``, the same on every rank) is walked in sorted order.
+    ``dp_ranks`` (this rank's group in its rank order; default: sorted) gives the node-level
+    reduce-scatter its ``owner_order``.
 
     Returns:
         ``(NodeShardedReduce, inter_node_group)`` of this rank.
@@ -132,7 +142,8 @@ def create_node_groups(layouts: dict, rank: int):
         for members in nodes:
             grp = dist.new_group(members)
             if rank in members:
-                node = NodeShardedReduce(TorchCommunicator(grp), members.index(rank), len(members))
+                node = NodeShardedReduce(TorchCommunicator(grp), members.index(rank), len(members),
+                                         owners=owner_order(nodes, g if dp_ranks is None else dp_ranks))
         for i in range(len(nodes[0])):
             across = [n[i] for n in nodes]
             grp = dist.new_group(across)
@@ -162,7 +173,7 @@ def build_node_sharding(dp_ranks: Sequence[int], all_dp_groups: Iterable[Sequenc
     if isinstance(node_of, int):
         node_of = [r // node_of for r in range(max(max(g) for g in groups) + 1)]
     layouts, _ = decide_hierarchy(True if required else "auto", node_of, groups)
-    return create_node_groups(layouts, rank) if layouts is not None else (None, None)
+    return create_node_groups(layouts, rank, list(dp_ranks)) if layouts is not None else (None, None)
 
 
 def maybe_node_sharding(setting: "bool | str", dp_ranks: Sequence[int], rank: int, log=None):
@@ -200,7 +211,7 @@ def maybe_node_sharding(setting: "bool | str", dp_ranks: Sequence[int], rank: in
         if log is not None and rank == 0 and setting == "auto":
             log.info('zen: hierarchical "auto" runs flat ZEN over each data-parallel group: %s', reason)
         return None, None, reason
-    return (*create_node_groups(layouts, rank), reason)
+    return (*create_node_groups(layouts, rank, dp_ranks), reason)
 
 
 class NodeShardedReduce:
@@ -216,12 +227,17 @@ class NodeShardedReduce:
             ``all_gather`` carry the dense part and count its bytes (so SimWorld runs it too).
         local_rank: this rank's index in ``intra`` (default: its rank there).
         local_size: ``L`` (default: ``intra``'s size).
+        owners: ``owners[l]``, the data-parallel ranks with local index ``l`` in their inter-node
+            group's rank order (``owner_order``); the node-level reduce-scatter needs it, the
+            all-reduce does not.
     """
 
-    def __init__(self, intra, local_rank: int | None = None, local_size: int | None = None) -> None:
+    def __init__(self, intra, local_rank: int | None = None, local_size: int | None = None,
+                 owners: list[list[int]] | None = None) -> None:
         self.intra = intra
         self.local_rank = intra.rank if local_rank is None else local_rank
         self.local_size = intra.size if local_size is None else local_size
+        self.owners = owners
 
     @property
     def bytes_sent(self) -> int:

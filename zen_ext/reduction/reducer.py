@@ -10,6 +10,7 @@ import torch
 
 from .plan import GradSlice
 from .hierarchy import NodeShardedReduce
+from .node_scatter import NodeReduceScatter
 from .slices import _row_width, clip_slices, shard_bounds, split_to_cap
 
 
@@ -56,6 +57,13 @@ class BucketReducer:
         self.calls = 0
         self._stats = self._empty()
         self._rows_cache: dict[tuple, list[tuple[str, GradSlice]]] = {}
+        self._node_scatter = None
+
+    def _node_rs(self):
+        """The node-level reduce-scatter (built on first use: the all-reduce path never needs it)."""
+        if self._node_scatter is None:
+            self._node_scatter = NodeReduceScatter(self.node, self.sync, self.cap_bytes)
+        return self._node_scatter
 
     @staticmethod
     def _empty() -> dict:
@@ -118,19 +126,21 @@ class BucketReducer:
         3. Reduce-scatter each bucket (``Synchronizer.reduce_scatter_flat``) into its piece of ``out``,
            in turn on this thread.
 
+        With node sharding (``zen.hierarchical``) steps 2 and 3 are the node-level reduce-scatter
+        (``reduction/node_scatter.py``: dense inside the node, then the Synchronizer across nodes on
+        the node's sum of this rank's share, re-bucketed there).
+
         Raises:
-            NotImplementedError: node-sharded reduction or TP-shared parameters (supported: a flat
-                data-parallel group).
+            NotImplementedError: TP-shared parameters (supported: a data-parallel group, flat or by node).
         """
-        if self.node is not None or self.tp_shared:
-            raise NotImplementedError("reduce_scatter_: node-sharded (zen.hierarchical) reduction and TP-shared "
-                                      "parameters are not served with a reduce-scatter; supported: a flat "
-                                      "data-parallel group (set zen.hierarchical to false)")
+        if self.tp_shared:
+            raise NotImplementedError("reduce_scatter_: TP-shared parameters are not served with a reduce-scatter; "
+                                      "supported: a data-parallel group (flat, or node-level with zen.hierarchical)")
         self.calls += 1
         st = self._stats
         st["reduce_calls"] += 1
         flat_N = flat.view(-1)
-        rank = self.sync.dp_comm.rank
+        rank = self.sync.dp_comm.rank if self.node is None else self._node_rs().me
         lo, hi = ranges[rank]
         if self.dp_size > 1:
             st["dense_bytes"] += (self.dp_size - 1) * max(e - s for s, e in ranges) * flat_N.element_size()
@@ -142,6 +152,11 @@ class BucketReducer:
                 st["nonfinite_steps"] += 1
                 self.sync.discard_step()
                 return out
+        if self.node is not None:  # steps 2 and 3, node by node
+            before = self.node.bytes_sent
+            self._node_rs()(flat_N, slices, [tuple(r) for r in ranges], op, out)
+            st["intra_bytes_sent"] += self.node.bytes_sent - before
+            return out
         # Step 2: re-bucket.
         cap = max(1, self.cap_bytes // flat_N.element_size())
         for a, b, members in split_to_cap(flat_N.numel(), slices, cap):

@@ -9,8 +9,11 @@ configured ``ReduceScatterScheme`` over those mapped ranges, and this rank's pie
 in the shard. The dense buffer goes through the ``dense`` reduce-scatter, the sparse parts through one
 ``reduce_scatter_group`` call of the configured scheme (host reads once per bucket).
 
-Not served: node-sharded (hierarchical) reduction and sparsifiers that read the synchronized gradient
-back (``after_sync``, e.g. EF21): a rank holds only its range of it.
+It reduces over one group (``sync.dp_comm``); the node-level form (``zen.hierarchical``) calls it across
+nodes on the node's sum (``reduction/node_scatter.py``). It reads and reports through the Synchronizer's
+public surface (``prepare_flat``, ``after_sync_kinds``, ``note_dense``, ``note_part``, ``note_bucket``).
+Not served: sparsifiers that read the synchronized gradient back (``after_sync``, e.g. EF21): a rank
+holds only its range of it.
 
 Legend: ``_N`` elements of the bucket, ``_R`` this rank's range.
 """
@@ -55,7 +58,7 @@ def reduce_scatter_flat(sync, flat: torch.Tensor, slices: list[GradSlice], range
 
     Raises:
         ValueError: bad ranges, out, slices or op.
-        NotImplementedError: node-sharded reduction, or a sparsifier that reads the result back.
+        NotImplementedError: a sparsifier that reads the result back.
         RuntimeError: ranks disagree on the bucket layout, configuration or ranges.
     """
     t_start = time.perf_counter()
@@ -74,13 +77,12 @@ def reduce_scatter_flat(sync, flat: torch.Tensor, slices: list[GradSlice], range
         out_R = out
     else:
         out_R = torch.empty(hi - lo, dtype=flat_N.dtype, device=flat_N.device)
-    refused = sorted(getattr(sync, "_after_sync", ()))
+    refused = sync.after_sync_kinds
     if refused:
         raise NotImplementedError(f"reduce_scatter_flat: sparsifier(s) {refused} read the synchronized gradient back "
                                   f"(after_sync), which a rank holding only its range cannot serve; supported "
                                   f"with reduce-scatter: sparsifiers without after_sync (natural, dgc)")
     scheme = _scheme_of(sync)
-    st = sync._stats
     # Step 2: prepare (out=flat: no bucket-sized output is allocated; nothing writes it).
     prep = sync.prepare_flat(flat, slices, op, out=flat)
     plan = prep.plan
@@ -91,9 +93,7 @@ def reduce_scatter_flat(sync, flat: torch.Tensor, slices: list[GradSlice], range
         segs = plan.dense_ranges
         res = _DENSE_RS.reduce_scatter(dp, prep.dense_buf, map_ranges(segs, rs), op)
         place(res, segs, lo, hi, out_R)
-        sync._count("dense", prep.dense_buf.numel(), prep.dense_buf.numel())
-        st["schemes"].add("dense")
-        st["slice_schemes"]["dense slices"] = "dense"
+        sync.note_dense(prep.dense_buf.numel())
 
     # Step 4: every sparse part in one group call.
     parts = sparse_parts(prep.parts)
@@ -109,16 +109,11 @@ def reduce_scatter_flat(sync, flat: torch.Tensor, slices: list[GradSlice], range
         for part, o, res, t in zip(parts, outs, results, timings):
             if o is None:
                 place(res, part.segs, lo, hi, out_R)
-            sync._note_scheme(t, part.key)
-            sync._count(part.kind, part.numel, part.nnz)
+            sync.note_part(part.kind, part.numel, part.nnz, t, part.key)
 
     # Step 5: statistics.
-    st["buckets"] += 1
-    d = dp.stats - dp_before
-    st["bytes_sent"] += d.bytes_sent
-    st["bytes_recv"] += d.bytes_recv
-    st["dense_bytes_sent"] += predict_dense_bytes(n, [e - s for s, e in rs], flat_N.element_size())["bytes"]
-    st["sync_s"] += time.perf_counter() - t_start
+    dense = predict_dense_bytes(n, [e - s for s, e in rs], flat_N.element_size())["bytes"]
+    sync.note_bucket(dp.stats - dp_before, dense, time.perf_counter() - t_start)
     return out_R
 
 

@@ -55,7 +55,7 @@ log = logging.getLogger(__name__)
 SYNC_STATE_FORMAT = "zen_ext.synchronizer"
 SYNC_STATE_VERSION = 1
 
-__all__ = ["Synchronizer", "resize_warning"]
+__all__ = ["Synchronizer"]
 
 
 @dataclasses.dataclass
@@ -314,9 +314,7 @@ class Synchronizer:
             for s, e in plan.dense_ranges:
                 out_N[s:e] = buf[at : at + e - s]
                 at += e - s
-            self._count("dense", buf.numel(), buf.numel())
-            st["schemes"].add("dense")
-            st["slice_schemes"]["dense slices"] = "dense"
+            self.note_dense(buf.numel())
 
         # Step 3: every SparseGrad in one scheme call, so a scheme that reads on the host (zen:
         # partition and aggregated counts) reads once per bucket, not once per slice.
@@ -336,21 +334,15 @@ class Synchronizer:
                     for s in p.group.slices:  # concatenation order
                         out_N[s.offset : s.offset + s.numel] = res[at : at + s.numel]
                         at += s.numel
-                self._note_scheme(t, p.key)
-                self._count(p.group.kind, p.numel, p.grad.nnz * p.grad.row_width)
+                self.note_part(p.group.kind, p.numel, p.grad.nnz * p.grad.row_width, t, p.key)
             for group in plan.groups:
                 if group.kind in self._after_sync:  # only where a sparsifier uses it: views cost per slice
                     self.sparsifiers[group.kind].after_sync(
                         [s.state_key for s in group.slices], [out_N[s.offset : s.offset + s.numel] for s in group.slices])
 
         # Stats of this call.
-        st["buckets"] += 1
-        d = dp.stats - dp_before
-        st["bytes_sent"] += d.bytes_sent
-        st["bytes_recv"] += d.bytes_recv
-        if n > 1:
-            st["dense_bytes_sent"] += 2 * (n - 1) * prep.flat_N.numel() * prep.flat_N.element_size() // n
-        st["sync_s"] += prep.local_s + time.perf_counter() - t_start
+        dense = 2 * (n - 1) * prep.flat_N.numel() * prep.flat_N.element_size() // n if n > 1 else 0
+        self.note_bucket(dp.stats - dp_before, dense, prep.local_s + time.perf_counter() - t_start)
         return out_N.view_as(prep.flat)
 
     def set_grad_scale(self, scale: float) -> None:
@@ -438,16 +430,37 @@ class Synchronizer:
                 "dense_bytes_sent": 0, "numel": {}, "nnz": {}, "schemes": set(), "slice_schemes": {}, "sync_s": 0.0,
                 "compress_s": 0.0, "hash_s": 0.0}
 
-    def _count(self, kind: str, numel: int, nnz: int) -> None:
-        self._stats["numel"][kind] = self._stats["numel"].get(kind, 0) + numel
-        self._stats["nnz"][kind] = self._stats["nnz"].get(kind, 0) + nnz
+    # --- what a reduction of a prepared bucket reports (finish_flat, reduction/scatter.py) ----------------
+    @property
+    def after_sync_kinds(self) -> list[str]:
+        """The enabled kinds whose sparsifier reads the synchronized gradient back (``after_sync``):
+        a rank that holds only its range of the result (a reduce-scatter) cannot serve them."""
+        return sorted(self._after_sync)
 
-    def _note_scheme(self, timings: dict, key: str) -> None:
+    def note_dense(self, numel: int) -> None:
+        """``numel`` elements went through the dense reduction."""
+        self.note_part("dense", numel, numel, {"scheme": "dense"}, "dense slices")
+
+    def note_part(self, kind: str, numel: int, nnz: int, timings: dict, key: str) -> None:
+        """One part of a bucket (``numel`` elements, ``nnz`` sent) reduced by the scheme ``timings`` name."""
+        st = self._stats
+        st["numel"][kind] = st["numel"].get(kind, 0) + numel
+        st["nnz"][kind] = st["nnz"].get(kind, 0) + nnz
         # A planner scheme reports what it chose under "scheme"; the others are their own name.
         chosen = str(timings.get("scheme", self.scheme.name))
-        self._stats["schemes"].add(chosen)
-        self._stats["slice_schemes"][key] = chosen
-        self._stats["hash_s"] += timings.get("hash_s", 0.0)
+        st["schemes"].add(chosen)
+        st["slice_schemes"][key] = chosen
+        st["hash_s"] += timings.get("hash_s", 0.0)
+
+    def note_bucket(self, dp_delta, dense_bytes: int, seconds: float) -> None:
+        """One bucket done: its data-parallel traffic (a ``CommStats`` difference), what the dense
+        collective would have sent, its seconds."""
+        st = self._stats
+        st["buckets"] += 1
+        st["bytes_sent"] += dp_delta.bytes_sent
+        st["bytes_recv"] += dp_delta.bytes_recv
+        st["dense_bytes_sent"] += dense_bytes
+        st["sync_s"] += seconds
 
     # --- planning -----------------------------------------------------------------------------------
     def _plan_for(self, flat_N: torch.Tensor, slices: list[GradSlice], op: str) -> Plan:
@@ -470,19 +483,3 @@ class Synchronizer:
                 group.index_tensors(flat_N.device)  # to_bucket's per-slice shifts, once per layout and device
         return plan
 
-
-def resize_warning(saved_dp_size, dp_size: int, sd: dict, why: str = "") -> str:
-    """The one warning a resumed run logs when it restores only the shared part of a Synchronizer state.
-
-    Args:
-        saved_dp_size: the data-parallel size the state was saved with (None if unknown).
-        dp_size: the data-parallel size now.
-        sd: the Synchronizer ``state_dict()`` being restored.
-        why: what made it a partial restore, when not the size (e.g. a missing per-rank file).
-    """
-    kept = [f"the step counter ({sd['sparsifiers']['step']}; DGC warm-up and sampling continue from it)"]
-    if "scheme" in sd:
-        kept.append("the scheme's state (the auto planner's choices)")
-    cause = why or f"the checkpoint was saved with dp_size {saved_dp_size}, now {dp_size}"
-    return (f"zen: {cause}: restored {' and '.join(kept)}; DGC residuals, momenta and thresholds are per rank "
-            f"and restart from zero")

@@ -1,0 +1,174 @@
+"""Node-level reduce-scatter (``zen.hierarchical`` under ZeRO-2's ``reduce_scatter``, ZeRO-3 and FSDP2):
+dense inside the node, sparse across nodes, on the node's sum of the rank's own share.
+
+A bucket is owned in ranges ``R_0 … R_{n−1}`` by the ``n = N·L`` data-parallel ranks (``N`` nodes of
+``L``). Local rank ``l`` of every node serves the owners with local index ``l``: their ranges, in the
+rank order of the inter-node group ``l`` (``torch.distributed.new_group`` orders by global rank), make
+its shard ``T_l`` (``|T_l| ≈ |bucket|/L``).
+
+* Step A, inside the node (fast links): the bucket reordered once into ``[T_0 | … | T_{L−1}]`` (each
+  padded to the longest), one dense reduce-scatter: local rank ``l`` holds the node's sum of ``T_l``.
+* Step B, across nodes (slow links): ``Synchronizer.reduce_scatter_flat`` over the inter-node group
+  ``l`` on that node sum, re-bucketed to ``zen.bucket_cap_mb``: the sparsifiers (natural rows, DGC)
+  compress the node sum of ``T_l``, so their per-element memory (DGC's residual, momentum) covers
+  ``|T_l| ≈ P/L`` elements a rank instead of ``P``; each owner receives its range.
+
+``op="mean"`` sums at both levels and divides the owner's range by ``n`` once at the end: the result
+is the global sum over ``n`` exactly as the flat path's, and DGC sees sums of local gradients as it
+does flat (its ``clip_norm`` rule ``c/√N`` then bounds the node sums as ``c/√n`` bounds the ranks').
+
+Lossless schemes stay lossless: the node sum of sparse rows is still sparse rows, and both levels sum.
+
+Legend: ``_N`` elements of the bucket, ``_T`` elements of this rank's shard ``T_l``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from typing import Sequence
+
+import torch
+
+from .plan import GradSlice
+from .slices import clip_slices, split_to_cap
+
+__all__ = ["NodeReduceScatter", "NodeLayout"]
+
+
+@dataclasses.dataclass
+class NodeLayout:
+    """One bucket layout's node-level plan (built once per layout, the same on every rank of a node
+    and every rank of an inter-node group)."""
+
+    width: int
+    """Elements of each local rank's block in Step A (the longest ``|T_l|``)."""
+    pieces: list[list[tuple[int, int]]]
+    """``pieces[l]``: the bucket ranges that make ``T_l``, in order."""
+    lens: list[int]
+    """``|T_l|`` for every ``l``."""
+    rows: torch.Tensor | None
+    """When every range has one length ``w`` and they tile the bucket: the owners in block order,
+    so Step A's reorder is one ``index_select`` of ``[n, w]`` rows (no padding)."""
+    shard_len: int
+    """``|T_l|`` of this rank."""
+    buckets: list[tuple[int, int, list[GradSlice], list[tuple[int, int]], tuple[int, int]]]
+    """Step B per sub-bucket of ``T_l``: ``(start, end, slices, inter-node ranges, this rank's piece
+    of its own range)``, all relative to the sub-bucket (the piece: relative to the rank's range)."""
+
+
+class NodeReduceScatter:
+    """The node-level reduce-scatter of one rank (``BucketReducer.reduce_scatter_`` calls it).
+
+    Args:
+        node: the node's dense part (``NodeShardedReduce``: its intra-node Communicator, local rank,
+            ``L``, and ``owners``: ``owners[l]`` the data-parallel ranks with local index ``l`` in
+            their inter-node group's rank order).
+        sync: the Synchronizer over this rank's inter-node group.
+        cap_elems: Step B's sub-bucket cap in elements (per element size: ``cap_bytes``).
+    """
+
+    def __init__(self, node, sync, cap_bytes: int) -> None:
+        owners = getattr(node, "owners", None)
+        if not owners:
+            raise NotImplementedError("zen.hierarchical with a reduce-scatter needs the node layout of the "
+                                      "data-parallel group (NodeShardedReduce(owners=...), built by "
+                                      "maybe_node_sharding); supported: node groups built by zen_ext")
+        L = node.local_size
+        if len(owners) != L or len({len(o) for o in owners}) != 1:
+            raise NotImplementedError(f"zen.hierarchical with a reduce-scatter needs {L} local ranks per node, each "
+                                      f"with one peer per node (owners {owners}); uneven nodes are not supported")
+        self.node, self.sync, self.cap_bytes = node, sync, cap_bytes
+        self.owners = [list(o) for o in owners]
+        self.n = sum(len(o) for o in self.owners)
+        self.me = self.owners[node.local_rank][sync.dp_comm.rank]
+        """This rank's data-parallel rank (its place among the owners)."""
+        if sorted(r for o in self.owners for r in o) != list(range(self.n)):
+            raise ValueError(f"zen.hierarchical: the node layout's owners ({owners}) must name every data-parallel "
+                             f"rank 0..{self.n - 1} once")
+        self._layouts: dict[tuple, NodeLayout] = {}
+
+    def __call__(self, flat_N: torch.Tensor, slices: Sequence[GradSlice], ranges: list[tuple[int, int]], op: str,
+                 out: torch.Tensor) -> torch.Tensor:
+        """Write this rank's range ``ranges[me]`` of ``flat_N``'s reduction over all ``n`` ranks into ``out``.
+
+        1. Layout (once per bucket layout, agreed inside the node): ``T_l``'s pieces, Step A's width,
+           Step B's sub-buckets.
+        2. Step A: reorder into ``[L, width]`` blocks and reduce-scatter inside the node (sum).
+        3. Step B: per sub-bucket of the node sum of ``T_l``, the Synchronizer's reduce-scatter (sum)
+           across the nodes into this rank's piece of ``out``.
+        4. Mean: divide ``out`` by ``n`` once.
+        """
+        if len(ranges) != self.n:
+            raise ValueError(f"zen.reduce_scatter ranges ({len(ranges)} entries) must have one (start, end) per "
+                             f"data-parallel rank ({self.n}) (node-level reduce-scatter)")
+        # Step 1: layout.
+        key = (flat_N.numel(), flat_N.element_size(), tuple(ranges),
+               tuple((s.name, s.offset, s.numel, tuple(s.shape), s.start) for s in slices))
+        lay = self._layouts.get(key)
+        if lay is None:
+            if len(self._layouts) > 4096:  # layouts change only on engine bucket rebuilds; bound the cache
+                self._layouts.clear()
+            self._agree(key, flat_N.dtype)
+            lay = self._layouts[key] = self._plan(flat_N.numel(), slices, ranges, flat_N.element_size(),
+                                                  flat_N.device)
+        if lay.width == 0:
+            return out  # an empty bucket: nothing to reduce on any rank (the layout is the same everywhere)
+        # Step 2: Step A, dense inside the node.
+        if lay.rows is not None:
+            blocks = flat_N.view(self.n, -1).index_select(0, lay.rows)
+        else:  # one cat of the owners' ranges and the blocks' padding (one kernel on a GPU)
+            pad = flat_N.new_zeros(lay.width - min(lay.lens))
+            parts = []
+            for pieces, len_ in zip(lay.pieces, lay.lens):
+                parts.extend(flat_N[a:b] for a, b in pieces if b > a)
+                if len_ < lay.width:
+                    parts.append(pad[: lay.width - len_])
+            blocks = torch.cat(parts)
+        node_sum = self.node.intra.reduce_scatter(blocks.reshape(-1))[: lay.shard_len]
+        # Step 3: Step B, sparse across nodes.
+        if lay.shard_len:
+            for a, b, members, inter_ranges, (pa, pb) in lay.buckets:
+                self.sync.reduce_scatter_flat(node_sum[a:b], members, inter_ranges, "sum", out=out[pa:pb])
+        # Step 4: the mean.
+        if op == "mean":
+            out.div_(self.n)
+        return out
+
+    def _plan(self, numel: int, slices: Sequence[GradSlice], ranges: list[tuple[int, int]], itemsize: int,
+              device) -> NodeLayout:
+        """Step 1: ``T_l``'s pieces for every ``l``, and this rank's Step B sub-buckets."""
+        pieces = [[tuple(ranges[r]) for r in o] for o in self.owners]
+        lens = [sum(b - a for a, b in p) for p in pieces]
+        width, mine = max(lens), self.node.local_rank
+        lengths = {b - a for a, b in ranges}
+        rows = None
+        if len(lengths) == 1 and width and ranges[0][0] == 0 and all(
+                ranges[r][0] == r * (numel // self.n) for r in range(self.n)) and numel % self.n == 0:
+            rows = torch.tensor([r for o in self.owners for r in o], dtype=torch.long, device=device)
+        # This rank's shard: its pieces' slices side by side, and each owner's range inside it.
+        t_slices, inter_ranges, at = [], [], 0
+        for a, b in pieces[mine]:
+            t_slices.extend(dataclasses.replace(s, offset=s.offset + at) for s in clip_slices(slices, a, b))
+            inter_ranges.append((at, at + b - a))
+            at += b - a
+        j = self.owners[mine].index(self.me)
+        lo, hi = inter_ranges[j]
+        buckets = []
+        cap = max(1, self.cap_bytes // itemsize)
+        for a, b, members in split_to_cap(at, t_slices, cap) if at else []:
+            clipped = [(min(max(s, a), b) - a, min(max(e, a), b) - a) for s, e in inter_ranges]
+            pa, pb = min(max(lo, a), b), min(max(hi, a), b)
+            buckets.append((a, b, list(members), clipped, (pa - lo, pb - lo)))
+        return NodeLayout(width=width, pieces=pieces, lens=lens, rows=rows, shard_len=lens[mine], buckets=buckets)
+
+    def _agree(self, key: tuple, dtype) -> None:
+        """A new layout shapes Step A's collective: the node's ranks compare it once (one object all-gather
+        inside the node) and every rank raises, naming both, instead of mismatching sizes there."""
+        digest = hashlib.blake2b(repr(key).encode(), digest_size=8).hexdigest()
+        mine = {"numel": key[0], "dtype": str(dtype), "layout": digest}
+        for r, theirs in enumerate(self.node.intra.all_gather_object(mine)):
+            if theirs != mine:
+                raise RuntimeError(f"zen.hierarchical: the ranks of a node disagree on a bucket's layout (numel, "
+                                   f"dtype, owner ranges, slices): local rank {r} has {theirs}, local rank "
+                                   f"{self.node.local_rank} has {mine}; every rank must pass the same layout")
