@@ -30,8 +30,9 @@ def test_other_patches_of_a_served_line_warn(caplog):
         assert check_deepspeed_version("0.18.2") == "0.18.2"
     status, msg = compat.version_status("0.18.2")
     assert status == "warned"
-    assert msg == ("zen_ext's DeepSpeed overrides were tested on deepspeed 0.17.6, 0.18.9, 0.19.8, not 0.18.2; the "
-                   "0.18 line has the same private hooks, and every optimizer step checks that the override ran. "
+    assert msg == ("zen_ext's DeepSpeed overrides were tested on deepspeed 0.17.6, 0.18.9, 0.19.8, not 0.18.2: the "
+                   "signatures of the hooks it overrides are checked at attach, and every optimizer step checks that "
+                   "the override ran. "
                    "Tested in this line: deepspeed==0.18.9 (launch/test_deepspeed_versions.sh 0.18.2 runs the "
                    "adapter's tests on yours)")
     assert [r.getMessage() for r in caplog.records] == [msg]
@@ -193,3 +194,40 @@ def test_bf16_optimizer_with_late_accumulation_is_refused(monkeypatch):
     new = _Engine019()
     new.optimizer = BF16_Optimizer()
     assert compat.late_bf16_refusal(new) is None
+
+
+def test_a_hook_with_another_signature_is_refused_naming_it():
+    class Zero170:  # DeepSpeed 0.17.0's ZeRO-1/2 hooks take no communication dtype
+        def gradient_reduction_w_predivide(self, tensor):
+            pass
+
+    class Zero:  # 0.17.6 .. 0.19.8
+        def gradient_reduction_w_predivide(self, tensor, communication_data_type):
+            pass
+
+        def average_tensor(self, tensor, communication_data_type):
+            pass
+
+        def allreduce_and_scatter(self, bucket, communication_data_type, numel_per_bucket=5, log=None, divide=True,
+                                  process_group=None):
+            pass
+
+        def allreduce_no_retain(self, bucket, communication_data_type, numel_per_bucket=5, rank=None, log=None,
+                                divide=True, process_group=None):
+            pass
+
+    class Engine:
+        def allreduce_bucket(self, bucket, dp_group, dp_world_size=None):
+            pass
+
+    eng = Engine()
+    eng.optimizer = Zero170()
+    assert compat.hook_mismatch(eng, True) == (
+        "zen overrides Zero170.gradient_reduction_w_predivide(tensor, communication_data_type), but this DeepSpeed's "
+        "takes (tensor): no communication_data_type; supported: deepspeed 0.17.6, 0.18.9, 0.19.8 (and other patches "
+        "of those lines, with a warning)")
+    eng.optimizer = Zero()
+    assert compat.hook_mismatch(eng, True) is None
+    assert compat.hook_mismatch(eng, False) is None  # ZeRO-0: the engine's allreduce_bucket
+    del Zero.average_tensor
+    assert compat.hook_mismatch(eng, True).startswith("zen overrides Zero.average_tensor, which this DeepSpeed lacks")

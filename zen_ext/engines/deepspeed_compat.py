@@ -6,8 +6,10 @@ that release with the venv's torch (docs/deepspeed.md, "DeepSpeed versions", has
 
 1. ``TESTED_DEEPSPEED``: the releases the adapter's tests passed on (the latest patch of each served
    minor line). ``check_version`` serves them silently; another patch of a served line gets a warning
-   (the hooks of a line are stable across its patches in the releases read, but untested); any other
-   version is refused, naming the tested releases, and for a line known to lack a hook, that hook.
+   (patches of one line differ: 0.17.0's ZeRO-1/2 hooks take no communication dtype, 0.18.0's
+   ``IPGBucket.clear`` is 0.17's, 0.19.0 lacks 0.19.8's compact partitions; ``hook_mismatch`` refuses
+   a hook whose signature the overrides cannot serve, at attach); any other version is refused,
+   naming the tested releases, and for a line known to lack a hook, that hook.
 2. The hooks that differ between the served lines, one function each, decided from what the installed
    DeepSpeed has (an attribute, a signature), not from its version string:
 
@@ -63,7 +65,8 @@ def version_status(version: str) -> tuple[str, str]:
     """``("tested" | "warned" | "refused", message)`` for a DeepSpeed version string.
 
     1. A local suffix (``0.18.9+abc``) is ignored; a release in ``TESTED_DEEPSPEED`` is tested.
-    2. Another patch of a tested minor line is warned about: same hooks, not run by the tests.
+    2. Another patch of a tested minor line is warned about: untested, its hooks' signatures checked at
+       attach (``hook_mismatch``).
     3. Anything else is refused; a line in ``MISSING_HOOKS`` names the hook it lacks.
     """
     # Step 1: the release itself.
@@ -75,9 +78,9 @@ def version_status(version: str) -> tuple[str, str]:
     lines = {_line(v): v for v in TESTED_DEEPSPEED}
     # Step 2: a sibling patch release.
     if line in lines:
-        return "warned", (f"zen_ext's DeepSpeed overrides were tested on deepspeed {tested}, not {version}; the "
-                          f"{line} line has the same private hooks, and every optimizer step checks that the override "
-                          f"ran. Tested in this line: deepspeed=={lines[line]} "
+        return "warned", (f"zen_ext's DeepSpeed overrides were tested on deepspeed {tested}, not {version}: the "
+                          f"signatures of the hooks it overrides are checked at attach, and every optimizer step "
+                          f"checks that the override ran. Tested in this line: deepspeed=={lines[line]} "
                           f"(launch/test_deepspeed_versions.sh {public} runs the adapter's tests on yours)")
     # Step 3: refused.
     why = (f"deepspeed {line} lacks {MISSING_HOOKS[line]}" if line in MISSING_HOOKS
@@ -211,3 +214,30 @@ def late_bf16_refusal(engine) -> str | None:
             f"gradient buffers before the micro-batch's gradients are added to them (DeepSpeed 0.19 reorders "
             f"DeepSpeedEngine._backward_epilogue), so no rank would receive the others' gradients; set "
             f"\"immediate_grad_update\": true in the \"bf16\" section, or use deepspeed 0.19.8")
+
+
+# Each overridden method -> the parameters DeepSpeed calls it with in the served lines (the overrides take
+# exactly these). A release whose method lacks one calls the override differently: refused at attach.
+_ZERO_HOOKS = {"gradient_reduction_w_predivide": ("tensor", "communication_data_type"),
+               "average_tensor": ("tensor", "communication_data_type"),
+               "allreduce_and_scatter": ("bucket", "communication_data_type", "divide", "process_group"),
+               "allreduce_no_retain": ("bucket", "communication_data_type", "rank", "divide", "process_group")}
+_ENGINE_HOOKS = {"allreduce_bucket": ("bucket", "dp_group", "dp_world_size")}
+
+
+def hook_mismatch(engine, zero_reduces: bool) -> str | None:
+    """The first overridden method whose signature lacks a parameter the override is called with, as an
+    error message, or None (ZeRO-1/2: the ZeRO optimizer's reduction methods; otherwise the engine's)."""
+    owner, hooks = (engine.optimizer, _ZERO_HOOKS) if zero_reduces else (engine, _ENGINE_HOOKS)
+    for name, wanted in hooks.items():
+        fn = getattr(type(owner), name, None)
+        if fn is None:
+            return (f"zen overrides {type(owner).__name__}.{name}, which this DeepSpeed lacks; supported: "
+                    f"{served_text()}")
+        have = inspect.signature(fn).parameters
+        lacking = [w for w in wanted if w not in have]
+        if lacking:
+            return (f"zen overrides {type(owner).__name__}.{name}({', '.join(wanted)}), but this DeepSpeed's takes "
+                    f"({', '.join(p for p in have if p != 'self')}): no {', '.join(lacking)}; supported: "
+                    f"{served_text()}")
+    return None

@@ -18,7 +18,8 @@ from ..config import ZenConfig, check_deepspeed_settings
 from ..reduction import NodeShardedReduce, locate_slices, maybe_node_sharding
 from ..reduction.attachment import ZenAttachment, assemble
 from ..reduction.stats import startup_line
-from .deepspeed_compat import TESTED_DEEPSPEED, late_bf16_refusal, managed_gradient_accumulation, served_text
+from .deepspeed_compat import (TESTED_DEEPSPEED, hook_mismatch, late_bf16_refusal, managed_gradient_accumulation,
+                               served_text)
 from .deepspeed_ipg import AsyncIPGMixin
 from .deepspeed_zero3 import ShardedReduceMixin
 
@@ -63,8 +64,12 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
                                   "sequence_parallel_size": getattr(engine, "sequence_parallel_size", 1)})
         if getattr(engine, "pipeline_parallelism", False):
             _refuse_pipeline_model(engine.module, force=True)
-        if late_bf16_refusal(engine) is not None:
-            raise NotImplementedError(late_bf16_refusal(engine))
+        # A DeepSpeed release whose hooks the overrides cannot serve (deepspeed_compat); ZeRO-1/2 optimizers
+        # are checked whether or not they have per-dtype IPG buckets (0.17.0 has neither these nor the dtype).
+        zero_hooks = self.zero_reduces or (self.stage in (1, 2) and hasattr(engine.optimizer, "average_tensor"))
+        refusal = (hook_mismatch(engine, zero_hooks) if self.stage != 3 else None) or late_bf16_refusal(engine)
+        if refusal is not None:
+            raise NotImplementedError(refusal)
         if getattr(engine, "has_moe_layers", False):
             raise NotImplementedError("zen supports dense models (data and AutoTP tensor parallelism), not MoE "
                                       "expert parallelism")
