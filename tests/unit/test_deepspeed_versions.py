@@ -19,7 +19,7 @@ def _no_override(monkeypatch):
 
 def test_tested_releases_are_served_silently(caplog):
     with caplog.at_level(logging.WARNING, logger="zen_ext.engines.deepspeed"):
-        for v in ("0.17.6", "0.18.9", "0.19.8", "0.19.8+cpu"):
+        for v in ("0.18.9", "0.19.8", "0.19.8+cpu"):
             assert check_deepspeed_version(v) == v
             assert compat.version_status(v)[0] == "tested"
     assert caplog.records == []
@@ -30,14 +30,15 @@ def test_other_patches_of_a_served_line_warn(caplog):
         assert check_deepspeed_version("0.18.2") == "0.18.2"
     status, msg = compat.version_status("0.18.2")
     assert status == "warned"
-    assert msg == ("zen_ext's DeepSpeed overrides were tested on deepspeed 0.17.6, 0.18.9, 0.19.8, not 0.18.2: the "
+    assert msg == ("zen_ext's DeepSpeed overrides were tested on deepspeed 0.18.9, 0.19.8, not 0.18.2: the "
                    "signatures of the hooks it overrides are checked at attach, and every optimizer step checks that "
                    "the override ran. "
                    "Tested in this line: deepspeed==0.18.9 (launch/test_deepspeed_versions.sh 0.18.2 runs the "
                    "adapter's tests on yours)")
     assert [r.getMessage() for r in caplog.records] == [msg]
     assert compat.version_status("0.19.0")[0] == "warned"
-    assert compat.version_status("0.17.0")[0] == "warned"
+    assert compat.version_status("0.17.6")[0] == "refused"
+    assert "deepspeed 0.17 lacks a double IPG buffer" in compat.version_status("0.17.6")[1]
 
 
 @pytest.mark.parametrize("version", ["0.16.9", "0.20.0", "1.0.0", "0.15.4"])
@@ -45,7 +46,7 @@ def test_other_lines_are_refused(version):
     with pytest.raises(RuntimeError) as info:
         check_deepspeed_version(version)
     assert str(info.value) == (
-        f"zen_ext overrides private DeepSpeed methods and was tested on deepspeed 0.17.6, 0.18.9, 0.19.8, found "
+        f"zen_ext overrides private DeepSpeed methods and was tested on deepspeed 0.18.9, 0.19.8, found "
         f"{version} (other releases are untested); install one of them (launch/setup.sh installs 0.19.8), or set "
         f"ZEN_EXT_ALLOW_UNVERIFIED_DEEPSPEED=1 to try anyway (every optimizer step checks that the override ran)")
 
@@ -224,7 +225,7 @@ def test_a_hook_with_another_signature_is_refused_naming_it():
     eng.optimizer = Zero170()
     assert compat.hook_mismatch(eng, True) == (
         "zen overrides Zero170.gradient_reduction_w_predivide(tensor, communication_data_type), but this DeepSpeed's "
-        "takes (tensor): no communication_data_type; supported: deepspeed 0.17.6, 0.18.9, 0.19.8 (and other patches "
+        "takes (tensor): no communication_data_type; supported: deepspeed 0.18.9, 0.19.8 (and other patches "
         "of those lines, with a warning)")
     eng.optimizer = Zero()
     assert compat.hook_mismatch(eng, True) is None

@@ -19,7 +19,7 @@ ZeRO 1, 2 with                 ZEN's reduce-scatter: ``deepspeed_zero3`` (its   
 ZeRO-3
 =============================  ===================================================  =================
 
-``TESTED_DEEPSPEED`` (``deepspeed_compat``): 0.17.6, 0.18.9 and 0.19.8, where the adapter's tests
+``TESTED_DEEPSPEED`` (``deepspeed_compat``): 0.18.9 and 0.19.8, where the adapter's tests
 passed; the hooks that differ between those lines are resolved there (its docstring has the table).
 
 With ``zen.async_sync`` and ZeRO's ``overlap_comm`` (two IPG buffers), ``engine.optimizer.reduce_ipg_grads``
