@@ -44,13 +44,13 @@ for v in "${versions[@]}"; do
   found="$(PYTHONPATH="$target:$root" .venv/bin/python -c 'import deepspeed; print(deepspeed.__version__, deepspeed.__file__)' 2>/dev/null | tail -1)"
   echo "== deepspeed $v: importing $found"
   [[ "$found" == "$v $target/"* ]] || { echo "deepspeed $v does not shadow the venv's" >&2; exit 1; }
-  # DeepSpeed before 0.19 on torch 2.13's CPU gloo: its own all-gather bug, fixed in 0.19 (the shim's
-  # docstring); the shim applies that fix so the tests reach the adapter's hooks.
+  # DeepSpeed before 0.19 on torch 2.13's CPU gloo: two all-gather bugs of its own, fixed in 0.19 (the
+  # shim's docstring); the shim applies those fixes so the tests reach, and measure, the adapter's hooks.
   shim=""
   minor="${v#0.}"; minor="${minor%%.*}"
   if [[ "$v" == 0.* ]] && (( minor < 19 )); then
     shim="$root/launch/deepspeed_gloo_shim:"
-    echo "== deepspeed $v: with launch/deepspeed_gloo_shim (DeepSpeed 0.19's detached flat buffers)"
+    echo "== deepspeed $v: with launch/deepspeed_gloo_shim (DeepSpeed 0.19's detached flat buffers and waited ZeRO-3 gathers)"
   fi
   start=$SECONDS
   rc=0

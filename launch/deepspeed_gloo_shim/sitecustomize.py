@@ -10,16 +10,23 @@ its first optimizer step, with or without zen_ext (NCCL's kernels are invisible 
 hit it). DeepSpeed 0.19 detaches the flat buffer where it creates it; this shim detaches the same
 tensors where they are all-gathered (``detach`` shares their storage, so the gather lands in the same
 memory): DeepSpeed's own fix, applied one call later, so that the adapter's tests reach its hooks.
+
+The same releases' blocking ZeRO-3 gather of several parameters (``Init._allgather_params_coalesced``,
+behind ``GatheredParameters`` and ``param.all_gather()``) launches one asynchronous gather per parameter
+and waits on the last handle only ("Wait ensures the operation is enqueued"), then points each
+parameter at its gather buffer. gloo runs a group's operations on several worker threads, so an earlier
+gather can still be running: the parameter then reads its ``torch.empty`` buffer (stale memory, once a
+weight one optimizer step old, once garbage), in plain DeepSpeed and with zen_ext alike. DeepSpeed 0.19
+waits on every handle ("gloo handles are independent"); this shim waits on each gather as it is
+launched inside that method, which has the same effect.
 """
 
 import importlib.abc
 import importlib.machinery
 import sys
 
-_TARGET = "deepspeed.runtime.utils"
 
-
-def _patch(module) -> None:
+def _patch_utils(module) -> None:
     orig = module.all_gather_into_tensor_dp_groups
 
     def all_gather_into_tensor_dp_groups(groups_flat, partitioned_param_groups, dp_process_group):
@@ -29,11 +36,40 @@ def _patch(module) -> None:
     module.all_gather_into_tensor_dp_groups = all_gather_into_tensor_dp_groups
 
 
+def _patch_partition_parameters(module) -> None:
+    init_cls, dist = module.Init, module.dist
+    orig = init_cls._allgather_params_coalesced
+
+    def waited(collective):
+
+        def call(*args, **kwargs):
+            handle = collective(*args, **kwargs)
+            if handle is not None:
+                handle.wait()  # waiting again later on a finished handle returns at once
+            return handle
+
+        return call
+
+    def _allgather_params_coalesced(self, *args, **kwargs):
+        saved = dist.all_gather_into_tensor, dist.all_gather
+        dist.all_gather_into_tensor, dist.all_gather = waited(saved[0]), waited(saved[1])
+        try:
+            return orig(self, *args, **kwargs)
+        finally:
+            dist.all_gather_into_tensor, dist.all_gather = saved
+
+    init_cls._allgather_params_coalesced = _allgather_params_coalesced
+
+
+_TARGETS = {"deepspeed.runtime.utils": _patch_utils,
+            "deepspeed.runtime.zero.partition_parameters": _patch_partition_parameters}
+
+
 class _PatchAfterImport(importlib.abc.MetaPathFinder):
-    """Finds ``deepspeed.runtime.utils`` the ordinary way and patches it once it has run."""
+    """Finds the modules in ``_TARGETS`` the ordinary way and patches each once it has run."""
 
     def find_spec(self, name, path, target=None):
-        if name != _TARGET:
+        if name not in _TARGETS:
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
@@ -42,7 +78,7 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
 
         def run_then_patch(module):
             exec_module(module)
-            _patch(module)
+            _TARGETS[name](module)
 
         spec.loader.exec_module = run_then_patch
         return spec
