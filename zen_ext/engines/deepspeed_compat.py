@@ -48,10 +48,14 @@ DEFAULT_DEEPSPEED = "0.19.8"
 """The release ``launch/setup.sh`` installs and CI tests."""
 
 MISSING_HOOKS: dict[str, str] = {
-    "0.17": ("a double IPG buffer (IPGBucket.clear resets its index), and 0.17.6 failed the adapter's tests "
-             "(docs/deepspeed.md, \"DeepSpeed versions\")"),
+    "0.17": ("a double IPG buffer (ZeRO-1/2's IPGBucket.clear resets its index, so zen.async_sync cannot hand "
+             "whole IPG buckets over) and a gradient reset after bf16 steps without ZeRO (its "
+             "DeepSpeedEngine._take_model_step clears no gradient there, so each step reduces the sum of all "
+             "steps' gradients, with or without zen); 0.17.6's results are in docs/deepspeed.md, "
+             "\"DeepSpeed versions\""),
 }
-"""Minor line -> the private hook it lacks, for the lines checked and not served."""
+"""Minor line -> what it lacks (a private hook, a behaviour the adapter relies on), for the lines checked
+with ``launch/test_deepspeed_versions.sh`` and not served; each claim read in that release's source."""
 
 ALLOW_UNVERIFIED_ENV = "ZEN_EXT_ALLOW_UNVERIFIED_DEEPSPEED"
 
