@@ -15,8 +15,8 @@ The same releases' blocking ZeRO-3 gather of several parameters (``Init._allgath
 behind ``GatheredParameters`` and ``param.all_gather()``) launches one asynchronous gather per parameter
 and waits on the last handle only ("Wait ensures the operation is enqueued"), then points each
 parameter at its gather buffer. gloo runs a group's operations on several worker threads, so an earlier
-gather can still be running: the parameter then reads its ``torch.empty`` buffer (stale memory, once a
-weight one optimizer step old, once garbage), in plain DeepSpeed and with zen_ext alike. DeepSpeed 0.19
+gather can still be running: the parameter then reads its ``torch.empty`` buffer (stale values or
+garbage), in plain DeepSpeed and with zen_ext alike. DeepSpeed 0.19
 waits on every handle ("gloo handles are independent"); this shim waits on each gather as it is
 launched inside that method, which has the same effect.
 """
