@@ -92,9 +92,20 @@ LOSSLESS_CASES = [  # (name, stage, dtype, gradient accumulation)
 
 
 def _lossless_worker(rank, world):
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    from zen_ext.engines.deepspeed_compat import bf16_reduces_before_accumulating
+
     out = {}
     for name, stage, dtype, ga in LOSSLESS_CASES:
         batches = _batches(rank, 3 * ga)
+        if dtype == "bf16_optimizer" and bf16_reduces_before_accumulating(DeepSpeedEngine):
+            try:  # DeepSpeed before 0.19 reduces BF16_Optimizer's buffers before accumulating into them
+                _engine(_ds_config(stage, dtype, ga=ga, zen={"scheme": "zen"}))
+                out[name] = {"refused": None}
+            except NotImplementedError as exc:
+                out[name] = {"refused": str(exc)}
+            continue
         dense = _engine(_ds_config(stage, dtype, ga=ga))
         zen = _engine(_ds_config(stage, dtype, ga=ga, zen={"scheme": "zen", "bucket_cap_mb": 0.05}))
         out[name] = {"dense": _train(dense, batches), "zen": _train(zen, batches),
@@ -215,6 +226,11 @@ def test_async_ipg_failure_reaches_the_training_thread(lossless):
 
 @pytest.mark.parametrize("name", [c[0] for c in LOSSLESS_CASES])
 def test_natural_sparsity_equals_dense_deepspeed(lossless, name):
+    if "refused" in lossless[0][name]:  # deepspeed_compat.late_bf16_refusal (DeepSpeed before 0.19)
+        assert lossless[0][name]["refused"].startswith(
+            "zen with BF16_Optimizer (bf16 with data_types.grad_accum_dtype fp32) needs bf16.immediate_grad_update "
+            "true on deepspeed 0."), lossless[0][name]
+        return
     for rank in range(2):
         r = lossless[rank][name]
         assert r["zen"] == r["dense"], (name, rank)
@@ -232,12 +248,15 @@ def test_natural_sparsity_equals_dense_deepspeed(lossless, name):
 
 
 def test_override_is_called_and_moving_it_fails_loudly(lossless):
+    import deepspeed
+
     r = lossless[0]
     # ZeRO-0 reduces one bucket per optimizer step; ZeRO-2 once per micro-batch.
     assert r["zero0_fp32"]["calls"] == 3 and r["zero0_ga2"]["calls"] == 3
     assert r["zero2_ga2"]["calls"] >= 6 and r["zero1_fp32"]["calls"] >= 3
     assert r["moved"] is not None and r["moved"].startswith(
-        "zen: DeepSpeed 0.19.8 did not call the ZEN gradient reduction during this optimizer step (ZeRO-0)")
+        f"zen: DeepSpeed {deepspeed.__version__} did not call the ZEN gradient reduction during this optimizer "
+        "step (ZeRO-0)")
 
 
 # --- DGC, stats, monitor, resume, fp16 guard, refusals ------------------------------------------------
@@ -361,16 +380,3 @@ def test_refused_settings(dgc_run):
         "step; use ZeRO-1 (reduces once per step) or ZeRO-0")
     assert res[0]["zero3_ga_dgc"].startswith("zen with zen.dgc on supports ZeRO-3 only with gradient_accumulation_steps = 1")
 
-
-def test_unverified_deepspeed_version_is_refused(monkeypatch):
-    from zen_ext.engines.deepspeed import ALLOW_UNVERIFIED_ENV, check_deepspeed_version
-
-    monkeypatch.delenv(ALLOW_UNVERIFIED_ENV, raising=False)
-    with pytest.raises(RuntimeError) as info:
-        check_deepspeed_version("0.18.2")
-    assert str(info.value).startswith(
-        "zen_ext overrides private DeepSpeed methods verified on deepspeed 0.19.8..0.19.8, found 0.18.2; "
-        "install deepspeed==0.19.8")
-    assert check_deepspeed_version("0.19.8") == "0.19.8"
-    monkeypatch.setenv(ALLOW_UNVERIFIED_ENV, "1")
-    assert check_deepspeed_version("0.20.0") == "0.20.0"

@@ -7,17 +7,20 @@ bucket (docs/deepspeed.md, "What is supported"):
 =============================  ===================================================  =================
 who reduces                    overridden instance method                           checked on
 =============================  ===================================================  =================
-the engine: ZeRO-0 (fp32,      ``engine.allreduce_bucket(bucket, dp_group,          deepspeed 0.19.8
+the engine: ZeRO-0 (fp32,      ``engine.allreduce_bucket(bucket, dp_group,          TESTED_DEEPSPEED
 fp16, bf16, AutoTP) and        dp_world_size)``
 BF16_Optimizer (bf16 + ZeRO-1
 + fp32 grad accumulation)
-the ZeRO optimizer: ZeRO 1, 2  ``engine.optimizer.gradient_reduction_w_predivide(   deepspeed 0.19.8
+the ZeRO optimizer: ZeRO 1, 2  ``engine.optimizer.gradient_reduction_w_predivide(   TESTED_DEEPSPEED
 with ``reduce_scatter`` false  tensor, communication_data_type)``, with
 (or unset)                     ``contiguous_gradients`` true
-ZeRO 1, 2 with                 ZEN's reduce-scatter: ``deepspeed_zero3`` (its       deepspeed 0.19.8
+ZeRO 1, 2 with                 ZEN's reduce-scatter: ``deepspeed_zero3`` (its       TESTED_DEEPSPEED
 ``reduce_scatter`` true;       docstring has the table)
 ZeRO-3
 =============================  ===================================================  =================
+
+``TESTED_DEEPSPEED`` (``deepspeed_compat``): 0.18.9 and 0.19.8, where the adapter's tests
+passed; the hooks that differ between those lines are resolved there (its docstring has the table).
 
 With ``zen.async_sync`` and ZeRO's ``overlap_comm`` (two IPG buffers), ``engine.optimizer.reduce_ipg_grads``
 is replaced too: a full IPG bucket goes to the communication worker, which reduces it and runs
@@ -46,36 +49,27 @@ import logging
 import os
 
 from ..config import SECTION, ZenConfig, load_json_config, near_miss_sections
+from . import deepspeed_compat
+from .deepspeed_compat import ALLOW_UNVERIFIED_ENV
 from .deepspeed_engine import VERIFIED_DEEPSPEED, ZenDeepSpeed, _refuse_pipeline_model
 
 log = logging.getLogger(__name__)
 
 __all__ = ["ZenDeepSpeed", "attach", "check_deepspeed_version", "disable", "enable", "initialize"]
 
-ALLOW_UNVERIFIED_ENV = "ZEN_EXT_ALLOW_UNVERIFIED_DEEPSPEED"
-
 _original_initialize = None
 
 
 # --- public entry points --------------------------------------------------------------------------------
 def check_deepspeed_version(version: str | None = None) -> str:
-    """Raise RuntimeError unless DeepSpeed's version is in ``VERIFIED_DEEPSPEED`` (or the override
-    environment variable is set). Returns the version."""
+    """Serve a DeepSpeed release the adapter's tests passed on (``VERIFIED_DEEPSPEED``), warn about
+    another patch of the same minor line, raise RuntimeError otherwise (or warn, with the override
+    environment variable); ``deepspeed_compat.version_status`` has the rules. Returns the version."""
     if version is None:
         import deepspeed
 
         version = deepspeed.__version__
-    from packaging.version import Version
-
-    lo, hi = VERIFIED_DEEPSPEED
-    if not Version(lo) <= Version(version.split("+")[0]) <= Version(hi):
-        msg = (f"zen_ext overrides private DeepSpeed methods verified on deepspeed {lo}..{hi}, found "
-               f"{version}; install deepspeed=={hi} (launch/setup.sh), or set {ALLOW_UNVERIFIED_ENV}=1 to try "
-               f"anyway (tests/e2e/test_deepspeed_engine.py checks that the override is still called)")
-        if os.environ.get(ALLOW_UNVERIFIED_ENV) != "1":
-            raise RuntimeError(msg)
-        log.warning(msg)
-    return version
+    return deepspeed_compat.check_version(version)
 
 
 def initialize(*args, **kwargs):

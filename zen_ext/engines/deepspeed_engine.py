@@ -18,13 +18,15 @@ from ..config import ZenConfig, check_deepspeed_settings
 from ..reduction import NodeShardedReduce, locate_slices, maybe_node_sharding
 from ..reduction.attachment import ZenAttachment, assemble
 from ..reduction.stats import startup_line
+from .deepspeed_compat import (TESTED_DEEPSPEED, hook_mismatch, late_bf16_refusal, managed_gradient_accumulation,
+                               served_text)
 from .deepspeed_ipg import AsyncIPGMixin
 from .deepspeed_zero3 import ShardedReduceMixin
 
 log = logging.getLogger("zen_ext.engines.deepspeed")
 
-VERIFIED_DEEPSPEED = ("0.19.8", "0.19.8")
-"""The DeepSpeed releases the overrides were verified on (inclusive)."""
+VERIFIED_DEEPSPEED = TESTED_DEEPSPEED
+"""The DeepSpeed releases the adapter's tests passed on (``deepspeed_compat``)."""
 
 
 class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
@@ -62,6 +64,12 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
                                   "sequence_parallel_size": getattr(engine, "sequence_parallel_size", 1)})
         if getattr(engine, "pipeline_parallelism", False):
             _refuse_pipeline_model(engine.module, force=True)
+        # A DeepSpeed release whose hooks the overrides cannot serve (deepspeed_compat); ZeRO-1/2 optimizers
+        # are checked whether or not they have per-dtype IPG buckets (0.17.0 has neither these nor the dtype).
+        zero_hooks = self.zero_reduces or (self.stage in (1, 2) and hasattr(engine.optimizer, "average_tensor"))
+        refusal = (hook_mismatch(engine, zero_hooks) if self.stage != 3 else None) or late_bf16_refusal(engine)
+        if refusal is not None:
+            raise NotImplementedError(refusal)
         if getattr(engine, "has_moe_layers", False):
             raise NotImplementedError("zen supports dense models (data and AutoTP tensor parallelism), not MoE "
                                       "expert parallelism")
@@ -227,7 +235,7 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
     # --- step, statistics ---------------------------------------------------------------------------------
     def _step(self, *args, **kwargs):
         eng = self.engine
-        boundary = eng.is_gradient_accumulation_boundary() or not eng.managed_gradient_accumulation()
+        boundary = eng.is_gradient_accumulation_boundary() or not managed_gradient_accumulation(eng)
         out = self._orig_step(*args, **kwargs)
         if boundary:
             self.end_step()
@@ -241,7 +249,7 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
             raise RuntimeError(
                 f"zen: DeepSpeed {deepspeed.__version__} did not call the ZEN gradient reduction during this "
                 f"optimizer step (ZeRO-{self.stage}); the override point moved, so gradients were not synchronized "
-                f"by ZEN. Supported: deepspeed {VERIFIED_DEEPSPEED[0]}..{VERIFIED_DEEPSPEED[1]}")
+                f"by ZEN. Supported: {served_text()}")
         self._calls_at_last_step = self.override_calls
         self.sync.end_step()
         rec = self.reducer.pop_stats()

@@ -5,7 +5,7 @@ ZeRO's ``overlap_comm`` keeps two IPG buffers: the backward pass fills one while
 ``_reduce_ipg_async``, which hands a full IPG bucket to the communication worker; the worker reduces
 it and runs DeepSpeed's own per-parameter copy into the gradient partition, in bucket order, so the
 results equal the blocking path's bit for bit. Part of the DeepSpeed adapter (``ZenDeepSpeed``
-inherits it); checked on deepspeed 0.19.8.
+inherits it); checked on ``deepspeed_compat.TESTED_DEEPSPEED``.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ from __future__ import annotations
 import functools
 
 import torch
+
+from .deepspeed_compat import async_ipg_unsupported, copy_grads_in_partition
 
 
 class AsyncIPGMixin:
@@ -51,7 +53,7 @@ class AsyncIPGMixin:
                                "reduce_ipg_grads", "partition_gradients") if not hasattr(opt, a)]
         if missing:
             return f"this DeepSpeed's ZeRO optimizer lacks {', '.join(missing)}"
-        return None
+        return async_ipg_unsupported(opt)
 
     def _reduce_ipg_async(self, comm_dtype=None):
         """ZeRO ``reduce_ipg_grads`` with ``overlap_comm`` and ``zen.async_sync``: the worker reduces the
@@ -119,7 +121,7 @@ class AsyncIPGMixin:
             if opt.partition_gradients and not mine:
                 opt.clear_grad_attribute(p)  # ZeRO-2: another rank owns this gradient
             elif mine:
-                opt.copy_grads_in_partition(p, group_idx)
+                copy_grads_in_partition(opt, p, group_idx)
 
     def _wait_ipg_jobs(self) -> None:
         """Wait for every IPG bucket handed to the worker (FIFO: the last one implies the others);

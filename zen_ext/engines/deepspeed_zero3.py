@@ -2,7 +2,7 @@
 
 Each rank needs only the reduced gradient of the elements it owns, so the bucket is reduce-scattered
 (``Synchronizer.reduce_scatter_flat``, docs/reduce_scatter.md) instead of all-reduced. The overrides
-(instance attributes of ``engine.optimizer``, checked on deepspeed 0.19.8):
+(instance attributes of ``engine.optimizer``, checked on ``deepspeed_compat.TESTED_DEEPSPEED``):
 
 =====================  =====================================================  ==========================
 who reduces            overridden                                             what DeepSpeed does there
@@ -42,6 +42,7 @@ import torch
 
 from ..reduction import locate_slices
 from ..reduction.plan import GradSlice
+from . import deepspeed_compat as compat
 
 _Z3_AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 
@@ -55,7 +56,7 @@ class ShardedReduceMixin:
         opt = self.engine.optimizer
         if self.stage == 3 and not hasattr(opt, _Z3_AVG_SCATTER):
             raise NotImplementedError(f"zen with ZeRO-3 overrides {type(opt).__name__}.__avg_scatter_grads, which "
-                                      "this DeepSpeed lacks; supported: deepspeed 0.19.8")
+                                      f"this DeepSpeed lacks; supported: {compat.served_text()}")
         if self.stage == 3 and not getattr(opt, "reduce_scatter", True):
             raise NotImplementedError("zen with ZeRO-3 needs zero_optimization.reduce_scatter = true (ZEN replaces "
                                       "the reduce-scatter); build the engine with zen_ext.deepspeed.initialize, or "
@@ -108,7 +109,7 @@ class ShardedReduceMixin:
         4. DeepSpeed's post-scaling and the gradient-accumulation dtype.
         """
         opt = self.engine.optimizer
-        group = opt._get_param_partition_group(params[0])
+        group = compat.z3_partition_group(opt, params[0])
         if not self._is_dp_group(group):
             return self._orig_avg_scatter(params, communication_data_type)
         # Step 1: full gradients.
@@ -134,11 +135,11 @@ class ShardedReduceMixin:
         # Step 4: post-scaling, as DeepSpeed.
         if opt.postscale_gradients and opt.gradient_predivide_factor != 1.0 and opt.gradient_predivide_factor != n:
             parts = [g.mul(opt.gradient_predivide_factor) for g in parts]
-        averaging = opt._gradient_averaging_world_size(params, n)
+        averaging = compat.z3_averaging_world_size(opt, params, n)
         if averaging != n:
             parts = [g.mul(n / float(averaging)) for g in parts]
-        if communication_data_type != opt.gradient_accumulation_dtype:
-            parts = [g.to(opt.gradient_accumulation_dtype) for g in parts]
+        if communication_data_type != compat.z3_result_dtype(opt):
+            parts = [g.to(compat.z3_result_dtype(opt)) for g in parts]
         return parts
 
     # --- ZeRO-1/2 with reduce_scatter -------------------------------------------------------------------
@@ -188,8 +189,8 @@ class ShardedReduceMixin:
         """Inside ``_average_tensor``: record rank ``rank``'s segments (already pre-divided) instead of
         reducing them to it (``use_multi_rank_bucket_allreduce`` false); anything else goes to DeepSpeed."""
         if not self._recording(rank is not None and not divide, process_group):
-            return self._orig_no_retain(bucket, communication_data_type, numel_per_bucket, rank, log, divide,
-                                        process_group, output_bucket)
+            return compat.call_allreduce_no_retain(self._orig_no_retain, bucket, communication_data_type,
+                                                   numel_per_bucket, rank, log, divide, process_group, output_bucket)
         self._rs_pending.extend((rank, v, o) for v, o in zip(bucket, output_bucket or [None] * len(bucket)))
 
     def _allreduce_and_scatter(self, bucket, communication_data_type, numel_per_bucket=500000000, log=None,
@@ -197,7 +198,7 @@ class ShardedReduceMixin:
         """Inside ``_average_tensor``: record each segment with its one owner instead of all-reducing them
         (``use_multi_rank_bucket_allreduce``, DeepSpeed's default); segments several ranks consume (Muon's
         split matrices) go to DeepSpeed."""
-        elems = [e if len(e) == 3 else (*e, None) for e in bucket]
+        elems = [compat.scatter_entry(e) for e in bucket]
         if not self._recording(not divide and all(len(r) == 1 for r, _, _ in elems), process_group):
             return self._orig_and_scatter(bucket, communication_data_type, numel_per_bucket, log, divide,
                                           process_group)
