@@ -251,6 +251,12 @@ def _int4_tensors(g_T):
         at, blk = at + n, blk + nb
 
 
+def _step(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``(max − min)/15`` divided, not multiplied by a rounded 1/15 (as torch's CUDA division by a Python
+    number would): a tensor divisor keeps the IEEE division of the kernels on every device."""
+    return (hi - lo) / lo.new_full((1,), 15.0)
+
+
 def int4_dequantize(codes, scales, b0: int, nb: int, n: int) -> torch.Tensor:
     """The ``n`` values of blocks ``[b0, b0 + nb)``: ``min + q·((max − min)/15)`` in fp32, the product and
     the sum rounded apart (csrc/dgc_int4.h's ``dequant``)."""
@@ -259,7 +265,7 @@ def int4_dequantize(codes, scales, b0: int, nb: int, n: int) -> torch.Tensor:
     q = torch.stack((c & 15, c >> 4), 2).view(nb, INT4_BLOCK).to(torch.float32)  # low nibble first
     s = scales[2 * b0:2 * (b0 + nb)].view(nb, 2)
     lo, hi = s[:, :1], s[:, 1:]
-    return (lo + q * ((hi - lo) / 15)).view(-1)[:n]
+    return (lo + q * _step(lo, hi)).view(-1)[:n]
 
 
 def int4_quantize_into(codes, scales, b0: int, e: torch.Tensor) -> None:
@@ -358,4 +364,4 @@ def dgc_int4_gather(codes, scales, ends_T, blocks_T, pos):
     q = torch.where((pp & 1).bool(), byte >> 4, byte & 15).to(torch.float32)
     b = pp // INT4_BLOCK
     lo, hi = scales.index_select(0, 2 * b), scales.index_select(0, 2 * b + 1)
-    return lo + q * ((hi - lo) / 15)
+    return lo + q * _step(lo, hi)
