@@ -75,6 +75,33 @@ ZEN_INT4_HD unsigned code_of(float x, float lo, float f) {
   return unsigned(fminf(fmaxf(rintf(mul(sub(x, lo), f)), 0.0f), 15.0f));
 }
 
+// A 32-bit integer hash (two multiply-xorshift rounds): every product of a 32-bit value and the 27-bit
+// constant fits in 64 bits, so torch's int64 arithmetic reproduces it.
+ZEN_INT4_HD uint32_t mix32(uint32_t h) {
+  h ^= h >> 16;
+  h = uint32_t((uint64_t(h) * 0x45d9f3bu) & 0xffffffffu);
+  h ^= h >> 16;
+  h = uint32_t((uint64_t(h) * 0x45d9f3bu) & 0xffffffffu);
+  return h ^ (h >> 16);
+}
+
+// Stochastic rounding's uniform draw for element i under seed (>= 0): 24 bits of a hash, in [0, 1).
+ZEN_INT4_HD float uniform_of(int64_t i, int64_t seed) {
+  const uint32_t s = mix32(uint32_t(seed) ^ uint32_t(uint64_t(i) >> 32));
+  return float(mix32(uint32_t(i) ^ s) >> 8) * (1.0f / 16777216.0f);
+}
+
+// floor((x - min) * factor + u), clamped to [0, 15]: rounds up with probability the fraction, so the
+// code is unbiased (E[Q^-1(Q(x))] = x) and a small gradient that keeps coming is not rounded away.
+ZEN_INT4_HD unsigned code_stochastic(float x, float lo, float f, float u) {
+  return unsigned(fminf(fmaxf(floorf(add(mul(sub(x, lo), f), u)), 0.0f), 15.0f));
+}
+
+// The code under seed: round to nearest where seed < 0, else stochastically with element i's draw.
+ZEN_INT4_HD unsigned code_with(float x, float lo, float f, int64_t i, int64_t seed) {
+  return seed < 0 ? code_of(x, lo, f) : code_stochastic(x, lo, f, uniform_of(i, seed));
+}
+
 // What a sent element keeps: a - wire(clamp(a)) (the cast's rounding error and the excess past the wire
 // dtype's range; 0 for fp32 gradients).
 template <typename wire_t>

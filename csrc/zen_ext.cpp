@@ -74,9 +74,10 @@ TORCH_LIBRARY(zen_ext, m) {
         "-> (Tensor, Tensor, Tensor, Tensor)");
   // Requantize: a = Q^-1(e) + (U or g); a sent element (|a| >= thr of its run, or j = flush_phase mod
   // flush_stride of its tensor when flush_stride > 0) keeps a - wire(clamp(a)), the rest a; every block is
-  // quantized anew between its min and max, in place.
+  // quantized anew between its min and max, in place: rounded to nearest (seed < 0) or stochastically with
+  // a hash of (element, seed) as the draw (seed >= 0).
   m.def("dgc_int4_requantize_(Tensor(a!) codes, Tensor(b!) scales, Tensor? U, Tensor[] g_T, Tensor ends_T, "
-        "Tensor blocks_T, Tensor thr_U, Tensor ends_U, int flush_stride, int flush_phase) -> ()");
+        "Tensor blocks_T, Tensor thr_U, Tensor ends_U, int flush_stride, int flush_phase, int seed=-1) -> ()");
   // Whether every element of the tensors g_T is finite, as one bool on their device (no host read).
   m.def("dgc_all_finite(Tensor[] g_T) -> Tensor");
   // zen_ext.optim.CatchUpAdamW's step over parameters p_T (in place, with their gradients g_T, moments

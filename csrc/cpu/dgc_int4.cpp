@@ -190,11 +190,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_int4_select_cpu(
 
 // The step's error feedback, quantized in place: a = Q^-1(e) + (U or g); sent (|a| >= thr of the run, or a
 // flushed element j = phase mod stride of its tensor) keeps a - wire(clamp(a)), the rest a; each block then
-// gets its new min, max and codes. A block's old codes and scales are read before its new ones are written.
+// gets its new min, max and codes (rounded to nearest where seed < 0, else stochastically: int4::code_with).
+// A block's old codes and scales are read before its new ones are written.
 void dgc_int4_requantize_cpu(const at::Tensor& codes, const at::Tensor& scales, const c10::optional<at::Tensor>& U_opt,
                              at::TensorList g_T, const at::Tensor& ends_T, const at::Tensor& blocks_T,
                              const at::Tensor& thr_U, const at::Tensor& ends_U, int64_t flush_stride,
-                             int64_t flush_phase) {
+                             int64_t flush_phase, int64_t seed) {
   const char* op = "dgc_int4_requantize_";
   const Tensors ts = check_int4(codes, scales, g_T, ends_T, blocks_T, op);
   check_runs(thr_U, ends_U, ts.N, op);
@@ -240,8 +241,8 @@ void dgc_int4_requantize_cpu(const at::Tensor& codes, const at::Tensor& scales, 
         }
         const float f = int4::factor_of(lo, hi);
         for (int64_t k = 0; k < kBlock; k += 2) {
-          const unsigned q0 = k < len ? int4::code_of(e[k], lo, f) : 0u;
-          const unsigned q1 = k + 1 < len ? int4::code_of(e[k + 1], lo, f) : 0u;
+          const unsigned q0 = k < len ? int4::code_with(e[k], lo, f, i0 + k, seed) : 0u;
+          const unsigned q1 = k + 1 < len ? int4::code_with(e[k + 1], lo, f, i0 + k + 1, seed) : 0u;
           cp[b * kHalf + k / 2] = uint8_t(q0 | (q1 << 4));
         }
         sp[2 * b] = lo;

@@ -168,7 +168,7 @@ __global__ void int4_requantize_kernel(uint8_t* __restrict__ codes, float* __res
                                        const float* __restrict__ U, const grad_t* __restrict__ g,
                                        const int64_t* __restrict__ ends_T, const int64_t* __restrict__ blocks_T,
                                        int64_t T, const float* __restrict__ thr, const int64_t* __restrict__ ends_U,
-                                       int64_t R, int64_t stride, int64_t phase, float top) {
+                                       int64_t R, int64_t stride, int64_t phase, float top, int64_t seed) {
   __shared__ float warp_lo[kPairs / 32], warp_hi[kPairs / 32];
   const int64_t b = blockIdx.x;
   const Where w = where_of(ends_T, blocks_T, T, b);
@@ -205,8 +205,9 @@ __global__ void int4_requantize_kernel(uint8_t* __restrict__ codes, float* __res
   }
   const float f = int4::factor_of(lo, hi);
   const int64_t k = 2 * int64_t(threadIdx.x);
-  const unsigned q0 = k < len ? int4::code_of(e[0], lo, f) : 0u;
-  const unsigned q1 = k + 1 < len ? int4::code_of(e[1], lo, f) : 0u;
+  const int64_t i = w.first + w.j0 + k;
+  const unsigned q0 = k < len ? int4::code_with(e[0], lo, f, i, seed) : 0u;
+  const unsigned q1 = k + 1 < len ? int4::code_with(e[1], lo, f, i + 1, seed) : 0u;
   codes[b * kHalf + threadIdx.x] = uint8_t(q0 | (q1 << 4));
   if (threadIdx.x == 0) {
     scales[2 * b] = lo;
@@ -316,7 +317,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_int4_select_cuda(
 void dgc_int4_requantize_cuda(const at::Tensor& codes, const at::Tensor& scales,
                               const c10::optional<at::Tensor>& U_opt, at::TensorList g_T, const at::Tensor& ends_T,
                               const at::Tensor& blocks_T, const at::Tensor& thr_U, const at::Tensor& ends_U,
-                              int64_t flush_stride, int64_t flush_phase) {
+                              int64_t flush_stride, int64_t flush_phase, int64_t seed) {
   const char* op = "dgc_int4_requantize_";
   const int64_t N = check_int4_cuda(codes, scales, g_T, ends_T, blocks_T, thr_U, ends_U, U_opt, op);
   TORCH_CHECK(flush_stride >= 0 && (flush_stride == 0 || (flush_phase >= 0 && flush_phase < flush_stride)), op,
@@ -334,7 +335,7 @@ void dgc_int4_requantize_cuda(const at::Tensor& codes, const at::Tensor& scales,
         codes.data_ptr<uint8_t>(), scales.data_ptr<float>(), has_u ? U_opt->data_ptr<float>() : nullptr,
         g.data_ptr<grad_t>(), et.data_ptr<int64_t>(), bt.data_ptr<int64_t>(), et.numel(), thr.data_ptr<float>(),
         ends.data_ptr<int64_t>(), ends.numel(), flush_stride, flush_phase,
-        float(std::numeric_limits<grad_t>::max()));
+        float(std::numeric_limits<grad_t>::max()), seed);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

@@ -37,11 +37,11 @@ def _clone(x):
     return None if x is None else x.clone()
 
 
-def _run_both(select, requantize, case, mode, capacity, ok, flush):
+def _run_both(select, requantize, case, mode, capacity, ok, flush, seed=-1):
     q, codes, scales, g_T, U, thr_U, ends_U = case
     c, s, u = codes.clone(), scales.clone(), _clone(U) if mode != "grad" else None
     got = select(c, s, u, g_T, 0.9, mode == "update", q.ends_T, q.blocks_T, thr_U, ends_U, ok, capacity)
-    requantize(c, s, u, g_T, q.ends_T, q.blocks_T, thr_U, ends_U, *flush)
+    requantize(c, s, u, g_T, q.ends_T, q.blocks_T, thr_U, ends_U, *flush, seed)
     return got, c, s, u
 
 
@@ -54,10 +54,10 @@ def test_cpu_op_equals_the_oracle(gdt, mode, capacity):
     numels = [1000, 1, B - 1, B, B + 1, 3000]
     total = sum(numels)
     case = _case(numels, gdt, seed=3, runs=[700, 1300, total])
-    for flush in [(0, 0), (7, 3)]:
-        ref_out = _run_both(ref.dgc_int4_select, ref.dgc_int4_requantize_, case, mode, capacity, None, flush)
+    for flush, seed in [((0, 0), -1), ((7, 3), -1), ((0, 0), 12345), ((5, 0), (1 << 31) - 1)]:
+        ref_out = _run_both(ref.dgc_int4_select, ref.dgc_int4_requantize_, case, mode, capacity, None, flush, seed)
         op_out = _run_both(torch.ops.zen_ext.dgc_int4_select, torch.ops.zen_ext.dgc_int4_requantize_, case, mode,
-                           capacity, None, flush)
+                           capacity, None, flush, seed)
         (r_sel, r_c, r_s, r_u), (o_sel, o_c, o_s, o_u) = ref_out, op_out
         for a, b in zip(r_sel, o_sel):
             assert torch.equal(a, b)
@@ -112,6 +112,29 @@ def test_quantization_error_is_at_most_a_thirtieth_of_the_block_range(numel, sca
     if ops.HAVE_CPP_OP:  # the op quantizes the same way
         c2, s2 = _quantize_with_op(x, torch.ops.zen_ext.dgc_int4_requantize_)
         assert torch.equal(codes, c2) and torch.equal(scales, s2)
+
+
+def test_stochastic_rounding_is_unbiased_and_within_one_step():
+    """``seed ≥ 0``: each value lands on one of its two neighbouring levels (at most (Δ − δ)/15 off), up
+    with the probability of its fraction: the mean over seeds converges to the value."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4 * B, generator=g)
+    q = Int4Layout((x.numel(),), "cpu")
+    backs = []
+    for seed in range(200):
+        codes = torch.zeros(q.blocks * B // 2, dtype=torch.uint8)
+        scales = torch.zeros(2 * q.blocks)
+        ref.dgc_int4_requantize_(codes, scales, None, [x], q.ends_T, q.blocks_T, torch.tensor([math.inf]),
+                                 torch.tensor([x.numel()]), 0, 0, seed)
+        backs.append(dequantize(codes, scales, x.numel()))
+    backs = torch.stack(backs)
+    s = scales.view(-1, 2)
+    step = ((s[:, 1] - s[:, 0]) / 15).repeat_interleave(B)
+    assert ((backs - x).abs() <= step * (1 + 1e-5)).all()
+    # The mean of 200 draws: within 4 standard errors (step/2/sqrt(200)) of x; nearest rounding is biased.
+    assert ((backs.mean(0) - x).abs() <= 4 * step / 2 / math.sqrt(200)).all()
+    near = _quantize_with_op(x, ref.dgc_int4_requantize_)
+    assert (dequantize(*near, x.numel()) - x).abs().mean() > (backs.mean(0) - x).abs().mean() * 3
 
 
 @pytest.mark.parametrize("value", [0.0, 1.5, -3e-5])

@@ -415,14 +415,16 @@ def dgc_int4_select(
 def dgc_int4_requantize_(
     codes: torch.Tensor, scales: torch.Tensor, U: torch.Tensor | None, g_T: list[torch.Tensor], ends_T: torch.Tensor,
     blocks_T: torch.Tensor, thr_U: torch.Tensor, ends_U: torch.Tensor, flush_stride: int = 0, flush_phase: int = 0,
+    seed: int = -1,
 ) -> None:
     """The step's error feedback into the 4-bit residual, in place, one pass: ``a = Q⁻¹(e) + (U or g)``
     (``U``: this step's velocity, already updated by ``dgc_int4_select``); the sent elements (``|a| ≥ thr``
     of the run, and with ``flush_stride > 0`` each tensor's elements ``≡ flush_phase`` mod the stride)
     keep ``a − wire(clamp(a))``, the others ``a``; each block is then quantized between its min and max:
-    ``q = round((x − min)·15/(max − min))``. No fp32 copy of the bucket (one block at a time)."""
+    ``q = round((x − min)·15/(max − min))`` (``seed < 0``), or stochastically rounded with a hash of
+    (element, ``seed``) as the draw. No fp32 copy of the bucket (one block at a time)."""
     _dispatch("dgc_int4_requantize_", codes, _reference_dgc.dgc_int4_requantize_)(
-        codes, scales, U, g_T, ends_T, blocks_T, thr_U, ends_U, int(flush_stride), int(flush_phase))
+        codes, scales, U, g_T, ends_T, blocks_T, thr_U, ends_U, int(flush_stride), int(flush_phase), int(seed))
 
 
 def dgc_int4_gather(codes: torch.Tensor, scales: torch.Tensor, ends_T: torch.Tensor, blocks_T: torch.Tensor,

@@ -97,7 +97,7 @@ def _dgc_int4_select(codes, scales, U, g_T, momentum, update, ends_T, blocks_T, 
 
 
 @_register("zen_ext::dgc_int4_requantize_")
-def _dgc_int4_requantize(codes, scales, U, g_T, ends_T, blocks_T, thr_U, ends_U, flush_stride, flush_phase):
+def _dgc_int4_requantize(codes, scales, U, g_T, ends_T, blocks_T, thr_U, ends_U, flush_stride, flush_phase, seed=-1):
     return None
 
 

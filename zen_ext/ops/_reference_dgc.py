@@ -268,10 +268,30 @@ def int4_dequantize(codes, scales, b0: int, nb: int, n: int) -> torch.Tensor:
     return (lo + q * _step(lo, hi)).view(-1)[:n]
 
 
-def int4_quantize_into(codes, scales, b0: int, e: torch.Tensor) -> None:
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """csrc/dgc_int4.h's ``mix32`` on int64 tensors holding uint32 values (products stay below 2^59)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x45D9F3B) & _M32
+    h = h ^ (h >> 16)
+    h = (h * 0x45D9F3B) & _M32
+    return h ^ (h >> 16)
+
+
+def int4_uniform(i: torch.Tensor, seed: int) -> torch.Tensor:
+    """csrc/dgc_int4.h's ``uniform_of``: stochastic rounding's draw in [0, 1) for int64 elements ``i``."""
+    s = _mix32((i >> 32) ^ (seed & _M32))
+    return (_mix32((i & _M32) ^ s) >> 8).to(torch.float32) * (1.0 / 16777216.0)
+
+
+def int4_quantize_into(codes, scales, b0: int, e: torch.Tensor, seed: int = -1, first: int = 0) -> None:
     """Write the fp32 values ``e`` (one tensor, ``ceil(n/B)`` blocks from ``b0``) as codes and scales:
     per block ``min``, ``max`` and ``q = round((x − min)·s)`` with ``s = min(15/(max − min), FLT_MAX)``
-    (0 where ``max == min``), round half to even, clamped to [0, 15]; codes past ``n`` are 0."""
+    (0 where ``max == min``), round half to even (``seed < 0``) or ``floor((x − min)·s + u)`` with ``u``
+    the draw of element ``first + j`` under ``seed`` (stochastic rounding), clamped to [0, 15]; codes
+    past ``n`` are 0."""
     n = e.numel()
     if n == 0:
         return
@@ -281,7 +301,13 @@ def int4_quantize_into(codes, scales, b0: int, e: torch.Tensor) -> None:
     ep = (torch.cat([e, e[-1:].expand(pad)]) if pad else e).view(nb, INT4_BLOCK)
     lo, hi = ep.amin(1), ep.amax(1)
     s = torch.where(hi > lo, torch.full_like(lo, 15.0).div(hi - lo).clamp(max=_FLT_MAX), torch.zeros_like(lo))
-    q = torch.round((ep - lo[:, None]) * s[:, None]).clamp(0, 15).to(torch.uint8)
+    t = (ep - lo[:, None]) * s[:, None]
+    if seed < 0:
+        t = torch.round(t)
+    else:
+        idx = torch.arange(first, first + nb * INT4_BLOCK, dtype=torch.int64, device=e.device)
+        t = torch.floor(t + int4_uniform(idx, seed).view(nb, INT4_BLOCK))
+    q = t.clamp(0, 15).to(torch.uint8)
     if pad:
         q.view(-1)[n:] = 0
     half = INT4_BLOCK // 2
@@ -330,12 +356,12 @@ def dgc_int4_select(codes, scales, U, g_T, momentum, update, ends_T, blocks_T, t
     return out_p, out_v, out_r, count
 
 
-def dgc_int4_requantize_(codes, scales, U, g_T, ends_T, blocks_T, thr_U, ends_U, flush_stride, flush_phase):
+def dgc_int4_requantize_(codes, scales, U, g_T, ends_T, blocks_T, thr_U, ends_U, flush_stride, flush_phase, seed=-1):
     """``zen_ext::dgc_int4_requantize_`` in torch ops: the error feedback of a step, quantized. Per element
     ``a = Q⁻¹(e) + (U or g)`` (``U`` already this step's velocity); sent are ``|a| ≥ thr`` of its run and,
     with ``flush_stride > 0``, the tensor's elements ``j ≡ flush_phase (mod flush_stride)``; a sent element
     keeps ``a − wire(clamp(a))`` (the cast's rounding error; 0 for fp32 gradients), the rest ``a``; the
-    result is quantized in place (``int4_quantize_into``)."""
+    result is quantized in place (``int4_quantize_into``; ``seed ≥ 0``: stochastic rounding)."""
     check_int4(codes, scales, g_T, ends_T, blocks_T, "dgc_int4_requantize_")
     wire = g_T[0].dtype
     top = torch.finfo(wire).max
@@ -350,7 +376,7 @@ def dgc_int4_requantize_(codes, scales, U, g_T, ends_T, blocks_T, thr_U, ends_U,
         if flush_stride > 0:
             sent |= j.remainder(flush_stride) == flush_phase
         e = torch.where(sent, a - a.clamp(-top, top).to(wire).to(torch.float32), a)
-        int4_quantize_into(codes, scales, b0, e)
+        int4_quantize_into(codes, scales, b0, e, seed, at)
 
 
 def dgc_int4_gather(codes, scales, ends_T, blocks_T, pos):

@@ -19,6 +19,7 @@ DEFAULT_WARMUP_STEPS = 100
 SELECTIONS = ("per_tensor", "per_bucket")
 THRESHOLDS = ("sampled", "exact")
 RESIDUAL_DTYPES = ("float32", "bfloat16", "int4")
+INT4_ROUNDINGS = ("nearest", "stochastic")
 HISTORY = "docs/results/dgc_history.md"
 """Where the measurements of the removed options are kept."""
 RETIRED_KEYS = {
@@ -89,6 +90,11 @@ class DGCConfig:
     0.53 bytes per parameter, quantized after each step's selection (MicroAdam's error feedback; the
     momentum, when momentum correction keeps one, stays fp32); needs ``threshold: "sampled"`` and no
     ``clip_norm``. fp64 gradients keep fp64 memory either way."""
+    int4_rounding: str = "nearest"
+    """How the ``"int4"`` residual rounds to its 16 levels: ``"nearest"`` (at most ``(max − min)/30`` off)
+    or ``"stochastic"`` (up, with the probability of the fraction: unbiased, so a small gradient that
+    keeps coming accumulates instead of being rounded away each step; at most ``(max − min)/15`` off;
+    the draw hashes the element and the step, the same on every device)."""
 
     def __post_init__(self) -> None:
         s = "dgc"
@@ -107,6 +113,7 @@ class DGCConfig:
         check_choice(s, "selection", self.selection, SELECTIONS)
         check_choice(s, "threshold", self.threshold, THRESHOLDS)
         check_choice(s, "residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
+        check_choice(s, "int4_rounding", self.int4_rounding, INT4_ROUNDINGS)
         if self.residual_dtype == "int4" and self.threshold == "exact":
             raise ValueError('zen.dgc.residual_dtype ("int4") must go with zen.dgc.threshold "sampled", because the '
                              'exact top-k sorts a full-size fp32 copy of the values the 4-bit residual avoids')

@@ -131,8 +131,9 @@ def compress_int4(sp, flats: list[torch.Tensor], lay, density: float, flush: int
         in_K = (a_F >= t_F) | (a_F <= -t_F)
         sent_F = _to_wire(a_F, wire).masked_fill(in_K, 0)
         pos, sent = torch.cat([pos_K, pos_F]), torch.cat([sent, sent_F])
+    seed = state.step % (1 << 31) if cfg.int4_rounding == "stochastic" else -1
     ops.dgc_int4_requantize_(mem.codes, mem.scales, U, flats, mem.q.ends_T, mem.q.blocks_T, thr_U, lay.unit_ends_N,
-                             flush, phase)
+                             flush, phase, seed)
     if U is not None and cfg.momentum_masking:  # after the requantize, which reads this step's velocity
         U.index_fill_(0, pos, 0)
     return SparseGrad(pos, sent, total)
