@@ -254,3 +254,28 @@ def test_synchronizer_over_simworld_ranks_sends_what_each_rank_selected(dtype):
         assert (got != 0).float().mean() < 0.3
     assert torch.equal(res[0][0][0], res[1][0][0])
     assert NUMEL == 2472
+
+
+@pytest.mark.parametrize("tp", [2, 3])
+def test_tp_ranks_share_one_threshold_with_the_4bit_residual(tp):
+    """Under tensor parallelism the samples are pooled over the TP group (the dequantizing gather feeds
+    them): every TP rank gets the same per-layer thresholds and selects exactly ``|a| ≥ thr``."""
+    from zen_ext import SimWorld
+
+    gen = torch.Generator().manual_seed(tp)
+    shards = [[torch.randn(2000 + 300 * r, generator=gen) * (r + 1), torch.randn(1500, generator=gen) * 0.1]
+              for r in range(tp)]
+
+    def fn(comm, grads):
+        sp = DGCSparsifier(dict(INT4, momentum_correction=False))
+        sp.compress([NamedGrad(f"p{i}", g) for i, g in enumerate(grads)], tp_comm=comm)
+        sp.state.step += 1
+        sg = sp.compress([NamedGrad(f"p{i}", g) for i, g in enumerate(grads)], tp_comm=comm)
+        return sg, [sp.state.get(f"p{i}", "threshold") for i in range(2)]
+
+    out = SimWorld(tp).run(fn, shards)
+    for _, thr in out[1:]:
+        assert torch.equal(thr[0], out[0][1][0]) and torch.equal(thr[1], out[0][1][1])
+    assert not torch.equal(out[0][1][0], out[0][1][1])
+    for sg, thr in out:
+        assert sg.nnz and sg.values.abs().min() >= min(float(thr[0]), float(thr[1]))
