@@ -121,6 +121,7 @@ def test_non_finite_gradient_leaves_the_residual_alone():
             assert torch.equal(sp.state.params[n][k], v)
 
 
+@pytest.mark.slow  # two 300-step runs of a 2048 × 400 least-squares problem: about a minute on one core
 def test_converges_on_a_tiny_problem_like_the_fp32_residual():
     """Least squares, SGD on the DGC output (density 5 %): both residuals bring the loss down by five
     orders of magnitude, the 4-bit one's final loss within 10 % of the fp32 one's (measured: 4 % below)."""
