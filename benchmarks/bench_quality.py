@@ -75,6 +75,10 @@ VARIANTS: dict[str, dict | None] = {
     # A check of the pipeline itself: DGC's path at density 1 all run long must track dense.
     "dgc_density1": {"dense_steps": 100000},
     "dgc5_per_bucket": {"selection": "per_bucket"},
+    # DGC's residual in 4 bits with block-wise min/max (MicroAdam's error feedback; 0.53 bytes per element
+    # against fp32's 4): benchmarks/results/residual_int4.md.
+    "dgc5_int4": {"residual_dtype": "int4"},
+    "dgc5_int4_sr": {"residual_dtype": "int4", "int4_rounding": "stochastic"},
     "dgc10": {"density": 0.10},
     "dgc20": {"density": 0.20},
     "dgc25": {"density": 0.25},  # about the elements dgc5_attn_dense sends (26 % of the non-embedding gradient)

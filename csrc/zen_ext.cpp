@@ -64,6 +64,20 @@ TORCH_LIBRARY(zen_ext, m) {
   // The keys (in [0, 2^key_bits)) sorted ascending as their float32 values, and max(value at low_U[u],
   // tiny) per unit (indices into the sorted keys).
   m.def("dgc_sort_unkey(Tensor keys, Tensor low_U, float tiny, int key_bits) -> (Tensor, Tensor)");
+  // DGC's 4-bit residual (csrc/dgc_int4.h): uint8 codes and float32 [min, max] scales per block of 256
+  // elements of each tensor (tensor t ends at element ends_T[t] and block blocks_T[t]; one gradient per
+  // tensor). Select: a = Q^-1(e) + v per element, v = U <- U*momentum + g (U given, update), U (given, not
+  // update) or g, U written only where ok is true or absent, a never stored; returns the candidates
+  // |a| >= thr of the element's run as dgc_accumulate_select_ does (float32 values).
+  m.def("dgc_int4_select(Tensor codes, Tensor scales, Tensor(a!)? U, Tensor[] g_T, float momentum, bool update, "
+        "Tensor ends_T, Tensor blocks_T, Tensor thr_U, Tensor ends_U, Tensor? ok=None, int capacity=-1) "
+        "-> (Tensor, Tensor, Tensor, Tensor)");
+  // Requantize: a = Q^-1(e) + (U or g); a sent element (|a| >= thr of its run, or j = flush_phase mod
+  // flush_stride of its tensor when flush_stride > 0) keeps a - wire(clamp(a)), the rest a; every block is
+  // quantized anew between its min and max, in place: rounded to nearest (seed < 0) or stochastically with
+  // a hash of (element, seed) as the draw (seed >= 0).
+  m.def("dgc_int4_requantize_(Tensor(a!) codes, Tensor(b!) scales, Tensor? U, Tensor[] g_T, Tensor ends_T, "
+        "Tensor blocks_T, Tensor thr_U, Tensor ends_U, int flush_stride, int flush_phase, int seed=-1) -> ()");
   // Whether every element of the tensors g_T is finite, as one bool on their device (no host read).
   m.def("dgc_all_finite(Tensor[] g_T) -> Tensor");
   // zen_ext.optim.CatchUpAdamW's step over parameters p_T (in place, with their gradients g_T, moments

@@ -449,6 +449,9 @@ def _rules_zen(c: ZenConfig, p: str) -> None:
     for kind in given:
         spec_of(kind)  # an unregistered kind: ValueError listing the registered ones
     c.sparsifier_sections = {s.kind: s.parse(given.get(s.kind)) for s in registered()}
+    dgc = c.sparsifier_sections.get("dgc")
+    if c.scheme == "spardl" and getattr(dgc, "residual_dtype", None) == "int4":  # spardl writes DGC's memory in place
+        raise _range_error(f"{p}.dgc.residual_dtype", "int4", 'be "float32" or "bfloat16" with scheme "spardl"')
 
 
 def _rules_planner(c: PlannerConfig, p: str) -> None:

@@ -46,6 +46,7 @@ SELECT_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_kernel.cu")
 SAMPLE_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_sample.cu")
 KEPT_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_kept.cu")
 CATCH_UP_CU = os.path.join(ROOT, "csrc", "cuda", "catch_up_adamw.cu")
+INT4_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_int4.cu")
 HARNESS_CU = os.path.join(ROOT, "tests", "ops", "hash_kernel_harness.cu")
 # One architecture keeps the check quick; sm_80 (A100) is the oldest the paper-class GPUs need.
 GENCODE = ["-gencode", "arch=compute_80,code=sm_80"]
@@ -130,7 +131,7 @@ def _check_object_links(obj) -> None:
 # take half the time of compiling one file after the other. Each test waits for its own source only.
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _BUILDS: dict[str, concurrent.futures.Future] = {}
-KEEP_PTX = (PULL_CU, SELECT_CU, SAMPLE_CU)  # the tests that read their PTX
+KEEP_PTX = (PULL_CU, SELECT_CU, SAMPLE_CU, INT4_CU)  # the tests that read their PTX
 # A successful compile is kept, as ccache would, under a key of everything that shapes it: nvcc's
 # version, the command line, torch's version and every file under csrc/ and tests/ops/*.cu. Any change
 # to them compiles again (and can fail); an unchanged tree reuses the object, ptxas's report and the
@@ -197,7 +198,7 @@ def _start_builds(build_dir) -> None:
     _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1))
     flags = _torch_nvcc_flags()
     digest = _inputs_digest()
-    for cu in (KERNEL_CU, PULL_CU, SEARCH_CU, SELECT_CU, SAMPLE_CU, KEPT_CU, CATCH_UP_CU):
+    for cu in (KERNEL_CU, PULL_CU, SEARCH_CU, SELECT_CU, SAMPLE_CU, KEPT_CU, CATCH_UP_CU, INT4_CU):
         obj = build_dir / (os.path.basename(cu) + ".o")
         keep = build_dir / (os.path.basename(cu) + ".keep")
         extra = ["-keep", "-keep-dir", str(keep)] if cu in KEEP_PTX else []
@@ -326,6 +327,22 @@ def test_dgc_sample_kernels_compile(build_dir):
     ptx = _kept_ptx(SAMPLE_CU, build_dir)
     bodies = [b for b in re.split(r"\n\.(?:visible \.)?entry ", ptx)[1:] if "sample_keys_kernel" in b.split("(")[0]]
     assert len(bodies) == 3 and not any(re.search(r"\bfma\.", b) for b in bodies), "the update must not fuse"
+
+
+@pytest.mark.timeout(1200)
+def test_dgc_int4_kernels_compile(build_dir):
+    """``csrc/cuda/dgc_int4.cu`` (dgc_int4_select, dgc_int4_requantize_) compiles and links, every kernel
+    for fp32, bf16 and fp16 gradients; dequantization, the velocity update and quantization stay separate
+    roundings (no fused multiply-add in the PTX), as in the CPU op and in torch, and no code byte is
+    stored from a converted half (the kept error casts through the gradient's dtype)."""
+    entries = _compile_and_link(INT4_CU, build_dir)
+    for kernel in ("int4_mark_kernel", "int4_compact_kernel", "int4_requantize_kernel"):
+        for tag in ("IfE", "IN3c108BFloat16EE", "IN3c104HalfEE"):
+            assert f"{kernel}{tag}" in entries, f"{kernel} not instantiated for {tag}: {entries}"
+    ptx = _kept_ptx(INT4_CU, build_dir)
+    bodies = [b for b in re.split(r"\n\.(?:visible \.)?entry ", ptx)[1:] if "int4_" in b.split("(")[0]]
+    assert len(bodies) == 9 and not any(re.search(r"\bfma\.", b) for b in bodies), "an operation was fused"
+    assert _byte_stores_of_converted_halves(ptx) == []
 
 
 def _byte_stores_of_converted_halves(ptx: str) -> list[str]:

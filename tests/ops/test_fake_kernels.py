@@ -50,6 +50,9 @@ def _cases():
     pos_C = torch.tensor([1, 4, 6, 9, 11])
     keys = torch.ops.zen_ext.dgc_sample_keys(*_sample_args(True))
     p = [torch.randn(6, generator=g), torch.randn(3, 2, generator=g).to(torch.bfloat16)]
+    # The 4-bit residual of g_T (12 and 8 elements: one block each).
+    codes, scales = torch.randint(0, 256, (2 * 128,), dtype=torch.uint8, generator=g), torch.tensor([-1.0, 1, -2, 2])
+    e_T, b_T = torch.tensor([12, 20]), torch.tensor([1, 2])
     return [
         ("permute", (torch.tensor([0, 9, 3, 3]), 10, KEYS, False)),
         ("hash_partition", (torch.tensor([0, 9, 3, 3]), 10, 3, KEYS, 3, 2.0, 0.1)),
@@ -68,6 +71,10 @@ def _cases():
         ("dgc_sample_keys", _sample_args(True)),
         ("dgc_sample_keys", _sample_args(False)),
         ("dgc_sort_unkey", (keys, torch.tensor([0, 3]), 1e-30, 34)),
+        ("dgc_int4_select", (codes, scales, U.clone(), g_T, 0.9, True, e_T, b_T, thr_U, ends_U, None, 8)),
+        ("dgc_int4_select", (codes, scales, None, [t.half() for t in g_T], 0.0, False, e_T, b_T, thr_U, ends_U,
+                             torch.tensor(True), 0)),
+        ("dgc_int4_requantize_", (codes.clone(), scales.clone(), U.clone(), g_T, e_T, b_T, thr_U, ends_U, 3, 1)),
         ("dgc_all_finite", ([torch.randn(4, generator=g), torch.tensor([1.0, math.inf])],)),
         ("catch_up_adamw_", (p, [torch.randn_like(t) for t in p], [torch.zeros_like(t) for t in p],
                              [torch.zeros_like(t) for t in p], [torch.zeros(t.shape) for t in p],

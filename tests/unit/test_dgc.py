@@ -643,7 +643,7 @@ def test_overflowed_step_leaves_residual_and_momentum_bitwise_unchanged():
 def test_residual_dtype_option_validates_and_halves_memory():
     with pytest.raises(ValueError) as info:
         DGCConfig.from_dict({"residual_dtype": "float16"})
-    assert "zen.dgc.residual_dtype ('float16') must be one of ['float32', 'bfloat16']" in str(info.value)
+    assert "zen.dgc.residual_dtype ('float16') must be one of ['float32', 'bfloat16', 'int4']" in str(info.value)
     g = torch.randn(64, 64, generator=torch.Generator().manual_seed(17))
     sp = DGCSparsifier(DGCConfig(enabled=True, momentum_correction=True, residual_dtype="bfloat16"))
     compress(sp, g)

@@ -42,7 +42,8 @@ class SparsifierState:
         self.step = 0
         """Optimizer steps taken (``end_step`` calls); drives warm-up and the sampling offsets."""
         self.params: dict[str, dict[str, torch.Tensor]] = {}
-        """name → {"residual", "momentum", "threshold"} (only those in use)."""
+        """name → {"residual", "momentum", "threshold"} (only those in use); a 4-bit residual is
+        "residual_codes" and "residual_scales" (zen_ext/compress/dgc/int4.py)."""
         self._flats: dict[tuple[str, tuple[str, ...]], torch.Tensor] = {}
         """(key, names of a bucket) → the flat buffer whose views ``params[name][key]`` are."""
         self._lazy: dict[str, dict[str, tuple[torch.Tensor, int]]] = {}
@@ -122,8 +123,9 @@ class SparsifierState:
             return lazy[0][lazy[1]]
         return self.params.get(name, {}).get(key)
 
-    def rescale(self, factor: float, keys: tuple[str, ...] = ("residual", "momentum")) -> None:
-        """Multiply the ``keys`` memories by ``factor`` in place (a loss-scale change; exact for powers of 2)."""
+    def rescale(self, factor: float, keys: tuple[str, ...] = ("residual", "momentum", "residual_scales")) -> None:
+        """Multiply the ``keys`` memories by ``factor`` in place (a loss-scale change; exact for powers of 2).
+        A 4-bit residual scales with its blocks' min and max (``residual_scales``): its codes stay."""
         done = set()
         for (key, _), buf in self._flats.items():
             if key in keys:

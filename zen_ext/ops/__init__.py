@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 
 from . import _reference, _reference_dgc
+from ._reference_dgc import INT4_BLOCK
 from ._reference import MAX_NUMEL, NUM_ROUNDS, derive_keys, domain_bits
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,8 @@ __all__ = [
     "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
     "aggregate_push", "aggregate_push_into", "read_aggregate_count", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
     "has_dgc_search_op", "dgc_threshold_search", "has_dgc_gather_kept_op", "dgc_gather_kept", "has_dgc_sample_op", "dgc_sample_keys", "dgc_sort_unkey", "dgc_all_finite",
-    "gather_list", "emulate_cuda_layout", "force_reference", "catch_up_adamw_",
+    "gather_list", "emulate_cuda_layout", "has_dgc_int4_op", "dgc_int4_select", "dgc_int4_requantize_", "dgc_int4_gather",
+    "INT4_BLOCK", "force_reference", "catch_up_adamw_",
 ]
 
 if HAVE_CPP_OP:
@@ -387,6 +389,49 @@ def dgc_all_finite(g_T: list[torch.Tensor]) -> torch.Tensor:
     if not g_T:  # the dispatcher needs a tensor to pick a device
         raise ValueError("dgc_all_finite needs at least one tensor")
     return _dispatch("dgc_all_finite", g_T[0], _reference_dgc.dgc_all_finite)(g_T)
+
+
+def has_dgc_int4_op(t: torch.Tensor) -> bool:
+    """Whether ``dgc_int4_select`` and ``dgc_int4_requantize_`` have kernels for ``t``'s device (tests)."""
+    return _has_kernel("dgc_int4_select", t) and _has_kernel("dgc_int4_requantize_", t)
+
+
+def dgc_int4_select(
+    codes: torch.Tensor, scales: torch.Tensor, U: torch.Tensor | None, g_T: list[torch.Tensor], momentum: float,
+    update: bool, ends_T: torch.Tensor, blocks_T: torch.Tensor, thr_U: torch.Tensor, ends_U: torch.Tensor,
+    ok: torch.Tensor | None = None, capacity: int = -1,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """DGC's candidate selection over a 4-bit residual, the residual dequantized in the pass that adds
+    the step's gradient: ``a = Q⁻¹(e) + v`` per element, ``v`` = ``U ← U·momentum + g`` (``U`` given and
+    ``update``; written only where ``ok`` is true or absent), ``U`` (given, not ``update``: the velocity
+    of this step already) or ``g``; ``a`` is never stored. Returns the candidates ``|a| ≥ thr`` of each
+    run as ``dgc_accumulate_select_`` does (fp32 values). The residual: ``INT4_BLOCK``-element blocks per
+    tensor (``ends_T``, ``blocks_T``: cumulative elements and blocks; one gradient per tensor), uint8
+    ``codes`` (two a byte, low nibble first) and fp32 ``scales`` ``[min, max]`` per block."""
+    return _dispatch("dgc_int4_select", codes, _reference_dgc.dgc_int4_select)(
+        codes, scales, U, g_T, float(momentum), bool(update), ends_T, blocks_T, thr_U, ends_U, ok, int(capacity))
+
+
+def dgc_int4_requantize_(
+    codes: torch.Tensor, scales: torch.Tensor, U: torch.Tensor | None, g_T: list[torch.Tensor], ends_T: torch.Tensor,
+    blocks_T: torch.Tensor, thr_U: torch.Tensor, ends_U: torch.Tensor, flush_stride: int = 0, flush_phase: int = 0,
+    seed: int = -1,
+) -> None:
+    """The step's error feedback into the 4-bit residual, in place, one pass: ``a = Q⁻¹(e) + (U or g)``
+    (``U``: this step's velocity, already updated by ``dgc_int4_select``); the sent elements (``|a| ≥ thr``
+    of the run, and with ``flush_stride > 0`` each tensor's elements ``≡ flush_phase`` mod the stride)
+    keep ``a − wire(clamp(a))``, the others ``a``; each block is then quantized between its min and max:
+    ``q = round((x − min)·15/(max − min))`` (``seed < 0``), or stochastically rounded with a hash of
+    (element, ``seed``) as the draw. No fp32 copy of the bucket (one block at a time)."""
+    _dispatch("dgc_int4_requantize_", codes, _reference_dgc.dgc_int4_requantize_)(
+        codes, scales, U, g_T, ends_T, blocks_T, thr_U, ends_U, int(flush_stride), int(flush_phase), int(seed))
+
+
+def dgc_int4_gather(codes: torch.Tensor, scales: torch.Tensor, ends_T: torch.Tensor, blocks_T: torch.Tensor,
+                    pos: torch.Tensor) -> torch.Tensor:
+    """The 4-bit residual dequantized at int64 element positions ``pos`` (fp32; a few torch ops: it reads
+    the samples and the flushed elements only)."""
+    return _reference_dgc.dgc_int4_gather(codes, scales, ends_T, blocks_T, pos)
 
 
 def gather_list(g_T: list[torch.Tensor], pos: torch.Tensor) -> torch.Tensor:

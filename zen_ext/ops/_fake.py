@@ -89,6 +89,18 @@ def _dgc_all_finite(g_T):
     return g_T[0].new_empty((), dtype=torch.bool)
 
 
+@_register("zen_ext::dgc_int4_select")
+def _dgc_int4_select(codes, scales, U, g_T, momentum, update, ends_T, blocks_T, thr_U, ends_U, ok=None, capacity=-1):
+    n = capacity if capacity >= 0 else torch.library.get_ctx().new_dynamic_size()
+    long = dict(dtype=torch.int64, device=codes.device)
+    return torch.empty(n, **long), scales.new_empty(n), torch.empty(n, **long), torch.empty(1, **long)
+
+
+@_register("zen_ext::dgc_int4_requantize_")
+def _dgc_int4_requantize(codes, scales, U, g_T, ends_T, blocks_T, thr_U, ends_U, flush_stride, flush_phase, seed=-1):
+    return None
+
+
 @_register("zen_ext::catch_up_adamw_")
 def _catch_up_adamw(p_T, g_T, m_T, v_T, age_T, lr, beta1, beta2, eps, weight_decay, step, catch_up):
     return None

@@ -211,3 +211,183 @@ def dgc_all_finite(g_T):
     """``zen_ext::dgc_all_finite`` in torch ops: whether every element of the tensors is finite (one
     concatenation: a norm would overflow on huge finite values, and an op per tensor grows with them)."""
     return torch.isfinite(_concat(g_T)).all()
+
+
+# --- DGC's 4-bit residual (zen.dgc.residual_dtype "int4"; zen_ext/compress/dgc/int4.py drives it) -------------
+INT4_BLOCK = 256
+"""Elements per quantization block: two fp32 scales (min, max) per 256 elements are 1/32 byte per element,
+so codes and scales hold 0.53 bytes per element (csrc/dgc_int4.h's ``kBlock``)."""
+_INT4_WIRE = (torch.float32, torch.bfloat16, torch.float16)
+_FLT_MAX = torch.finfo(torch.float32).max
+
+
+def check_int4(codes, scales, g_T, ends_T, blocks_T, op: str) -> None:
+    """csrc/dgc_int4.h's rule: uint8 codes of ``B/2`` bytes a block and fp32 ``[min, max]`` scales per block;
+    one contiguous gradient (fp32, bf16 or fp16, one dtype) per tensor, tensor ``t`` ending at element
+    ``ends_T[t]`` and block ``blocks_T[t]`` (cumulative, ``ceil(numel / B)`` blocks each)."""
+    if codes.dtype != torch.uint8 or codes.dim() != 1 or scales.dtype != torch.float32 or scales.dim() != 1:
+        raise RuntimeError(f"{op}: codes must be 1-D uint8 and scales 1-D float32, got {codes.dtype} and {scales.dtype}")
+    if not g_T or len(g_T) != ends_T.numel() or len(g_T) != blocks_T.numel():
+        raise RuntimeError(f"{op}: one gradient per tensor of ends_T/blocks_T ({ends_T.numel()}), got {len(g_T)}")
+    if g_T[0].dtype not in _INT4_WIRE or any(g.dtype != g_T[0].dtype for g in g_T):
+        raise RuntimeError(f"{op}: gradients of one dtype of {list(_INT4_WIRE)}, got {[g.dtype for g in g_T]}")
+    numel_T = torch.tensor([g.numel() for g in g_T], dtype=torch.int64)
+    nb_T = (numel_T + INT4_BLOCK - 1) // INT4_BLOCK
+    if not (torch.equal(numel_T.cumsum(0), ends_T.cpu()) and torch.equal(nb_T.cumsum(0), blocks_T.cpu())):
+        raise RuntimeError(f"{op}: ends_T/blocks_T do not match the gradients' sizes")
+    nb = int(nb_T.sum())
+    if codes.numel() != nb * INT4_BLOCK // 2 or scales.numel() != 2 * nb:
+        raise RuntimeError(f"{op}: {nb} blocks need {nb * INT4_BLOCK // 2} code bytes and {2 * nb} scales, got "
+                           f"{codes.numel()} and {scales.numel()}")
+
+
+def _int4_tensors(g_T):
+    """Per tensor: (its first element, its first block, numel, blocks)."""
+    at = blk = 0
+    for g in g_T:
+        n = g.numel()
+        nb = -(-n // INT4_BLOCK)
+        yield at, blk, n, nb
+        at, blk = at + n, blk + nb
+
+
+def _step(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """``(max − min)/15`` divided, not multiplied by a rounded 1/15 (as torch's CUDA division by a Python
+    number would): a tensor divisor keeps the IEEE division of the kernels on every device."""
+    return (hi - lo) / lo.new_full((1,), 15.0)
+
+
+def int4_dequantize(codes, scales, b0: int, nb: int, n: int) -> torch.Tensor:
+    """The ``n`` values of blocks ``[b0, b0 + nb)``: ``min + q·((max − min)/15)`` in fp32, the product and
+    the sum rounded apart (csrc/dgc_int4.h's ``dequant``)."""
+    half = INT4_BLOCK // 2
+    c = codes[b0 * half:(b0 + nb) * half].view(nb, half)
+    q = torch.stack((c & 15, c >> 4), 2).view(nb, INT4_BLOCK).to(torch.float32)  # low nibble first
+    s = scales[2 * b0:2 * (b0 + nb)].view(nb, 2)
+    lo, hi = s[:, :1], s[:, 1:]
+    return (lo + q * _step(lo, hi)).view(-1)[:n]
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """csrc/dgc_int4.h's ``mix32`` on int64 tensors holding uint32 values (products stay below 2^59)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x45D9F3B) & _M32
+    h = h ^ (h >> 16)
+    h = (h * 0x45D9F3B) & _M32
+    return h ^ (h >> 16)
+
+
+def int4_uniform(i: torch.Tensor, seed: int) -> torch.Tensor:
+    """csrc/dgc_int4.h's ``uniform_of``: stochastic rounding's draw in [0, 1) for int64 elements ``i``."""
+    s = _mix32((i >> 32) ^ (seed & _M32))
+    return (_mix32((i & _M32) ^ s) >> 8).to(torch.float32) * (1.0 / 16777216.0)
+
+
+def int4_quantize_into(codes, scales, b0: int, e: torch.Tensor, seed: int = -1, first: int = 0) -> None:
+    """Write the fp32 values ``e`` (one tensor, ``ceil(n/B)`` blocks from ``b0``) as codes and scales:
+    per block ``min``, ``max`` and ``q = round((x − min)·s)`` with ``s = min(15/(max − min), FLT_MAX)``
+    (0 where ``max == min``), round half to even (``seed < 0``) or ``floor((x − min)·s + u)`` with ``u``
+    the draw of element ``first + j`` under ``seed`` (stochastic rounding), clamped to [0, 15]; codes
+    past ``n`` are 0."""
+    n = e.numel()
+    if n == 0:
+        return
+    nb = -(-n // INT4_BLOCK)
+    pad = nb * INT4_BLOCK - n
+    # The last value repeated: the padding changes no block's min or max.
+    ep = (torch.cat([e, e[-1:].expand(pad)]) if pad else e).view(nb, INT4_BLOCK)
+    lo, hi = ep.amin(1), ep.amax(1)
+    s = torch.where(hi > lo, torch.full_like(lo, 15.0).div(hi - lo).clamp(max=_FLT_MAX), torch.zeros_like(lo))
+    t = (ep - lo[:, None]) * s[:, None]
+    if seed < 0:
+        t = torch.round(t)
+    else:
+        idx = torch.arange(first, first + nb * INT4_BLOCK, dtype=torch.int64, device=e.device)
+        t = torch.floor(t + int4_uniform(idx, seed).view(nb, INT4_BLOCK))
+    q = t.clamp(0, 15).to(torch.uint8)
+    if pad:
+        q.view(-1)[n:] = 0
+    half = INT4_BLOCK // 2
+    codes[b0 * half:(b0 + nb) * half] = (q[:, 0::2] | (q[:, 1::2] << 4)).view(-1)
+    scales[2 * b0:2 * (b0 + nb)] = torch.stack((lo, hi), 1).view(-1)
+
+
+def _velocity(U, g, at: int, n: int, momentum: float, update: bool) -> torch.Tensor:
+    """What the step adds to the residual: ``U ← U·m + g`` then ``U`` (``update``), ``U`` as it is, or ``g``."""
+    if U is None:
+        return g
+    u = U[at:at + n]
+    if update:
+        u.mul_(momentum).add_(g)  # two roundings, as the kernels
+    return u
+
+
+def dgc_int4_select(codes, scales, U, g_T, momentum, update, ends_T, blocks_T, thr_U, ends_U, ok=None, capacity=-1):
+    """``zen_ext::dgc_int4_select`` in torch ops: per element ``a = Q⁻¹(e) + v`` (``v``: ``_velocity``; ``U``
+    written only where ``ok`` is true or absent), nothing stored but ``U``; returns the candidates
+    ``|a| ≥ thr`` of each run (runs end at ``ends_U``) as ``dgc_accumulate_select_`` does, ``a``'s values
+    as theirs. One tensor's fp32 values at a time (the kernels: one block's)."""
+    check_int4(codes, scales, g_T, ends_T, blocks_T, "dgc_int4_select")
+    if capacity < -1:
+        raise RuntimeError(f"dgc_int4_select: capacity ({capacity}) must be >= 0, or -1 for all")
+    long = dict(dtype=torch.int64, device=codes.device)
+    pos_P, val_P = [torch.zeros(0, **long)], [torch.zeros(0, dtype=torch.float32, device=codes.device)]
+    if ok is None or bool(ok.reshape(-1)[0]):
+        for (at, b0, n, nb), g in zip(_int4_tensors(g_T), g_T):
+            a = int4_dequantize(codes, scales, b0, nb, n) + _velocity(U, g, at, n, momentum, update)
+            run = torch.searchsorted(ends_U, torch.arange(at, at + n, **long), right=True)
+            t = thr_U.to(torch.float32).index_select(0, run)
+            hit = ((a >= t) | (a <= -t)).nonzero().flatten()
+            pos_P.append(hit + at)
+            val_P.append(a.index_select(0, hit))
+    pos, val = torch.cat(pos_P), torch.cat(val_P)
+    run = torch.searchsorted(ends_U, pos, right=True)
+    count = torch.full((1,), pos.numel(), **long)
+    if capacity < 0:
+        return pos, val, run, count
+    k = min(capacity, pos.numel())
+    out_p = torch.full((capacity,), int(ends_T[-1]), **long)
+    out_r = torch.full((capacity,), ends_U.numel(), **long)
+    out_v = torch.zeros(capacity, dtype=torch.float32, device=codes.device)
+    out_p[:k], out_v[:k], out_r[:k] = pos[:k], val[:k], run[:k]
+    return out_p, out_v, out_r, count
+
+
+def dgc_int4_requantize_(codes, scales, U, g_T, ends_T, blocks_T, thr_U, ends_U, flush_stride, flush_phase, seed=-1):
+    """``zen_ext::dgc_int4_requantize_`` in torch ops: the error feedback of a step, quantized. Per element
+    ``a = Q⁻¹(e) + (U or g)`` (``U`` already this step's velocity); sent are ``|a| ≥ thr`` of its run and,
+    with ``flush_stride > 0``, the tensor's elements ``j ≡ flush_phase (mod flush_stride)``; a sent element
+    keeps ``a − wire(clamp(a))`` (the cast's rounding error; 0 for fp32 gradients), the rest ``a``; the
+    result is quantized in place (``int4_quantize_into``; ``seed ≥ 0``: stochastic rounding)."""
+    check_int4(codes, scales, g_T, ends_T, blocks_T, "dgc_int4_requantize_")
+    wire = g_T[0].dtype
+    top = torch.finfo(wire).max
+    long = dict(dtype=torch.int64, device=codes.device)
+    for (at, b0, n, nb), g in zip(_int4_tensors(g_T), g_T):
+        if n == 0:
+            continue
+        a = int4_dequantize(codes, scales, b0, nb, n) + (U[at:at + n] if U is not None else g)
+        j = torch.arange(n, **long)
+        t = thr_U.to(torch.float32).index_select(0, torch.searchsorted(ends_U, j + at, right=True))
+        sent = (a >= t) | (a <= -t)
+        if flush_stride > 0:
+            sent |= j.remainder(flush_stride) == flush_phase
+        e = torch.where(sent, a - a.clamp(-top, top).to(wire).to(torch.float32), a)
+        int4_quantize_into(codes, scales, b0, e, seed, at)
+
+
+def dgc_int4_gather(codes, scales, ends_T, blocks_T, pos):
+    """The residual ``Q⁻¹(e)`` at int64 element positions ``pos`` (torch ops: the samples of the threshold
+    search and the flushed elements; csrc/dgc_int4.h's ``dequant`` at each)."""
+    t = torch.searchsorted(ends_T, pos, right=True)
+    first_T = ends_T - torch.diff(ends_T, prepend=ends_T.new_zeros(1))
+    block0_T = blocks_T - torch.diff(blocks_T, prepend=blocks_T.new_zeros(1))
+    pp = pos - first_T.index_select(0, t) + block0_T.index_select(0, t) * INT4_BLOCK  # position in padded blocks
+    byte = codes.index_select(0, pp >> 1)
+    q = torch.where((pp & 1).bool(), byte >> 4, byte & 15).to(torch.float32)
+    b = pp // INT4_BLOCK
+    lo, hi = scales.index_select(0, 2 * b), scales.index_select(0, 2 * b + 1)
+    return lo + q * _step(lo, hi)

@@ -18,7 +18,8 @@ DEFAULT_WARMUP_STEPS = 100
 (the longest of the lengths measured; docs/results/dgc_history.md)."""
 SELECTIONS = ("per_tensor", "per_bucket")
 THRESHOLDS = ("sampled", "exact")
-RESIDUAL_DTYPES = ("float32", "bfloat16")
+RESIDUAL_DTYPES = ("float32", "bfloat16", "int4")
+INT4_ROUNDINGS = ("nearest", "stochastic")
 HISTORY = "docs/results/dgc_history.md"
 """Where the measurements of the removed options are kept."""
 RETIRED_KEYS = {
@@ -84,8 +85,16 @@ class DGCConfig:
     only under a catching-up optimizer: docs/results/dgc_history.md)."""
     residual_dtype: str = "float32"
     """dtype of the residual and momentum: ``"float32"`` (8 bytes per parameter with momentum
-    correction) or ``"bfloat16"`` (4 bytes; the accumulation then rounds to 8 mantissa bits).
-    fp64 gradients keep fp64 memory either way."""
+    correction) or ``"bfloat16"`` (4 bytes; the accumulation then rounds to 8 mantissa bits), or
+    ``"int4"``: the residual as 4-bit codes between each block of 256 elements' min and max (fp32),
+    0.53 bytes per parameter, quantized after each step's selection (MicroAdam's error feedback; the
+    momentum, when momentum correction keeps one, stays fp32); needs ``threshold: "sampled"`` and no
+    ``clip_norm``. fp64 gradients keep fp64 memory either way."""
+    int4_rounding: str = "nearest"
+    """How the ``"int4"`` residual rounds to its 16 levels: ``"nearest"`` (at most ``(max − min)/30`` off)
+    or ``"stochastic"`` (up, with the probability of the fraction: unbiased, so a small gradient that
+    keeps coming accumulates instead of being rounded away each step; at most ``(max − min)/15`` off;
+    the draw hashes the element and the step, the same on every device)."""
 
     def __post_init__(self) -> None:
         s = "dgc"
@@ -104,6 +113,14 @@ class DGCConfig:
         check_choice(s, "selection", self.selection, SELECTIONS)
         check_choice(s, "threshold", self.threshold, THRESHOLDS)
         check_choice(s, "residual_dtype", self.residual_dtype, RESIDUAL_DTYPES)
+        check_choice(s, "int4_rounding", self.int4_rounding, INT4_ROUNDINGS)
+        if self.residual_dtype == "int4" and self.threshold == "exact":
+            raise ValueError('zen.dgc.residual_dtype ("int4") must go with zen.dgc.threshold "sampled", because the '
+                             'exact top-k sorts a full-size fp32 copy of the values the 4-bit residual avoids')
+        if self.residual_dtype == "int4" and self.clip_norm is not None:
+            raise ValueError(f'zen.dgc.residual_dtype ("int4") must go with zen.dgc.clip_norm null, because local '
+                             f'clipping ({self.clip_norm!r}) scales a full-size fp32 copy of the gradients the 4-bit '
+                             f'residual avoids')
         if not 0 < self.density <= 1:
             raise ValueError(f"zen.dgc.density ({self.density!r}) must be in (0, 1]")
         if self.flush_fraction is not None and not 0 <= self.flush_fraction < 1:

@@ -76,6 +76,7 @@ from ..registry import register_sparsifier
 from ..state import SparsifierState
 from .config import DGCConfig
 from .defaults import resolve_dgc_defaults
+from .int4 import compress_int4, convert_residuals, int4_applies
 from .thresholds import sampled_thresholds
 from .units import _Layout, exact_thresholds, memory_dtype
 
@@ -147,8 +148,8 @@ class DGCSparsifier(Sparsifier):
         self._layouts: dict[tuple, _Layout] = {}
         self.loss_scale: float | None = None
         """The loss scale the memory is accumulated at (``set_loss_scale``); ``None``: never set."""
-        self._journal: dict[int, tuple] = {}
-        """id(flat residual) → (residual, momentum, their copies at the step's first touch)."""
+        self._journal: dict[int, list] = {}
+        """id(flat residual) → [(memory, its copy at the step's first touch, whether a loss scale scales it)]."""
         self._discard = False
         self.hand_over = False
         """Hand the accumulated memory to the scheme instead of selecting (an ``AccumulatedGrad``): set by
@@ -172,11 +173,17 @@ class DGCSparsifier(Sparsifier):
             raise ValueError(f"zen: loss scale ({scale!r}) must be a finite number > 0")
         if self.loss_scale is not None and scale != self.loss_scale:
             self.state.rescale(scale / self.loss_scale)
-            for _, _, old_r, old_u in self._journal.values():
-                old_r.mul_(scale / self.loss_scale)
-                if old_u is not None:
-                    old_u.mul_(scale / self.loss_scale)
+            for items in self._journal.values():
+                for _, old, scaled in items:
+                    if scaled:  # 4-bit codes are relative to their block's scales: only those move
+                        old.mul_(scale / self.loss_scale)
         self.loss_scale = scale
+
+    def _snapshot(self, key: torch.Tensor, memories: list) -> None:
+        """Copy a bucket's ``memories`` (``(tensor or None, scaled by a loss scale)``) at the step's first
+        touch, while steps are transactional (a loss scale was declared), for ``end_step`` to restore."""
+        if self.loss_scale is not None and id(key) not in self._journal:
+            self._journal[id(key)] = [(t, t.clone(), scaled) for t, scaled in memories if t is not None]
 
     def discard_step(self) -> None:
         """This optimizer step is skipped (some rank overflowed): ``end_step`` restores the memory."""
@@ -185,10 +192,9 @@ class DGCSparsifier(Sparsifier):
     def end_step(self) -> None:
         """Commit this step's memory, or restore its snapshot if the step was discarded."""
         if self._discard:
-            for r, u, old_r, old_u in self._journal.values():
-                r.copy_(old_r)
-                if u is not None:
-                    u.copy_(old_u)
+            for items in self._journal.values():
+                for t, old, _ in items:
+                    t.copy_(old)
         self._journal, self._discard = {}, False
 
     # --- compression --------------------------------------------------------------------------------
@@ -229,6 +235,12 @@ class DGCSparsifier(Sparsifier):
         # flag stays on the device (the op skips the update where it is false) and is read with the
         # selection's counts: one host read for the bucket.
         one_pass = not self.hand_over and _one_pass_applies(cfg, density, mdt, wire, flats)
+        if int4_applies(cfg.residual_dtype, wire):  # steps 2-5 on the 4-bit residual (int4.py)
+            if self.hand_over:  # ZenConfig refuses this pair before training; a direct caller gets this
+                raise NotImplementedError("zen.dgc.residual_dtype (int4) must be float32 or bfloat16 with a scheme "
+                                          "that selects its own entries (spardl): it writes its residual in place")
+            got = compress_int4(self, flats, lay, density, flush, tp_comm)
+            return got if got is not None else self._non_finite(flats, total)
 
         # Step 1: an overflowed (fp16) gradient must reach the engine as such and never the memory.
         # The one-pass path needs only the flag: one op (two launches on a GPU). Elsewhere a 2-norm (one
@@ -248,11 +260,11 @@ class DGCSparsifier(Sparsifier):
                 return bad
 
         # Step 2: local clipping, then accumulate the velocity (momentum correction) or the gradient.
+        convert_residuals(self.state, lay.names, lay.numels, to_int4=False)  # a 4-bit checkpoint's
         R, R_T = self.state.flat(lay.names, lay.numels, "residual", mdt, device)
         U, U_T = (self.state.flat(lay.names, lay.numels, "momentum", mdt, device) if cfg.momentum_correction
                   else (None, None))
-        if self.loss_scale is not None and id(R) not in self._journal:
-            self._journal[id(R)] = (R, U, R.clone(), U.clone() if U is not None else None)
+        self._snapshot(R, [(R, True), (U, True)])
         gs = flats
         if one_pass:
             got = sampled_thresholds(R, lay, density, tp_comm, torch.finfo(mdt).smallest_normal * torch.finfo(mdt).eps,

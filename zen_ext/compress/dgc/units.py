@@ -66,6 +66,8 @@ class _Layout:
         self._tensor_bounds: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         self.capacity_factor = CAPACITY_FACTOR
         self._capacity_k = 1
+        self.int4 = None
+        """The 4-bit residual's block layout (``int4.Int4Layout``), built on first use."""
 
     def flush_positions(self, step: int, stride: int, device) -> torch.Tensor:
         """The rotating flush's positions (``zen.dgc.flush_fraction``) in the flat bucket, int64 on
@@ -263,7 +265,8 @@ def _gather_units(vals: torch.Tensor, n_U: list[int], numel_U: list[int],
 
 
 def memory_dtype(wire: torch.dtype, residual_dtype: str) -> torch.dtype:
-    """The dtype of DGC's residual and momentum for gradients of dtype ``wire``."""
+    """The dtype of DGC's residual and momentum for gradients of dtype ``wire`` (``"int4"``: the dtype the
+    values are computed in, and the momentum's; ``int4.py`` holds the residual)."""
     if residual_dtype == "bfloat16" and wire in (torch.float32, torch.float16, torch.bfloat16):
         return torch.bfloat16
     return acc_dtype(wire)
