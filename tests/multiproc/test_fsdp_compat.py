@@ -1,6 +1,7 @@
-"""The FSDP2 adapter's guard on torch (``zen_ext/engines/fsdp_compat.py``): at ``attach``, an untested torch
-version is refused (``ZEN_EXT_ALLOW_UNVERIFIED_TORCH=1`` lets it through with a warning) and a missing
-private internal is always refused, named; on this torch, every internal is found on a real FSDP2 model."""
+"""The FSDP2 adapters' guard on torch (``zen_ext/engines/fsdp_compat.py``): at ``attach`` (1-D and HSDP), an
+untested torch version is refused (``ZEN_EXT_ALLOW_UNVERIFIED_TORCH=1`` lets it through with a warning) and a
+missing private internal the path reads is always refused, named; on this torch, every internal is found on a
+real FSDP2 model."""
 
 from __future__ import annotations
 
