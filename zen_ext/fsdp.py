@@ -16,6 +16,7 @@ replicas (docs/fsdp.md, "HSDP").
 from .engines import fsdp as _flat
 from .engines import fsdp_hsdp as _hsdp
 from .engines.fsdp import SUPPORTED, ZenFSDP, ZenReduceScatter, chunk_layout
+from .engines.fsdp_compat import check_fsdp_internals
 from .engines.fsdp_hsdp import ZenHSDP, shard_layout
 
 __all__ = ["SUPPORTED", "ZenFSDP", "ZenHSDP", "ZenReduceScatter", "attach", "chunk_layout", "shard_layout"]
@@ -29,5 +30,10 @@ def attach(model, config=None, *, optimizer=None, guard_nonfinite: bool = False)
     inside the node and ZEN's all-reduce of each shard across the replicas
     (``zen_ext.engines.fsdp_hsdp.attach``, a ``ZenHSDP``). docs/fsdp.md has both.
     """
-    engine = _hsdp if _hsdp.hsdp_param_groups(model) else _flat
+    try:  # each engine checks torch (fsdp_compat) first; telling them apart reads a few of its internals
+        hsdp = bool(_hsdp.hsdp_param_groups(model))
+    except (ImportError, AttributeError):
+        check_fsdp_internals(model, path=None)  # the version, or the missing internal by name
+        raise
+    engine = _hsdp if hsdp else _flat
     return engine.attach(model, config, optimizer=optimizer, guard_nonfinite=guard_nonfinite)

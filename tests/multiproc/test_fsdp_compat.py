@@ -1,6 +1,7 @@
-"""The FSDP2 adapter's guard on torch (``zen_ext/engines/fsdp_compat.py``): at ``attach``, an untested torch
-version is refused (``ZEN_EXT_ALLOW_UNVERIFIED_TORCH=1`` lets it through with a warning) and a missing
-private internal is always refused, named; on this torch, every internal is found on a real FSDP2 model."""
+"""The FSDP2 adapters' guard on torch (``zen_ext/engines/fsdp_compat.py``): at ``attach`` (1-D and HSDP), an
+untested torch version is refused (``ZEN_EXT_ALLOW_UNVERIFIED_TORCH=1`` lets it through with a warning) and a
+missing private internal the path reads is always refused, named; on this torch, every internal is found on a
+real FSDP2 model."""
 
 from __future__ import annotations
 
@@ -104,3 +105,69 @@ def test_attach_refuses_a_missing_internal_and_an_untested_version():
     assert "torch.distributed.fsdp._fully_shard._fsdp_common.DDPMeshInfo" in out["module"]
     assert "verified on torch 2.12, found torch 2.13" in out["version"]
     assert out["override_steps"] == 0  # one rank: FSDP skips the reduce-scatter, attach went through
+
+
+def _guard_hsdp(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    import zen_ext.fsdp
+
+    def model(mesh=None):
+        m = Two()
+        fully_shard(m.a, mesh=mesh)
+        fully_shard(m, mesh=mesh)
+        return m
+
+    def caught(fn):
+        try:
+            fn()
+        except (RuntimeError, NotImplementedError) as exc:
+            return type(exc).__name__, str(exc)
+        return None
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    out = {"ok": caught(lambda: fsdp_compat.check_fsdp_internals(model(mesh), path="HSDP"))}
+    # A torch whose HSDP mesh info lacks its replicate group and whose parameter group lacks the hook's slot:
+    # named before anything else (the (1, 1) mesh's replicate dim of size 1 would be refused next).
+    m = model(mesh)
+    pg = m.a._get_fsdp_state()._fsdp_param_groups[0]
+    del pg.mesh_info.replicate_process_group
+    del pg._all_reduce_hook
+    out["missing"] = caught(lambda: zen_ext.fsdp.attach(m, {}))
+    out["untouched"] = caught(lambda: zen_ext.fsdp.attach(model(mesh), {}))  # the HSDP refusal that comes next
+    # FSDPModule.set_all_reduce_hook gone: refused under HSDP, while a 1-D model (which does not read it) attaches.
+    saved = FSDPModule.set_all_reduce_hook
+    del FSDPModule.set_all_reduce_hook
+    try:
+        out["hook"] = caught(lambda: zen_ext.fsdp.attach(model(mesh), {}))
+        flat = zen_ext.fsdp.attach(model(), {})
+        out["flat"] = type(flat).__name__
+        flat.close()
+    finally:
+        FSDPModule.set_all_reduce_hook = saved
+    # HSDPMeshInfo gone: zen_ext.fsdp.attach cannot tell HSDP from 1-D and names it instead of an ImportError.
+    import torch.distributed.fsdp._fully_shard._fsdp_common as common
+
+    saved = common.HSDPMeshInfo
+    del common.HSDPMeshInfo
+    try:
+        out["dispatch"] = caught(lambda: zen_ext.fsdp.attach(model(), {}))
+    finally:
+        common.HSDPMeshInfo = saved
+    return out
+
+
+def test_hsdp_attach_names_a_missing_hsdp_internal():
+    """The HSDP path (zen_ext/engines/fsdp_hsdp.py) runs the same guard on the names it reads
+    (``fsdp_compat.INTERNALS["HSDP"]``); a 1-D model is not refused for an HSDP-only name."""
+    out = run_workers(_guard_hsdp, 1)[0]
+    assert out["ok"] is None
+    kind, msg = out["missing"]
+    assert kind == "RuntimeError" and "tested on torch 2.13" in msg, out["missing"]
+    assert "HSDPMeshInfo.replicate_process_group" in msg and "FSDPParamGroup._all_reduce_hook" in msg, msg
+    assert out["untouched"][0] == "NotImplementedError" and "replicate dim has size 1" in out["untouched"][1]
+    assert out["hook"][0] == "RuntimeError" and "FSDPModule.set_all_reduce_hook" in out["hook"][1], out["hook"]
+    assert out["flat"] == "ZenFSDP"
+    assert out["dispatch"][0] == "RuntimeError", out["dispatch"]
+    assert "torch.distributed.fsdp._fully_shard._fsdp_common.HSDPMeshInfo" in out["dispatch"][1]

@@ -275,6 +275,61 @@ def test_unsupported_setups_raise_clear_errors():
         assert ref[0] == got[0] and all(torch.equal(got[2][n], ref[2][n]) for n in ref[2])
 
 
+# --- gradient accumulation (zen_ext/engines/fsdp_steps.py) ----------------------------------------------
+def _accumulate(rank, world, zen, all_reduce_off: bool, micro=3, steps=2):
+    """``steps`` SGD steps of ``micro`` micro-batches each; ``all_reduce_off``: HSDP's own accumulation
+    (``set_requires_all_reduce(False)`` but for the last); else every micro-batch reduces (gradient sync on).
+    Returns ``(params, ZEN steps, DGC steps)``, or the error and the optimizer steps done before it."""
+    import zen_ext.fsdp
+
+    model = _shard(SplitLM(torch.float32), _mesh((2, 2)))
+    opt = torch.optim.SGD(model.parameters(), lr=0.25)
+    a = zen_ext.fsdp.attach(model, zen) if zen is not None else None
+    done = 0
+    try:
+        for step in range(steps):
+            for m in range(micro):
+                if all_reduce_off:
+                    model.set_requires_all_reduce(m == micro - 1)
+                model(*_batch(micro * step + m, rank, world, torch.float32)).backward()
+            opt.step()
+            opt.zero_grad()
+            done += 1
+        out = ({n: p.detach().to_local().clone() for n, p in model.named_parameters()},
+               a.step if a else None, a.sync.state.step if a else None)
+    except NotImplementedError as exc:
+        out = {"error": str(exc), "done": done, "zen_steps": a.step}
+    if a is not None:
+        a.close()
+    return out
+
+
+def _accumulation(rank, world):
+    dgc = {**DGC, "scheme": "zen"}
+    return {"dgc_every": _accumulate(rank, world, dgc, False), "dgc_off": _accumulate(rank, world, dgc, True),
+            "natural_every": _accumulate(rank, world, NATURAL, False),
+            "plain_every": _accumulate(rank, world, None, False)}
+
+
+def test_accumulation_with_dgc_is_refused_or_one_step():
+    """Under HSDP, FSDP calls ZEN's all-reduce hook in every backward pass with gradient sync on and adds the
+    result to the sharded gradient: DGC is refused at the second micro-batch (before any optimizer step, as on
+    a 1-D mesh); with ``set_requires_all_reduce(False)`` FSDP sums the shards first and calls ZEN once a step.
+    Natural rows (lossless) are served either way and equal plain HSDP accumulating alike (integer gradients)."""
+    for rank, out in enumerate(run_workers(_accumulation, 4, timeout_s=900)):
+        err = out["dgc_every"]
+        assert isinstance(err, dict) and err["done"] == 0 and err["zen_steps"] == 1, (rank, err)
+        for part in ("all-reduced across the replicas", "zen.dgc must see one gradient per optimizer step",
+                     "set_requires_gradient_sync(False)", "set_requires_all_reduce(False)"):
+            assert part in err["error"], (rank, part, err["error"])
+        _, zen_steps, dgc_steps = out["dgc_off"]
+        assert zen_steps == 2 and dgc_steps == 2, (rank, zen_steps, dgc_steps)  # one per optimizer step
+        params, zen_steps, _ = out["natural_every"]
+        assert zen_steps == 2 * 3, (rank, zen_steps)  # every reducing backward pass
+        for name, ref in out["plain_every"][0].items():
+            assert torch.equal(params[name], ref), (rank, name)
+
+
 # --- docs/fsdp.md's HSDP snippet ---------------------------------------------------------------------------
 def _snippet(rank, world):
     import os

@@ -37,6 +37,8 @@ from ..reduction.hierarchy import local_host_facts
 from ..reduction.stats import startup_line
 from ..reduction.synchronizer import GradSlice
 from .fsdp import SUPPORTED, ZenFSDP, chunk_layout
+from .fsdp_compat import check_fsdp_internals
+from .fsdp_steps import AccumulationWatch
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +125,8 @@ class ZenHSDP(ZenFSDP):
     def all_reduce(self, hook: ZenAllReduceHook, shard: torch.Tensor) -> None:
         """The cross-replica all-reduce of one module's shard, in place (FSDP's HSDP all-reduce).
 
-        1. Map the shard to named slices (once per layout).
+        1. Map the shard to named slices (once per layout); refuse a DGC step accumulated across
+           all-reduces (``fsdp_steps.AccumulationWatch``).
         2. The op: ``mean`` over the replicas without a gradient divide factor, ``sum`` with one.
         3. All-reduce over the replicate group (``BucketReducer.reduce_``: the non-finite guard, buckets of
            ``zen.bucket_cap_mb``, the Synchronizer's routing) on this thread; open the step's end callback.
@@ -133,6 +136,8 @@ class ZenHSDP(ZenFSDP):
         t0 = time.perf_counter()
         # Step 1: layout.
         slices = hook.slices_for(shard.numel())
+        if not self._step_open and self.accumulation is not None:  # DGC, accumulating across all-reduces?
+            self.accumulation.begin_backward(n for n, _ in hook.params)
         # Step 2: the op.
         op = "mean" if hook.param_group.gradient_divide_factor is None else "sum"
         # Step 3: the reduction, and the step's end.
@@ -231,7 +236,8 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
     ``zen_ext.fsdp.attach`` calls it for a model on a 2-D mesh (docs/fsdp.md, "HSDP"); its arguments are
     those of the 1-D ``zen_ext.engines.fsdp.attach`` (``guard_nonfinite``: over every rank of the mesh).
 
-    1. Find the FSDP parameter groups and refuse what is not served (``SUPPORTED``); check that every rank
+    1. Check torch (``fsdp_compat.check_fsdp_internals``: the version, the private names read here), find
+       the FSDP parameter groups and refuse what is not served (``SUPPORTED``); check that every rank
        attaches the same mesh, modules and section.
     2. Route each parameter (natural / dgc / dense) and build the Synchronizer over the replicate group.
     3. Per FSDP module: a one-rank replicate group for FSDP's native all-reduce, and a ``ZenAllReduceHook``.
@@ -239,7 +245,7 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
     Raises:
         ValueError, TypeError: an invalid section or ``zen.enabled`` false.
         NotImplementedError: what is not ``SUPPORTED``, ``zen.hierarchical`` true, attaching twice.
-        RuntimeError: ranks that attach differently.
+        RuntimeError: ranks that attach differently, an untested torch or a missing torch internal.
     """
     # Step 1: the parameter groups, refusals, agreement.
     if isinstance(config, (str, os.PathLike)):  # the section itself, or a run config with a "zen" key
@@ -252,7 +258,12 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
         raise NotImplementedError("zen.hierarchical (True) must be false or \"auto\" with FSDP2 HSDP: FSDP already "
                                   "reduces inside the node (its reduce-scatter over the shard dim) and ZEN runs "
                                   "across the nodes (the replicate dim)")
+    check_fsdp_internals(model, path="HSDP")  # a torch the tests did not run, or one without an internal read below
     found = hsdp_param_groups(model)
+    if not found:
+        raise NotImplementedError(f"zen_ext.engines.fsdp_hsdp.attach needs FSDP modules on a 2-D (\"replicate\", "
+                                  f"\"shard\") mesh ({type(model).__name__} has none); zen_ext.fsdp.attach serves "
+                                  f"both kinds; supported: {SUPPORTED}")
     mesh, shape = _check_groups(found)
     names = {id(p): n for n, p in model.named_parameters()}
     per_module = [(name, module, pg, [(names[id(fp.sharded_param)], tuple(fp._orig_size)) for fp in pg.fsdp_params
@@ -268,6 +279,7 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
                      guard_comm=TorchCommunicator(dist.group.WORLD) if guard_nonfinite else None,
                      worker_in_reducer=False, worker_off="FSDP2 HSDP (FSDP reads the shard when the hook returns)")
     zen = ZenHSDP(cfg=cfg, group=replicate, built=built, rank=rank, mesh_shape=shape)
+    zen.accumulation = AccumulationWatch(model, built.sync.param_kinds, hsdp=True)
     # Step 3: FSDP's native all-reduce over one rank, ZEN's in the hook.
     alone = dist.new_group([rank], use_local_synchronization=True)
     for name, module, pg, params in per_module:

@@ -1,19 +1,23 @@
 """FSDP2 gradient accumulation against sparsifiers that must see one gradient per optimizer step.
 
-FSDP2 reduce-scatters in every backward pass unless the module was told otherwise
-(``set_requires_gradient_sync(False)``); a sharded gradient that is already there when the next
-reduce-scatter lands gets the new one added (FSDP's ``foreach_reduce``). Accumulating micro-batches
-without ``set_requires_gradient_sync(False)`` therefore runs ZEN once per micro-batch. For a lossless
-kind (natural rows, dense) that is only more traffic: the sum of the reduced micro-batches equals the
-reduced sum. For a ``once_per_step`` sparsifier (DGC: its residual, momentum correction and warm-up
-advance per call) it is a different algorithm, top-k of each micro-batch, counted as one step per
-micro-batch. ``AccumulationWatch`` refuses it at the second micro-batch's first reduce-scatter, before
+FSDP2 reduces in every backward pass unless the module was told otherwise
+(``set_requires_gradient_sync(False)``; under HSDP also ``set_requires_all_reduce(False)``, which
+reduce-scatters but keeps the node-summed shard back, unreduced across the replicas, until a backward
+pass that all-reduces); a sharded gradient that is already there when the next reduction lands gets the
+new one added (FSDP's ``foreach_reduce``). Accumulating micro-batches with gradient sync on therefore
+runs ZEN once per micro-batch: its reduce-scatter on a 1-D mesh, its all-reduce hook under HSDP. For a
+lossless kind (natural rows, dense) that is only more traffic: the sum of the reduced micro-batches
+equals the reduced sum. For a ``once_per_step`` sparsifier (DGC: its residual, momentum correction and
+warm-up advance per call) it is a different algorithm, top-k of each micro-batch, counted as one step
+per micro-batch. ``AccumulationWatch`` refuses it at the second micro-batch's first reduction, before
 the first optimizer step, as DeepSpeed's adapter refuses DGC with ZeRO-2/3 gradient accumulation.
 
 The signal is FSDP's own accumulation condition: a backward pass begins reducing while a trainable
 sharded gradient of the module is still there, and no optimizer holding the model's parameters has
 stepped since the last backward pass that reduced (a global ``torch.optim`` step pre-hook, so
 ``attach`` needs no ``optimizer=``; it tells apart ``zero_grad(set_to_none=False)``, which leaves zeros).
+Under HSDP a backward pass with ``set_requires_all_reduce(False)`` neither calls ZEN nor sets a sharded
+gradient (FSDP returns before both), so that accumulation is one ZEN step and passes.
 """
 
 from __future__ import annotations
@@ -34,9 +38,12 @@ class AccumulationWatch:
     Args:
         model: the FSDP2 root module (its trainable parameters are the sharded ones FSDP accumulates into).
         param_kinds: parameter name → routed kind (``Synchronizer.param_kinds``).
+        hsdp: ZEN is HSDP's cross-replica all-reduce (engines/fsdp_hsdp.py), not the reduce-scatter: the
+            error names that collective and HSDP's own way to accumulate.
     """
 
-    def __init__(self, model: torch.nn.Module, param_kinds: dict[str, str]) -> None:
+    def __init__(self, model: torch.nn.Module, param_kinds: dict[str, str], *, hsdp: bool = False) -> None:
+        self.hsdp = hsdp
         self.kinds = sorted({k for k in param_kinds.values() if k != "dense" and spec_of(k).cls.once_per_step})
         # Weak: the global hook below must not keep the model alive if close() is never called.
         self.params = weakref.WeakValueDictionary({n: p for n, p in model.named_parameters() if p.requires_grad})
@@ -55,19 +62,25 @@ class AccumulationWatch:
             self.reduced = 0
 
     def begin_backward(self, names) -> None:
-        """A backward pass starts reducing, first the parameters ``names``: raise if FSDP is about to add
-        this reduce-scatter's result to a gradient an earlier one left (no optimizer step between)."""
+        """A backward pass starts reducing (ZEN's first reduce-scatter or HSDP all-reduce of it), first the
+        parameters ``names``: raise if FSDP is about to add this reduction's result to a gradient an earlier
+        one left (no optimizer step between)."""
         if not self.kinds:
             return
         if self.reduced and any(getattr(self.params.get(n), "grad", None) is not None for n in names):
             kind = self.kinds[0]
+            reduced, keep = "reduce-scattered", ""
+            if self.hsdp:
+                reduced = "all-reduced across the replicas"
+                keep = (" (under HSDP, set_requires_all_reduce(False) instead keeps the reduce-scattered shard "
+                        "back, unreduced across the replicas)")
             raise NotImplementedError(
-                f"zen_ext.fsdp: a second backward pass reduce-scattered before the optimizer stepped (gradient "
+                f"zen_ext.fsdp: a second backward pass {reduced} before the optimizer stepped (gradient "
                 f"accumulation with gradient sync on), and zen.{kind} must see one gradient per optimizer step: "
                 f"reducing each micro-batch would run {kind} per micro-batch and count each as a step. Call "
                 f"model.set_requires_gradient_sync(False) before every micro-batch's backward but the last "
-                f"(set_requires_gradient_sync(True) before the last), or turn zen.{kind} off. (zen_ext counts "
-                f"optimizer steps through torch.optim's step pre-hook: an optimizer that is not a "
+                f"(set_requires_gradient_sync(True) before the last){keep}, or turn zen.{kind} off. (zen_ext "
+                f"counts optimizer steps through torch.optim's step pre-hook: an optimizer that is not a "
                 f"torch.optim.Optimizer must zero gradients with set_to_none=True.)")
         self.reduced += 1
 
