@@ -503,6 +503,8 @@ def main(argv=None) -> None:
     p.add_argument("--runs", default=os.path.join(ROOT, "runs", "quality"), help="run folders (cached results)")
     p.add_argument("--out", default=None, help="markdown report (and a .png next to it)")
     p.add_argument("--report_only", action="store_true", help="only tabulate the cached results")
+    p.add_argument("--port", type=int, default=29600,
+                   help="first master port of the runs (two sweeps at once on one machine need apart ones)")
     p.add_argument("--plot_variants", nargs="+", default=list(PLOT_VARIANTS), choices=list(VARIANTS),
                    help="the variants the plot draws (default: %(default)s)")
     args = p.parse_args(argv)
@@ -525,7 +527,7 @@ def main(argv=None) -> None:
                     results.append(json.load(f))
             continue
         t0 = time.perf_counter()
-        r = run_one(args.runs, setting, variant, seed, steps, args.eval_every, start, 29600 + i % 200)
+        r = run_one(args.runs, setting, variant, seed, steps, args.eval_every, start, args.port + i % 200)
         results.append(r)
         print(f"[{i + 1}/{len(jobs)}] {setting} {variant} seed {seed}: eval {r['eval'][-1][1]:.4f} at step "
               f"{r['eval'][-1][0]} ({time.perf_counter() - t0:.0f} s)", flush=True)
