@@ -7,8 +7,8 @@ dense run (no zen) sends that dense amount every step: its cumulative bytes at s
 per-step dense bytes of the zen runs of the same setting (the same model, so the same for all of them).
 
 Steps:
-1. Per setting and seed, the byte budget is the smallest total any compared run sent over the whole run
-   (the cheapest variant's last step).
+1. Per setting, DGC density and seed, the byte budget is the smallest total any compared run of that
+   density sent over the whole run (the cheapest variant's last step); dense is in every density's table.
 2. Each run's step at that budget (linear in its cumulative bytes between steps), and its eval loss
    there (linear between evaluations; none before the first evaluation).
 3. The gap to dense of the same seed at the same budget, and the bytes each run sends until it reaches
@@ -20,7 +20,13 @@ from __future__ import annotations
 
 import statistics
 
-from bench_quality import TARGET_MARGIN, _fmt_range, baseline_of, steps_to
+from bench_quality import TARGET_MARGIN, VARIANTS, _fmt_range, baseline_of, steps_to
+
+
+def density_of(variant: str) -> float | None:
+    """The DGC density of a zen variant; None for a dense one (compared at every density)."""
+    spec = VARIANTS.get(variant) or {}
+    return None if not spec or spec.get("_dense") else spec.get("density", 0.05)
 
 
 def dense_step_bytes(results: list[dict]) -> float | None:
@@ -49,8 +55,9 @@ def _interp(points: list[tuple[float, float]], x: float, by: int = 0) -> float |
 def report(results: list[dict]) -> str:
     """Step 1-3: one markdown table per setting (medians [min–max] over seeds)."""
     lines = []
-    for setting in ("scratch", "finetune"):
-        rows = [r for r in results if r["setting"] == setting]
+    densities = sorted({d for r in results if (d := density_of(r["variant"])) is not None}, reverse=True)
+    for setting, density in ((s, d) for s in ("scratch", "finetune") for d in densities):
+        rows = [r for r in results if r["setting"] == setting and density_of(r["variant"]) in (None, density)]
         per_step = dense_step_bytes(rows)
         if not rows or per_step is None:
             continue
@@ -59,7 +66,8 @@ def report(results: list[dict]) -> str:
             by.setdefault(r["variant"], {})[r["seed"]] = r
         curves = {(r["variant"], r["seed"]): cumulative(r, per_step) for r in rows}
         budgets = {s: min(curves[(v, s)][-1][1] for v in by if s in by[v]) for s in {r["seed"] for r in rows}}
-        lines += [f"### {setting}: at equal bytes (dense sends {per_step / 1024:.1f} KiB per rank per step)", "",
+        lines += [f"### {setting}, DGC {density:.0%}: at equal bytes (dense sends {per_step / 1024:.1f} KiB per rank "
+                  "per step)", "",
                   "| variant | bytes per step × dense | budget (KiB per rank) | step at the budget | eval loss at the "
                   f"budget | gap to dense at equal bytes | bytes × dense to dense + {TARGET_MARGIN:.0%} |",
                   "|---|---|---|---|---|---|---|"]

@@ -154,7 +154,7 @@ def test_equal_bytes_compares_where_each_run_has_sent_the_same():
     text = qb.report([dense, half, quarter])
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
-    assert "dense sends 0.1 KiB per rank per step" in text
+    assert "finetune, DGC 5%: at equal bytes (dense sends 0.1 KiB per rank per step)" in text
     assert rows["dense"][0].startswith("1.000") and rows["spardl5_global"][0].startswith("0.250")
     assert rows["dense"][2].startswith("50 ") and rows["dgc5_project_defaults"][2].startswith("100 ")
     assert rows["spardl5_global"][2].startswith("200 ")
@@ -163,6 +163,12 @@ def test_equal_bytes_compares_where_each_run_has_sent_the_same():
     # dense + 1 % = 2.02: dense at step 198 (19,800 bytes), half at 200 (10,000), quarter never.
     assert rows["dgc5_project_defaults"][5].startswith(f"{10000 / 19800:.2f}")
     assert rows["spardl5_global"][5] == "– (0/1 seeds reach it)"
+    # A run at another density gets its own table and budget (with dense in it), not the 5 % one's.
+    tenth = _bytes_run("spardl1_global", 0, [[50, 4.9], [100, 3.9], [200, 2.5]], 10)
+    both = qb.report([dense, half, quarter, tenth])
+    five, one = both.split("### finetune, DGC 1%")
+    assert "spardl1_global" not in five and "spardl5_global" not in one and "| dense |" in one
+    assert five.strip() == text.strip()
 
 
 def test_interpolation_in_cumulative_bytes():
