@@ -58,6 +58,8 @@ def report(results: list[dict]) -> str:
     densities = sorted({d for r in results if (d := density_of(r["variant"])) is not None}, reverse=True)
     for setting, density in ((s, d) for s in ("scratch", "finetune") for d in densities):
         rows = [r for r in results if r["setting"] == setting and density_of(r["variant"]) in (None, density)]
+        seeds_run = {r["seed"] for r in rows if density_of(r["variant"]) is not None}
+        rows = [r for r in rows if r["seed"] in seeds_run]  # dense only where this density ran too
         per_step = dense_step_bytes(rows)
         if not rows or per_step is None:
             continue

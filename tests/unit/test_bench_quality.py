@@ -169,6 +169,9 @@ def test_equal_bytes_compares_where_each_run_has_sent_the_same():
     five, one = both.split("### finetune, DGC 1%")
     assert "spardl1_global" not in five and "spardl5_global" not in one and "| dense |" in one
     assert five.strip() == text.strip()
+    # dense of a seed no 1 % run has stays out of the 1 % table (its budget would be dense's own total)
+    other = _bytes_run("dense", 1, [[50, 4.0], [100, 3.0], [200, 2.0]], None)
+    assert qb.report([dense, other, half, quarter, tenth]).split("### finetune, DGC 1%")[1] == one
 
 
 def test_interpolation_in_cumulative_bytes():
