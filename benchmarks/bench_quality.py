@@ -180,6 +180,17 @@ VARIANTS: dict[str, dict | None] = {
     # as the ZeRO-1 variant of the same name; each measured against dense ZeRO-3 of the same seed.
     "dense_zero3": {"_dense": True, "_zero3": True},
     "dgc5_project_defaults_zero3": {"_dgc_defaults": True, "_recipe_default": True, "_zero3": True},
+    # SparDL (docs/spardl.md) in place of ZEN at the project's defaults: the same DGC section (its density,
+    # ramp, CatchUpAdamW and flush), scheme spardl selecting k/P per block itself, with the seed's global
+    # residual or only the local one (zen.spardl.residual); measured against dense of the same seed.
+    "spardl5_global": {"_dgc_defaults": True, "_recipe_default": True, "_scheme": "spardl",
+                       "_spardl_residual": "global"},
+    "spardl5_local": {"_dgc_defaults": True, "_recipe_default": True, "_scheme": "spardl",
+                      "_spardl_residual": "local"},
+    "spardl1_global": {"_dgc_defaults": True, "_recipe_default": True, "density": 0.01, "_scheme": "spardl",
+                       "_spardl_residual": "global"},
+    "spardl1_local": {"_dgc_defaults": True, "_recipe_default": True, "density": 0.01, "_scheme": "spardl",
+                      "_spardl_residual": "local"},
     "dgc5_localclip": {"clip_norm": 1.0, "_ds_clip": 0.0},
     "dgc1_localclip": {"density": 0.01, "clip_norm": 1.0, "_ds_clip": 0.0},
 }
@@ -187,7 +198,10 @@ STEP_TIME_CONFIG = {"dense": "dense", "dense_lr2x": "dense", "dense_noclip": "de
                     "dense_b2_999": "dense", "dense_cosine": "dense", "dense_cosine0": "dense",
                     "dense_catchup": "dense", "dense_cosine_catchup": "dense", "dense_zero3": "dense",
                     "natural": "zen_natural",
-                    "dgc_density1": "dense"}
+                    "dgc_density1": "dense",
+                    # no emulated-cluster measurement of SparDL: its time columns stay empty
+                    "spardl5_global": "spardl", "spardl5_local": "spardl",
+                    "spardl1_global": "spardl", "spardl1_local": "spardl"}
 """Which emulated-cluster measurement times a variant's step: DGC variants take the ``zen_dgc<d>`` of
 their density; the per-step time of a variant with more dense tensors is then a lower bound."""
 
@@ -208,6 +222,7 @@ def ds_config(variant: str, steps: int | None = None) -> dict:
     dgc_defaults = spec.pop("_dgc_defaults", False)
     recipe_default = spec.pop("_recipe_default", False)
     zero3 = spec.pop("_zero3", False)
+    scheme, residual = spec.pop("_scheme", None), spec.pop("_spardl_residual", None)
     with open(os.path.join(ROOT, "configs/demo_ds_dense.json" if dense else "configs/demo_ds.json")) as f:
         cfg = json.load(f)
     if not dense:
@@ -218,6 +233,11 @@ def ds_config(variant: str, steps: int | None = None) -> dict:
             cfg["zen"]["dgc"].setdefault("warmup_steps", 0)  # nor the default ramp (the demo's sets its own)
         cfg["zen"]["dgc"].update(spec)
         cfg["zen"]["stats"] = {"summary": False}
+        if scheme is not None:  # a named scheme: the ZeRO-1 demo's planner has nothing to choose
+            cfg["zen"]["scheme"] = scheme
+            cfg["zen"].pop("planner", None)
+            if residual is not None:
+                cfg["zen"]["spardl"] = {"residual": residual}
     if zero3:  # ZeRO-3's sharding and ZEN's reduce-scatter, as the ZeRO-3 demo sets them
         with open(os.path.join(ROOT, "configs/demo_ds_zero3.json")) as f:
             zero3_cfg = json.load(f)
@@ -318,8 +338,10 @@ def run_one(runs: str, setting: str, variant: str, seed: int, steps: int, eval_e
                      os.path.join(out, "log.txt"), port)
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
+    with open(os.path.join(out, "train_log.jsonl")) as f:  # cumulative bytes per rank (zen runs only)
+        sent = [[r["step"], r["bytes_sent"], r["dense_bytes"]] for r in map(json.loads, f) if "bytes_sent" in r]
     result = {"key": key, "setting": setting, "variant": variant, "seed": seed, "steps": steps,
-              "eval": summary["eval"], "losses": summary["losses"], "wall_s": wall_s}
+              "eval": summary["eval"], "losses": summary["losses"], "wall_s": wall_s, "bytes": sent}
     with open(result_path, "w") as f:
         json.dump(result, f)
     return result
@@ -485,6 +507,8 @@ def main(argv=None) -> None:
     p.add_argument("--runs", default=os.path.join(ROOT, "runs", "quality"), help="run folders (cached results)")
     p.add_argument("--out", default=None, help="markdown report (and a .png next to it)")
     p.add_argument("--report_only", action="store_true", help="only tabulate the cached results")
+    p.add_argument("--port", type=int, default=29600,
+                   help="first master port of the runs (two sweeps at once on one machine need apart ones)")
     p.add_argument("--plot_variants", nargs="+", default=list(PLOT_VARIANTS), choices=list(VARIANTS),
                    help="the variants the plot draws (default: %(default)s)")
     args = p.parse_args(argv)
@@ -507,7 +531,7 @@ def main(argv=None) -> None:
                     results.append(json.load(f))
             continue
         t0 = time.perf_counter()
-        r = run_one(args.runs, setting, variant, seed, steps, args.eval_every, start, 29600 + i % 200)
+        r = run_one(args.runs, setting, variant, seed, steps, args.eval_every, start, args.port + i % 200)
         results.append(r)
         print(f"[{i + 1}/{len(jobs)}] {setting} {variant} seed {seed}: eval {r['eval'][-1][1]:.4f} at step "
               f"{r['eval'][-1][0]} ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -515,6 +539,10 @@ def main(argv=None) -> None:
     # Step 3: the report.
     step_s = cluster_step_s(os.path.join(ROOT, "benchmarks/results/cluster_e2e.jsonl"))
     text = report(results, step_s, args.out[:-3] + ".png" if args.out else None, args.plot_variants)
+    if any(r.get("bytes") for r in results):  # runs that recorded their bytes: the same runs at equal bytes
+        import quality_bytes
+
+        text += "\n" + quality_bytes.report(results)
     header = ["# Time to quality: dense vs DGC variants", "",
               f"Generated by `benchmarks/bench_quality.py` ({time.strftime('%Y-%m-%d')}; its docstring has the method). "
               "2 CPU ranks (deepspeed launcher), the demo's tiny Llama and DeepSpeed settings (AdamW lr 3e-3, "

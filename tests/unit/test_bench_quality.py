@@ -115,3 +115,68 @@ def test_report_pairs_a_zero3_variant_with_dense_zero3_alone():
             for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
     assert rows["dense_zero3"][2].startswith("+0.00")
     assert rows["dgc5_project_defaults_zero3 (against dense_zero3)"][2] == "+2.00 [+1.00–+3.00] %"
+
+
+def test_spardl_variants_name_the_scheme_and_its_residual():
+    """SparDL's variants are the project-defaults DGC variant with the scheme named (no planner section)
+    and zen.spardl.residual set; their time columns stay empty (no cluster measurement of SparDL)."""
+    base = bq.ds_config("dgc5_project_defaults")
+    for residual in ("global", "local"):
+        cfg = bq.ds_config(f"spardl5_{residual}")
+        assert cfg["zen"]["scheme"] == "spardl" and cfg["zen"]["spardl"] == {"residual": residual}
+        assert "planner" not in cfg["zen"] and cfg["zen"]["dgc"] == base["zen"]["dgc"]
+        assert {k: v for k, v in cfg.items() if k != "zen"} == {k: v for k, v in base.items() if k != "zen"}
+        assert bq.baseline_of(f"spardl5_{residual}") == "dense"
+        assert bq.step_time_key(f"spardl5_{residual}") == "spardl"
+    assert bq.ds_config("spardl1_local")["zen"]["dgc"]["density"] == 0.01
+    assert base["zen"]["scheme"] == "auto" and "spardl" not in base["zen"]  # the DGC variant is unchanged
+    from zen_ext.config import ZenConfig
+
+    ZenConfig.from_dict(bq.ds_config("spardl5_global")["zen"])  # a valid zen section
+
+
+def _bytes_run(variant, seed, evals, per_step_sent, dense_per_step=100):
+    r = _run("finetune", variant, seed, evals)
+    if per_step_sent is not None:
+        r["bytes"] = [[s, s * per_step_sent, s * dense_per_step] for s in range(1, r["steps"] + 1)]
+    return r
+
+
+def test_equal_bytes_compares_where_each_run_has_sent_the_same():
+    import quality_bytes as qb
+
+    # dense sends 100 per step (taken from the zen runs' dense_bytes), "half" 50, "quarter" 25: the budget
+    # is quarter's total (200 steps x 25 = 5,000), reached by dense at step 50 and by half at step 100.
+    dense = _bytes_run("dense", 0, [[50, 4.0], [100, 3.0], [200, 2.0]], None)
+    half = _bytes_run("dgc5_project_defaults", 0, [[50, 4.5], [100, 3.3], [200, 2.02]], 50)
+    quarter = _bytes_run("spardl5_global", 0, [[50, 4.8], [100, 3.6], [200, 2.2]], 25)
+    assert qb.dense_step_bytes([dense, half, quarter]) == 100
+    text = qb.report([dense, half, quarter])
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
+    assert "finetune, DGC 5%: at equal bytes (dense sends 0.1 KiB per rank per step)" in text
+    assert rows["dense"][0].startswith("1.000") and rows["spardl5_global"][0].startswith("0.250")
+    assert rows["dense"][2].startswith("50 ") and rows["dgc5_project_defaults"][2].startswith("100 ")
+    assert rows["spardl5_global"][2].startswith("200 ")
+    assert rows["dense"][3].startswith("4.0000") and rows["dgc5_project_defaults"][3].startswith("3.3000")
+    assert rows["spardl5_global"][4] == f"{qb._fmt_range([100 * (2.2 / 4.0 - 1)], '+.2f')} %"
+    # dense + 1 % = 2.02: dense at step 198 (19,800 bytes), half at 200 (10,000), quarter never.
+    assert rows["dgc5_project_defaults"][5].startswith(f"{10000 / 19800:.2f}")
+    assert rows["spardl5_global"][5] == "– (0/1 seeds reach it)"
+    # A run at another density gets its own table and budget (with dense in it), not the 5 % one's.
+    tenth = _bytes_run("spardl1_global", 0, [[50, 4.9], [100, 3.9], [200, 2.5]], 10)
+    both = qb.report([dense, half, quarter, tenth])
+    five, one = both.split("### finetune, DGC 1%")
+    assert "spardl1_global" not in five and "spardl5_global" not in one and "| dense |" in one
+    assert five.strip() == text.strip()
+    # dense of a seed no 1 % run has stays out of the 1 % table (its budget would be dense's own total)
+    other = _bytes_run("dense", 1, [[50, 4.0], [100, 3.0], [200, 2.0]], None)
+    assert qb.report([dense, other, half, quarter, tenth]).split("### finetune, DGC 1%")[1] == one
+
+
+def test_interpolation_in_cumulative_bytes():
+    import quality_bytes as qb
+
+    curve = [(0.0, 0.0), (1.0, 10.0), (2.0, 30.0)]
+    assert qb._interp(curve, 20.0, by=1) == 1.5 and qb._interp(curve, 1.5) == 20.0
+    assert qb._interp(curve, 31.0, by=1) is None
