@@ -520,8 +520,8 @@ def main(argv=None) -> None:
     p.add_argument("--plot_variants", nargs="+", default=list(PLOT_VARIANTS), choices=list(VARIANTS),
                    help="the variants the plot draws (default: %(default)s)")
     args = p.parse_args(argv)
-    for base in ["dense", *(baseline_of(v) for v in args.variants)]:
-        if base not in args.variants:  # every gap is relative to a dense run of the same seed
+    for base in dict.fromkeys(baseline_of(v) for v in args.variants):
+        if base not in args.variants:  # every gap is relative to a dense run of the same seed (and engine)
             args.variants.insert(0 if base == "dense" else 1, base)
 
     # Step 2: the runs (cached ones are read back).
