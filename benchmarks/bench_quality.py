@@ -2,8 +2,10 @@
 
 Each run is the DeepSpeed recipe (``recipes/finetune_llm.py``) on 2 CPU ranks with the demo's tiny Llama
 and DeepSpeed settings (``configs/demo_ds.json``: AdamW lr 3e-3, ZeRO-1; the ``*_zero3`` variants take
-ZeRO-3 from ``configs/demo_ds_zero3.json``), one variant's ``zen`` section
-and one seed (model initialization, data order and eval split), in two settings:
+ZeRO-3 from ``configs/demo_ds_zero3.json``; the ``*_fsdp*`` variants run the FSDP2 recipe
+``recipes/finetune_llm_fsdp.py`` under torchrun on the ZeRO-3 variant's settings, translated by
+``benchmarks/quality_fsdp.py``, fine-tuning from the same DeepSpeed-pretrained HF checkpoint), one variant's
+``zen`` section and one seed (model initialization, data order and eval split), in two settings:
 
 * ``scratch``: random initialization, the whole built-in text, ``--scratch_steps`` steps;
 * ``finetune``: from a model pretrained densely on the first half of the text (built once, cached in
@@ -34,10 +36,13 @@ import hashlib
 import json
 import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import time
+
+import quality_fsdp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODEL = "configs/models/llama-tiny-untied.json"
@@ -191,12 +196,21 @@ VARIANTS: dict[str, dict | None] = {
                        "_spardl_residual": "global"},
     "spardl1_local": {"_dgc_defaults": True, "_recipe_default": True, "density": 0.01, "_scheme": "spardl",
                       "_spardl_residual": "local"},
+    # Under FSDP2 (recipes/finetune_llm_fsdp.py under torchrun; quality_fsdp.fsdp_config translates the
+    # ZeRO-3 variant's DeepSpeed config: same AdamW, clip, warm-up, micro-batch and zen section), each
+    # measured against dense FSDP2 of the same seed: the project defaults (CatchUpAdamW) and the same
+    # zen section with the config's plain AdamW (``_plain_adam``: --plain_adam, nothing else changed).
+    "dense_fsdp": {"_dense": True, "_fsdp": True},
+    "dgc5_project_defaults_fsdp": {"_dgc_defaults": True, "_recipe_default": True, "_fsdp": True},
+    "dgc5_project_defaults_fsdp_plain_adam": {"_dgc_defaults": True, "_recipe_default": True, "_fsdp": True,
+                                              "_plain_adam": True},
     "dgc5_localclip": {"clip_norm": 1.0, "_ds_clip": 0.0},
     "dgc1_localclip": {"density": 0.01, "clip_norm": 1.0, "_ds_clip": 0.0},
 }
 STEP_TIME_CONFIG = {"dense": "dense", "dense_lr2x": "dense", "dense_noclip": "dense",
                     "dense_b2_999": "dense", "dense_cosine": "dense", "dense_cosine0": "dense",
                     "dense_catchup": "dense", "dense_cosine_catchup": "dense", "dense_zero3": "dense",
+                    "dense_fsdp": "dense",
                     "natural": "zen_natural",
                     "dgc_density1": "dense",
                     # no emulated-cluster measurement of SparDL: its time columns stay empty
@@ -212,16 +226,18 @@ def ds_config(variant: str, steps: int | None = None) -> dict:
     ``_beta1`` / ``_beta2`` for AdamW's betas, ``_ds_clip`` for DeepSpeed's gradient clipping,
     ``_cosine`` for a cosine decay over the run's ``steps`` to that fraction of the rate, ``_dgc_defaults``
     for a ``zen.dgc`` section of only ``enabled`` and ``density`` in place of the demo's, ``_zero3`` for
-    ``configs/demo_ds_zero3.json``'s ZeRO-3 ``zero_optimization`` and zen scheme in place of ZeRO-1's)."""
+    ``configs/demo_ds_zero3.json``'s ZeRO-3 ``zero_optimization`` and zen scheme in place of ZeRO-1's,
+    ``_fsdp`` for the FSDP2 recipe: the ``_zero3`` config, which ``quality_fsdp.fsdp_config`` translates;
+    ``_plain_adam`` is a recipe argument)."""
     spec = copy.deepcopy(VARIANTS[variant]) if VARIANTS[variant] is not None else {"_dense": True}
     lr_scale, dense = spec.pop("_lr_scale", 1.0), spec.pop("_dense", False)
-    spec.pop("_catch_up", None)  # a recipe argument (run_one)
+    spec.pop("_catch_up", None), spec.pop("_plain_adam", None)  # recipe arguments (run_one)
     beta1, beta2 = spec.pop("_beta1", None), spec.pop("_beta2", None)
     ds_clip = spec.pop("_ds_clip", None)
     cosine = spec.pop("_cosine", None)
     dgc_defaults = spec.pop("_dgc_defaults", False)
     recipe_default = spec.pop("_recipe_default", False)
-    zero3 = spec.pop("_zero3", False)
+    zero3 = spec.pop("_zero3", False) | spec.pop("_fsdp", False)  # FSDP2 shards as ZeRO-3 does
     scheme, residual = spec.pop("_scheme", None), spec.pop("_spardl_residual", None)
     with open(os.path.join(ROOT, "configs/demo_ds_dense.json" if dense else "configs/demo_ds.json")) as f:
         cfg = json.load(f)
@@ -264,11 +280,24 @@ def ds_config(variant: str, steps: int | None = None) -> dict:
     return cfg
 
 
-def _launch(args_list: list[str], log_path: str, port: int) -> float:
-    """Run the recipe on 2 ranks; returns its wall time in seconds. Raises on a failed run."""
+def free_port() -> int:
+    """A port no process listens on now (a fixed one collides with other jobs on a shared machine)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(args_list: list[str], log_path: str, port: int | None = None, fsdp: bool = False) -> float:
+    """Run the recipe on 2 ranks (the DeepSpeed recipe under its launcher, or with ``fsdp`` the FSDP2 recipe
+    under torchrun); returns its wall time in seconds. Raises on a failed run."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
-    deepspeed = os.path.join(os.path.dirname(sys.executable), "deepspeed")
-    cmd = [deepspeed, "--num_gpus", "2", "--master_port", str(port), "recipes/finetune_llm.py", *args_list]
+    port = port or free_port()
+    if fsdp:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
+               "--master_port", str(port), "recipes/finetune_llm_fsdp.py", *args_list]
+    else:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", "2",
+               "--master_port", str(port), "recipes/finetune_llm.py", *args_list]
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
         try:  # a run of this size takes about a minute; a stuck rendezvous must not stall the sweep
@@ -292,7 +321,7 @@ def pretrained(runs: str, steps: int) -> str:
         print(f"pretraining the fine-tuning start ({steps} dense steps on the first half) ...", flush=True)
         _launch(["--deepspeed_config", cfg, "--model", MODEL, "--data", "pydoc", "--data_part", "first",
                  "--tokenizer", "train", "--steps", str(steps), "--output_dir", out, "--save_model", path],
-                os.path.join(out, "log.txt"), 29590)
+                os.path.join(out, "log.txt"))
     return path
 
 
@@ -317,13 +346,18 @@ def run_one(runs: str, setting: str, variant: str, seed: int, steps: int, eval_e
     spec = VARIANTS[variant] or {}
     if spec.get("_catch_up"):
         run_args += ["--catch_up_adam"]
-    elif not spec.get("_recipe_default"):
+    elif spec.get("_plain_adam") or not spec.get("_recipe_default"):
         run_args += ["--plain_adam"]  # the config's AdamW, which the recipe otherwise swaps for CatchUpAdamW
     if setting == "finetune":
         run_args += ["--model", start, "--tokenizer", start, "--data_part", "second"]
     else:
         run_args += ["--model", MODEL, "--tokenizer", "train"]
-    key = hashlib.sha1(json.dumps(_key_of(cfg, run_args)).encode()).hexdigest()[:12]
+    fsdp = spec.get("_fsdp", False)
+    if fsdp:  # the same settings in the FSDP recipe's config; --plain_adam is part of its identity
+        cfg = quality_fsdp.fsdp_config(cfg)
+        key = hashlib.sha1(json.dumps(["fsdp", cfg, run_args]).encode()).hexdigest()[:12]
+    else:
+        key = hashlib.sha1(json.dumps(_key_of(cfg, run_args)).encode()).hexdigest()[:12]
     out = os.path.join(runs, setting, variant, f"seed{seed}")
     result_path = os.path.join(out, "result.json")
     if os.path.exists(result_path):
@@ -332,10 +366,11 @@ def run_one(runs: str, setting: str, variant: str, seed: int, steps: int, eval_e
         if result.get("key") == key:
             return result
     os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "ds_config.json"), "w") as f:
+    cfg_path = os.path.join(out, "fsdp_config.json" if fsdp else "ds_config.json")
+    with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=1)
-    wall_s = _launch(["--deepspeed_config", os.path.join(out, "ds_config.json"), "--output_dir", out, *run_args],
-                     os.path.join(out, "log.txt"), port)
+    wall_s = _launch(["--config" if fsdp else "--deepspeed_config", cfg_path, "--output_dir", out, *run_args],
+                     os.path.join(out, "log.txt"), port, fsdp=fsdp)
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     with open(os.path.join(out, "train_log.jsonl")) as f:  # cumulative bytes per rank (zen runs only)
@@ -377,11 +412,12 @@ def baseline_of(variant: str) -> str:
     """The dense run a variant is measured against: dense on the same learning-rate schedule (a decaying
     rate changes dense's loss too, so DGC on it is compared with dense on it) and the same ZeRO stage."""
     spec = VARIANTS[variant] or {}
-    cosine, zero3 = spec.get("_cosine"), spec.get("_zero3", False)
-    if cosine is None and not zero3:
+    cosine, zero3, fsdp = spec.get("_cosine"), spec.get("_zero3", False), spec.get("_fsdp", False)
+    if cosine is None and not zero3 and not fsdp:
         return "dense"
     return next(v for v, s in VARIANTS.items()
-                if s and s.get("_dense") and s.get("_cosine") == cosine and s.get("_zero3", False) == zero3)
+                if s and s.get("_dense") and s.get("_cosine") == cosine and s.get("_zero3", False) == zero3
+                and s.get("_fsdp", False) == fsdp)
 
 
 def step_time_key(variant: str) -> str:
@@ -507,13 +543,13 @@ def main(argv=None) -> None:
     p.add_argument("--runs", default=os.path.join(ROOT, "runs", "quality"), help="run folders (cached results)")
     p.add_argument("--out", default=None, help="markdown report (and a .png next to it)")
     p.add_argument("--report_only", action="store_true", help="only tabulate the cached results")
-    p.add_argument("--port", type=int, default=29600,
-                   help="first master port of the runs (two sweeps at once on one machine need apart ones)")
+    p.add_argument("--port", type=int, default=None,
+                   help="first master port of the runs (default: a free port for each run)")
     p.add_argument("--plot_variants", nargs="+", default=list(PLOT_VARIANTS), choices=list(VARIANTS),
                    help="the variants the plot draws (default: %(default)s)")
     args = p.parse_args(argv)
-    for base in ["dense", *(baseline_of(v) for v in args.variants)]:
-        if base not in args.variants:  # every gap is relative to a dense run of the same seed
+    for base in dict.fromkeys(baseline_of(v) for v in args.variants):
+        if base not in args.variants:  # every gap is relative to a dense run of the same seed (and engine)
             args.variants.insert(0 if base == "dense" else 1, base)
 
     # Step 2: the runs (cached ones are read back).
@@ -531,7 +567,8 @@ def main(argv=None) -> None:
                     results.append(json.load(f))
             continue
         t0 = time.perf_counter()
-        r = run_one(args.runs, setting, variant, seed, steps, args.eval_every, start, args.port + i % 200)
+        r = run_one(args.runs, setting, variant, seed, steps, args.eval_every, start,
+                    args.port + i % 200 if args.port else None)
         results.append(r)
         print(f"[{i + 1}/{len(jobs)}] {setting} {variant} seed {seed}: eval {r['eval'][-1][1]:.4f} at step "
               f"{r['eval'][-1][0]} ({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -545,8 +582,9 @@ def main(argv=None) -> None:
         text += "\n" + quality_bytes.report(results)
     header = ["# Time to quality: dense vs DGC variants", "",
               f"Generated by `benchmarks/bench_quality.py` ({time.strftime('%Y-%m-%d')}; its docstring has the method). "
-              "2 CPU ranks (deepspeed launcher), the demo's tiny Llama and DeepSpeed settings (AdamW lr 3e-3, "
-              "betas 0.9/0.95, 10 warm-up steps, ZeRO-1 (`*_zero3` variants: ZeRO-3), micro-batch 8 × 128 "
+              "2 CPU ranks (deepspeed launcher; `*_fsdp*` variants: torchrun and the FSDP2 recipe on the "
+              "same settings, `benchmarks/quality_fsdp.py`), the demo's tiny Llama and DeepSpeed settings (AdamW "
+              "lr 3e-3, betas 0.9/0.95, 10 warm-up steps, ZeRO-1 (`*_zero3` variants: ZeRO-3), micro-batch 8 × 128 "
               "tokens), eval every "
               f"{args.eval_every} steps on held-out blocks. `scratch`: random initialization, the whole "
               "built-in text; `finetune`: from a model pretrained densely on the first half of the text "

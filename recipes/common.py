@@ -259,6 +259,32 @@ def optimizer_choice(args, dgc_on: bool, adam: bool) -> tuple[str, str]:
     return "config", "no DGC" if not dgc_on else "not Adam"
 
 
+WARMUP_TYPES = ("log", "linear")
+"""The warm-up curves of DeepSpeed's ``WarmupLR`` (its default: ``log``)."""
+
+
+def warmup_lr_factor(step: int, warmup_steps: int, warmup_type: str = "log") -> float:
+    """The fraction of the peak learning rate that optimizer step ``step`` (1-based) takes in a warm-up from 0,
+    as DeepSpeed's ``WarmupLR`` (``warmup_min_lr`` 0) sets it when its engine steps the scheduler after each
+    optimizer step, so a recipe without DeepSpeed trains on the same rates (``configs/demo_ds.json``'s).
+
+    DeepSpeed's scheduler starts at index -1 (its minimum, 0) and is one step behind: step ``s`` runs at index
+    ``i = s - 2`` (steps 1 and 2 at 0), ``log(i + 1) / log(W)`` (``log``) or ``i / W`` (``linear``) while
+    ``i < W``, then 1; ``W = max(2, warmup_steps)`` as DeepSpeed clamps it. ``warmup_steps`` 0: always 1.
+    """
+    if warmup_type not in WARMUP_TYPES:
+        raise ConfigError(f"warmup_type ({warmup_type!r}) must be one of {list(WARMUP_TYPES)}")
+    if warmup_steps <= 0:
+        return 1.0
+    index, span = step - 2, max(2, warmup_steps)
+    if index < 0:
+        return 0.0
+    if index >= span:
+        return 1.0
+    # DeepSpeed's own arithmetic (the inverse first), so the rates are equal to the last bit.
+    return (1.0 / math.log(span)) * math.log(index + 1) if warmup_type == "log" else index / span
+
+
 def select_texts(texts: list[str], part: str = "all", max_docs: int = 0) -> list[str]:
     """The documents a run uses: all, or the first or second half (``--data_part``: pretrain on one,
     fine-tune on the other), then at most ``max_docs`` of them."""

@@ -35,11 +35,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from recipes import common, fsdp_checkpoint  # noqa: E402
 
 FSDP_DEFAULTS = {"micro_batch": 8, "lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01,
-                 "grad_clip": 1.0, "param_dtype": "fp32", "blocks": None}
+                 "grad_clip": 1.0, "param_dtype": "fp32", "blocks": None, "warmup_steps": 0, "warmup_type": "log"}
 """The ``"fsdp"`` section's keys: micro-batch per rank, AdamW's settings, the gradient-norm clip (0: off),
 the stored parameters' dtype (``fp32`` or ``bf16``: weights, optimizer state, gradients and the
 reduce-scatter in it; ``--mixed_precision`` keeps fp32 weights and computes in bf16), and ``blocks``: the
-class names of the transformer blocks to shard one by one (null: the model's ``_no_split_modules``)."""
+class names of the transformer blocks to shard one by one (null: the model's ``_no_split_modules``), and
+the learning rate's warm-up from 0 to ``lr`` over ``warmup_steps`` steps (0: none), ``log`` or ``linear``,
+step for step DeepSpeed's ``WarmupLR`` (``common.warmup_lr_factor``; ``configs/demo_ds.json``'s is 10, log)."""
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MIXED_PRECISION = {"fp32": None, "bf16": (torch.bfloat16, torch.float32),
                    "bf16-reduce-bf16": (torch.bfloat16, torch.bfloat16)}
@@ -77,6 +79,12 @@ def load_config(path: str) -> tuple[dict, dict | None]:
         raise common.ConfigError(f"fsdp keys {unknown} must be among {sorted(FSDP_DEFAULTS)}")
     if fsdp["param_dtype"] not in DTYPES:
         raise common.ConfigError(f"fsdp.param_dtype ({fsdp['param_dtype']!r}) must be one of {sorted(DTYPES)}")
+    steps = fsdp["warmup_steps"]
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise common.ConfigError(f"fsdp.warmup_steps ({steps!r}) must be an integer >= 0")
+    if fsdp["warmup_type"] not in common.WARMUP_TYPES:
+        raise common.ConfigError(f"fsdp.warmup_type ({fsdp['warmup_type']!r}) must be one of "
+                                 f"{list(common.WARMUP_TYPES)}")
     blocks = fsdp["blocks"]
     if blocks is not None and (not isinstance(blocks, list) or not blocks
                                or not all(isinstance(b, str) for b in blocks)):
@@ -213,6 +221,7 @@ def main(argv=None) -> list[dict]:
     units, sharded = shard(model, mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload,
                            blocks=fsdp["blocks"])
     optimizer, optimizer_name, optimizer_why = build_optimizer(args, fsdp, zen_section, model)
+    peak_lrs = [group["lr"] for group in optimizer.param_groups]  # before a resume loads a warm-up's rate
     zen = zen_ext.fsdp.attach(model, zen_section, optimizer=optimizer) if zen_section is not None else None
     ckpt_dir = os.path.join(args.output_dir, "checkpoints")
     start, resume_from = 0, fsdp_checkpoint.latest(ckpt_dir) if args.resume else None
@@ -224,6 +233,7 @@ def main(argv=None) -> list[dict]:
     if rank == 0:
         print(f"fsdp recipe: zen={'on (' + zen.cfg.scheme + ')' if zen else 'off'} world={world} "
               f"fsdp_modules={units} ({sharded}) param_dtype={fsdp['param_dtype']} "
+              f"warmup={fsdp['warmup_steps']}({fsdp['warmup_type']}) "
               f"mixed_precision={args.mixed_precision} activation_checkpointing={args.activation_checkpointing} "
               f"cpu_offload={args.cpu_offload} micro_batch={fsdp['micro_batch']} train_blocks={len(train_blocks)} "
               f"eval_blocks={len(eval_blocks)} start_step={start} optimizer={optimizer_name} ({optimizer_why})",
@@ -243,9 +253,14 @@ def main(argv=None) -> list[dict]:
         loss.backward()
         if fsdp["grad_clip"]:
             torch.nn.utils.clip_grad_norm_(model.parameters(), fsdp["grad_clip"])
+        if fsdp["warmup_steps"]:  # a function of the step alone: a resumed run continues on the same rates
+            factor = common.warmup_lr_factor(step, fsdp["warmup_steps"], fsdp["warmup_type"])
+            for group, peak in zip(optimizer.param_groups, peak_lrs):
+                group["lr"] = peak * factor
         optimizer.step()
         optimizer.zero_grad()
         rec = {"step": step, "loss": common.all_reduce_mean(loss.item(), dist.group.WORLD),
+               "lr": optimizer.param_groups[0]["lr"],
                "tokens_per_s": fsdp["micro_batch"] * args.seq_len * world / (time.perf_counter() - t0)}
         if zen is not None:
             rec["bytes_sent"], rec["dense_bytes"] = zen.totals["bytes_sent"], zen.totals["dense_bytes"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -180,3 +181,66 @@ def test_interpolation_in_cumulative_bytes():
     curve = [(0.0, 0.0), (1.0, 10.0), (2.0, 30.0)]
     assert qb._interp(curve, 20.0, by=1) == 1.5 and qb._interp(curve, 1.5) == 20.0
     assert qb._interp(curve, 31.0, by=1) is None
+
+
+def test_fsdp_variants_translate_the_zero3_settings_and_pair_with_dense_fsdp():
+    import quality_fsdp
+
+    dense, dgc, plain = (quality_fsdp.fsdp_config(bq.ds_config(v)) for v in (
+        "dense_fsdp", "dgc5_project_defaults_fsdp", "dgc5_project_defaults_fsdp_plain_adam"))
+    # The demo's DeepSpeed settings, key for key: AdamW, the clip, micro-batch, WarmupLR's 10 log steps.
+    assert dense == {"fsdp": {"micro_batch": 8, "lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8,
+                              "weight_decay": 0.01, "grad_clip": 1.0, "param_dtype": "fp32",
+                              "warmup_steps": 10, "warmup_type": "log"}}
+    # DGC's zen section is the ZeRO-3 variant's; the two DGC variants differ only in the recipe flag.
+    assert dgc["zen"] == bq.ds_config("dgc5_project_defaults_zero3")["zen"] == plain["zen"]
+    assert dgc["fsdp"] == plain["fsdp"] == dense["fsdp"]
+    for v in ("dgc5_project_defaults_fsdp", "dgc5_project_defaults_fsdp_plain_adam", "dense_fsdp"):
+        assert bq.baseline_of(v) == "dense_fsdp"
+    assert bq.baseline_of("dgc5_project_defaults_zero3") == "dense_zero3"  # ZeRO-3 still pairs with ZeRO-3
+    assert bq.step_time_key("dense_fsdp") == "dense" and bq.step_time_key("dgc5_project_defaults_fsdp") == "zen_dgc5"
+
+
+def test_settings_the_fsdp_recipe_cannot_reproduce_are_refused():
+    import quality_fsdp
+
+    base = bq.ds_config("dense_fsdp")
+    for change, rule in (({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "optimizer.type"),
+                         ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps"),
+                         ({"bf16": {"enabled": True}}, "bf16.enabled"),
+                         ({"scheduler": {"type": "WarmupCosineLR", "params": {}}}, "scheduler.type"),
+                         ({"scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4}}}, "warm up from 0")):
+        with pytest.raises(ValueError, match=rule):
+            quality_fsdp.fsdp_config({**base, **change})
+    assert quality_fsdp.fsdp_config({k: v for k, v in base.items() if k != "scheduler"})["fsdp"]["warmup_steps"] == 0
+
+
+def test_run_one_launches_the_fsdp_recipe_with_its_config_and_flags(tmp_path, monkeypatch):
+    calls = []
+
+    def fake_launch(args_list, log_path, port=None, fsdp=False):
+        calls.append((args_list, fsdp))
+        out = args_list[args_list.index("--output_dir") + 1]
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump({"eval": [[25, 3.5]], "losses": [3.6]}, f)
+        open(os.path.join(out, "train_log.jsonl"), "w").close()
+        return 1.0
+
+    monkeypatch.setattr(bq, "_launch", fake_launch)
+    start = str(tmp_path / "pretrained")
+    for variant in ("dense_fsdp", "dgc5_project_defaults_fsdp", "dgc5_project_defaults_fsdp_plain_adam", "dense"):
+        bq.run_one(str(tmp_path), "finetune", variant, 1, 25, 25, start, None)
+    (dense, f1), (dgc, f2), (plain, f3), (ds, f4) = calls
+    assert (f1, f2, f3, f4) == (True, True, True, False)
+    # The same data, model start, seed and steps as the DeepSpeed run; only the optimizer flag differs.
+    common = ["--data", "pydoc", "--steps", "25", "--eval_every", "25", "--seed", "1", "--model", start,
+              "--tokenizer", start, "--data_part", "second"]
+    for args in (dense, dgc, plain):
+        assert args[0] == "--config" and args[1].endswith("fsdp_config.json")
+        assert [a for a in args[4:] if a not in ("--plain_adam",)] == common
+    assert "--plain_adam" not in dgc and "--plain_adam" in plain and ds[0] == "--deepspeed_config"
+    with open(dgc[1]) as f:
+        assert json.load(f)["zen"]["dgc"] == {"enabled": True, "density": 0.05}
+    # A cached result is read back, not re-run.
+    bq.run_one(str(tmp_path), "finetune", "dense_fsdp", 1, 25, 25, start, None)
+    assert len(calls) == 4

@@ -67,3 +67,20 @@ def test_flags_and_config_are_checked_before_training(tmp_path):
     with pytest.raises(common.ConfigError, match=r"fsdp.blocks \('LlamaDecoderLayer'\) must be null or a non-empty "
                                                  r"list of class names"):
         load_config(str(bad))
+
+
+def test_the_warm_up_keys_are_read_and_checked(tmp_path):
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps({"fsdp": {"warmup_steps": 10, "warmup_type": "linear"}}))
+    fsdp, zen = load_config(str(good))
+    assert (fsdp["warmup_steps"], fsdp["warmup_type"], zen) == (10, "linear", None)
+    assert load_config(os.path.join(ROOT, "configs", "fsdp2_dense.json"))[0]["warmup_steps"] == 0  # default: none
+    for value, rule in ((-1, r"fsdp.warmup_steps \(-1\) must be an integer >= 0"),
+                        (2.5, r"fsdp.warmup_steps \(2.5\) must be an integer >= 0")):
+        bad = tmp_path / "bad.json"
+        bad.write_text(json.dumps({"fsdp": {"warmup_steps": value}}))
+        with pytest.raises(common.ConfigError, match=rule):
+            load_config(str(bad))
+    bad.write_text(json.dumps({"fsdp": {"warmup_type": "cosine"}}))
+    with pytest.raises(common.ConfigError, match=r"fsdp.warmup_type \('cosine'\) must be one of \['log', 'linear'\]"):
+        load_config(str(bad))
