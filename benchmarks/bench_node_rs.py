@@ -80,13 +80,13 @@ def state_bytes(sync: Synchronizer) -> int:
                for t in e.values())
 
 
-def node_run(N: int, L: int, numel: int, steps: int, kind: str, rs: str) -> list[dict]:
+def node_run(N: int, L: int, numel: int, steps: int, kind: str, rs: str, dgc: dict = DGC) -> list[dict]:
     n = N * L
     slices = [GradSlice("w", 0, numel, (numel // WIDTH, WIDTH))]
     ranges = even_ranges(numel, n)
 
     def fn(rank, node, inter):
-        sync = Synchronizer(dp_comm=inter, scheme="zen", param_kinds={"w": kind}, dgc=DGC if kind == "dgc" else None,
+        sync = Synchronizer(dp_comm=inter, scheme="zen", param_kinds={"w": kind}, dgc=dgc if kind == "dgc" else None,
                             reduce_scatter=rs)
         red = BucketReducer(sync, cap_bytes=64 << 20, dp_size=n, node=node)
         lo, hi = ranges[rank]
@@ -105,12 +105,12 @@ def node_run(N: int, L: int, numel: int, steps: int, kind: str, rs: str) -> list
     return grid(N, L, fn)
 
 
-def flat_state(n: int, numel: int, steps: int) -> list[int]:
+def flat_state(n: int, numel: int, steps: int, dgc: dict = DGC) -> list[int]:
     slices = [GradSlice("w", 0, numel, (numel // WIDTH, WIDTH))]
     ranges = even_ranges(numel, n)
 
     def fn(comm):
-        sync = Synchronizer(dp_comm=comm, scheme="zen", param_kinds={"w": "dgc"}, dgc=DGC, reduce_scatter="zen")
+        sync = Synchronizer(dp_comm=comm, scheme="zen", param_kinds={"w": "dgc"}, dgc=dgc, reduce_scatter="zen")
         red = BucketReducer(sync, cap_bytes=64 << 20, dp_size=n)
         lo, hi = ranges[comm.rank]
         for s in range(steps):
