@@ -427,7 +427,7 @@ def _validate(obj, path: str) -> None:
 
 def _rules_zen(c: ZenConfig, p: str) -> None:
     from .comm.torch_dist import EXCHANGE_IMPLS
-    from .core.registry import available_schemes, scheme_class
+    from .core.registry import available_schemes
     from .core.zen_wire import PULL_FORMATS
 
     schemes = available_schemes()
@@ -449,10 +449,6 @@ def _rules_zen(c: ZenConfig, p: str) -> None:
     for kind in given:
         spec_of(kind)  # an unregistered kind: ValueError listing the registered ones
     c.sparsifier_sections = {s.kind: s.parse(given.get(s.kind)) for s in registered()}
-    # A scheme that selects its own entries writes DGC's memory in place, which the 4-bit codes are not.
-    if getattr(c.sparsifier_sections.get("dgc"), "residual_dtype", None) == "int4" \
-            and scheme_class(c.scheme).takes_accumulated:
-        raise _range_error(f"{p}.dgc.residual_dtype", "int4", f'be "float32" or "bfloat16" with scheme {c.scheme!r}')
 
 
 def _rules_planner(c: PlannerConfig, p: str) -> None:

@@ -250,13 +250,3 @@ def test_engine_settings_of_the_wrong_type_name_the_field(ds, text):
         ZenConfig.from_ds_config({**ds, "zen": {}})
     assert str(info.value) == text
 
-
-def test_int4_residual_is_refused_with_a_scheme_that_selects_its_own_entries():
-    """SparDL writes DGC's accumulated memory back in place, which the 4-bit codes cannot hold: refused
-    before training, naming the residual dtypes it takes; the other schemes take int4."""
-    with pytest.raises(ValueError, match=r"zen\.dgc\.residual_dtype \('int4'\) must be \"float32\" or \"bfloat16\" "
-                                         r"with scheme 'spardl'"):
-        ZenConfig.from_dict({"scheme": "spardl", "dgc": {"enabled": True, "residual_dtype": "int4"}})
-    for scheme in ("zen", "auto", "dense"):
-        assert ZenConfig.from_dict({"scheme": scheme, "dgc": {"residual_dtype": "int4"}}).dgc.residual_dtype == "int4"
-    assert ZenConfig.from_dict({"scheme": "spardl", "dgc": {"residual_dtype": "bfloat16"}}).scheme == "spardl"

@@ -280,3 +280,22 @@ def test_tp_ranks_share_one_threshold_with_the_4bit_residual(tp):
     assert not torch.equal(out[0][1][0], out[0][1][1])
     for sg, thr in out:
         assert sg.nnz and sg.values.abs().min() >= min(float(thr[0]), float(thr[1]))
+
+
+def test_int4_is_refused_when_the_scheme_selects_its_own_entries():
+    """SparDL writes DGC's accumulated memory back in place, which 4-bit codes cannot hold: building the
+    Synchronizer (at attach, before the first step) refuses the pair, naming the residual dtypes it takes;
+    the same DGC section runs with the other schemes and spardl takes the float residuals."""
+    from zen_ext import SimWorld
+    from zen_ext.reduction.synchronizer import Synchronizer
+
+    comm = SimWorld(1).communicators()[0]
+    dgc = {"enabled": True, "residual_dtype": "int4"}
+    with pytest.raises(ValueError, match=r"zen\.dgc\.residual_dtype \('int4'\) must be \"float32\" or \"bfloat16\" "
+                                         r"with a scheme that selects its own entries \(spardl\)"):
+        Synchronizer(dp_comm=comm, scheme="spardl", param_kinds={"w": "dgc"}, dgc=dgc)
+    for scheme in ("zen", "dense"):
+        assert not Synchronizer(dp_comm=comm, scheme=scheme, param_kinds={"w": "dgc"}, dgc=dgc).sparsifiers["dgc"].hand_over
+    sp = Synchronizer(dp_comm=comm, scheme="spardl", param_kinds={"w": "dgc"},
+                      dgc={"enabled": True, "residual_dtype": "bfloat16"}).sparsifiers["dgc"]
+    assert sp.hand_over

@@ -151,9 +151,22 @@ class DGCSparsifier(Sparsifier):
         self._journal: dict[int, list] = {}
         """id(flat residual) → [(memory, its copy at the step's first touch, whether a loss scale scales it)]."""
         self._discard = False
-        self.hand_over = False
+        self._hand_over = False
+
+    @property
+    def hand_over(self) -> bool:
         """Hand the accumulated memory to the scheme instead of selecting (an ``AccumulatedGrad``): set by
         the Synchronizer when its scheme selects its own entries (``spardl``, ``core/spardl.py``)."""
+        return self._hand_over
+
+    @hand_over.setter
+    def hand_over(self, on: bool) -> None:
+        # Such a scheme writes its residual back into the memory in place, which 4-bit codes cannot hold:
+        # refused when the Synchronizer is built, before the first step.
+        if on and self.config.residual_dtype == "int4":
+            raise ValueError('zen.dgc.residual_dtype (\'int4\') must be "float32" or "bfloat16" with a scheme that '
+                             "selects its own entries (spardl): it writes DGC's residual back in place")
+        self._hand_over = bool(on)
 
     # --- loss scaling and skipped steps -------------------------------------------------------------
     def set_loss_scale(self, scale: float) -> None:
@@ -236,9 +249,6 @@ class DGCSparsifier(Sparsifier):
         # selection's counts: one host read for the bucket.
         one_pass = not self.hand_over and _one_pass_applies(cfg, density, mdt, wire, flats)
         if int4_applies(cfg.residual_dtype, wire):  # steps 2-5 on the 4-bit residual (int4.py)
-            if self.hand_over:  # ZenConfig refuses this pair before training; a direct caller gets this
-                raise NotImplementedError("zen.dgc.residual_dtype (int4) must be float32 or bfloat16 with a scheme "
-                                          "that selects its own entries (spardl): it writes its residual in place")
             got = compress_int4(self, flats, lay, density, flush, tp_comm)
             return got if got is not None else self._non_finite(flats, total)
 
