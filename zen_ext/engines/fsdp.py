@@ -201,12 +201,22 @@ class ZenFSDP(ZenAttachment):
         self.step = int(sd.get("step", 0))
 
 
+def check_shard0(pg, where: str) -> None:
+    """Refuse a parameter group with a placement other than ``Shard(0)`` (``shard_placement_fn``): the
+    chunk layout (``chunk_layout``) cuts whole rows of dim 0."""
+    from torch.distributed.tensor import Shard
+
+    for fp in pg.fsdp_params:
+        if fp.fsdp_placement != Shard(0):
+            raise NotImplementedError(f"zen_ext.fsdp: a parameter of FSDP module {where} is placed Shard("
+                                      f"{fp.fsdp_placement.dim}) (shard_placement_fn); supported: {SUPPORTED}")
+
+
 def _fsdp_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, object]]:
     """``(name, module, param group)`` of every FSDP module that holds trainable parameters; refuses
     what ``attach`` does not serve."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo
-    from torch.distributed.tensor import Shard
 
     if not any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError(f"zen_ext.fsdp.attach needs a model with fully_shard applied ({type(model).__name__} has no "
@@ -230,10 +240,7 @@ def _fsdp_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module, ob
         if spmd is not None and spmd.ndim > 1:
             raise NotImplementedError(f"zen_ext.fsdp: FSDP module {where} holds parameters on a {spmd.ndim}-D mesh "
                                       f"(FSDP with tensor parallelism); supported: {SUPPORTED}")
-        for fp in pg.fsdp_params:
-            if fp.fsdp_placement != Shard(0):
-                raise NotImplementedError(f"zen_ext.fsdp: a parameter of FSDP module {where} is placed Shard("
-                                          f"{fp.fsdp_placement.dim}) (shard_placement_fn); supported: {SUPPORTED}")
+        check_shard0(pg, where)
         custom = type(pg._reduce_scatter_comm).__name__
         if custom not in ("DefaultReduceScatter", "ProcessGroupAllocReduceScatter"):
             raise NotImplementedError(f"zen_ext.fsdp: FSDP module {where} already has a custom reduce-scatter "

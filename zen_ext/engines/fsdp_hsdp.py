@@ -36,7 +36,7 @@ from ..reduction.attachment import assemble
 from ..reduction.hierarchy import local_host_facts
 from ..reduction.stats import startup_line
 from ..reduction.synchronizer import GradSlice
-from .fsdp import SUPPORTED, ZenFSDP, chunk_layout
+from .fsdp import SUPPORTED, ZenFSDP, check_shard0, chunk_layout
 from .fsdp_compat import check_fsdp_internals
 from .fsdp_steps import AccumulationWatch
 
@@ -171,8 +171,6 @@ class ZenHSDP(ZenFSDP):
 
 def _check_groups(found: list) -> tuple[object, tuple[int, int]]:
     """Refuse what ``attach`` does not serve; returns the mesh and its ``(replicate, shard)`` sizes."""
-    from torch.distributed.tensor import Shard
-
     for name, module, pg in found:
         where, mesh = name or "<root>", pg.mesh_info.mesh
         groups = module._get_fsdp_state()._fsdp_param_groups
@@ -194,10 +192,7 @@ def _check_groups(found: list) -> tuple[object, tuple[int, int]]:
         if mesh.size() != dist.get_world_size():
             raise NotImplementedError(f"zen_ext.fsdp: the HSDP mesh of FSDP module {where} holds {mesh.size()} of "
                                       f"{dist.get_world_size()} ranks; supported: {SUPPORTED}")
-        for fp in pg.fsdp_params:
-            if fp.fsdp_placement != Shard(0):
-                raise NotImplementedError(f"zen_ext.fsdp: a parameter of FSDP module {where} is placed Shard("
-                                          f"{fp.fsdp_placement.dim}) (shard_placement_fn); supported: {SUPPORTED}")
+        check_shard0(pg, where)
         if pg._all_reduce_hook is not None:
             raise NotImplementedError(f"zen_ext.fsdp: FSDP module {where} already has an all-reduce hook "
                                       f"({type(pg._all_reduce_hook).__name__}); attach once, to a model without one")
