@@ -185,6 +185,17 @@ VARIANTS: dict[str, dict | None] = {
     # as the ZeRO-1 variant of the same name; each measured against dense ZeRO-3 of the same seed.
     "dense_zero3": {"_dense": True, "_zero3": True},
     "dgc5_project_defaults_zero3": {"_dgc_defaults": True, "_recipe_default": True, "_zero3": True},
+    # ZeRO-3 on 2 emulated nodes × 2 ranks (quality_nodes.py: one DeepSpeed launcher per node, ZEN_EXT_HOST
+    # names it), DGC 5 % at the project's defaults flat (every rank's DGC on the whole bucket) against
+    # node-level (docs/deepspeed_zero3.md: dense reduce-scatter inside the node, DGC on the node's sum of
+    # the rank's shard across nodes), with the fp32 and the 4-bit residual; against dense ZeRO-3 at 2 × 2.
+    "dense_zero3_2x2": {"_dense": True, "_zero3": True, "_nodes": 2},
+    "dgc5_zero3_2x2_flat": {"_dgc_defaults": True, "_recipe_default": True, "_zero3": True, "_nodes": 2,
+                            "_hierarchical": False},
+    "dgc5_zero3_2x2_node": {"_dgc_defaults": True, "_recipe_default": True, "_zero3": True, "_nodes": 2,
+                            "_hierarchical": True},
+    "dgc5_zero3_2x2_node_int4": {"_dgc_defaults": True, "_recipe_default": True, "_zero3": True, "_nodes": 2,
+                                 "_hierarchical": True, "residual_dtype": "int4"},
     # SparDL (docs/spardl.md) in place of ZEN at the project's defaults: the same DGC section (its density,
     # ramp, CatchUpAdamW and flush), scheme spardl selecting k/P per block itself, with the seed's global
     # residual or only the local one (zen.spardl.residual); measured against dense of the same seed.
@@ -210,7 +221,7 @@ VARIANTS: dict[str, dict | None] = {
 STEP_TIME_CONFIG = {"dense": "dense", "dense_lr2x": "dense", "dense_noclip": "dense",
                     "dense_b2_999": "dense", "dense_cosine": "dense", "dense_cosine0": "dense",
                     "dense_catchup": "dense", "dense_cosine_catchup": "dense", "dense_zero3": "dense",
-                    "dense_fsdp": "dense",
+                    "dense_fsdp": "dense", "dense_zero3_2x2": "dense",
                     "natural": "zen_natural",
                     "dgc_density1": "dense",
                     # no emulated-cluster measurement of SparDL: its time columns stay empty
@@ -239,6 +250,8 @@ def ds_config(variant: str, steps: int | None = None) -> dict:
     recipe_default = spec.pop("_recipe_default", False)
     zero3 = spec.pop("_zero3", False) | spec.pop("_fsdp", False)  # FSDP2 shards as ZeRO-3 does
     scheme, residual = spec.pop("_scheme", None), spec.pop("_spardl_residual", None)
+    spec.pop("_nodes", None)  # how the run is launched (run_one)
+    hierarchical = spec.pop("_hierarchical", None)
     with open(os.path.join(ROOT, "configs/demo_ds_dense.json" if dense else "configs/demo_ds.json")) as f:
         cfg = json.load(f)
     if not dense:
@@ -261,6 +274,8 @@ def ds_config(variant: str, steps: int | None = None) -> dict:
         if not dense:  # the ZeRO-3 demo names its scheme; the ZeRO-1 demo's planner has nothing to choose
             cfg["zen"]["scheme"] = zero3_cfg["zen"]["scheme"]
             cfg["zen"].pop("planner", None)
+    if hierarchical is not None and not dense:
+        cfg["zen"]["hierarchical"] = hierarchical
     if beta1 is not None:
         cfg["optimizer"]["params"]["betas"][0] = beta1
     if beta2 is not None:
@@ -287,11 +302,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(args_list: list[str], log_path: str, port: int | None = None, fsdp: bool = False) -> float:
+def _launch(args_list: list[str], log_path: str, port: int | None = None, fsdp: bool = False,
+            nodes: int = 0) -> float:
     """Run the recipe on 2 ranks (the DeepSpeed recipe under its launcher, or with ``fsdp`` the FSDP2 recipe
-    under torchrun); returns its wall time in seconds. Raises on a failed run."""
+    under torchrun), or with ``nodes`` on that many emulated nodes of 2 ranks (``quality_nodes.py``);
+    returns its wall time in seconds. Raises on a failed run."""
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
     port = port or free_port()
+    if nodes:
+        import quality_nodes
+
+        return quality_nodes.launch_nodes("recipes/finetune_llm.py", args_list, log_path, port, nodes, 2,
+                                          ROOT, env, RUN_TIMEOUT_S * nodes)
     if fsdp:
         cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2",
                "--master_port", str(port), "recipes/finetune_llm_fsdp.py", *args_list]
@@ -357,7 +379,8 @@ def run_one(runs: str, setting: str, variant: str, seed: int, steps: int, eval_e
         cfg = quality_fsdp.fsdp_config(cfg)
         key = hashlib.sha1(json.dumps(["fsdp", cfg, run_args]).encode()).hexdigest()[:12]
     else:
-        key = hashlib.sha1(json.dumps(_key_of(cfg, run_args)).encode()).hexdigest()[:12]
+        key = hashlib.sha1(json.dumps(_key_of(cfg, run_args) + ([["nodes", spec["_nodes"]]] if spec.get("_nodes")
+                                                                else [])).encode()).hexdigest()[:12]
     out = os.path.join(runs, setting, variant, f"seed{seed}")
     result_path = os.path.join(out, "result.json")
     if os.path.exists(result_path):
@@ -370,7 +393,7 @@ def run_one(runs: str, setting: str, variant: str, seed: int, steps: int, eval_e
     with open(cfg_path, "w") as f:
         json.dump(cfg, f, indent=1)
     wall_s = _launch(["--config" if fsdp else "--deepspeed_config", cfg_path, "--output_dir", out, *run_args],
-                     os.path.join(out, "log.txt"), port, fsdp=fsdp)
+                     os.path.join(out, "log.txt"), port, fsdp=fsdp, nodes=spec.get("_nodes", 0))
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     with open(os.path.join(out, "train_log.jsonl")) as f:  # cumulative bytes per rank (zen runs only)
@@ -413,11 +436,12 @@ def baseline_of(variant: str) -> str:
     rate changes dense's loss too, so DGC on it is compared with dense on it) and the same ZeRO stage."""
     spec = VARIANTS[variant] or {}
     cosine, zero3, fsdp = spec.get("_cosine"), spec.get("_zero3", False), spec.get("_fsdp", False)
+    nodes = spec.get("_nodes", 0)
     if cosine is None and not zero3 and not fsdp:
         return "dense"
     return next(v for v, s in VARIANTS.items()
                 if s and s.get("_dense") and s.get("_cosine") == cosine and s.get("_zero3", False) == zero3
-                and s.get("_fsdp", False) == fsdp)
+                and s.get("_fsdp", False) == fsdp and s.get("_nodes", 0) == nodes)
 
 
 def step_time_key(variant: str) -> str:
@@ -583,7 +607,8 @@ def main(argv=None) -> None:
     header = ["# Time to quality: dense vs DGC variants", "",
               f"Generated by `benchmarks/bench_quality.py` ({time.strftime('%Y-%m-%d')}; its docstring has the method). "
               "2 CPU ranks (deepspeed launcher; `*_fsdp*` variants: torchrun and the FSDP2 recipe on the "
-              "same settings, `benchmarks/quality_fsdp.py`), the demo's tiny Llama and DeepSpeed settings (AdamW "
+              "same settings, `benchmarks/quality_fsdp.py`; `*_2x2*` variants: 2 emulated nodes × 2 ranks, "
+              "`benchmarks/quality_nodes.py`), the demo's tiny Llama and DeepSpeed settings (AdamW "
               "lr 3e-3, betas 0.9/0.95, 10 warm-up steps, ZeRO-1 (`*_zero3` variants: ZeRO-3), micro-batch 8 × 128 "
               "tokens), eval every "
               f"{args.eval_every} steps on held-out blocks. `scratch`: random initialization, the whole "
