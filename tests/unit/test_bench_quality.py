@@ -106,6 +106,37 @@ def test_zero3_variants_shard_and_pair_with_dense_zero3():
     assert bq.baseline_of("dense_zero3") == "dense_zero3" and bq.baseline_of("dgc5_project_defaults") == "dense"
 
 
+def test_node_variants_set_the_hierarchy_and_pair_with_dense_on_the_same_nodes(tmp_path, monkeypatch):
+    flat, node, int4 = (bq.ds_config(v) for v in ("dgc5_zero3_2x2_flat", "dgc5_zero3_2x2_node",
+                                                   "dgc5_zero3_2x2_node_int4"))
+    assert (flat["zen"]["hierarchical"], node["zen"]["hierarchical"], int4["zen"]["hierarchical"]) == (
+        False, True, True)
+    assert node["zen"]["dgc"] == {"enabled": True, "density": 0.05} and int4["zen"]["dgc"] == {
+        "enabled": True, "density": 0.05, "residual_dtype": "int4"}
+    # Everything else is the 2-rank ZeRO-3 variant's; dense on 2 × 2 has no zen section.
+    base = bq.ds_config("dgc5_project_defaults_zero3")
+    assert {k: v for k, v in node.items() if k != "zen"} == {k: v for k, v in base.items() if k != "zen"}
+    assert "zen" not in bq.ds_config("dense_zero3_2x2")
+    for v in ("dgc5_zero3_2x2_flat", "dgc5_zero3_2x2_node", "dgc5_zero3_2x2_node_int4", "dense_zero3_2x2"):
+        assert bq.baseline_of(v) == "dense_zero3_2x2"
+    assert bq.baseline_of("dgc5_project_defaults_zero3") == "dense_zero3"
+    # run_one launches them on 2 emulated nodes, and caches them apart from the 2-rank runs.
+    nodes_seen = []
+
+    def fake_launch(args_list, log_path, port=None, fsdp=False, nodes=0):
+        nodes_seen.append(nodes)
+        out = args_list[args_list.index("--output_dir") + 1]
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump({"eval": [[25, 3.5]], "losses": [3.6]}, f)
+        open(os.path.join(out, "train_log.jsonl"), "w").close()
+        return 1.0
+
+    monkeypatch.setattr(bq, "_launch", fake_launch)
+    keys = [bq.run_one(str(tmp_path), "scratch", v, 0, 25, 25, None, None)["key"]
+            for v in ("dense_zero3_2x2", "dense_zero3")]
+    assert nodes_seen == [2, 0] and keys[0] != keys[1]
+
+
 def test_report_pairs_a_zero3_variant_with_dense_zero3_alone():
     # Only ZeRO-3 runs (no ZeRO-1 dense): the ZeRO-3 DGC row's gap is against dense_zero3 of its seed.
     dense3 = [_run("finetune", "dense_zero3", s, [[100, 3.5], [200, 3.0 + s]]) for s in (0, 1)]
@@ -218,8 +249,9 @@ def test_settings_the_fsdp_recipe_cannot_reproduce_are_refused():
 def test_run_one_launches_the_fsdp_recipe_with_its_config_and_flags(tmp_path, monkeypatch):
     calls = []
 
-    def fake_launch(args_list, log_path, port=None, fsdp=False):
+    def fake_launch(args_list, log_path, port=None, fsdp=False, nodes=0):
         calls.append((args_list, fsdp))
+        assert nodes == 0
         out = args_list[args_list.index("--output_dir") + 1]
         with open(os.path.join(out, "summary.json"), "w") as f:
             json.dump({"eval": [[25, 3.5]], "losses": [3.6]}, f)
