@@ -15,11 +15,11 @@ replicas (docs/fsdp.md, "HSDP").
 
 from .engines import fsdp as _flat
 from .engines import fsdp_hsdp as _hsdp
-from .engines.fsdp import SUPPORTED, ZenFSDP, ZenReduceScatter, chunk_layout
+from .engines.fsdp import SUPPORTED, ZenFSDP, ZenFSDPReduceScatter, chunk_layout
 from .engines.fsdp_compat import check_fsdp_internals
 from .engines.fsdp_hsdp import ZenHSDP, shard_layout
 
-__all__ = ["SUPPORTED", "ZenFSDP", "ZenHSDP", "ZenReduceScatter", "attach", "chunk_layout", "shard_layout"]
+__all__ = ["SUPPORTED", "ZenFSDP", "ZenFSDPReduceScatter", "ZenHSDP", "attach", "chunk_layout", "shard_layout"]
 
 
 def attach(model, config=None, *, optimizer=None, guard_nonfinite: bool = False) -> ZenFSDP:

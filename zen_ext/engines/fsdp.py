@@ -39,7 +39,7 @@ from .fsdp_steps import AccumulationWatch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SUPPORTED", "ZenFSDP", "ZenReduceScatter", "attach", "chunk_layout"]
+__all__ = ["SUPPORTED", "ZenFSDP", "ZenFSDPReduceScatter", "attach", "chunk_layout"]
 
 SUPPORTED = ("FSDP2 fully_shard on a 1-D device mesh (every data-parallel rank shards), or HSDP on a 2-D "
              "(\"replicate\", \"shard\") mesh spanning every rank with a replicate dim of size >= 2 "
@@ -88,8 +88,10 @@ def _reduce_op(op) -> tuple[str, float | None]:
     raise NotImplementedError(f"zen_ext.fsdp: FSDP passed reduce op {kind}; ZEN serves AVG, SUM and PREMUL_SUM")
 
 
-class ZenReduceScatter(ReduceScatter):
-    """The reduce-scatter set on one FSDP module: its parameters' names and shapes, the attachment."""
+class ZenFSDPReduceScatter(ReduceScatter):
+    """FSDP2's ``ReduceScatter`` comm object set on one FSDP module (``set_custom_reduce_scatter``): its
+    parameters' names and shapes, the attachment that reduces. Not a ReduceScatterScheme: the scheme it
+    ends in is the Synchronizer's (``core/rs_zen.py`` ``ZenReduceScatter`` for ``zen``)."""
 
     def __init__(self, attachment: "ZenFSDP", module_name: str, params: list[tuple[str, tuple[int, ...]]]) -> None:
         self.attachment = attachment  # FSDP keeps this object, so the model keeps the attachment alive
@@ -134,7 +136,7 @@ class ZenFSDP(ZenAttachment):
         self.stats.dense_name = "FSDP's dense reduce-scatter"
         self.dp_size = built.reducer.dp_size  # the whole shard group, also when the Synchronizer's is across nodes
         self.worker = None  # FSDP records its event right after the call: no work may stay on a thread
-        self.comms: list[ZenReduceScatter] = []
+        self.comms: list[ZenFSDPReduceScatter] = []
         self.step, self._t_step, self._step_open, self.closed = 0, 0.0, False, False
         self.accumulation = None  # an AccumulationWatch, set by attach
 
@@ -143,7 +145,7 @@ class ZenFSDP(ZenAttachment):
         return f"FSDP2 dp={self.dp_size}"
 
     # --- per call -------------------------------------------------------------------------------------
-    def reduce_scatter(self, comm: ZenReduceScatter, out: torch.Tensor, flat: torch.Tensor, group, op) -> None:
+    def reduce_scatter(self, comm: ZenFSDPReduceScatter, out: torch.Tensor, flat: torch.Tensor, group, op) -> None:
         """FSDP's reduce-scatter of one module: ``out`` gets this rank's row of the reduced ``flat``.
 
         1. Check the group and map the layout to named slices (once per layout); refuse a DGC step
@@ -258,7 +260,7 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
 
     1. Read the ``"zen"`` section and find the FSDP modules, refusing what is not served (``SUPPORTED``).
     2. Route each parameter (natural / dgc / dense) and build the Synchronizer over the shard group.
-    3. Set a ``ZenReduceScatter`` on each FSDP module with trainable parameters.
+    3. Set a ``ZenFSDPReduceScatter`` on each FSDP module with trainable parameters.
 
     Args:
         model: the root module after ``fully_shard`` (parameter names key all of ZEN's state).
@@ -311,7 +313,7 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
         params = [(names[id(fp.sharded_param)], tuple(fp._orig_size)) for fp in pg.fsdp_params
                   if fp.sharded_param.requires_grad]
         if params:
-            rs = ZenReduceScatter(zen, name, params)
+            rs = ZenFSDPReduceScatter(zen, name, params)
             module.set_custom_reduce_scatter(rs)
             zen.comms.append(rs)
     if rank == 0:
