@@ -151,6 +151,28 @@ def test_reduce_scatter_flat_default_is_the_schemes_form():
     assert torch.equal(shard, whole)
 
 
+def test_rs_scheme_is_built_once_by_the_synchronizer():
+    """The Synchronizer is the one place ``rs_scheme`` is set: built on the first read (a name given to
+    the constructor, or ``scheme``'s form, with its options), kept, and refused for a scheme without a
+    reduce-scatter form only when read (an all-reduce user never pays for it)."""
+    comm = SimWorld(1).communicators()[0]
+
+    def sync(scheme, **kw):
+        return Synchronizer(dp_comm=comm, scheme=scheme, param_kinds=KINDS, dgc=DGC, natural={}, **kw)
+
+    form = sync(build_scheme("zen", seed=5))
+    first = form.rs_scheme
+    assert first is form.rs_scheme and first.name == "zen" and first.options()["seed"] == 5
+    assert sync(build_scheme("zen"), reduce_scatter="direct").rs_scheme.name == "direct"
+    given = build_reduce_scatter("dense")
+    assert sync(build_scheme("zen"), reduce_scatter=given).rs_scheme is given
+    other = sync(build_scheme("zen"))
+    other.rs_scheme = "direct"  # a test's override goes through the owner too
+    assert other.rs_scheme.name == "direct"
+    refused = sync(build_scheme("sparcml"))  # built fine: only the read asks for the form
+    with pytest.raises(NotImplementedError, match=r"zen.scheme \('sparcml'\) has no reduce-scatter form"):
+        refused.rs_scheme
+
 @pytest.mark.parametrize("scheme", ["dense", "zen"])
 def test_bucket_reducer_reduce_scatter_is_reduce_cut_to_the_range(scheme):
     """Re-bucketed at a small cap (ranges cut by bucket boundaries), with the non-finite guard."""

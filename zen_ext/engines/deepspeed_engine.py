@@ -117,8 +117,8 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
                          monitor=getattr(engine, "monitor", None))
         kinds, self.sync, self.reducer, self.worker, self.stats = (built.kinds, built.sync, built.reducer,
                                                                    built.worker, built.stats)
-        if self.sharded:  # the reduce-scatter form of zen.scheme (NotImplementedError for the rest)
-            self.sync.rs_scheme = cfg.build_reduce_scatter()
+        if self.sharded:  # the Synchronizer builds zen.scheme's reduce-scatter form on this first read:
+            _ = self.sync.rs_scheme  # NotImplementedError for a scheme without one comes before training
         # With ZeRO's overlap_comm the backward pass fills one IPG buffer while the other is reduced:
         # the worker then takes whole IPG buckets, and the backward pass goes on (_reduce_ipg_async).
         self.async_ipg_off = self._async_ipg_off_reason()

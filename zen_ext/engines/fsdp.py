@@ -299,7 +299,7 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
                      device=next((p.device for p in model.parameters()), torch.device("cpu")),
                      guard_comm=TorchCommunicator(group) if guard_nonfinite else None, worker_in_reducer=False,
                      worker_off="FSDP2 (it records its event when the reduce-scatter returns)")
-    built.sync.rs_scheme = cfg.build_reduce_scatter()  # NotImplementedError now for a scheme without one
+    _ = built.sync.rs_scheme  # built now: NotImplementedError for a scheme without a reduce-scatter form
     readers = built.sync.after_sync_kinds
     if readers:
         raise NotImplementedError(f"zen_ext.fsdp: sparsifier(s) {readers} read the synchronized gradient back "

@@ -7,6 +7,7 @@ everything else about reducing a bucket lives here, one concern per module. Depe
 * ``synchronizer``: ``Synchronizer`` routes a bucket's slices (dense / natural rows / DGC) to the
   sparsifiers and the configured scheme, with zen_ext's state;
 * ``plan``: a bucket layout's routing (``GradSlice``, ``Plan``) and the cross-rank agreement on it;
+* ``prepared``: one bucket between the Synchronizer's local half and its communicating half;
 * ``slices``: flat buffers ↔ named ``GradSlice``s (by storage address), re-bucketing to
   ``zen.bucket_cap_mb``, shards that keep embedding rows whole;
 * ``hierarchy``: whether node-sharded reduction applies (decided alike on every rank), its groups,

@@ -11,7 +11,8 @@ in the shard. The dense buffer goes through the ``dense`` reduce-scatter, the sp
 
 It reduces over one group (``sync.dp_comm``); the node-level form (``zen.hierarchical``) calls it across
 nodes on the node's sum (``reduction/node_scatter.py``). It reads and reports through the Synchronizer's
-public surface (``prepare_flat``, ``after_sync_kinds``, ``note_dense``, ``note_part``, ``note_bucket``).
+public surface (``prepare_flat``, ``rs_scheme``, ``after_sync_kinds``, ``note_dense``, ``note_part``,
+``note_bucket``).
 Not served: sparsifiers that read the synchronized gradient back (``after_sync``, e.g. EF21): a rank
 holds only its range of it.
 
@@ -26,8 +27,8 @@ from typing import Sequence
 
 import torch
 
-from ..core.reduce_scatter import build_reduce_scatter, reduce_scatter_of
-from ..core.rs_base import ReduceScatterScheme, check_ranges
+from ..core.reduce_scatter import build_reduce_scatter
+from ..core.rs_base import check_ranges
 from ..core.rs_dense import predict_dense_bytes
 from ..core.types import SparseGrad
 from .plan import GradSlice
@@ -47,8 +48,7 @@ def reduce_scatter_flat(sync, flat: torch.Tensor, slices: list[GradSlice], range
     5. Statistics, next to what the dense reduce-scatter of the bucket would have sent.
 
     Args:
-        sync: the Synchronizer (its ``rs_scheme``: a ReduceScatterScheme, a registered name, or None
-            for the reduce-scatter form of its all-reduce scheme).
+        sync: the Synchronizer (its ``rs_scheme`` reduce-scatters the sparse parts).
         flat: this rank's bucket (contiguous; read as flat; not modified).
         slices: the parameters in the bucket (as for ``sync_flat``).
         ranges: ``ranges[r] = (start, end)``, data-parallel rank ``r``'s range of the bucket.
@@ -82,7 +82,7 @@ def reduce_scatter_flat(sync, flat: torch.Tensor, slices: list[GradSlice], range
         raise NotImplementedError(f"reduce_scatter_flat: sparsifier(s) {refused} read the synchronized gradient back "
                                   f"(after_sync), which a rank holding only its range cannot serve; supported "
                                   f"with reduce-scatter: sparsifiers without after_sync (natural, dgc)")
-    scheme = _scheme_of(sync)
+    scheme = sync.rs_scheme
     # Step 2: prepare (out=flat: no bucket-sized output is allocated; nothing writes it).
     prep = sync.prepare_flat(flat, slices, op, out=flat)
     plan = prep.plan
@@ -195,10 +195,3 @@ def place(res: torch.Tensor, segs: list[tuple[int, int]], lo: int, hi: int, out_
             out_R[pa - lo : pb - lo] = res[at : at + pb - pa]
             at += pb - pa
 
-
-def _scheme_of(sync) -> ReduceScatterScheme:
-    """The Synchronizer's reduce-scatter scheme, built once (the form of its all-reduce scheme by default)."""
-    s = getattr(sync, "rs_scheme", None)
-    if not isinstance(s, ReduceScatterScheme):
-        s = sync.rs_scheme = build_reduce_scatter(s) if isinstance(s, str) else reduce_scatter_of(sync.scheme)
-    return s

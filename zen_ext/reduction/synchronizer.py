@@ -44,10 +44,13 @@ from ..compress.base import NamedGrad, Sparsifier
 from ..compress.none import NoneSparsifier
 from ..compress.registry import DENSE, all_kinds, registered
 from ..compress.state import SparsifierState
+from ..core.reduce_scatter import build_reduce_scatter, reduce_scatter_of
 from ..core.registry import build_scheme
+from ..core.rs_base import ReduceScatterScheme
 from ..core.scheme import SyncScheme, check_op
 from ..core.types import AccumulatedGrad, SparseGrad
-from .plan import GradSlice, Plan, SliceGroup, agree, build_plan
+from .plan import GradSlice, Plan, agree, build_plan
+from .prepared import PreparedBucket, PreparedPart
 from .scatter import reduce_scatter_flat
 
 log = logging.getLogger(__name__)
@@ -56,57 +59,6 @@ SYNC_STATE_FORMAT = "zen_ext.synchronizer"
 SYNC_STATE_VERSION = 1
 
 __all__ = ["Synchronizer"]
-
-
-@dataclasses.dataclass
-class _Part:
-    """One SparseGrad of a bucket on its way to the scheme: a fused group's, or one slice's."""
-
-    group: SliceGroup
-    grad: SparseGrad
-    numel: int
-    """Elements it stands for (the slices', for stats)."""
-    slice: GradSlice | None = None
-    """The slice of a per-slice part; None for a fused group."""
-
-    @property
-    def key(self) -> str:
-        return f"{self.slice.name}:{self.group.kind}" if self.slice is not None else self.group.key
-
-
-@dataclasses.dataclass
-class _Prepared:
-    """One bucket between ``Synchronizer.prepare_flat`` and ``finish_flat``."""
-
-    flat: torch.Tensor
-    flat_N: torch.Tensor
-    out_N: torch.Tensor
-    plan: "Plan"
-    op: str
-    dense_buf: torch.Tensor | None = None
-    parts: list[_Part] = dataclasses.field(default_factory=list)
-    local_s: float = 0.0
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor this bucket holds (the dense buffer, the sparsifiers' entries, the views).
-
-        A caller that finishes the bucket on another CUDA stream marks these as used there
-        (``record_stream``): they were allocated on the preparing stream, and the caching allocator
-        would otherwise hand their memory out again while the other stream still reads it.
-        """
-        found: list[torch.Tensor] = []
-
-        def walk(x) -> None:
-            if isinstance(x, torch.Tensor):
-                found.append(x)
-            elif isinstance(x, (list, tuple)):
-                for y in x:
-                    walk(y)
-            elif isinstance(x, SparseGrad):
-                found.extend((x.indices, x.values))
-
-        walk([self.flat, self.flat_N, self.out_N, self.dense_buf, [p.grad for p in self.parts]])
-        return found
 
 
 class Synchronizer:
@@ -122,7 +74,8 @@ class Synchronizer:
         **by_kind: sections given one by one as keywords, e.g. ``dgc={"enabled": True}``, ``natural={}``
             (merged with ``sections``; a value None = disabled).
         reduce_scatter: the ReduceScatterScheme (or its name) of ``reduce_scatter_flat``; None: the
-            reduce-scatter form of ``scheme`` (``core/reduce_scatter.py`` ``reduce_scatter_of``).
+            reduce-scatter form of ``scheme`` (``core/reduce_scatter.py`` ``reduce_scatter_of``). Built
+            on first use and kept in ``rs_scheme``.
 
     Raises:
         ValueError: a kind that is not registered, or a kind whose sparsifier is disabled.
@@ -148,7 +101,7 @@ class Synchronizer:
         **by_kind,
     ) -> None:
         self.dp_comm = dp_comm
-        self.rs_scheme = reduce_scatter
+        self._rs_scheme = reduce_scatter  # rs_scheme builds it on first read
         self.tp_comm = tp_comm
         self.scheme = build_scheme(scheme) if isinstance(scheme, str) else scheme
         # Every registered kind's config (without a section: disabled), compared across ranks, and a
@@ -228,9 +181,25 @@ class Synchronizer:
         bucket (``out`` when given); see ``reduction/scatter.py``."""
         return reduce_scatter_flat(self, flat, slices, ranges, op, out)
 
+    @property
+    def rs_scheme(self) -> ReduceScatterScheme:
+        """The ReduceScatterScheme of ``reduce_scatter_flat``, built here on first read (and only here): the
+        constructor's ``reduce_scatter`` (a name is built with defaults) or the reduce-scatter form of
+        ``scheme``, NotImplementedError for a scheme without one (a sharded engine reads it when it
+        attaches, so that error comes before training)."""
+        if not isinstance(self._rs_scheme, ReduceScatterScheme):
+            given = self._rs_scheme
+            self._rs_scheme = build_reduce_scatter(given) if isinstance(given, str) else reduce_scatter_of(self.scheme)
+        return self._rs_scheme
+
+    @rs_scheme.setter
+    def rs_scheme(self, scheme: "ReduceScatterScheme | str | None") -> None:
+        """Another reduce-scatter scheme (as the constructor's ``reduce_scatter``), e.g. ``direct`` in a test."""
+        self._rs_scheme = scheme
+
     def prepare_flat(
         self, flat: torch.Tensor, slices: list[GradSlice], op: str = "mean", out: torch.Tensor | None = None
-    ) -> "_Prepared":
+    ) -> PreparedBucket:
         """The local half of ``sync_flat``: plan, and every read of ``flat`` (dense gather, compression,
         sparsifier memory updates). No data-parallel collective unless the layout is new (its
         agreement); DGC's thresholds use the TP group. ``finish_flat`` does the rest.
@@ -257,7 +226,7 @@ class Synchronizer:
             out_N = out.reshape(-1)
         else:
             out_N = torch.empty_like(flat_N)
-        prep = _Prepared(flat=flat, flat_N=flat_N, out_N=out_N, plan=plan, op=op)
+        prep = PreparedBucket(flat=flat, flat_N=flat_N, out_N=out_N, plan=plan, op=op)
 
         # Step 2 (local part): the dense ranges gathered into one buffer.
         if plan.dense_ranges:
@@ -270,7 +239,7 @@ class Synchronizer:
             if not group.fused:  # one SparseGrad per slice, shaped like its parameter
                 found = sp.compress_each(
                     [NamedGrad(s.state_key, flat_N[s.offset : s.offset + s.numel].view(s.shape)) for s in group.slices])
-                prep.parts.extend(_Part(group, sg, s.numel, s) for s, sg in zip(group.slices, found))
+                prep.parts.extend(PreparedPart(group, sg, s.numel, s) for s, sg in zip(group.slices, found))
             else:  # one SparseGrad over the concatenation, mapped onto the group's span when tiled
                 sg = sp.compress([NamedGrad(s.state_key, flat_N[s.offset : s.offset + s.numel]) for s in group.slices],
                                  tp_comm=self.tp_comm)
@@ -281,7 +250,7 @@ class Synchronizer:
                     grad = SparseGrad(idx_K, sg.values, group.hi - group.lo, in_range=True)
                 else:
                     grad = SparseGrad(sg.indices, sg.values, sg.numel, in_range=True)
-                prep.parts.append(_Part(group, grad, sg.numel))
+                prep.parts.append(PreparedPart(group, grad, sg.numel))
             st["compress_s"] += time.perf_counter() - t0
         if tp_before is not None:
             t = self.tp_comm.stats - tp_before
@@ -295,7 +264,7 @@ class Synchronizer:
         check_op(op)
         self._plan_for(flat.reshape(-1), slices, op)
 
-    def finish_flat(self, prep: "_Prepared") -> torch.Tensor:
+    def finish_flat(self, prep: PreparedBucket) -> torch.Tensor:
         """The communicating half of ``sync_flat``: the dense all-reduce and the one scheme call over every
         kind's SparseGrads, written into the prepared output; returns it in ``flat``'s shape."""
         t_start = time.perf_counter()
