@@ -40,7 +40,7 @@ import time
 
 import torch
 
-from ..reduction import locate_slices
+from ..reduction import locate_slices, piece_slices
 from ..reduction.plan import GradSlice
 from . import deepspeed_compat as compat
 
@@ -278,27 +278,15 @@ class ShardedReduceMixin:
 def _layout(segments, n: int) -> tuple[list[GradSlice], list[tuple[int, int]]]:
     """The slices and ranges of the rank-major bucket made of ``segments`` (sorted by owner).
 
-    A piece of a 2-D (or higher) parameter is cut into its whole rows (row form: natural sparsity keeps
-    one index per row) and the partial rows at either end (1-D), each keyed by its offset inside the
-    parameter.
+    Each piece is cut by ``piece_slices``: a 2-D (or higher) parameter's whole rows in row form
+    (natural sparsity keeps one index per row), the partial rows at either end 1-D, each keyed by its
+    offset inside the parameter.
     """
     slices, counts, at = [], [0] * n, 0
     for r, v, name, start, shape in segments:
         numel = v.numel()
         counts[r] += numel
-        width = math.prod(shape[1:]) if len(shape) >= 2 else 1
-        if numel == math.prod(shape):
-            slices.append(GradSlice(name, at, numel, tuple(shape)))
-        elif numel:
-            head = min(numel, (-start) % width) if width > 1 else 0
-            rows = (numel - head) // width if width > 1 else 0
-            cuts = [(start, head, (head,)), (start + head, rows * width, (rows, *shape[1:])),
-                    (start + head + rows * width, numel - head - rows * width, None)]
-            off = at
-            for s0, m, shp in cuts:
-                if m:
-                    slices.append(GradSlice(name, off, m, shp or (m,), start=s0))
-                    off += m
+        slices.extend(piece_slices(name, tuple(shape), start, numel, at))
         at += numel
     ranges, lo = [], 0
     for c in counts:

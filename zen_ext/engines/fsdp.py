@@ -32,6 +32,7 @@ from ..config import ZenConfig, load_json_config
 from ..core.rs_base import even_ranges
 from ..reduction.attachment import Assembled, ZenAttachment, assemble
 from ..reduction.hierarchy import maybe_node_sharding
+from ..reduction.slices import piece_slices
 from ..reduction.stats import startup_line
 from ..reduction.synchronizer import GradSlice
 from .fsdp_compat import ReduceScatter, check_fsdp_internals
@@ -56,9 +57,10 @@ def chunk_layout(params: list[tuple[str, tuple[int, ...]]], world: int) -> tuple
         world: the reduce-scatter group's size.
 
     Returns:
-        ``(slices, numel)``: one slice per parameter and chunk that holds any of its rows (shaped as
-        its whole rows, ``start`` its offset inside the parameter), sorted by offset; ``numel`` the
-        input's elements. Rank ``r`` owns ``[r·numel/world, (r+1)·numel/world)``.
+        ``(slices, numel)``: one slice per parameter and chunk that holds any of its rows
+        (``reduction.slices.piece_slices``: shaped as its whole rows, 1-D where rows are single
+        elements; ``start`` its offset inside the parameter), sorted by offset; ``numel`` the input's
+        elements. Rank ``r`` owns ``[r·numel/world, (r+1)·numel/world)``.
     """
     per_chunk = []  # (name, shape, rows per chunk, row width)
     for name, shape in params:
@@ -70,8 +72,8 @@ def chunk_layout(params: list[tuple[str, tuple[int, ...]]], world: int) -> tuple
         offset = r * row_numel
         for name, shape, rows, width in per_chunk:
             real = max(0, min(rows, shape[0] - r * rows))  # the last chunks hold padding or nothing
-            if real:
-                slices.append(GradSlice(name, offset, real * width, (real, *shape[1:]), start=r * rows * width))
+            if real:  # whole rows: one row-form slice (1-D for rows of single elements)
+                slices.extend(piece_slices(name, shape, r * rows * width, real * width, offset))
             offset += rows * width
     return slices, row_numel * world
 

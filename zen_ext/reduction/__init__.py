@@ -9,7 +9,7 @@ everything else about reducing a bucket lives here, one concern per module. Depe
 * ``plan``: a bucket layout's routing (``GradSlice``, ``Plan``) and the cross-rank agreement on it;
 * ``prepared``: one bucket between the Synchronizer's local half and its communicating half;
 * ``slices``: flat buffers ↔ named ``GradSlice``s (by storage address), re-bucketing to
-  ``zen.bucket_cap_mb``, shards that keep embedding rows whole;
+  ``zen.bucket_cap_mb``, shards that keep embedding rows whole, a parameter's piece as whole-row slices;
 * ``hierarchy``: whether node-sharded reduction applies (decided alike on every rank), its groups,
   and ``NodeShardedReduce``;
 * ``reducer``: ``BucketReducer``, what every adapter calls per bucket;
@@ -22,8 +22,8 @@ everything else about reducing a bucket lives here, one concern per module. Depe
 
 from .hierarchy import NodeShardedReduce, decide_hierarchy, maybe_node_sharding
 from .reducer import BucketReducer
-from .slices import clip_slices, locate_slices, shard_bounds, split_to_cap
+from .slices import clip_slices, locate_slices, piece_slices, shard_bounds, split_to_cap
 from .worker import CommWorker
 
 __all__ = ["BucketReducer", "CommWorker", "NodeShardedReduce", "clip_slices", "decide_hierarchy", "locate_slices",
-           "maybe_node_sharding", "shard_bounds", "split_to_cap"]
+           "maybe_node_sharding", "piece_slices", "shard_bounds", "split_to_cap"]

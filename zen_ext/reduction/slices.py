@@ -11,7 +11,9 @@ as a list of tensors that they flatten. The Synchronizer needs to know which par
   (a parameter bigger than the cap is a bucket of its own, as in DDP), so ZEN's per-bucket state and
   message sizes match the paper's 128 MB buckets whatever the engine does;
 * ``shard_bounds`` / ``clip_slices`` cut a bucket into one shard per local rank for hierarchical
-  synchronization (paper §4), snapping cuts to embedding-row boundaries so row sparsity survives.
+  synchronization (paper §4), snapping cuts to embedding-row boundaries so row sparsity survives;
+* ``piece_slices`` cuts one piece of a parameter into whole-row slices (row form) and partial rows
+  (1-D): the one place that does, for FSDP2's chunks, ZeRO's owner segments and ``clip_slices``.
 
 Elements covered by no slice (alignment padding) are reduced dense by the Synchronizer.
 """
@@ -145,23 +147,48 @@ def shard_bounds(numel: int, slices: Sequence[GradSlice], parts: int) -> list[in
     return cuts
 
 
-def clip_slices(slices: Sequence[GradSlice], start: int, end: int) -> list[GradSlice]:
-    """The parts of ``slices`` inside ``[start, end)``, rebased to ``start``.
+def piece_slices(name: str, shape: tuple, start: int, numel: int, offset: int, base: int = 0) -> list[GradSlice]:
+    """The GradSlices of one piece of a tensor, cut so row sparsity survives (every engine's pieces:
+    FSDP2's chunks, ZeRO's owner segments, node shards and bucket cuts all go through here).
 
-    A clipped 2-D slice keeps its row shape when the part is whole rows; any other part is 1-D.
-    Names are kept and ``start`` records where the part begins in its parameter, so sparsifier
-    memory (DGC residuals) is keyed by ``(name, start)``.
+    The piece is elements ``[start, start + numel)`` of a tensor of ``shape`` (a parameter, or a slice
+    of one that starts at element ``base`` of its parameter), placed at ``offset`` of the bucket:
+
+    * the whole tensor: one slice of its shape;
+    * otherwise the whole rows it holds in row form ``(rows, *shape[1:])``, and the partial row it
+      starts or ends in (if any) as a 1-D slice each; a tensor whose rows are single elements (1-D, or
+      rows of width 1) gives one 1-D slice;
+    * an empty piece of a non-empty tensor: no slice.
+
+    Each slice's ``start`` is its offset inside the parameter (``base`` plus its offset inside the
+    tensor): the key of its sparsifier memory (DGC residuals), so a piece is keyed alike whoever cuts it.
+    """
+    if numel == math.prod(shape):
+        return [GradSlice(name, offset, numel, tuple(shape), start=base)]
+    width = math.prod(shape[1:]) if len(shape) >= 2 else 1
+    head = min(numel, (-start) % width) if width > 1 else 0  # the rest of the row the piece starts in
+    rows = (numel - head) // width if width > 1 else 0
+    cuts = [(start, head, None), (start + head, rows * width, (rows, *shape[1:])),
+            (start + head + rows * width, numel - head - rows * width, None)]
+    out, at = [], offset
+    for s0, m, shp in cuts:
+        if m:
+            out.append(GradSlice(name, at, m, tuple(shp or (m,)), start=base + s0))
+            at += m
+    return out
+
+
+def clip_slices(slices: Sequence[GradSlice], start: int, end: int) -> list[GradSlice]:
+    """The parts of ``slices`` inside ``[start, end)``, rebased to ``start``, each cut by ``piece_slices``.
+
+    A slice inside the range is kept as it is (rebased); a clipped one keeps its row shape over the
+    whole rows it holds, and a partial row where a cut falls mid-row is 1-D. Names are kept and
+    ``start`` records where the part begins in its parameter, so sparsifier memory (DGC residuals) is
+    keyed by ``(name, start)``.
     """
     out = []
     for s in slices:
         a, b = max(s.offset, start), min(s.offset + s.numel, end)
-        if a >= b:
-            continue
-        if (a, b) == (s.offset, s.offset + s.numel):
-            out.append(_rebase(s, start))
-            continue
-        w = _row_width(s)
-        whole_rows = w > 1 and (a - s.offset) % w == 0 and (b - a) % w == 0
-        shape = ((b - a) // w, *s.shape[1:]) if whole_rows else (b - a,)
-        out.append(GradSlice(s.name, a - start, b - a, tuple(shape), start=s.start + a - s.offset))
+        if a < b:
+            out.extend(piece_slices(s.name, s.shape, a - s.offset, b - a, a - start, base=s.start))
     return out
