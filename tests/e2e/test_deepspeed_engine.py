@@ -139,7 +139,7 @@ def _lossless_worker(rank, world):
         # Proof of overlap: the worker holds each bucket 50 ms longer, and the training thread's
         # gradient hooks record when the backward pass produced each gradient.
         windows, grad_times = [], []
-        finish = piped.zen._finish_ipg
+        finish = piped.zen.async_ipg.finish
 
         def slow_finish(*a, finish=finish, windows=windows):
             t0 = time.perf_counter()
@@ -148,7 +148,7 @@ def _lossless_worker(rank, world):
             windows.append((t0, time.perf_counter()))
             return res
 
-        piped.zen._finish_ipg = slow_finish
+        piped.zen.async_ipg.finish = slow_finish
         for p in piped.module.parameters():
             p.register_hook(lambda g, ts=grad_times: ts.append(time.perf_counter()))
         out["async_ipg"][stage] = {"blocking": _train(blocking, batches), "async": _train(piped, batches),
@@ -163,7 +163,7 @@ def _lossless_worker(rank, world):
     # bucket before any collective of it, so nobody waits), and later buckets fail fast.
     failing = _engine(_ds_config(2, zen={"scheme": "zen", "async_sync": True},
                                  zero={"overlap_comm": True, "reduce_bucket_size": 20000}))
-    finish, calls = failing.zen._finish_ipg, []
+    finish, calls = failing.zen.async_ipg.finish, []
 
     def broken(*a, finish=finish, calls=calls):
         calls.append(1)
@@ -171,7 +171,7 @@ def _lossless_worker(rank, world):
             raise ValueError(f"broken IPG bucket on rank {rank}")
         return finish(*a)
 
-    failing.zen._finish_ipg = broken
+    failing.zen.async_ipg.finish = broken
     try:
         _train(failing, _batches(rank, 1))
         out["ipg_failure"] = None

@@ -29,7 +29,7 @@ def _worker(rank, world):
             blocking = _engine(_ds_config(stage, zen=dict(zen), zero=ZERO))
             piped = _engine(_ds_config(stage, zen=dict(zen, async_sync=True), zero=ZERO))
             windows, grad_times = [], []
-            finish = piped.zen._finish_ipg
+            finish = piped.zen.async_ipg.finish
 
             def slow_finish(*a, finish=finish, windows=windows):
                 t0 = time.perf_counter()
@@ -38,7 +38,7 @@ def _worker(rank, world):
                 windows.append((t0, time.perf_counter()))
                 return res
 
-            piped.zen._finish_ipg = slow_finish
+            piped.zen.async_ipg.finish = slow_finish
             for p in piped.module.parameters():
                 p.register_hook(lambda g, ts=grad_times: ts.append(time.perf_counter()))
             case = {"blocking": _train(blocking, batches), "async": _train(piped, batches),

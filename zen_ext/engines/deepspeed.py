@@ -25,7 +25,7 @@ passed; the hooks that differ between those lines are resolved there (its docstr
 With ``zen.async_sync`` and ZeRO's ``overlap_comm`` (two IPG buffers), ``engine.optimizer.reduce_ipg_grads``
 is replaced too: a full IPG bucket goes to the communication worker, which reduces it and runs
 DeepSpeed's per-parameter copy into the gradient partition, while the backward pass fills the other
-buffer (``ZenDeepSpeed._reduce_ipg_async``).
+buffer (``deepspeed_ipg.AsyncIPG``, which ``ZenDeepSpeed`` holds).
 
 Both overrides keep DeepSpeed's semantics: values travel in ``communication_data_type``, the result is
 the data-parallel mean (or sum with ``gradient_allreduce_op: "sum"``), and groups other than the

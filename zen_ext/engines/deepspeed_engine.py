@@ -1,11 +1,14 @@
 """``ZenDeepSpeed``: ZEN attached to one DeepSpeed engine (the overrides ``engines/deepspeed.py``'s
 ``attach`` installs; the table of who reduces and what is overridden is in that module's docstring).
 The engine-neutral parts (the machinery, statistics, summary, per-rank checkpoint files) come from
-``reduction.attachment``; the ZeRO ``overlap_comm`` hand-over from ``deepspeed_ipg``.
+``reduction.attachment``. It holds the objects that override ZeRO's reductions: ``async_ipg`` (the
+``overlap_comm`` hand-over, ``deepspeed_ipg.AsyncIPG``) and ``sharded_reduce`` (the reduce-scatter,
+``deepspeed_zero3.ShardedReduce``).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -20,8 +23,8 @@ from ..reduction.attachment import ZenAttachment, assemble
 from ..reduction.stats import startup_line
 from .deepspeed_compat import (TESTED_DEEPSPEED, hook_mismatch, late_bf16_refusal, managed_gradient_accumulation,
                                served_text)
-from .deepspeed_ipg import AsyncIPGMixin
-from .deepspeed_zero3 import ShardedReduceMixin
+from .deepspeed_ipg import AsyncIPG, async_ipg_off_reason
+from .deepspeed_zero3 import ShardedReduce, sharded_refusals
 
 log = logging.getLogger("zen_ext.engines.deepspeed")
 
@@ -29,7 +32,7 @@ VERIFIED_DEEPSPEED = TESTED_DEEPSPEED
 """The DeepSpeed releases the adapter's tests passed on (``deepspeed_compat``)."""
 
 
-class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
+class ZenDeepSpeed(ZenAttachment):
     """ZEN attached to one DeepSpeed engine: the Synchronizer, the overrides, statistics, checkpoints.
 
     1. Decide the sparsifier defaults that depend on the optimizer (``ZenConfig.resolve_defaults``:
@@ -40,8 +43,10 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
     2. Groups: the data-parallel group (split by node when hierarchical) and the TP group.
     3. The Synchronizer and the BucketReducer around it (re-bucketing, TP-shared embedding rows, the
        fp16 non-finite guard).
-    4. Install the instance overrides (reduction, step, checkpoints); rank 0 prints one line saying
-       ZEN is on (engine, groups, scheme, what each sparsifier got, the DGC momentum choice).
+    4. Install the instance overrides (reduction, step, checkpoints; the reduce-scatter's and the IPG
+       hand-over's through the objects it holds, ``sharded_reduce`` and ``async_ipg``); rank 0 prints
+       one line saying ZEN is on (engine, groups, scheme, what each sparsifier got, the DGC momentum
+       choice).
 
     Args:
         engine: the ``DeepSpeedEngine``.
@@ -76,7 +81,7 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
         # ZeRO-3, and ZeRO-1/2 with reduce_scatter: each rank receives only what it owns.
         self.sharded = self.stage == 3 or (self.zero_reduces and getattr(engine.optimizer, "reduce_scatter", False))
         if self.sharded:
-            self._sharded_refusals()
+            sharded_refusals(engine.optimizer, self.stage)
         once = [k for k in cfg.sections() if spec_of(k).cls.once_per_step]
         if self.stage >= 2 and once and engine.gradient_accumulation_steps() > 1:
             raise NotImplementedError(
@@ -120,11 +125,9 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
         if self.sharded:  # the Synchronizer builds zen.scheme's reduce-scatter form on this first read:
             _ = self.sync.rs_scheme  # NotImplementedError for a scheme without one comes before training
         # With ZeRO's overlap_comm the backward pass fills one IPG buffer while the other is reduced:
-        # the worker then takes whole IPG buckets, and the backward pass goes on (_reduce_ipg_async).
-        self.async_ipg_off = self._async_ipg_off_reason()
-        self.async_ipg_buckets = 0
-        self._ipg_last_job = None
-        self._ipg_at_last_step = 0
+        # the worker then takes whole IPG buckets, and the backward pass goes on (AsyncIPG).
+        self.async_ipg_off = async_ipg_off_reason(engine.optimizer, async_sync=cfg.async_sync, worker=self.worker,
+                                                  zero_reduces=self.zero_reduces, stage=self.stage)
         if self.worker is not None and self.zero_reduces and self.rank == 0:
             if self.async_ipg_off is None:
                 log.info("zen: ZeRO overlap_comm with zen.async_sync: each full IPG bucket goes to the communication "
@@ -149,6 +152,36 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
     def dp_size(self) -> int:
         return len(self.dp_ranks)
 
+    @property
+    def dp_rank(self) -> int:
+        """This rank's place in the data-parallel group (the Synchronizer's group is the inter-node one
+        with node-level reduction)."""
+        return self.dp_ranks.index(self.rank)
+
+    @property
+    def override_calls(self) -> int:
+        """Reductions the overrides ran (the all-reduce's and the reduce-scatter's): ``end_step`` checks
+        that each optimizer step ran one."""
+        return self._reduce_calls + (self.sharded_reduce.calls if self.sharded_reduce is not None else 0)
+
+    @property
+    def async_ipg_buckets(self) -> int:
+        """IPG buckets handed to the communication worker so far (0 without the hand-over)."""
+        return self.async_ipg.buckets if self.async_ipg is not None else 0
+
+    def _reduction_choice(self) -> str:
+        """What reduces the gradients and why, for the start-up line."""
+        if self.sharded:
+            rs = self.sync.rs_scheme.name
+            why = "ZeRO-3" if self.stage == 3 else "zero_optimization.reduce_scatter true"
+            level = ("node-level: dense inside the node, " + rs + " across nodes" if self.reducer.node is not None
+                     else rs)
+            return f"reduce-scatter {level} ({why}: each rank receives only its partition)"
+        if self.stage in (1, 2):
+            return ("all-reduce, each rank keeps its partition (zero_optimization.reduce_scatter false; "
+                    "set it true for ZEN's reduce-scatter)")
+        return "all-reduce"
+
     # --- groups -------------------------------------------------------------------------------------------
     def _maybe_node_sharding(self, dist) -> NodeShardedReduce | None:
         """Node-sharded (hierarchical) reduction when every DP group spans several equal multi-rank nodes.
@@ -164,16 +197,20 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
     # --- the overrides ------------------------------------------------------------------------------------
     def _install(self) -> None:
         eng = self.engine
-        self.override_calls = 0
+        self._reduce_calls = 0
         self._calls_at_last_step = 0
+        self.sharded_reduce = self.async_ipg = None
         if self.sharded:
-            self._install_sharded()
+            self.sharded_reduce = ShardedReduce(eng, self.stage, sync=self.sync, reducer=self.reducer, stats=self.stats,
+                                                names=self.names, is_dp_group=self._is_dp_group,
+                                                dp_size=self.dp_size, dp_rank=self.dp_rank)
+            self.sharded_reduce.install()
         elif self.zero_reduces:
             self._orig_reduction = eng.optimizer.gradient_reduction_w_predivide
             eng.optimizer.gradient_reduction_w_predivide = self._gradient_reduction_w_predivide
         if self.zero_reduces and self.async_ipg_off is None:  # all-reduce or reduce_scatter: whole IPG buckets
-            self._orig_reduce_ipg = eng.optimizer.reduce_ipg_grads
-            eng.optimizer.reduce_ipg_grads = self._reduce_ipg_async
+            self.async_ipg = AsyncIPG(eng.optimizer, self.worker, self.names, self._ipg_job)
+            self.async_ipg.install()
         if not self.sharded and not self.zero_reduces:
             self._orig_allreduce_bucket = eng.allreduce_bucket
             eng.allreduce_bucket = self._allreduce_bucket
@@ -203,6 +240,13 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
         bucket = self.engine.optimizer.ipg_buckets[communication_data_type]
         return self._reduce(tensor, self._ipg_slices(tensor, bucket), communication_data_type)
 
+    def _ipg_job(self, flat, bucket, comm_dtype):
+        """``AsyncIPG``'s job for one IPG bucket, built on the training thread: the reduce-scatter of
+        DeepSpeed's owner segments (``reduce_scatter`` true, recorded now), or the all-reduce in place."""
+        if self.sharded_reduce is not None:
+            return self.sharded_reduce.zero2_job(flat, comm_dtype)
+        return functools.partial(self._reduce, flat, self._ipg_slices(flat, bucket), comm_dtype, pipelined=False)
+
     def _ipg_slices(self, flat, bucket) -> list:
         """Where each parameter of a ZeRO IPG bucket lies in ``flat`` (the bucket's reduced tensor)."""
         opt = self.engine.optimizer
@@ -212,7 +256,7 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
     def _reduce(self, flat, slices, comm_dtype, pipelined: bool = True) -> torch.Tensor:
         """Reduce ``flat`` in place, with values travelling in ``comm_dtype``; returns the comm tensor."""
         t0 = time.perf_counter()
-        self.override_calls += 1
+        self._reduce_calls += 1
         work = flat if flat.dtype == comm_dtype else flat.to(comm_dtype)
         scale = getattr(self.engine.optimizer, "loss_scale", None) if self.engine.fp16_enabled() else None
         if scale is not None:  # DGC memory follows the fp16 loss scale (docs/sparsifiers.md)
@@ -253,9 +297,8 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
         self._calls_at_last_step = self.override_calls
         self.sync.end_step()
         rec = self.reducer.pop_stats()
-        if self.async_ipg_off is None:
-            rec["async_ipg_buckets"] = self.async_ipg_buckets - self._ipg_at_last_step
-            self._ipg_at_last_step = self.async_ipg_buckets
+        if self.async_ipg is not None:
+            rec["async_ipg_buckets"] = self.async_ipg.step_buckets()
         return self.stats.end_step(self.engine.global_steps, rec, getattr(self.engine, "global_samples", None))
 
     @property
@@ -264,7 +307,8 @@ class ZenDeepSpeed(ZenAttachment, AsyncIPGMixin, ShardedReduceMixin):
 
     def close(self) -> None:
         """Flush the statistics and release the communication worker (idempotent)."""
-        self._ipg_last_job = None  # the worker's drain finishes its jobs, those included
+        if getattr(self, "async_ipg", None) is not None:
+            self.async_ipg.forget()  # the worker's drain finishes its jobs, those included
         if getattr(self, "_closed", False):
             return
         self._closed = True

@@ -35,6 +35,7 @@ optimizer state (sharded), overflow checks and clipping on the partitions, check
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 
@@ -47,48 +48,50 @@ from . import deepspeed_compat as compat
 _Z3_AVG_SCATTER = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 
 
-class ShardedReduceMixin:
-    """``ZenDeepSpeed``'s reduce-scatter overrides (uses its ``engine``, ``stage``, ``sync``, ``reducer``,
-    ``names``, ``stats``, ``_is_dp_group``, ``dp_size``)."""
+def sharded_refusals(opt, stage: int) -> None:
+    """Refuse what the reduce-scatter path cannot serve, before training starts (``opt``: the engine's
+    optimizer)."""
+    if stage == 3 and not hasattr(opt, _Z3_AVG_SCATTER):
+        raise NotImplementedError(f"zen with ZeRO-3 overrides {type(opt).__name__}.__avg_scatter_grads, which "
+                                  f"this DeepSpeed lacks; supported: {compat.served_text()}")
+    if stage == 3 and not getattr(opt, "reduce_scatter", True):
+        raise NotImplementedError("zen with ZeRO-3 needs zero_optimization.reduce_scatter = true (ZEN replaces "
+                                  "the reduce-scatter); build the engine with zen_ext.deepspeed.initialize, or "
+                                  "zen_ext.deepspeed.enable(), which keep it")
+    if getattr(opt, "all2all_process_group", None) is not None:
+        raise NotImplementedError("zen with ZeRO-3 does not serve zero_quantized_gradients (ZeRO++ qgZ, a lossy "
+                                  "INT4 all-to-all); remove it, or remove \"zen\"")
 
-    def _sharded_refusals(self) -> None:
-        """Refuse what the reduce-scatter path cannot serve, before training starts."""
-        opt = self.engine.optimizer
-        if self.stage == 3 and not hasattr(opt, _Z3_AVG_SCATTER):
-            raise NotImplementedError(f"zen with ZeRO-3 overrides {type(opt).__name__}.__avg_scatter_grads, which "
-                                      f"this DeepSpeed lacks; supported: {compat.served_text()}")
-        if self.stage == 3 and not getattr(opt, "reduce_scatter", True):
-            raise NotImplementedError("zen with ZeRO-3 needs zero_optimization.reduce_scatter = true (ZEN replaces "
-                                      "the reduce-scatter); build the engine with zen_ext.deepspeed.initialize, or "
-                                      "zen_ext.deepspeed.enable(), which keep it")
-        if getattr(opt, "all2all_process_group", None) is not None:
-            raise NotImplementedError("zen with ZeRO-3 does not serve zero_quantized_gradients (ZeRO++ qgZ, a lossy "
-                                      "INT4 all-to-all); remove it, or remove \"zen\"")
 
-    @property
-    def dp_rank(self) -> int:
-        """This rank's place in the data-parallel group (the Synchronizer's group is the inter-node one
-        with node-level reduction)."""
-        return self.dp_ranks.index(self.rank)
+class ShardedReduce:
+    """The reduce-scatter overrides ``ZenDeepSpeed`` holds (``zen.sharded_reduce``) for ZeRO-3 and ZeRO-1/2
+    with ``reduce_scatter``: ``install`` replaces the optimizer's methods (the table above), which then
+    reduce through the attachment's reducer.
 
-    def _reduction_choice(self) -> str:
-        """What reduces the gradients and why, for the start-up line."""
-        if self.sharded:
-            rs = self.sync.rs_scheme.name
-            why = "ZeRO-3" if self.stage == 3 else "zero_optimization.reduce_scatter true"
-            level = ("node-level: dense inside the node, " + rs + " across nodes" if self.reducer.node is not None
-                     else rs)
-            return f"reduce-scatter {level} ({why}: each rank receives only its partition)"
-        if self.stage in (1, 2):
-            return ("all-reduce, each rank keeps its partition (zero_optimization.reduce_scatter false; "
-                    "set it true for ZEN's reduce-scatter)")
-        return "all-reduce"
+    Args:
+        engine: the DeepSpeedEngine; ``stage`` its ZeRO stage.
+        sync, reducer, stats: the attachment's Synchronizer, BucketReducer and StepStats.
+        names: ``id(parameter)`` → parameter name.
+        is_dp_group: whether a process group is the data-parallel group (others go to DeepSpeed).
+        dp_size, dp_rank: the data-parallel group's size and this rank's place in it (the Synchronizer's
+            group is the inter-node one with node-level reduction).
+    """
 
-    def _install_sharded(self) -> None:
-        opt = self.engine.optimizer
-        self.stats.dense_name = "DeepSpeed's dense reduce-scatter"  # what dense_bytes counts on this path
+    def __init__(self, engine, stage: int, *, sync, reducer, stats, names: dict, is_dp_group, dp_size: int,
+                 dp_rank: int) -> None:
+        self.engine, self.stage = engine, stage
+        self.sync, self.reducer, self.stats, self.names = sync, reducer, stats, names
+        self.is_dp_group, self.dp_size, self.dp_rank = is_dp_group, dp_size, dp_rank
+        self.calls = 0
+        """Reduce-scatters run (``ZenDeepSpeed.end_step`` checks that the overrides ran)."""
         self._rs_layouts: dict[tuple, tuple] = {}
         self._rs_pending = None
+
+    def install(self) -> None:
+        """Replace the optimizer's reduction methods (ZeRO-3's ``__avg_scatter_grads``; ZeRO-1/2's
+        ``average_tensor``, ``allreduce_no_retain``, ``allreduce_and_scatter``) with this object's."""
+        opt = self.engine.optimizer
+        self.stats.dense_name = "DeepSpeed's dense reduce-scatter"  # what dense_bytes counts on this path
         if self.stage == 3:
             self._orig_avg_scatter = getattr(opt, _Z3_AVG_SCATTER)
             setattr(opt, _Z3_AVG_SCATTER, self._avg_scatter_grads)
@@ -110,7 +113,7 @@ class ShardedReduceMixin:
         """
         opt = self.engine.optimizer
         group = compat.z3_partition_group(opt, params[0])
-        if not self._is_dp_group(group):
+        if not self.is_dp_group(group):
             return self._orig_avg_scatter(params, communication_data_type)
         # Step 1: full gradients.
         grads = [p.grad for p in params]
@@ -157,11 +160,11 @@ class ShardedReduceMixin:
 
             opt = self.engine.optimizer
             stream = opt.reduction_stream if opt.overlap_comm else get_accelerator().current_stream()
-            named = self._zero2_named(communication_data_type)
+            named = self.zero2_named(communication_data_type)
             with get_accelerator().stream(stream):
-                self._reduce_zero2_bucket(tensor, pending, communication_data_type, named)
+                self.reduce_zero2_bucket(tensor, pending, communication_data_type, named)
 
-    def _record_zero2_segments(self, tensor, communication_data_type) -> list:
+    def record_zero2_segments(self, tensor, communication_data_type) -> list:
         """Run DeepSpeed's ``average_tensor`` on ``tensor`` recording its owner segments (its pre-divide
         included) without reducing them; the asynchronous IPG hand-over reduces them on the worker."""
         from deepspeed.accelerator import get_accelerator
@@ -178,7 +181,14 @@ class ShardedReduceMixin:
         finally:
             self._rs_pending = None
 
-    def _zero2_named(self, comm_dtype) -> list:
+    def zero2_job(self, flat, comm_dtype):
+        """The asynchronous IPG hand-over's job for the IPG bucket ``flat``: its owner segments recorded
+        and its parameters named here, on the training thread (before DeepSpeed clears the bucket);
+        the returned callable reduce-scatters them on the worker."""
+        pending = self.record_zero2_segments(flat, comm_dtype)
+        return functools.partial(self.reduce_zero2_bucket, flat, pending, comm_dtype, self.zero2_named(comm_dtype))
+
+    def zero2_named(self, comm_dtype) -> list:
         """``(name, gradient)`` of the current IPG bucket's parameters (read before the bucket is cleared)."""
         opt = self.engine.optimizer
         bucket = opt.ipg_buckets[comm_dtype]
@@ -206,12 +216,12 @@ class ShardedReduceMixin:
 
     def _recording(self, servable: bool, process_group) -> bool:
         opt = self.engine.optimizer
-        return self._rs_pending is not None and servable and self._is_dp_group(
+        return self._rs_pending is not None and servable and self.is_dp_group(
             process_group if process_group is not None else opt.dp_process_group)
 
-    def _reduce_zero2_bucket(self, tensor, pending, comm_dtype, named) -> None:
+    def reduce_zero2_bucket(self, tensor, pending, comm_dtype, named) -> None:
         """The recorded owner segments of ``tensor`` (one ZeRO IPG bucket, or one oversized gradient),
-        named by the parameters they cut (``named``: ``_zero2_named``), reduce-scattered; this rank's land
+        named by the parameters they cut (``named``: ``zero2_named``), reduce-scattered; this rank's land
         back in place (and in DeepSpeed's compact partition buffer where it keeps one)."""
         opt = self.engine.optimizer
         whole = locate_slices([tensor], named)
@@ -249,7 +259,7 @@ class ShardedReduceMixin:
             ``(shard, mine)``: this rank's reduced range, and its segments in that order.
         """
         t0 = time.perf_counter()
-        self.override_calls += 1
+        self.calls += 1
         key = tuple((r, name, start, v.numel()) for r, v, name, start, _ in segments)
         layout = self._rs_layouts.get(key)
         if layout is None:
