@@ -65,14 +65,25 @@ def run(name: str, a, runs: str) -> dict:
     out = os.path.join(runs, name)
     os.makedirs(out, exist_ok=True)
     cfg_path = os.path.join(out, "ds_config.json")
+    cfg = ds_config(name, a.micro_batch, a.dgc_warmup_steps)
+    wall_s = None
+    if a.reuse:  # a finished run of this very config: report it as it is
+        with open(cfg_path) as f:
+            if json.load(f) != cfg:
+                raise ValueError(f"--reuse: {cfg_path} is not the config these arguments make; run without --reuse")
+        return _result(name, out, wall_s)
     with open(cfg_path, "w") as f:
-        json.dump(ds_config(name, a.micro_batch, a.dgc_warmup_steps), f, indent=1)
+        json.dump(cfg, f, indent=1)
     args = ["--deepspeed_config", cfg_path, "--output_dir", out, "--model", a.model, "--data", "pydoc",
             "--max_docs", str(a.max_docs), "--seq_len", str(a.seq_len), "--steps", str(a.steps),
             "--eval_every", "0", "--plain_adam", "--memory_report"]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
     wall_s = quality_nodes.launch_nodes("recipes/finetune_llm.py", args, os.path.join(out, "log.txt"), free_port(),
                                         NODES, LOCAL, ROOT, env, a.timeout_s)
+    return _result(name, out, wall_s)
+
+
+def _result(name: str, out: str, wall_s: float | None) -> dict:
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     with open(os.path.join(out, "train_log.jsonl")) as f:
@@ -105,9 +116,9 @@ def report(results: list[dict], a, command: str) -> str:
              f"DGC 5 % with zen.dgc.warmup_steps {a.dgc_warmup_steps} (from 25 % when > 0), "
              f"AdamW (fp32, `torch_adam`), CPU (gloo). MiB = 2^20 bytes; each column is the largest rank's.", "",
              "| config | RSS after init | peak at init | peak over training steps | training peak − dense's | "
-             "run peak | run peak − dense's | zen_ext state per rank | formula | measured / formula | "
+             "run peak | run peak − dense's | RSS after last step | zen_ext state per rank | formula | measured / formula | "
              "median step |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         m = r["memory"]
         train, peak = max(x["train_peak_mib"] for x in m), max(x["peak_rss_mib"] for x in m)
@@ -117,6 +128,7 @@ def report(results: list[dict], a, command: str) -> str:
         lines.append(f"| {r['name']} | {max(x['init_rss_mib'] for x in m):,.0f} | "
                      f"{max(x['init_peak_mib'] for x in m):,.0f} | {train:,.0f} | "
                      f"{train - dense_train:+,.0f} | {peak:,.0f} | {peak - dense_peak:+,.0f} | "
+                     f"{max(x['end_rss_mib'] for x in m):,.0f} | "
                      f"{state / 2**20:,.2f} MiB | {text} | {ratio} | {statistics.median(r['step_s']):.1f} s |")
     lines += ["", "Per rank (MiB: after init / init peak / training peak; zen_ext state):", ""]
     for r in results:
@@ -140,6 +152,8 @@ def main() -> None:
     ap.add_argument("--seq_len", type=int, default=128)
     ap.add_argument("--max_docs", type=int, default=200, help="documents of the built-in text (tokenizer and data)")
     ap.add_argument("--runs", default=os.path.join(ROOT, "runs", "peak_memory"))
+    ap.add_argument("--reuse", action="store_true", help="report the runs already in --runs (made with the same "
+                    "arguments) instead of launching them again")
     ap.add_argument("--timeout_s", type=float, default=1800)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()

@@ -94,3 +94,23 @@ def test_bench_formula():
     assert bench_peak_memory.formula("flat_fp32", 1 << 20)[1] == 4 << 20
     assert bench_peak_memory.formula("node_int4", 1 << 20)[1] == (0.5 + 8 / 256) * (1 << 20) / 2
     assert bench_peak_memory.formula("dense", 1 << 20)[1] == 0
+
+
+def test_bench_report_rows_against_dense_and_the_formula():
+    import argparse
+
+    def mem(train, state, dgc):
+        return {"init_rss_mib": 700.0, "init_peak_mib": 700.0, "train_peak_mib": train, "peak_rss_mib": train, "end_rss_mib": 1500.0,
+                "zen_state_bytes": state, "params": 1000, "dgc_params": dgc, "peak_reset": True}
+
+    dgc = 1 << 20
+    results = [{"name": "dense", "memory": [mem(2000.0, 0, 0), mem(2100.0, 0, 0)], "step_s": [1.0]},
+               {"name": "flat_fp32", "memory": [mem(2300.0, 4 * dgc, dgc), mem(2150.0, 4 * dgc, dgc)], "step_s": [2.0]},
+               {"name": "node_int4", "memory": [mem(2050.0, 278528, dgc)] * 2, "step_s": [3.0]}]
+    a = argparse.Namespace(model="m.json", micro_batch=2, seq_len=128, steps=4, dgc_warmup_steps=0)
+    text = bench_peak_memory.report(results, a, "cmd")
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    assert rows["dense"][3:5] == ["2,100", "+0"]
+    assert rows["flat_fp32"][3:5] == ["2,300", "+200"] and rows["flat_fp32"][8] == "4.00 MiB"
+    assert rows["flat_fp32"][10] == "1.000" and rows["node_int4"][10] == "1.000"  # 0.53125·P/2 = 278528
+    assert rows["node_int4"][4] == "-50" and "P_dgc = 1,048,576" in text
