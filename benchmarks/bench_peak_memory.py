@@ -116,8 +116,8 @@ def report(results: list[dict], a, command: str) -> str:
              f"DGC 5 % with zen.dgc.warmup_steps {a.dgc_warmup_steps} (from 25 % when > 0), "
              f"AdamW (fp32, `torch_adam`), CPU (gloo). MiB = 2^20 bytes; each column is the largest rank's.", "",
              "| config | RSS after init | peak at init | peak over training steps | training peak − dense's | "
-             "run peak | run peak − dense's | RSS after last step | zen_ext state per rank | formula | measured / formula | "
-             "median step |",
+             "run peak | run peak − dense's | RSS after last step | zen_ext state per rank | formula | "
+             "measured / formula | median step |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         m = r["memory"]

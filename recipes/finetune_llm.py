@@ -12,7 +12,8 @@ turns ZEN on (docs/deepspeed.md), without one the run is DeepSpeed's dense basel
 
 Outputs in ``--output_dir``: ``tokenizer.json`` (a trained tokenizer, reused on resume),
 ``train_log.jsonl`` (loss, tokens/s, bytes per step; eval loss), ``zen_stats.jsonl`` (ZEN's per-step
-record), ``checkpoints/`` (DeepSpeed checkpoints with each rank's ZEN state), ``summary.json`` and
+record), ``checkpoints/`` (DeepSpeed checkpoints with each rank's ZEN state), ``summary.json`` (with
+``--memory_report`` each rank's memory: ``recipes/memory_report.py``) and
 ``loss.png``, and a summary printed at the end (bytes vs dense all-reduce, scheme choices, loss curve).
 """
 
@@ -208,7 +209,7 @@ def main(argv=None) -> list[dict]:
 
     # Step 3: train.
     if memory is not None:
-        memory.at_init()  # after the data, model and engine; its peak is the training steps' from here
+        memory.at_init()  # after data, model and engine: the peak from here on is the training steps'
     batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)
     log_file = open(os.path.join(args.output_dir, "train_log.jsonl"), "a") if rank == 0 else None
     progress = common.progress_bar(rank, start, args.steps)

@@ -1,20 +1,21 @@
 """Each rank's memory in a recipe run, split at engine init (``--memory_report``).
 
-A rank's peak resident set (``ru_maxrss``) over a whole run is dominated, for a model built on every rank
-before ZeRO-3 partitions it, by that full-size build at init; what training adds (the optimizer's
-state, ZEN's DGC residual) can then hide under it. So the report records, per rank:
+A rank's peak resident set (``ru_maxrss``) over a whole run can be set at init (a model built in full on
+every rank before ZeRO-3 partitions it) and then hides what training adds (the optimizer's state, ZEN's
+DGC residual and buffers). So the report records, per rank:
 
 1. at engine init, before the first step: the resident set now (``init_rss_mib``) and the peak so far
-   (``init_peak_mib``), then resets the kernel's peak (``/proc/self/clear_refs``, "5": Linux ≥ 4.0), so
+   (``init_peak_mib``), then resets the kernel's peak (``/proc/self/clear_refs``, "5": Linux >= 4.0), so
 2. after the last training step, before the final checkpoint is saved: the peak since init
-   (``train_peak_mib``, the training steps alone; ``ru_maxrss``, KiB on Linux) and the resident set
-   now (``end_rss_mib``), and zen_ext's own state bytes: every tensor of the Synchronizer's
-   ``state_dict()`` (DGC residual or its 4-bit codes and scales, thresholds), summed by storage.
+   (``train_peak_mib``: the training steps, and the evaluation at the last one; ``ru_maxrss``, KiB on
+   Linux), the resident set now (``end_rss_mib``), and zen_ext's own state bytes: every tensor of the
+   Synchronizer's ``state_dict()`` (DGC residual or its 4-bit codes and scales, thresholds), summed by
+   storage, with the parameters ``params`` and those routed to DGC ``dgc_params``.
 
-``peak_rss_mib`` is the run's peak up to its last step, the larger of the two (the checkpoint save
-after it is not counted). Where the reset is refused, ``train_peak_mib``
-is the peak of the whole run and ``peak_reset`` says so. CPU resident sets include the allocator's
-caches and the interpreter, torch and DeepSpeed themselves (about 500 MiB a rank).
+``peak_rss_mib`` is the run's peak up to its last step, the larger of the two (the checkpoint save after
+it is not counted). Where the kernel refuses the reset, ``train_peak_mib`` is the peak of the whole run
+and ``peak_reset`` is false. A CPU resident set includes the allocator's caches and the interpreter,
+torch and DeepSpeed themselves (about 500 MiB a rank).
 """
 
 from __future__ import annotations

@@ -100,12 +100,14 @@ def test_bench_report_rows_against_dense_and_the_formula():
     import argparse
 
     def mem(train, state, dgc):
-        return {"init_rss_mib": 700.0, "init_peak_mib": 700.0, "train_peak_mib": train, "peak_rss_mib": train, "end_rss_mib": 1500.0,
+        return {"init_rss_mib": 700.0, "init_peak_mib": 700.0, "train_peak_mib": train, "peak_rss_mib": train,
+                "end_rss_mib": 1500.0,
                 "zen_state_bytes": state, "params": 1000, "dgc_params": dgc, "peak_reset": True}
 
     dgc = 1 << 20
     results = [{"name": "dense", "memory": [mem(2000.0, 0, 0), mem(2100.0, 0, 0)], "step_s": [1.0]},
-               {"name": "flat_fp32", "memory": [mem(2300.0, 4 * dgc, dgc), mem(2150.0, 4 * dgc, dgc)], "step_s": [2.0]},
+               {"name": "flat_fp32", "memory": [mem(2300.0, 4 * dgc, dgc), mem(2150.0, 4 * dgc, dgc)],
+                "step_s": [2.0]},
                {"name": "node_int4", "memory": [mem(2050.0, 278528, dgc)] * 2, "step_s": [3.0]}]
     a = argparse.Namespace(model="m.json", micro_batch=2, seq_len=128, steps=4, dgc_warmup_steps=0)
     text = bench_peak_memory.report(results, a, "cmd")
