@@ -1,6 +1,6 @@
 """Transient memory of one sharded gradient reduction per rank, zen_ext's reduce-scatter alone (no
-DeepSpeed): flat DGC with the fp32 residual against node-level DGC with the 4-bit one, and a dense
-all-reduce for scale, on 4 gloo processes (2 emulated nodes × 2 ranks for the node-level path).
+DeepSpeed): flat and node-level DGC, each with the fp32 and the 4-bit residual, and a dense all-reduce
+for scale, on 4 gloo processes (2 emulated nodes × 2 ranks for the node-level path).
 
 Set-up: one fp32 bucket of ``--numel`` elements (a 2-D parameter of width 768, routed to DGC 5 %, no
 warm-up), even owner ranges (ZeRO-3's partitions), ``zen.bucket_cap_mb`` 128 as in
@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 WIDTH = 768
-MODES = ("dense_allreduce", "flat_fp32", "node_int4")
+MODES = ("dense_allreduce", "flat_fp32", "flat_int4", "node_fp32", "node_int4")
 
 
 def _rss_kib() -> int:
@@ -48,9 +48,9 @@ def _bench(rank: int, world: int, mode: str, numel: int, steps: int) -> dict:
 
     # Step 1: the reducer of the mode (node groups: intra {0,1},{2,3}; inter {0,2},{1,3}).
     dgc = {"enabled": True, "density": 0.05, "min_numel": 0, "momentum_correction": False, "warmup_steps": 0,
-           "residual_dtype": "int4" if mode == "node_int4" else "float32"}
+           "residual_dtype": "int4" if mode.endswith("int4") else "float32"}
     node, comm = None, TorchCommunicator(None)
-    if mode == "node_int4":
+    if mode.startswith("node"):
         node, inter = build_node_sharding(range(world), [range(world)], 2, rank, required=True)
         comm = TorchCommunicator(inter)
     slices = [GradSlice("w", 0, numel, (numel // WIDTH, WIDTH))]
@@ -115,7 +115,7 @@ def main() -> None:
     print(text)
     if a.out:
         with open(a.out, "w") as f:
-            f.write("# Transient memory of one sharded reduction per rank: flat fp32 vs node-level int4 DGC\n\n"
+            f.write("# Transient memory of one sharded reduction per rank: flat vs node-level DGC, fp32 vs int4\n\n"
                     + "\n\n".join(__doc__.split("\n\n")[1:2]) + "\n\n" + text)
 
 

@@ -1,6 +1,6 @@
 """benchmarks/bench_rs_peak_memory.py's worker on 4 gloo processes at a small size: the state it reports is
-the residual's arithmetic (flat fp32: ``4·P``; node-level int4 at L = 2: ``0.53·P/2``; none for the dense
-all-reduce), and a non-negative peak rise per step."""
+the residual's arithmetic (``4·P`` fp32 and ``0.53·P`` int4 flat, divided by L = 2 node-level; none for
+the dense all-reduce), and a non-negative peak rise per step."""
 
 import os
 import sys
@@ -17,6 +17,7 @@ NUMEL = 4 * bench.WIDTH * 64
 
 
 @pytest.mark.parametrize("mode,state", [("flat_fp32", 4 * NUMEL), ("node_int4", (0.5 + 8 / 256) * NUMEL / 2),
+                                        ("flat_int4", (0.5 + 8 / 256) * NUMEL), ("node_fp32", 4 * NUMEL / 2),
                                         ("dense_allreduce", 0)])
 def test_bench_worker_state_and_rises(mode, state):
     res = run_workers(bench._bench, 4, mode, NUMEL, 2)
