@@ -348,14 +348,14 @@ def evaluate(engine, blocks, micro_batch: int, dp_rank: int, dp_size: int, dp_gr
     return (total[0] / total[1]).item() if total[1] else float("nan")
 
 
-def write_outputs(out_dir: str, records: list[dict], summary_text: str | None) -> None:
-    """summary.json and loss.png (rank 0)."""
+def write_outputs(out_dir: str, records: list[dict], summary_text: str | None, extra: dict | None = None) -> None:
+    """summary.json (with ``extra``'s keys added) and loss.png (rank 0)."""
     losses = [r["loss"] for r in records]
     evals = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
     last = records[-1] if records else {}
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump({"steps": len(records), "losses": losses, "eval": evals, "final": last,
-                   "zen_summary": summary_text}, f, indent=1)
+                   "zen_summary": summary_text, **(extra or {})}, f, indent=1)
     try:
         import matplotlib
 

@@ -12,7 +12,8 @@ turns ZEN on (docs/deepspeed.md), without one the run is DeepSpeed's dense basel
 
 Outputs in ``--output_dir``: ``tokenizer.json`` (a trained tokenizer, reused on resume),
 ``train_log.jsonl`` (loss, tokens/s, bytes per step; eval loss), ``zen_stats.jsonl`` (ZEN's per-step
-record), ``checkpoints/`` (DeepSpeed checkpoints with each rank's ZEN state), ``summary.json`` and
+record), ``checkpoints/`` (DeepSpeed checkpoints with each rank's ZEN state), ``summary.json`` (with
+``--memory_report`` each rank's memory: ``recipes/memory_report.py``) and
 ``loss.png``, and a summary printed at the end (bytes vs dense all-reduce, scheme choices, loss curve).
 """
 
@@ -29,7 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from recipes import common  # noqa: E402
+from recipes import common, memory_report  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -40,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(a later run fine-tunes from it: --model DIR --tokenizer DIR)")
     p.add_argument("--frozen_variance_after", default=None, help=argparse.SUPPRESS)  # removed: load_ds_config
     common.add_optimizer_args(p)
+    p.add_argument("--memory_report", action="store_true", help="each rank's resident memory after engine init and "
+                   "over the training steps, and zen_ext's state bytes, into summary.json (recipes/memory_report.py)")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
     return p.parse_args(argv)
 
@@ -177,6 +180,7 @@ def main(argv=None) -> list[dict]:
     engine, _, _, _ = zen_ext.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
                                                    optimizer=optimizer)
     zen = getattr(engine, "zen", None)
+    memory = memory_report.MemoryReport() if args.memory_report else None
     if args.save_model and engine.zero_optimization_stage() >= 3:
         raise common.ConfigError(f"--save_model ({args.save_model}) needs ZeRO stage 0, 1 or 2: ZeRO-3 partitions "
                                  "the parameters across ranks")
@@ -204,6 +208,8 @@ def main(argv=None) -> list[dict]:
                   flush=True)
 
     # Step 3: train.
+    if memory is not None:
+        memory.at_init()  # after data, model and engine: the peak from here on is the training steps'
     batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)
     log_file = open(os.path.join(args.output_dir, "train_log.jsonl"), "a") if rank == 0 else None
     progress = common.progress_bar(rank, start, args.steps)
@@ -228,6 +234,8 @@ def main(argv=None) -> list[dict]:
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             rec["eval_loss"] = common.evaluate(engine, eval_blocks, micro, dp_rank, dp_size, dp_group)
         common.log_step(rec, log_file, records, progress)
+        if memory is not None and step == args.steps:  # before the checkpoint save's copies
+            memory.at_train_end(zen, engine.module)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             engine.save_checkpoint(ckpt_dir, tag=f"step{step}")
             common.save_optimizer_name(os.path.join(ckpt_dir, f"step{step}"), optimizer_id, rank)
@@ -235,10 +243,10 @@ def main(argv=None) -> list[dict]:
     # Step 4: summary, each rank's peak memory (resident set: CPU tensors live there; KiB on Linux), and the
     # final model where asked (ZeRO-1/2 keep full parameters on every rank).
     text = zen.summary() if zen is not None else None
-    peak = common.gather_peak_memory(dist.get_world_size())
+    peak = common.gather_peak_memory(dist.get_world_size(), **(memory.rec if memory is not None else {}))
     if rank == 0:
         log_file.close()
-        common.write_outputs(args.output_dir, records, text)
+        common.write_outputs(args.output_dir, records, text, {"memory": peak} if memory is not None else None)
         print("deepspeed recipe: peak memory per rank: " + json.dumps(peak), flush=True)
         if args.save_model:
             engine.module.save_pretrained(args.save_model, safe_serialization=True)

@@ -44,7 +44,7 @@ def test_recipe_runs_zero3_with_zen(tmp_path):
     cmd = [os.path.join(BIN, "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
            os.path.join(ROOT, "recipes", "finetune_llm.py"), *args, "--data", "pydoc", "--max_docs", "25",
            "--tokenizer", "train", "--vocab_size", "512", "--seq_len", "64", "--steps", "3", "--eval_every", "3",
-           "--save_every", "3"]
+           "--save_every", "3", "--memory_report"]
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -56,3 +56,11 @@ def test_recipe_runs_zero3_with_zen(tmp_path):
         log = [json.loads(line) for line in f]
     assert [r["step"] for r in log] == [1, 2, 3]
     assert all(0 < r["bytes_sent"] < r["dense_bytes"] for r in log), log
+    # --memory_report: every rank's record; flat DGC keeps an fp32 residual of every DGC element
+    with open(os.path.join(str(tmp_path / "run"), "summary.json")) as f:
+        memory = json.load(f)["memory"]
+    assert len(memory) == 2, memory
+    for m in memory:
+        assert 0 < m["dgc_params"] < m["params"], m
+        assert 4 * m["dgc_params"] <= m["zen_state_bytes"] <= 4 * m["dgc_params"] + 4096, m
+        assert 0 < m["init_rss_mib"] and m["peak_rss_mib"] == max(m["init_peak_mib"], m["train_peak_mib"]), m
