@@ -6,8 +6,12 @@ A bucket is owned in ranges ``R_0 … R_{n−1}`` by the ``n = N·L`` data-paral
 rank order of the inter-node group ``l`` (``torch.distributed.new_group`` orders by global rank), make
 its shard ``T_l`` (``|T_l| ≈ |bucket|/L``).
 
-* Step A, inside the node (fast links): the bucket reordered once into ``[T_0 | … | T_{L−1}]`` (each
-  padded to the longest), one dense reduce-scatter: local rank ``l`` holds the node's sum of ``T_l``.
+* Step A, inside the node (fast links): the bucket reordered into ``[T_0 | … | T_{L−1}]`` (each
+  padded to the longest), a dense reduce-scatter: local rank ``l`` holds the node's sum of ``T_l``. A
+  bucket above ``zen.bucket_cap_mb`` is reordered and reduced in column windows of the blocks (every
+  ``T_l``'s same window at once, at most the cap in all), so the reordered copy never holds the whole
+  bucket: the transient memory is the cap plus the shard, not twice the bucket
+  (``benchmarks/results/rs_peak_memory.md``).
 * Step B, across nodes (slow links): ``Synchronizer.reduce_scatter_flat`` over the inter-node group
   ``l`` on that node sum, re-bucketed to ``zen.bucket_cap_mb``: the sparsifiers (natural rows, DGC)
   compress the node sum of ``T_l``, so their per-element memory (DGC's residual, momentum) covers
@@ -52,6 +56,12 @@ class NodeLayout:
     so Step A's reorder is one ``index_select`` of ``[n, w]`` rows (no padding)."""
     shard_len: int
     """``|T_l|`` of this rank."""
+    windows: list[tuple[int, int, list[tuple[int, int]]]]
+    """Step A per column window ``[c0, c1)`` of the blocks: the parts to concatenate, ``(a, b)`` a range
+    of the bucket or ``(-1, k)`` ``k`` zeros of padding; empty when one ``index_select`` (``rows``)
+    reorders the whole bucket."""
+    max_pad: int
+    """The longest padding part of any window (one zero buffer serves them all)."""
     buckets: list[tuple[int, int, list[GradSlice], list[tuple[int, int]], tuple[int, int]]]
     """Step B per sub-bucket of ``T_l``: ``(start, end, slices, inter-node ranges, this rank's piece
     of its own range)``, all relative to the sub-bucket (the piece: relative to the rank's range)."""
@@ -114,18 +124,22 @@ class NodeReduceScatter:
                                                   flat_N.device)
         if lay.width == 0:
             return out  # an empty bucket: nothing to reduce on any rank (the layout is the same everywhere)
-        # Step 2: Step A, dense inside the node.
+        # Step 2: Step A, dense inside the node: one reorder and reduce-scatter per column window (one
+        # cat of the owners' ranges and the padding: one kernel on a GPU), or one index_select when the
+        # even ranges fit in one window.
         if lay.rows is not None:
-            blocks = flat_N.view(self.n, -1).index_select(0, lay.rows)
-        else:  # one cat of the owners' ranges and the blocks' padding (one kernel on a GPU)
-            pad = flat_N.new_zeros(lay.width - min(lay.lens))
-            parts = []
-            for pieces, len_ in zip(lay.pieces, lay.lens):
-                parts.extend(flat_N[a:b] for a, b in pieces if b > a)
-                if len_ < lay.width:
-                    parts.append(pad[: lay.width - len_])
-            blocks = torch.cat(parts)
-        node_sum = self.node.intra.reduce_scatter(blocks.reshape(-1))[: lay.shard_len]
+            node_sum = self.node.intra.reduce_scatter(flat_N.view(self.n, -1).index_select(0, lay.rows).reshape(-1))
+        else:
+            pad = flat_N.new_zeros(lay.max_pad) if lay.max_pad else None
+            node_sum = flat_N.new_empty(lay.width) if len(lay.windows) > 1 else None
+            for c0, c1, parts in lay.windows:
+                blocks = torch.cat([flat_N[a:b] if a >= 0 else pad[:b] for a, b in parts])
+                part_sum = self.node.intra.reduce_scatter(blocks)
+                if node_sum is None:
+                    node_sum = part_sum
+                else:
+                    node_sum[c0:c1].copy_(part_sum)
+        node_sum = node_sum[: lay.shard_len]
         # Step 3: Step B, sparse across nodes.
         if lay.shard_len:
             for a, b, members, inter_ranges, (pa, pb) in lay.buckets:
@@ -142,10 +156,15 @@ class NodeReduceScatter:
         lens = [sum(b - a for a, b in p) for p in pieces]
         width, mine = max(lens), self.node.local_rank
         lengths = {b - a for a, b in ranges}
-        rows = None
-        if len(lengths) == 1 and width and ranges[0][0] == 0 and all(
+        cap = max(1, self.cap_bytes // itemsize)
+        step = max(1, cap // len(pieces))  # columns per Step A window: L·step elements ≤ the cap
+        rows, windows = None, []
+        if width <= step and len(lengths) == 1 and width and ranges[0][0] == 0 and all(
                 ranges[r][0] == r * (numel // self.n) for r in range(self.n)) and numel % self.n == 0:
             rows = torch.tensor([r for o in self.owners for r in o], dtype=torch.long, device=device)
+        else:
+            windows = [(c0, min(c0 + step, width), _window(pieces, c0, min(c0 + step, width)))
+                       for c0 in range(0, width, step)]
         # This rank's shard: its pieces' slices side by side, and each owner's range inside it.
         t_slices, inter_ranges, at = [], [], 0
         for a, b in pieces[mine]:
@@ -155,12 +174,13 @@ class NodeReduceScatter:
         j = self.owners[mine].index(self.me)
         lo, hi = inter_ranges[j]
         buckets = []
-        cap = max(1, self.cap_bytes // itemsize)
         for a, b, members in split_to_cap(at, t_slices, cap) if at else []:
             clipped = [(min(max(s, a), b) - a, min(max(e, a), b) - a) for s, e in inter_ranges]
             pa, pb = min(max(lo, a), b), min(max(hi, a), b)
             buckets.append((a, b, list(members), clipped, (pa - lo, pb - lo)))
-        return NodeLayout(width=width, pieces=pieces, lens=lens, rows=rows, shard_len=lens[mine], buckets=buckets)
+        max_pad = max((b for _, _, parts in windows for a, b in parts if a < 0), default=0)
+        return NodeLayout(width=width, pieces=pieces, lens=lens, rows=rows, shard_len=lens[mine], buckets=buckets,
+                          windows=windows, max_pad=max_pad)
 
     def _agree(self, key: tuple, dtype) -> None:
         """A new layout shapes Step A's collective: the node's ranks compare it once (one object all-gather
@@ -172,3 +192,19 @@ class NodeReduceScatter:
                 raise RuntimeError(f"zen.hierarchical: the ranks of a node disagree on a bucket's layout (numel, "
                                    f"dtype, owner ranges, slices): local rank {r} has {theirs}, local rank "
                                    f"{self.node.local_rank} has {mine}; every rank must pass the same layout")
+
+
+def _window(pieces: list[list[tuple[int, int]]], c0: int, c1: int) -> list[tuple[int, int]]:
+    """Step A's parts for columns ``[c0, c1)`` of every block ``T_l`` in turn: the bucket ranges that fall
+    there (``pieces[l]`` laid end to end), then ``(-1, k)`` for the ``k`` columns past ``|T_l|``."""
+    parts = []
+    for block in pieces:
+        at = 0
+        for a, b in block:
+            lo, hi = max(c0, at), min(c1, at + b - a)
+            if hi > lo:
+                parts.append((a + lo - at, a + hi - at))
+            at += b - a
+        if c1 > max(c0, at):
+            parts.append((-1, c1 - max(c0, at)))
+    return parts
