@@ -354,16 +354,20 @@ class Communicator(abc.ABC):
             self._account(sent=ring, recv=ring, msgs=2 * (n - 1), rounds=2 * (n - 1))
         return t
 
-    def reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+    def reduce_scatter(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Sum the ``size`` equal blocks of ``t`` (1-D, ``size·W`` elements) over the ranks: rank ``r``
-        returns the sum of every rank's block ``r`` (``W`` elements). Ring accounting: ``(n−1)·W``
-        elements each way."""
+        returns the sum of every rank's block ``r`` (``W`` elements; into ``out`` when given: no separate
+        result buffer). Ring accounting: ``(n−1)·W`` elements each way."""
         n = self.size
         if t.dim() != 1 or t.numel() % n:
             raise ValueError(f"reduce_scatter needs a 1-D tensor of a multiple of {n} elements, got shape "
                              f"{tuple(t.shape)}")
+        if out is not None and (out.shape != (t.numel() // n,) or out.dtype != t.dtype):
+            raise ValueError(f"reduce_scatter out (shape {tuple(out.shape)}, {out.dtype}) must be 1-D of "
+                             f"{t.numel() // n} elements of {t.dtype}")
         self._check_signature_first()
-        out = self._reduce_scatter(t.contiguous())
+        res = self._reduce_scatter(t.contiguous(), out)
+        out = res if out is None or res is out else out.copy_(res)
         if n > 1:
             nb = (n - 1) * _nbytes(out)
             self._account(sent=nb, recv=nb, msgs=n - 1, rounds=n - 1)
@@ -480,14 +484,14 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def _broadcast(self, t: torch.Tensor, src: int) -> None: ...
 
-    def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+    def _reduce_scatter(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         # Transports without a native one: the blocks through the variable-size exchange, summed here
-        # in rank order (the same order on every rank).
+        # in rank order (the same order on every rank). ``out``: where to write it, when given.
         n = self.size
         if n == 1:
-            return t.clone()
+            return t.clone() if out is None else out.copy_(t)
         recv = self._exchange_v(list(t.view(n, -1)))
-        out = recv[0].clone()
+        out = recv[0].clone() if out is None else out.copy_(recv[0])
         for part in recv[1:]:
             out += part
         return out

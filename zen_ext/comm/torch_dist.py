@@ -370,13 +370,14 @@ class TorchCommunicator(Communicator):
             if buf is not t:
                 t.copy_(buf)
 
-    def _reduce_scatter(self, t: torch.Tensor) -> torch.Tensor:
+    def _reduce_scatter(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         n = self.size
         if n == 1 or not t.numel():
             return t.clone() if n == 1 else t.new_empty(0)
         dev = self.device
         buf = t if t.device == dev else t.to(dev)
-        out = torch.empty(t.numel() // n, dtype=t.dtype, device=dev)
+        if out is None or out.device != dev or not out.is_contiguous():  # the caller's out is copied into
+            out = torch.empty(t.numel() // n, dtype=t.dtype, device=dev)
         # torch 2.13 renamed the *_tensor collectives to *_single (the old names warn).
         (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(out, buf, group=self.group)
         return out if out.device == t.device else out.to(t.device)

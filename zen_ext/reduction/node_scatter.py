@@ -134,11 +134,10 @@ class NodeReduceScatter:
             node_sum = flat_N.new_empty(lay.width) if len(lay.windows) > 1 else None
             for c0, c1, parts in lay.windows:
                 blocks = torch.cat([flat_N[a:b] if a >= 0 else pad[:b] for a, b in parts])
-                part_sum = self.node.intra.reduce_scatter(blocks)
                 if node_sum is None:
-                    node_sum = part_sum
-                else:
-                    node_sum[c0:c1].copy_(part_sum)
+                    node_sum = self.node.intra.reduce_scatter(blocks)
+                else:  # straight into the shard's window: no separate result buffer
+                    self.node.intra.reduce_scatter(blocks, out=node_sum[c0:c1])
         node_sum = node_sum[: lay.shard_len]
         # Step 3: Step B, sparse across nodes.
         if lay.shard_len:
