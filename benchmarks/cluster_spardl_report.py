@@ -19,7 +19,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_common import read_jsonl  # noqa: E402
+from cluster_common import rate_bps, read_jsonl  # noqa: E402
 
 NAMES = {"dgc1": "DGC 1 %", "dgc5": "DGC 5 %"}
 ORDER = ("dense", "zen", "dgc_select", "spardl")
@@ -41,6 +41,12 @@ def runs_of(lines: list[dict]) -> dict[tuple, dict[str, dict]]:
     return out
 
 
+def _order(item) -> tuple:
+    """Rows by collective, hosts, link rate (as a number: 100mbit before 250mbit), workload."""
+    (coll, n, rate, wl), _ = item
+    return coll, n, rate_bps(rate), wl
+
+
 def ms(x: float) -> str:
     return f"{x * 1e3:,.0f}" if x >= 0.1 else f"{x * 1e3:.1f}"
 
@@ -50,7 +56,7 @@ def summary(runs: dict) -> list[str]:
              "ZEN + DGC ÷ SparDL | (ZEN + select) ÷ SparDL | dense ÷ SparDL | dense ÷ ZEN + DGC | "
              "busiest-rank MB ZEN / SparDL | CPU busy / foreign |",
              "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---|"]
-    for (coll, n, rate, wl), run in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][3])):
+    for (coll, n, rate, wl), run in sorted(runs.items(), key=_order):
         if not all(s in run for s in ORDER):
             continue
         t = {s: run[s]["t_med"] for s in ORDER}
@@ -68,7 +74,7 @@ def summary(runs: dict) -> list[str]:
 
 def details(runs: dict) -> list[str]:
     out = []
-    for (coll, n, rate, wl), run in sorted(runs.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][3])):
+    for (coll, n, rate, wl), run in sorted(runs.items(), key=_order):
         first = next(iter(run.values()))
         out += ["", f"### {coll.replace('_', '-')}, {n} hosts, {rate}, {NAMES[wl]}", "",
                 f"{first.get('utc', '?')}, commit {first.get('commit', '?')}, {first['reps']} interleaved repeats, "
