@@ -22,6 +22,11 @@ fused step), and dense on the config's AdamW: each as a user gets it. DGC's dens
   as root, not under ``launch.sh``: the script starts the lab itself, e.g. ``bench_e2e.py --hosts 8
   --rate 250mbit --configs dense_z3,zen_dgc1_z3``).
   Each configuration is compared with the dense one of its ZeRO settings (``baseline_of``);
+* ``zen_dgc1_z3_flat`` / ``zen_dgc1_z3_node``: ZeRO-3, DGC 1 %, ZEN's reduce-scatter over all ranks at once
+  (``zen.hierarchical`` false) against the node-level one (true: a dense reduce-scatter inside each
+  emulated host, DGC on the node-summed shard, ZEN across hosts; docs/deepspeed_zero3.md). They need
+  several processes per host (``--procs-per-host 2``: ``launch.sh -p``, intra-host traffic on the
+  host's loopback); not in the default list (benchmarks/results/cluster_node_level.md);
 * ``zen_dgc10`` / ``zen_dgc20``: DGC at 10 % / 20 % (not in the default list: time to quality);
 * ``zen_dgc1_b8`` / ``zen_dgc1_b8_async``: DGC 1 % with 8 MB ZEN buckets, in turn / pipelined with
   ``zen.async_sync`` (not in the default list; benchmarks/results/deepspeed_pipeline.md);
@@ -36,7 +41,9 @@ order), with an optional wait for an idle machine before each run. Per run, the 
 the loss, so it includes the slowest rank); the first ``--warmup`` steps are dropped and the run's
 median is one sample. Reported per configuration: min/median/max over the repeats, the loss curve of
 the first repeat, and from ``zen_stats.jsonl`` ZEN's time inside the gradient reduction (``sync_s``,
-DGC compression included) and bytes sent per step. Checkpoints the recipe writes at the end are deleted.
+DGC compression included) and bytes sent per step; per run the machine's CPU: busy fraction over the
+run (``cpu_all``), the ranks' own share (``cpu_ours``, from the launcher's children) and the rest
+(``foreign``: other programs on the machine). Checkpoints the recipe writes at the end are deleted.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -52,7 +60,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from cluster_common import append_jsonl, goodput_bytes_per_s, mmm, portable_path, read_jsonl, rotated, wait_quiet  # noqa: E402
+from cluster_common import (  # noqa: E402
+    append_jsonl, cpu_ticks, goodput_bytes_per_s, mmm, portable_path, read_jsonl, rotated, wait_quiet,
+)
 
 DEFAULT_MODEL = os.path.join(ROOT, "benchmarks", "configs", "llama-bench.json")
 RECIPE = os.path.join(ROOT, "recipes", "finetune_llm.py")
@@ -97,6 +107,13 @@ CONFIGS = {
         "scheme": "zen", "dgc": {"enabled": True, "density": 0.01}, "natural": {"enabled": False}}),
     "zen_dgc5_z3": dict(describe="zen reduce-scatter, DGC 5 %, ZeRO-3", zero=_Z3, zen={
         "scheme": "zen", "dgc": {"enabled": True, "density": 0.05}, "natural": {"enabled": False}}),
+    # ZeRO-3 on several processes per emulated host: flat ZEN over all ranks vs the node-level reduce-scatter.
+    "zen_dgc1_z3_flat": dict(describe="zen reduce-scatter, DGC 1 %, ZeRO-3, flat (zen.hierarchical false)",
+                             zero=_Z3, zen={"scheme": "zen", "hierarchical": False,
+                                            "dgc": {"enabled": True, "density": 0.01}, "natural": {"enabled": False}}),
+    "zen_dgc1_z3_node": dict(describe="zen node-level reduce-scatter, DGC 1 %, ZeRO-3 (zen.hierarchical true)",
+                             zero=_Z3, zen={"scheme": "zen", "hierarchical": True,
+                                            "dgc": {"enabled": True, "density": 0.01}, "natural": {"enabled": False}}),
     "zen_natural_z3": dict(describe="zen reduce-scatter, embedding rows (rest dense), ZeRO-3", zero=_Z3,
                            zen={"scheme": "zen", "natural": {"enabled": True}, "dgc": {"enabled": False}}),
 }
@@ -134,12 +151,20 @@ def run_once(name: str, rep: int, a) -> dict:
     cfg_path = os.path.join(run_dir, "ds_config.json")
     with open(cfg_path, "w") as f:
         json.dump(ds_config(name, a), f, indent=1)
-    cmd = [os.path.join(ROOT, "launch", "netlab", "launch.sh"), "-n", str(a.hosts), "-r", a.rate,
-           "--timeout", str(a.run_timeout_s), "--logdir", os.path.join(run_dir, "logs"), "--", RECIPE,
+    cmd = [os.path.join(ROOT, "launch", "netlab", "launch.sh"), "-n", str(a.hosts), "-p", str(a.procs_per_host),
+           "-r", a.rate, "--nice", str(a.nice), "--timeout", str(a.run_timeout_s), "--logdir", os.path.join(run_dir, "logs"), "--", RECIPE,
            "--deepspeed_config", cfg_path, "--model", a.model, "--vocab_size", str(a.tokenizer_vocab),
            "--seq_len", str(a.seq_len), "--steps", str(a.steps), "--seed", str(a.seed), "--output_dir", run_dir]
-    t0 = time.time()
+    t0, ticks0 = time.time(), cpu_ticks()
+    kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=a.run_timeout_s + 60)
+    # The machine's CPU over the run: busy fraction, the ranks' share (the launcher's waited-for
+    # descendants: ip netns exec, timeout, python) and what other programs took.
+    wall, ticks1 = time.time() - t0, cpu_ticks()
+    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    ours_s = (kids1.ru_utime + kids1.ru_stime) - (kids0.ru_utime + kids0.ru_stime)
+    cpu_all = (ticks1[0] - ticks0[0]) / max(1, ticks1[1] - ticks0[1])
+    cpu_ours = ours_s / (wall * (os.cpu_count() or 1))
     if r.returncode:
         sys.stderr.write(r.stdout[-3000:] + r.stderr[-3000:])
         raise SystemExit(f"bench_e2e: run {name} repeat {rep} failed ({r.returncode}); logs in {run_dir}/logs")
@@ -150,16 +175,18 @@ def run_once(name: str, rep: int, a) -> dict:
     zen = read_jsonl(os.path.join(run_dir, "zen_stats.jsonl"))
     if len(steps) != a.steps:
         raise SystemExit(f"bench_e2e: run {name} repeat {rep} logged {len(steps)} of {a.steps} steps ({run_dir})")
-    return dict(steps=steps, zen=zen, wall_s=time.time() - t0)
+    return dict(steps=steps, zen=zen, wall_s=wall, cpu_all=cpu_all, cpu_ours=cpu_ours,
+                foreign=max(0.0, cpu_all - cpu_ours))
 
 
 def summarize(name: str, runs: list[dict], a, pre_busy: list[float]) -> dict:
-    tokens = a.hosts * a.micro_batch * a.seq_len
+    tokens = a.hosts * a.procs_per_host * a.micro_batch * a.seq_len
     timed = slice(a.warmup, None)
     per_run_tps = [statistics.median(s["tokens_per_s"] for s in r["steps"][timed]) for r in runs]
     all_tps = [s["tokens_per_s"] for r in runs for s in r["steps"][timed]]
     lo, med, hi = mmm(per_run_tps)
-    rec = dict(bench="e2e", rate=a.rate, n=a.hosts, config=name, describe=CONFIGS[name]["describe"],
+    rec = dict(bench="e2e", rate=a.rate, n=a.hosts, procs_per_host=a.procs_per_host,
+               world=a.hosts * a.procs_per_host, nice=a.nice, config=name, describe=CONFIGS[name]["describe"],
                zen=CONFIGS[name]["zen"], ds_config=ds_config(name, a), model=portable_path(a.model),
                micro_batch=a.micro_batch,
                seq_len=a.seq_len, tokens_per_step=tokens, steps=a.steps, warmup=a.warmup, reps=len(runs),
@@ -167,7 +194,9 @@ def summarize(name: str, runs: list[dict], a, pre_busy: list[float]) -> dict:
                tokens_per_s_max=hi, step_s_min=tokens / hi, step_s_med=tokens / med, step_s_max=tokens / lo,
                step_times=[tokens / x for x in all_tps], losses=[s["loss"] for s in runs[0]["steps"]],
                eval_loss=runs[0]["steps"][-1].get("eval_loss"), run_wall_s=[r["wall_s"] for r in runs],
-               pre_busy=pre_busy, loadavg=open("/proc/loadavg").read().split()[:3])
+               pre_busy=pre_busy, loadavg=open("/proc/loadavg").read().split()[:3],
+               cpu_all_runs=[r["cpu_all"] for r in runs], cpu_ours_runs=[r["cpu_ours"] for r in runs],
+               foreign_runs=[r["foreign"] for r in runs])
     if CONFIGS[name]["zen"] is not None:
         zs = [z for r in runs for z in r["zen"][timed]]
         rec["sync_s_med"] = statistics.median(z["sync_s"] for z in zs)
@@ -183,6 +212,9 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="dense,zen_dgc1,zen_dgc5,zen_natural", help=f"comma list from {sorted(CONFIGS)}")
     p.add_argument("--rate", default="1gbit")
     p.add_argument("--hosts", type=int, default=4)
+    p.add_argument("--procs-per-host", type=int, default=1,
+                   help="processes per emulated host (launch.sh -p; the _node configurations need >= 2)")
+    p.add_argument("--nice", type=int, default=0, help="launch.sh --nice: the ranks' niceness (root may go below 0)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model-config JSON (or HF name / checkpoint)")
     p.add_argument("--work", default="/tmp/zen_cluster/e2e", help="run directories (tokenizer, logs, step logs)")
     p.add_argument("--micro-batch", type=int, default=2)
@@ -203,6 +235,8 @@ def main(argv=None) -> int:
     unknown = sorted(set(names) - set(CONFIGS))
     if unknown:
         raise SystemExit(f"--configs {unknown} must be from {sorted(CONFIGS)}")
+    if a.procs_per_host < 1:
+        raise SystemExit(f"--procs-per-host ({a.procs_per_host}) must be >= 1")
     if a.warmup >= a.steps:
         raise SystemExit(f"--warmup ({a.warmup}) must be < --steps ({a.steps})")
     os.makedirs(a.work, exist_ok=True)
@@ -215,7 +249,8 @@ def main(argv=None) -> int:
             runs[name].append(r)
             tps = statistics.median(s["tokens_per_s"] for s in r["steps"][a.warmup:])
             print(f"repeat {rep} {name:>12}: {tps:7.0f} tokens/s (median of steps {a.warmup + 1}..{a.steps}), "
-                  f"final loss {r['steps'][-1]['loss']:.4f}, run {r['wall_s']:.0f} s, load {busy[name][-1]:.2f}",
+                  f"final loss {r['steps'][-1]['loss']:.4f}, run {r['wall_s']:.0f} s, load {busy[name][-1]:.2f}, "
+                  f"cpu busy {r['cpu_all']:.2f} (ours {r['cpu_ours']:.2f}, foreign {r['foreign']:.2f})",
                   flush=True)
     recs = {name: summarize(name, runs[name], a, busy[name]) for name in names}
     # What the dense collective sends per step for the same buckets (DeepSpeed's ring all-reduce, or its

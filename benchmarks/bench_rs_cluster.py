@@ -1,4 +1,5 @@
-"""Reduce-scatter wall time on the emulated cluster: dense, direct, zen and auto (docs/reduce_scatter.md).
+"""Reduce-scatter wall time on the emulated cluster: dense, direct, zen and auto (docs/reduce_scatter.md),
+and SparDL (docs/spardl.md) against ZEN + DGC, as reduce-scatter or all-reduce.
 
 Usage (root; ``launch/netlab/launch.sh`` runs one process per emulated host)::
 
@@ -23,6 +24,15 @@ the JSON line holds min/median/max, the Communicator's logical bytes per rank, t
 link bound ``max over ranks of max(sent, received) / goodput`` and time / bound, rounds and messages,
 the byte/round model's prediction (``zen_ext/core/rs_auto.py``'s, on the lab's rate) and, for ``auto``,
 its choice, why, and its predicted time against the measured one; the machine's CPU in every repeat.
+
+SparDL (``--schemes ...,spardl``, DGC workloads only; benchmarks/results/cluster_spardl.md): lossy, so it
+is left out of the exact check. It selects ``k/P`` entries per block itself, so it is handed what DGC
+would hand it: the rank's dense gradient of the workload (``workloads.dgc_dense``, the one ``dgc1`` /
+``dgc5`` took their top-k from; a fresh copy every call, made before the timing, as its memory) at
+the workload's density; ZEN + DGC is ``zen`` on the ``dgc1`` / ``dgc5`` entries. ``dgc_select`` times
+DGC's own selection of those entries on every rank (``DGCSparsifier.compress``, no communication), the
+part of ZEN + DGC's step that SparDL's time includes. ``--collective all_reduce`` runs the all-reduce
+forms instead (``dense``, ``zen``, ``spardl``: SRS + Bruck all-gather), each into one full-size ``out=``.
 """
 
 from __future__ import annotations
@@ -46,6 +56,10 @@ from cluster_common import (  # noqa: E402
 )
 
 SCHEMES = ("dense", "direct", "zen", "auto")
+#: Not in the default list: the lossy SparDL and DGC's selection alone (DGC workloads only).
+SPARDL = ("spardl", "dgc_select")
+ALL_REDUCE = ("dense", "zen", "spardl", "dgc_select")
+DGC_DENSITY = {"dgc1": 0.01, "dgc5": 0.05}
 WORKLOADS = ("dgc1", "dgc5", "text_rows")
 #: 7 repeats: on the 2 shared cores the 8/16-host labs' medians moved by up to ±20 % between runs with 5
 #: (benchmarks/results/cluster_pull16.md); the median of 7 ignores up to 3 disturbed repeats, and a
@@ -122,6 +136,7 @@ def run_workload(a, lab: Lab, label: str, comm, rank: int, n: int) -> list[dict]
     import torch.distributed as dist
 
     from zen_ext.core.reduce_scatter import build_reduce_scatter
+    from zen_ext.core.registry import build_scheme
     from zen_ext.core.rs_base import even_ranges
 
     # Step 1: inputs.
@@ -132,27 +147,47 @@ def run_workload(a, lab: Lab, label: str, comm, rank: int, n: int) -> list[dict]
     ranges = even_ranges(numel, n)
     lo, hi = ranges[rank]
     mine_dense = mine.to_dense()
-    out = torch.empty(hi - lo, dtype=mine.values.dtype)
+    all_reduce = a.collective == "all_reduce"
+    out = torch.empty(numel if all_reduce else hi - lo, dtype=mine.values.dtype)
     bw_gbps = lab.goodput * 8 / 1e9 if lab.goodput else None
+    names = [s for s in a.schemes if s not in SPARDL or label in DGC_DENSITY]
+    build = build_scheme if all_reduce else build_reduce_scatter
     schemes = {s: build_reduce_scatter(s, bandwidth_gbps=bw_gbps, latency_us=a.latency_us) if s == "auto"
-               else build_reduce_scatter(s) for s in a.schemes}
-    preds = predictions(grads, ranges, bw_gbps or 10.0, a.latency_us) if rank == 0 else {}
+               else build(s) for s in names if s != "dgc_select"}
+    preds = predictions(grads, ranges, bw_gbps or 10.0, a.latency_us) if rank == 0 and not all_reduce else {}
+    if rank == 0 and not all_reduce and "spardl" in names:
+        from zen_ext.core.rs_spardl import predict_spardl_bytes
+
+        v = predict_spardl_bytes(n, [e - s for s, e in ranges], DGC_DENSITY[label], numel, mine.values.dtype)
+        spardl_pred = dict(v, seconds=v["bytes"] / (lab.goodput or 1.25e9) + v["msgs"] * a.latency_us * 1e-6)
+    else:
+        spardl_pred = None
+    fresh = new_input_factory(label, rank, numel, names)
     facts = dict(numel=numel, row_width=mine.row_width, dtype=str(mine.values.dtype),
                  nnz=[g.nnz for g in grads], density=sum(g.nnz * g.row_width for g in grads) / (n * numel))
     del grads
     t_inputs = time.perf_counter() - t_inputs
 
-    def one(name: str, timings: dict | None) -> torch.Tensor:
-        x = mine_dense if name == "dense" else mine
+    def one(name: str, timings: dict | None, x=None) -> torch.Tensor:
+        """One call of ``name``; ``x``: spardl's / dgc_select's input from ``fresh`` (made untimed)."""
+        if name == "dgc_select":
+            return x()
+        x = x if x is not None else mine_dense if name == "dense" else mine
         # One slot per scheme, as a Synchronizer's bucket: exchanges carry their counts in the payload
         # from the second call on (comm/base.py); --count-round measures the old form.
         with (nullcontext() if a.count_round else comm.slot((name, label))):
+            if all_reduce:
+                return schemes[name].sync(comm, x, op="sum", out=out, timings=timings, key=label)
             return schemes[name].reduce_scatter(comm, x, ranges, op="sum", out=out, timings=timings, key=label)
 
     # Step 2: warm-up and the exact check against dense.
     ref = one("dense", None).clone()
     check: dict[str, dict] = {}
-    for name in schemes:
+    for name in names:
+        if name in SPARDL:  # lossy (spardl) or no reduction at all (dgc_select): warm-up only
+            one(name, None, fresh(name))
+            check[name] = dict(equal=None, max_abs_err=None)
+            continue
         # auto runs its close candidates twice each before it settles (core/rs_auto.py): those calls are
         # warm-up here, so the repeats time its decision.
         for _ in range(2 * len(schemes["auto"].schemes) if name == "auto" else 1):
@@ -164,15 +199,15 @@ def run_workload(a, lab: Lab, label: str, comm, rank: int, n: int) -> list[dict]
 
     # Step 3: interleaved repeats.
     pre_busy = wait_quiet_all(a.quiet_wait, a.quiet_level, rank)
-    names = list(schemes)
     recs: dict[str, list[dict]] = {name: [] for name in names}
     for rep in range(a.reps):
         for name in rotated(names, rep):
+            x = fresh(name) if name in SPARDL else None
             dist.barrier()
             before = comm.stats.snapshot()
             timings: dict = {}
             probe = SpanProbe(lab)
-            one(name, timings)
+            one(name, timings, x)
             d = comm.stats - before
             rec = probe.finish(extra=[d.bytes_sent, d.bytes_recv, d.msgs_sent, d.msgs_recv, d.rounds])
             phases = comm.all_gather_object({k: v for k, v in timings.items() if isinstance(v, (float, str))
@@ -183,8 +218,35 @@ def run_workload(a, lab: Lab, label: str, comm, rank: int, n: int) -> list[dict]
     # Step 4: summary per scheme.
     if rank != 0:
         return []
-    return [summarize(name, recs[name], check[name], preds, lab, n, label, facts, a, pre_busy, t_inputs)
-            for name in names]
+    return [summarize(name, recs[name], check[name], dict(preds, spardl=spardl_pred) if spardl_pred else preds,
+                      lab, n, label, facts, a, pre_busy, t_inputs) for name in names]
+
+
+def new_input_factory(label: str, rank: int, numel: int, names: list[str]):
+    """``fresh(name)``: a new input for ``spardl`` (an ``AccumulatedGrad`` over a copy of this rank's dense
+    gradient: the scheme overwrites its memory with the residual) or ``dgc_select`` (a call of DGC's
+    selection on such a copy), built before the timing."""
+    if not any(s in SPARDL for s in names):
+        return None
+    from zen_ext.analysis.workloads import dgc_dense
+    from zen_ext.compress.base import NamedGrad
+    from zen_ext.compress.dgc.sparsifier import DGCSparsifier
+    from zen_ext.core.types import AccumulatedGrad
+
+    density = DGC_DENSITY[label]
+    dense = dgc_dense([rank], numel=numel, seed=1)[0]  # the seed of build_inputs' dgc_topk
+    sparsifier = DGCSparsifier({"density": density, "warmup_steps": 0, "momentum_correction": False})
+
+    def select(g: torch.Tensor):
+        sg = sparsifier.compress([NamedGrad("bucket", g)])
+        sparsifier.end_step()
+        return sg
+
+    def fresh(name: str):
+        g = dense.clone()
+        return AccumulatedGrad.of(g, density, g.dtype) if name == "spardl" else (lambda: select(g))
+
+    return fresh
 
 
 def summarize(name: str, rs: list[dict], check: dict, preds: dict, lab: Lab, n: int, label: str, facts: dict,
@@ -201,9 +263,11 @@ def summarize(name: str, rs: list[dict], check: dict, preds: dict, lab: Lab, n: 
     phases = {k: statistics.median(max(p.get(k, 0.0) for p in r["phases"]) for r in rs) for k in phase_keys}
     model = preds.get(chosen[0] if name == "auto" and len(chosen) == 1 else name)
     # The model's own pick from the same profile: auto's choice should equal it (a check, not a given).
-    model_choice = min(preds, key=lambda s: preds[s]["seconds"]) if preds else None
+    lossless = {s: v for s, v in preds.items() if s != "spardl"}
+    model_choice = min(lossless, key=lambda s: lossless[s]["seconds"]) if lossless else None
     return dict(
-        bench="rs", **lab.meta(), n=n, workload=label, **facts, scheme=name, reps=len(ts), times=ts,
+        bench="ar" if a.collective == "all_reduce" else "rs", collective=a.collective, **lab.meta(), n=n,
+        workload=label, **facts, scheme=name, reps=len(ts), times=ts,
         t_min=t_min, t_med=t_med, t_max=t_max, bytes_sent=sent, bytes_recv=recv, busiest_bytes=busiest,
         msgs_sent=[int(e[2]) for e in ex], msgs_recv=[int(e[3]) for e in ex], rounds=max(int(e[4]) for e in ex),
         wire_tx=[statistics.median(r["wire_tx"][k] for r in rs) for k in range(n)],
@@ -261,7 +325,10 @@ def main(argv=None) -> int:
     pr = sub.add_parser("run", help="measure (one process per host, under launch/netlab/launch.sh)")
     pr.add_argument("--workloads", type=lambda s: s.split(","), default=list(WORKLOADS),
                     help=f"comma list from {list(WORKLOADS)}")
-    pr.add_argument("--schemes", type=lambda s: s.split(","), default=list(SCHEMES))
+    pr.add_argument("--schemes", type=lambda s: s.split(","), default=list(SCHEMES),
+                    help=f"comma list from {list(SCHEMES + SPARDL)} (all_reduce: {list(ALL_REDUCE)})")
+    pr.add_argument("--collective", choices=("reduce_scatter", "all_reduce"), default="reduce_scatter",
+                    help="time the schemes' reduce-scatter (default) or all-reduce forms")
     pr.add_argument("--reps", type=int, default=DEFAULT_REPS, help="interleaved repeats (default 7: see DEFAULT_REPS)")
     pr.add_argument("--latency-us", type=float, default=50.0, help="α of the predictions and of auto (planner default)")
     pr.add_argument("--cache-dir", default="/tmp/zen_bench_rs", help="tokenizer and the ranks' shared inputs")
@@ -276,10 +343,11 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.reps < 1:
         raise SystemExit(f"--reps ({a.reps}) must be >= 1")
-    bad = sorted(set(a.schemes) - set(SCHEMES)) + sorted(set(a.workloads) - set(WORKLOADS))
+    valid = ALL_REDUCE if a.collective == "all_reduce" else SCHEMES + SPARDL
+    bad = sorted(set(a.schemes) - set(valid)) + sorted(set(a.workloads) - set(WORKLOADS))
     if bad or "dense" not in a.schemes:
-        raise SystemExit(f"--schemes must include dense and be from {list(SCHEMES)}, --workloads from "
-                         f"{list(WORKLOADS)} (got unknown {bad})")
+        raise SystemExit(f"--schemes must include dense and be from {list(valid)} (--collective {a.collective}), "
+                         f"--workloads from {list(WORKLOADS)} (got unknown {bad})")
     return cmd_run(a)
 
 

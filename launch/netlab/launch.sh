@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# launch.sh - run one process per emulated host (network namespace) with torch.distributed env://
-# variables set, then tear the lab down: on normal exit, on error, on Ctrl-C/TERM and on timeout.
+# launch.sh - run P processes (default 1) per emulated host (network namespace) with torch.distributed
+# env:// variables set, then tear the lab down: on normal exit, on error, on Ctrl-C/TERM and on timeout.
 #
-#   launch.sh -n N -r RATE [netlab up options] [launcher options] -- PROGRAM [ARGS...]
+#   launch.sh -n N -r RATE [-p P] [netlab up options] [launcher options] -- PROGRAM [ARGS...]
 #
 # netlab up options : --burst-ms MS --burst BYTES --limit-ms MS --mtu BYTES
 #                     --cc bbr|cubic|reno --no-rx --tso on|off   (see netlab.sh)
-# launcher options  : --python PY     interpreter for PROGRAM if it ends in .py (default:
+# launcher options  : -p, --procs-per-host P
+#                                     processes per emulated host (default 1): they share
+#                                     the host's namespace, so their traffic to each other
+#                                     goes over its loopback (as NVLink/PCIe inside a node)
+#                                     and only cross-host traffic crosses the shaped links
+#                     --python PY     interpreter for PROGRAM if it ends in .py (default:
 #                                     $NETLAB_PYTHON, else the repo's .venv/bin/python, else python3)
 #                     --port P        MASTER_PORT (default 29500)
 #                     --timeout S     kill everything after S seconds (default 1800)
@@ -22,7 +27,10 @@
 # Every rank gets: RANK WORLD_SIZE LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR (host 0's lab
 # address) MASTER_PORT GLOO_SOCKET_IFNAME=zeth OMP_NUM_THREADS NETLAB_RATE NETLAB_NHOSTS
 # NETLAB_IFNAME NETLAB_MTU, and for zen_ext: PYTHONPATH=<repo root> DS_ACCELERATOR=cpu
-# PYTHONUNBUFFERED=1. The program runs in the caller's working directory.
+# PYTHONUNBUFFERED=1. With -p P > 1, local process l of host h gets RANK=h*P+l WORLD_SIZE=N*P
+# LOCAL_RANK=l LOCAL_WORLD_SIZE=P LOCAL_SIZE=P (DeepSpeed's name) NETLAB_PROCS_PER_HOST=P and
+# ZEN_EXT_HOST=<the host's namespace> (zen_ext's node hierarchy: zen_ext/reduction/hierarchy.py);
+# -p 1 sets exactly the variables above. The program runs in the caller's working directory.
 set -uo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 ROOT=$(cd "$HERE/../.." && pwd)
@@ -33,12 +41,13 @@ DEFAULT_PY=python3
 [[ -x "$ROOT/.venv/bin/python" ]] && DEFAULT_PY="$ROOT/.venv/bin/python"
 
 N=""; RATE=""; UPOPTS=(); PY=${NETLAB_PYTHON:-$DEFAULT_PY}; PORT=29500; TIMEOUT=1800
-LOGDIR=""; THREADS=1; REUSE=0; KEEP=0; MTU=1500; NICE=0
+LOGDIR=""; THREADS=1; REUSE=0; KEEP=0; MTU=1500; NICE=0; PPH=1
 usage() { awk 'NR>1 && /^#/{sub(/^# ?/,"");print;next} NR>1{exit}' "$0" >&2; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     -n) N=$2; shift 2;;
     -r|--rate) RATE=$2; shift 2;;
+    -p|--procs-per-host) PPH=$2; shift 2;;
     --burst-ms|--burst|--limit-ms|--cc|--tso) UPOPTS+=("$1" "$2"); shift 2;;
     --mtu) MTU=$2; UPOPTS+=("$1" "$2"); shift 2;;
     --no-rx) UPOPTS+=("$1"); shift;;
@@ -63,7 +72,9 @@ if [[ $REUSE == 1 ]]; then
 else
   [[ -n "$N" && -n "$RATE" ]] || { echo "launch.sh: need -n N and -r RATE" >&2; exit 2; }
 fi
+[[ "$PPH" =~ ^[0-9]+$ ]] && (( PPH >= 1 )) || { echo "launch.sh: -p ($PPH) must be an integer >= 1" >&2; exit 2; }
 [[ "$1" == *.py ]] && set -- "$PY" "$@"
+WORLD=$((N * PPH))
 [[ -n "$LOGDIR" ]] || LOGDIR=$(mktemp -d /tmp/netlab-logs.XXXXXX)
 mkdir -p "$LOGDIR"
 
@@ -85,14 +96,21 @@ if [[ $REUSE == 0 ]]; then
   "$NETLAB" up -n "$N" -r "$RATE" "${UPOPTS[@]}" || exit 1
 fi
 
-for ((k = 0; k < N; k++)); do : >"$LOGDIR/rank$k.log"; done
-for ((k = 0; k < N; k++)); do
-  ip netns exec "${PREFIX}h$k" env RANK=$k WORLD_SIZE=$N LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
-    MASTER_ADDR="${SUBNET}.1" MASTER_PORT=$PORT GLOO_SOCKET_IFNAME=zeth \
-    OMP_NUM_THREADS=$THREADS NETLAB_RATE="$RATE" NETLAB_NHOSTS=$N NETLAB_IFNAME=zeth NETLAB_MTU=$MTU \
-    PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1 \
-    nice -n "$NICE" timeout --signal=TERM --kill-after=10 "$TIMEOUT" "$@" >"$LOGDIR/rank$k.log" 2>&1 &
-  PIDS+=($!)
+for ((k = 0; k < WORLD; k++)); do : >"$LOGDIR/rank$k.log"; done
+for ((h = 0; h < N; h++)); do
+  for ((l = 0; l < PPH; l++)); do
+    k=$((h * PPH + l))
+    # -p 1: the variables of one process per host, unchanged; -p P: the node's local layout and its name
+    NODE_ENV=(LOCAL_RANK=0 LOCAL_WORLD_SIZE=1)
+    (( PPH > 1 )) && NODE_ENV=(LOCAL_RANK=$l LOCAL_WORLD_SIZE=$PPH LOCAL_SIZE=$PPH NETLAB_PROCS_PER_HOST=$PPH
+                               ZEN_EXT_HOST="${PREFIX}h$h")
+    ip netns exec "${PREFIX}h$h" env RANK=$k WORLD_SIZE=$WORLD "${NODE_ENV[@]}" \
+      MASTER_ADDR="${SUBNET}.1" MASTER_PORT=$PORT GLOO_SOCKET_IFNAME=zeth \
+      OMP_NUM_THREADS=$THREADS NETLAB_RATE="$RATE" NETLAB_NHOSTS=$N NETLAB_IFNAME=zeth NETLAB_MTU=$MTU \
+      PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" DS_ACCELERATOR=cpu PYTHONUNBUFFERED=1 \
+      nice -n "$NICE" timeout --signal=TERM --kill-after=10 "$TIMEOUT" "$@" >"$LOGDIR/rank$k.log" 2>&1 &
+    PIDS+=($!)
+  done
 done
 tail -n +1 -f "$LOGDIR/rank0.log" --pid="${PIDS[0]}" 2>/dev/null &
 TAILPID=$!
@@ -104,7 +122,7 @@ while (( ${#LIVE[@]} > 0 )); do
   [[ -z "$done_pid" ]] && break
   NEXT=(); for p in "${LIVE[@]}"; do [[ $p != "$done_pid" ]] && NEXT+=("$p"); done; LIVE=("${NEXT[@]}")
   if [[ $r -ne 0 ]]; then
-    for ((k = 0; k < N; k++)); do [[ ${PIDS[k]} == "$done_pid" ]] && break; done
+    for ((k = 0; k < WORLD; k++)); do [[ ${PIDS[k]} == "$done_pid" ]] && break; done
     echo "launch.sh: rank $k exited with $r; stopping the others (logs in $LOGDIR)" >&2
     tail -n 20 "$LOGDIR/rank$k.log" >&2
     RC=$r; break
@@ -119,5 +137,6 @@ TAILPID=""
 # tc counters of the run: drops on a shaped link mean TCP retransmissions
 "$NETLAB" counters 2>/dev/null | awk '{tx+=$2; txd+=$3; rx+=$4; rxd+=$5}
   END{if (NR) printf "launch.sh: tc totals: host TX %.1f MB (%d dropped), host RX %.1f MB (%d dropped)\n", tx/1e6, txd, rx/1e6, rxd}' >&2
-[[ $RC -eq 0 ]] && echo "launch.sh: all $N ranks finished OK (logs in $LOGDIR)" >&2
+LAYOUT=""; (( PPH > 1 )) && LAYOUT=" ($N hosts × $PPH)"
+[[ $RC -eq 0 ]] && echo "launch.sh: all $WORLD ranks$LAYOUT finished OK (logs in $LOGDIR)" >&2
 exit $RC

@@ -129,6 +129,83 @@ def test_shaped_exchange_values_bytes_time_and_teardown(tmp_path):
     assert res["span"] >= (PAYLOAD_BYTES - 131072) / goodput * 0.95, res["span"]
 
 
+PER_HOST = f"""
+    import json, os, sys
+    sys.path.insert(0, os.path.join({ROOT!r}, "benchmarks"))
+    import torch, torch.distributed as dist
+    from cluster_common import iface_bytes, finish_process, init_from_env
+    from zen_ext.reduction.hierarchy import decide_hierarchy, local_host_facts
+
+    rank, n = init_from_env()
+    env = {{k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE",
+                                           "ZEN_EXT_HOST", "NETLAB_NHOSTS", "NETLAB_PROCS_PER_HOST")}}
+    print("env", env, flush=True)
+    x = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(x)
+    # One payload to the other process of the same host, then one to a process of the other host; the
+    # bytes host 0's shaped interface sent during each.
+    k = {PAYLOAD_BYTES} // 4
+    wire = []
+    for peer in (1, 2):
+        dist.barrier()
+        tx0 = iface_bytes("zeth")[0]
+        if rank == 0:
+            dist.send(torch.ones(k), peer)
+        elif rank == peer:
+            buf = torch.empty(k)
+            dist.recv(buf, 0)
+            assert bool((buf == 1).all())
+        dist.barrier()
+        wire.append(iface_bytes("zeth")[0] - tx0)
+    facts = [None] * n
+    dist.all_gather_object(facts, local_host_facts())
+    layouts, why = decide_hierarchy(True, [h for h, _ in facts], [list(range(n))], [lr for _, lr in facts])
+    got = [None] * n
+    dist.all_gather_object(got, (env, float(x[0]), bool((x == x[0]).all()), wire, why))
+    if rank == 0:
+        json.dump(got, open(sys.argv[1], "w"))
+    finish_process(0)
+"""
+
+
+def test_procs_per_host_env_loopback_inside_a_host_and_hierarchy(tmp_path):
+    r = _launch(tmp_path, PER_HOST, "-p", "2")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "all 4 ranks (2 hosts × 2) finished OK" in r.stderr
+    assert _our_namespaces() == []
+    got = json.loads((tmp_path / "result.json").read_text())
+    assert len(got) == 4
+    for rank, (env, total, same, wire, why) in enumerate(got):
+        host, local = divmod(rank, 2)
+        assert env == {"RANK": str(rank), "WORLD_SIZE": "4", "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": "2",
+                        "LOCAL_SIZE": "2", "ZEN_EXT_HOST": f"{PREFIX}h{host}", "NETLAB_NHOSTS": "2",
+                        "NETLAB_PROCS_PER_HOST": "2"}
+        assert total == 1 + 2 + 3 + 4 and same
+        assert why == "2 nodes of 2 ranks per data-parallel group"
+    # Host 0's shaped interface: nearly nothing while rank 0 sends to rank 1 (same namespace: loopback),
+    # the payload while it sends to rank 2 (the other host).
+    wire_same, wire_other = got[0][3]
+    assert wire_same < 65536, wire_same
+    assert PAYLOAD_BYTES <= wire_other <= 1.06 * PAYLOAD_BYTES + 65536, wire_other
+
+
+def test_one_proc_per_host_env_is_unchanged(tmp_path):
+    prog = """
+        import json, os, sys
+        keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "ZEN_EXT_HOST",
+                "NETLAB_PROCS_PER_HOST")
+        json.dump({k: os.environ.get(k) for k in keys}, open(sys.argv[1] + os.environ["RANK"], "w"))
+    """
+    r = _launch(tmp_path, prog, "-p", "1", timeout_s=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "all 2 ranks finished OK" in r.stderr
+    for rank in range(2):
+        env = json.loads((tmp_path / f"result.json{rank}").read_text())
+        assert env == {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                        "LOCAL_SIZE": os.environ.get("LOCAL_SIZE"), "ZEN_EXT_HOST": os.environ.get("ZEN_EXT_HOST"),
+                        "NETLAB_PROCS_PER_HOST": None}
+
+
 def test_failing_rank_stops_the_others_and_tears_down(tmp_path):
     prog = """
         import os, sys, time

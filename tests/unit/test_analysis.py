@@ -134,6 +134,17 @@ def test_dgc_workload_partial_overlap():
     assert all(torch.all(g.values != 0) and torch.all(g.values.abs() <= 8) for g in grads)
 
 
+def test_dgc_dense_is_what_dgc_topk_selects_from():
+    """A rank's dense gradient alone (no other rank built): its top-k is dgc_topk's, with its values."""
+    real = W.dgc_topk(5, numel=3000, density=0.03, integer_values=False, seed=2)
+    ints = W.dgc_topk(5, numel=3000, density=0.03, seed=2)
+    for r, dense in zip((4, 1), W.dgc_dense([4, 1], numel=3000, seed=2)):
+        assert dense.dtype == torch.float32 and dense.shape == (3000,) and bool((dense != 0).all())
+        top = torch.topk(dense.double().abs(), 90).indices.sort().values
+        assert torch.equal(top, real[r].indices) and torch.equal(top, ints[r].indices)
+        assert torch.equal(dense[top], real[r].values)
+
+
 def test_workload_errors():
     with pytest.raises(ValueError, match=r"workload \('nope'\) must be one of \['dgc', 'embedding'\]"):
         W.build_workload("nope", 2)

@@ -145,17 +145,8 @@ def dgc_topk(
     _check("num_tensors", num_tensors, isinstance(num_tensors, int) and 1 <= num_tensors <= numel,
            f"be an int in [1, {numel}]")
     k = max(1, int(round(density * numel)))
-    shared_g = _rank_generator(seed, -1)
-    bounds = torch.linspace(0, numel, num_tensors + 1).long()
-    scale = torch.empty(numel, dtype=torch.float64)
-    tensor_scales = torch.pow(10.0, torch.rand(num_tensors, generator=shared_g, dtype=torch.float64) * scale_decades)
-    for t in range(num_tensors):
-        scale[bounds[t]:bounds[t + 1]] = tensor_scales[t]
-    shared = _laplace(numel, shared_g)
     out = []
-    for r in range(n):
-        g = _rank_generator(seed, r)
-        grad = scale * (shared_fraction ** 0.5 * shared + (1 - shared_fraction) ** 0.5 * _laplace(numel, g))
+    for r, (grad, g) in enumerate(_dgc_dense(range(n), numel, shared_fraction, num_tensors, scale_decades, seed)):
         idx = torch.topk(grad.abs(), k, sorted=False).indices.sort().values
         if integer_values:
             vals = torch.randint(1, 9, (k,), generator=g).double() * grad[idx].sign()
@@ -163,6 +154,29 @@ def dgc_topk(
             vals = grad[idx]
         out.append(SparseGrad(idx, vals.to(dtype), numel))
     return out
+
+
+def dgc_dense(ranks, *, numel: int = 1 << 21, shared_fraction: float = 0.5, num_tensors: int = 16,
+              scale_decades: float = 2.0, dtype: torch.dtype = torch.float32, seed: int = 0) -> list[torch.Tensor]:
+    """The dense gradients ``dgc_topk`` (same arguments) selects from, of ``ranks`` only: a rank's does not
+    depend on the others, so a process builds just its own (what a self-selecting scheme such as
+    ``spardl`` is handed, next to the ``dgc_topk`` entries DGC would hand ZEN)."""
+    return [grad.to(dtype) for grad, _ in _dgc_dense(ranks, numel, shared_fraction, num_tensors, scale_decades, seed)]
+
+
+def _dgc_dense(ranks, numel: int, shared_fraction: float, num_tensors: int, scale_decades: float, seed: int):
+    """Yield ``(rank's dense float64 gradient, the rank's generator)``: the generator continues into the
+    integer values ``dgc_topk`` draws."""
+    shared_g = _rank_generator(seed, -1)
+    bounds = torch.linspace(0, numel, num_tensors + 1).long()
+    scale = torch.empty(numel, dtype=torch.float64)
+    tensor_scales = torch.pow(10.0, torch.rand(num_tensors, generator=shared_g, dtype=torch.float64) * scale_decades)
+    for t in range(num_tensors):
+        scale[bounds[t]:bounds[t + 1]] = tensor_scales[t]
+    shared = _laplace(numel, shared_g)
+    for r in ranks:
+        g = _rank_generator(seed, r)
+        yield scale * (shared_fraction ** 0.5 * shared + (1 - shared_fraction) ** 0.5 * _laplace(numel, g)), g
 
 
 def _laplace(numel: int, g: torch.Generator) -> torch.Tensor:
