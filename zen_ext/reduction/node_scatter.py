@@ -8,9 +8,9 @@ its shard ``T_l`` (``|T_l| ≈ |bucket|/L``).
 
 * Step A, inside the node (fast links): the bucket reordered into ``[T_0 | … | T_{L−1}]`` (each
   padded to the longest), a dense reduce-scatter: local rank ``l`` holds the node's sum of ``T_l``. A
-  bucket above ``zen.bucket_cap_mb`` is reordered and reduced in column windows of the blocks (every
-  ``T_l``'s same window at once, at most the cap in all), so the reordered copy never holds the whole
-  bucket: the transient memory is the cap plus the shard, not twice the bucket
+  bucket above half of ``zen.bucket_cap_mb`` is reordered and reduced in column windows of the blocks
+  (every ``T_l``'s same window at once, at most half the cap in all), so the reordered copy never holds
+  the whole bucket: Step A's transient memory is the cap plus the shard, not twice the bucket
   (``benchmarks/results/rs_peak_memory.md``).
 * Step B, across nodes (slow links): ``Synchronizer.reduce_scatter_flat`` over the inter-node group
   ``l`` on that node sum, re-bucketed to ``zen.bucket_cap_mb``: the sparsifiers (natural rows, DGC)
@@ -156,7 +156,9 @@ class NodeReduceScatter:
         width, mine = max(lens), self.node.local_rank
         lengths = {b - a for a, b in ranges}
         cap = max(1, self.cap_bytes // itemsize)
-        step = max(1, cap // len(pieces))  # columns per Step A window: L·step elements ≤ the cap
+        # Columns per Step A window: L·step elements ≤ half the cap, so the window's copy plus the
+        # collective's own staging of it (gloo reduces a copy) stay within the cap.
+        step = max(1, cap // (2 * len(pieces)))
         rows, windows = None, []
         if width <= step and len(lengths) == 1 and width and ranges[0][0] == 0 and all(
                 ranges[r][0] == r * (numel // self.n) for r in range(self.n)) and numel % self.n == 0:
