@@ -67,20 +67,29 @@ class _Layout:
     where they fit: ``4·(|𝕀_rank| + |R_rank|)`` bytes per layout, about ``8·N/n``."""
 
     def __init__(self, part, ranges: list[tuple[int, int]], rank: int, device: torch.device) -> None:
+        # Built once per layout, but it sets the first step's peak memory (several position-sized int64
+        # arrays at once): each intermediate is freed as soon as it is used, and arithmetic runs in place.
         n, numel = part.num_parts, part.numel
         ends = torch.tensor([e for _, e in ranges], dtype=torch.int64, device=device)
+        idt = torch.int32 if numel < 2**31 else torch.int64
         # Server side: the owner of each of this server's positions.
         m = part.part_size(rank)
         x_M = part.indices_of(rank, torch.arange(m, dtype=torch.int64, device=device))
-        owner_sorted, own_order = torch.sort(torch.searchsorted(ends, x_M, right=True), stable=True)
-        idt = torch.int32 if numel < 2**31 else torch.int64
-        self.own_order = own_order.to(idt)
+        owner_M = torch.searchsorted(ends, x_M, right=True, out_int32=True)  # owners < n: int32 is exact
+        del x_M
+        own_counts = torch.bincount(owner_M, minlength=n)
+        self.own_order = torch.sort(owner_M, stable=True)[1].to(idt)
+        del owner_M
         # Owner side: the server and position of each unit of this rank's range.
         lo, hi = ranges[rank]
         y_R = ops.permute(torch.arange(lo, hi, dtype=torch.int64, device=device), numel, part.keys_on(device))
         srv_R = y_R % n
-        self.tgt = torch.argsort(srv_R * (numel // n + 2) + y_R // n).to(idt)
-        counts = torch.stack([torch.bincount(owner_sorted, minlength=n), torch.bincount(srv_R, minlength=n)])
+        key = srv_R * (numel // n + 2)
+        key += y_R.div_(n, rounding_mode="floor")
+        del y_R
+        self.tgt = torch.argsort(key).to(idt)
+        del key
+        counts = torch.stack([own_counts, torch.bincount(srv_R, minlength=n)])
         cuts = torch.cat([counts.new_zeros(2, 1), counts.cumsum(1)], 1)
         self.own_cuts_dev = cuts[0]
         self.own_cuts, self.tgt_cuts = cuts.tolist()  # once per layout
