@@ -57,6 +57,7 @@ def test_report_measures_the_dgc_residual(dtype, per_element):
     rep.at_init()
     assert rep.rec["init_rss_mib"] > 0 and rep.rec["init_peak_mib"] >= rep.rec["init_rss_mib"] - 1
     blob = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB touched after init: the training peak sees it
+    touched_mib = memory_report._rss_kib() / 1024  # (freed pages a long-lived worker reuses need not raise it)
     rep.at_train_end(_Zen(sync), module)
     del blob
     r = rep.rec
@@ -65,7 +66,7 @@ def test_report_measures_the_dgc_residual(dtype, per_element):
     assert per_element * numel <= r["zen_state_bytes"] <= per_element * numel + 64, r
     assert r["peak_rss_mib"] == max(r["train_peak_mib"], r["init_peak_mib"])
     if r["peak_reset"]:
-        assert r["train_peak_mib"] >= r["init_rss_mib"] + 60, r
+        assert r["train_peak_mib"] >= touched_mib - 1, r
     assert r["end_rss_mib"] > 0
 
 
