@@ -216,7 +216,8 @@ def main(argv=None) -> int:
                    help="processes per emulated host (launch.sh -p; the _node configurations need >= 2)")
     p.add_argument("--nice", type=int, default=0, help="launch.sh --nice: the ranks' niceness (root may go below 0)")
     p.add_argument("--model", default=DEFAULT_MODEL, help="model-config JSON (or HF name / checkpoint)")
-    p.add_argument("--work", default="/tmp/zen_cluster/e2e", help="run directories (tokenizer, logs, step logs)")
+    p.add_argument("--work", default=os.path.join(ROOT, "runs", "cluster_e2e"),
+                   help="run directories (tokenizer, logs, step logs); default runs/cluster_e2e in the repo")
     p.add_argument("--micro-batch", type=int, default=2)
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=10, help="optimizer steps per run")

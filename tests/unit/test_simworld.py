@@ -116,3 +116,21 @@ def test_communicators_driven_by_own_threads():
     for t in threads:
         t.join()
     assert [torch.cat(o).tolist() for o in out] == [[0.0, 1.0], [0.0, 1.0]]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_reduce_scatter_into_out_equals_the_returned_sum_and_checks_out(n):
+    def body(comm):
+        t = torch.arange(4 * n, dtype=torch.float32) * (comm.rank + 1)
+        got = comm.reduce_scatter(t.clone())
+        buf = torch.full((6,), float("nan"))  # out a view inside a larger tensor, as Step A's windows are
+        res = comm.reduce_scatter(t.clone(), out=buf[1:5])
+        with pytest.raises(ValueError, match="reduce_scatter out"):
+            comm.reduce_scatter(t.clone(), out=torch.empty(5))
+        return got, res, buf
+
+    scale = n * (n + 1) / 2
+    for r, (got, res, buf) in enumerate(SimWorld(n).run(body)):
+        want = torch.arange(4 * r, 4 * r + 4, dtype=torch.float32) * scale
+        assert torch.equal(got, want) and torch.equal(res, want) and torch.equal(buf[1:5], want)
+        assert buf[0].isnan() and buf[5].isnan()

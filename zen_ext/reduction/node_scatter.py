@@ -157,7 +157,7 @@ class NodeReduceScatter:
         lengths = {b - a for a, b in ranges}
         cap = max(1, self.cap_bytes // itemsize)
         # Columns per Step A window: L·step elements ≤ half the cap, so the window's copy plus the
-        # collective's own staging of it (gloo reduces a copy) stay within the cap.
+        # collective's own staging of it (a transport may reduce a copy) stay within the cap.
         step = max(1, cap // (2 * len(pieces)))
         rows, windows = None, []
         if width <= step and len(lengths) == 1 and width and ranges[0][0] == 0 and all(
