@@ -111,7 +111,7 @@ class ZenConfig(_Section):
     blocking path; false synchronizes in turn on the training thread. Default false: on the 2-core
     emulated lab the DDP hook measured 0.93-1.04x the blocking step time (the thread competes with
     autograd for the cores), and its CUDA stream path has not run on a GPU yet; turn it on where
-    communication dominates and measure (benchmarks/bench_overlap.py)."""
+    communication dominates and measure (benchmarks/cluster/bench_overlap.py)."""
     bucket_cap_mb: float = 128.0
     """Gradients are synchronized in buckets of at most this many MB (the paper's 128 MB DDP
     buckets); DeepSpeed hands up to 5e8 elements at once, so buckets are re-cut. > 0. Default 128."""

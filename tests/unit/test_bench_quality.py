@@ -1,4 +1,4 @@
-"""``benchmarks/bench_quality.py``'s arithmetic: configs per variant, steps to a loss, the paired report."""
+"""``benchmarks/quality/bench_quality.py``'s arithmetic: configs per variant, steps to a loss, the paired report."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "quality"))
 
 import bench_quality as bq  # noqa: E402
 
