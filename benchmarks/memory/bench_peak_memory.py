@@ -35,7 +35,7 @@ import sys
 # The quality benchmark's multi-node launcher and its helpers (benchmarks/quality/).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "quality"))
 import quality_nodes  # noqa: E402
-from bench_quality import ROOT, free_port  # noqa: E402
+from quality_runs import ROOT, free_port  # noqa: E402
 
 MODEL = "configs/models/llama-h768-l8.json"
 NODES, LOCAL = 2, 2

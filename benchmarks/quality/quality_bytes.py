@@ -12,7 +12,7 @@ Steps:
 2. Each run's step at that budget (linear in its cumulative bytes between steps), and its eval loss
    there (linear between evaluations; none before the first evaluation).
 3. The gap to dense of the same seed at the same budget, and the bytes each run sends until it reaches
-   dense's final eval loss + 1 % (the steps of ``bench_quality.steps_to`` turned into bytes) over the
+   dense's final eval loss + 1 % (the steps of ``quality_report.steps_to`` turned into bytes) over the
    bytes dense needs for it.
 """
 
@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import statistics
 
-from bench_quality import TARGET_MARGIN, VARIANTS, _fmt_range, baseline_of, steps_to
+from quality_report import TARGET_MARGIN, fmt_range, steps_to
+from quality_variants import VARIANTS, baseline_of
 
 
 def density_of(variant: str) -> float | None:
@@ -97,9 +98,9 @@ def report(results: list[dict]) -> str:
                     to_target.append(_interp(curve, mine) / _interp(d_curve, theirs))
             budget = statistics.median(budgets[s] for s in seeds) / 1024
             lines.append("| " + " | ".join([
-                variant, _fmt_range(ratio, ".3f"), f"{budget:,.0f}", _fmt_range([x for x in steps_at if x], ".0f"),
-                _fmt_range(losses, ".4f"), (_fmt_range(gaps, "+.2f") + " %") if gaps else "–",
-                (_fmt_range(to_target, ".2f") + "×" + ("" if len(to_target) == len(seeds) else
+                variant, fmt_range(ratio, ".3f"), f"{budget:,.0f}", fmt_range([x for x in steps_at if x], ".0f"),
+                fmt_range(losses, ".4f"), (fmt_range(gaps, "+.2f") + " %") if gaps else "–",
+                (fmt_range(to_target, ".2f") + "×" + ("" if len(to_target) == len(seeds) else
                                                         f" ({len(to_target)}/{len(seeds)} seeds reach it)"))
                 if to_target else f"– (0/{len(seeds)} seeds reach it)"]) + " |")
         lines.append("")

@@ -21,7 +21,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_quality import steps_to  # noqa: E402
+from quality_report import steps_to  # noqa: E402
 
 VARIANTS = ("dgc5_int4", "dgc5_int4_sr")
 
