@@ -7,7 +7,7 @@ docstring with its unit, default and why. Validation runs before the first step:
 * an unknown key raises ``ValueError`` listing the valid keys of its section;
 * a wrong type raises ``TypeError`` and a value out of range ``ValueError``, both in the form
   ``zen.<field> (<value>) must <rule>`` (nested fields as ``zen.<section>.<field>``);
-* an engine setting ZEN cannot serve (ZeRO-3, pipeline parallelism) raises ``NotImplementedError``
+* an engine setting ZEN cannot serve (pipeline or sequence parallelism, MoE) raises ``NotImplementedError``
   naming what is supported (``check_deepspeed_settings``).
 
 Each registered sparsifier (``zen_ext/compress/registry.py``) has its section at ``zen.<kind>``, parsed
@@ -91,8 +91,9 @@ class ZenConfig(_Section):
     """Attach ZEN when the section is present. Default true; false keeps DeepSpeed's all-reduce."""
     scheme: str = "zen"
     """The synchronization scheme: ``"zen"`` (Balanced Parallelism with hash bitmap), ``"auto"``
-    (the paper's planner picks per gradient), or any registered scheme (``dense``, ``agsparse``,
-    ``sparcml``, ``omnireduce``, ``sparse_ps``, ``zen_coo``). Default zen."""
+    (the paper's planner picks per gradient among the lossless schemes), or any registered scheme
+    (``dense``, ``agsparse``, ``sparcml``, ``omnireduce``, ``sparse_ps``, ``zen_coo``, and the lossy
+    ``spardl``, which re-sparsifies and keeps residuals: ``zen.spardl``). Default zen."""
     seed: int = 0
     """Seed of the shared hash partition, >= 0; every rank must use the same (checked). Default 0."""
     pull_format: str = "auto"

@@ -120,8 +120,8 @@ class CatchUpAdamW(torch.optim.Optimizer):
            ``G²/k`` into the moments.
         3. There, step by ``k · lr · m̂ / (sqrt(v̂) + eps)``; reset the age.
 
-        ``zen_ext.ops.catch_up_adamw_`` runs them: contiguous float32/bf16/fp16 CPU parameters in the
-        fused op (one pass per tensor, and a coordinate that waits costs only its decay and age), any
+        ``zen_ext.ops.catch_up_adamw_`` runs them: contiguous float32/bf16/fp16 parameters on a device
+        the op has a kernel for (the CPU; CUDA where the set-up built the CUDA kernels) in the fused op (one pass per tensor, and a coordinate that waits costs only its decay and age), any
         other in its torch reference (``zen_ext/ops/_reference.py``), the op's oracle. DTensors (FSDP2)
         go in as their local shards; their state is created as DTensors placed like the parameter.
         """
