@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.multiproc.fsdp_helpers import assert_same_run, caught, state_bytes, tensors, train_sgd
 from tests.multiproc.launch import run_workers
 from tests.multiproc.test_fsdp import SplitLM, _batch
 
@@ -51,29 +52,7 @@ def _shard(model, mesh, op="avg", mp=None):
 
 def _train(model, rank, world, dtype, steps=STEPS, start=0, accumulate=1):
     """SGD steps; with ``accumulate`` > 1, micro-batches reduce-scatter only and the last all-reduces."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.25)
-    losses, grads = [], []
-    for step in range(start, start + steps):
-        for micro in range(accumulate):
-            model.set_requires_all_reduce(micro == accumulate - 1)
-            loss = model(*_batch(accumulate * step + micro, rank, world, dtype))
-            loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.to_local().clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-    return losses, grads, {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
-
-
-def _state_bytes(sd) -> int:
-    """Bytes of every tensor in a state dict (DGC's residuals and thresholds)."""
-    if isinstance(sd, torch.Tensor):
-        return sd.numel() * sd.element_size()
-    if isinstance(sd, dict):
-        return sum(_state_bytes(v) for v in sd.values())
-    if isinstance(sd, (list, tuple)):
-        return sum(_state_bytes(v) for v in sd)
-    return 0
+    return train_sgd(model, lambda i: _batch(i, rank, world, dtype), steps, start, accumulate=accumulate)
 
 
 def _run(rank, world, shape, zen, dtype=torch.float32, op="avg", mp=None, accumulate=1):
@@ -83,7 +62,7 @@ def _run(rank, world, shape, zen, dtype=torch.float32, op="avg", mp=None, accumu
     a = zen_ext.fsdp.attach(model, zen) if zen is not None else None
     out = _train(model, rank, world, dtype, accumulate=accumulate)
     if a is not None:
-        out += (a.step, dict(a.sync.param_kinds), a.totals, _state_bytes(a.state_dict()["sync"]["sparsifiers"]))
+        out += (a.step, dict(a.sync.param_kinds), a.totals, state_bytes(a.state_dict()["sync"]["sparsifiers"]))
         a.close()
     return out
 
@@ -115,12 +94,7 @@ def _check(per_rank, world):
             assert kinds["embed.weight"] == "natural", where
             if what == "dgc":
                 assert kinds["proj.weight"] == "dgc", where
-            assert losses == ref[0], where
-            for step, (r, g) in enumerate(zip(ref[1], grads)):
-                for name in r:
-                    assert torch.equal(g[name], r[name]), f"{where} step {step} {name}"
-            for name in ref[2]:
-                assert torch.equal(params[name], ref[2][name]), f"{where} {name}"
+            assert_same_run(ref, got, where)
             assert totals["bytes_sent"] > 0 and totals["dense_bytes"] > 0, where
 
 
@@ -163,21 +137,10 @@ def test_dgc_state_is_shard_sized():
         params = [(n, shapes[n]) for n in dgc]
         mine = sum(s.numel for n in dgc for s in shard_layout([(n, shapes[n])], 2, rank % 2)[0])
         whole = sum(torch.Size(s).numel() for _, s in params)
-        res_h = sum(t.numel() for t in _tensors(hsdp["sync"]["sparsifiers"]) if t.numel() > 1)
-        res_f = sum(t.numel() for t in _tensors(flat["sync"]["sparsifiers"]) if t.numel() > 1)
+        res_h = sum(t.numel() for t in tensors(hsdp["sync"]["sparsifiers"]) if t.numel() > 1)
+        res_f = sum(t.numel() for t in tensors(flat["sync"]["sparsifiers"]) if t.numel() > 1)
         assert res_h == mine and res_f == whole, (rank, res_h, mine, res_f, whole)
         assert hsdp["mesh"] == [2, 2] and hsdp["dp_size"] == 4
-
-
-def _tensors(sd):
-    if isinstance(sd, torch.Tensor):
-        yield sd
-    elif isinstance(sd, dict):
-        for v in sd.values():
-            yield from _tensors(v)
-    elif isinstance(sd, (list, tuple)):
-        for v in sd:
-            yield from _tensors(v)
 
 
 # --- checkpoints, close -----------------------------------------------------------------------------------
@@ -231,13 +194,6 @@ def _errors(rank, world):
     from torch.distributed.fsdp import fully_shard
 
     import zen_ext.fsdp
-
-    def caught(fn):
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - the test reads the type and message
-            return type(exc).__name__, str(exc)
-        return None
 
     out = {}
     # FSDP itself refuses an unnamed 2-D mesh; one named the other way round it would replicate over "shard".
@@ -347,7 +303,7 @@ def _snippet(rank, world):
         optimizer.zero_grad()
     sd = zen.state_dict()
     zen.close()
-    return type(zen).__name__, sd["step"], sd["mesh"], _state_bytes(sd["sync"]["sparsifiers"])
+    return type(zen).__name__, sd["step"], sd["mesh"], state_bytes(sd["sync"]["sparsifiers"])
 
 
 def test_docs_snippet_runs():
