@@ -74,12 +74,31 @@ from .state import _SliceState
 
 logger = logging.getLogger("zen_ext.planner")
 _SKIP_LOGGED: set[str] = set()
-"""Lossless schemes ``valid_candidates`` left out for want of a cost model (logged once each)."""
+"""Lossless schemes ``candidate_schemes`` left out for want of a cost model (logged once each)."""
 
 _STATE_VERSION = 1
 # Candidates predicted within this factor of the best are run once (on profiling syncs, all lossless)
 # before the choice is final, so that it rests on measured times rather than on the model alone.
 EXPLORE_MARGIN = 1.5
+
+
+def candidate_schemes() -> list[str]:
+    """The schemes ``auto`` ranks: registered lossless schemes with a cost model (``auto`` itself
+    excluded), ties first. A lossy scheme (``spardl``) is never a candidate: ``auto`` promises the exact
+    aggregate. A lossless scheme registered without a cost model is left out with a log line saying so,
+    once. The one list of candidates: the planner's and the at-scale prediction's
+    (``analysis/at_scale.py``)."""
+    names = []
+    for s in registered_schemes():
+        if s == "auto" or not scheme_class(s).lossless:
+            continue
+        if scheme_class(s).has_cost_model():
+            names.append(s)
+        elif s not in _SKIP_LOGGED:
+            _SKIP_LOGGED.add(s)
+            logger.info("auto: scheme %r has no cost model, so auto never picks it (declare wire_phases, "
+                        "predict_traffic and predict_work on its class; docs/extending.md)", s)
+    return sorted(names, key=_priority)
 
 
 class AutoScheme(SyncScheme):
@@ -152,19 +171,8 @@ class AutoScheme(SyncScheme):
 
     @staticmethod
     def valid_candidates() -> list[str]:
-        """Registered lossless schemes with a cost model (``auto`` itself excluded). A lossless scheme
-        registered without one is left out with a log line saying so, once."""
-        names = []
-        for s in registered_schemes():
-            if s == "auto" or not scheme_class(s).lossless:
-                continue
-            if scheme_class(s).has_cost_model():
-                names.append(s)
-            elif s not in _SKIP_LOGGED:
-                _SKIP_LOGGED.add(s)
-                logger.info("auto: scheme %r has no cost model, so auto never picks it (declare wire_phases, "
-                            "predict_traffic and predict_work on its class; docs/extending.md)", s)
-        return sorted(names, key=_priority)
+        """What ``auto`` chooses among (``candidate_schemes``)."""
+        return candidate_schemes()
 
     def options(self) -> dict:
         return dict(bandwidth_gbps=self._fixed[0], latency_us=self._fixed[1],
