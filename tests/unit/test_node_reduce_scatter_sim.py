@@ -141,7 +141,7 @@ def test_the_fsdp_layout_reorders_by_rows_and_interleaved_nodes_are_served():
         red = BucketReducer(sync, cap_bytes=1 << 20, dp_size=n, node=node)
         out = torch.empty(ranges[r][1] - ranges[r][0])
         red.reduce_scatter_(grads(n, 0)[r][:numel].clone(), slices, ranges, "sum", out)
-        return out, red._node_scatter._layouts
+        return out, red.route.node.layouts
 
     xs = [x[:numel] for x in grads(n, 0)]
     for r, (out, layouts) in enumerate(node_grid(nodes, fn)):
@@ -168,7 +168,7 @@ def test_step_a_reorders_in_windows_of_at_most_the_cap(layout, cap_elems):
         red = BucketReducer(sync, cap_bytes=cap_elems * 4, dp_size=n, node=node)
         out = torch.empty(ranges[r][1] - ranges[r][0])
         red.reduce_scatter_(xs[r].clone(), slices, ranges, "sum", out)
-        return out, next(iter(red._node_scatter._layouts.values()))
+        return out, next(iter(red.route.node.layouts.values()))
 
     for r, (out, lay) in enumerate(node_grid(blocks(N, L), fn)):
         assert torch.equal(out, dense_want(xs, ranges, r, "sum")), (r, cap_elems)
