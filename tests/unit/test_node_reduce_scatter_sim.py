@@ -43,9 +43,11 @@ def node_grid(nodes: list[list[int]], fn):
     on threads; inter-node group ``l`` orders its members by rank, as ``new_group`` does."""
     L, n = len(nodes[0]), sum(len(m) for m in nodes)
     owners = owner_order(nodes, list(range(n)))
-    out = run_grid(len(nodes), L, lambda k, l, intra, inter: fn(nodes[k][l], NodeShardedReduce(intra, l, L, owners=owners),
-                                                                  inter),
-                   col_rank=lambda k, l: owners[l].index(nodes[k][l]), timeout_s=120)
+
+    def cell(k, l, intra, inter):
+        return fn(nodes[k][l], NodeShardedReduce(intra, l, L, owners=owners), inter)
+
+    out = run_grid(len(nodes), L, cell, col_rank=lambda k, l: owners[l].index(nodes[k][l]), timeout_s=120)
     by_rank = [None] * n
     for k, members in enumerate(nodes):
         for l, r in enumerate(members):
