@@ -129,6 +129,9 @@ class Synchronizer:
         for sp in self.sparsifiers.values():  # spardl selects from DGC's accumulated memory itself
             if hasattr(sp, "hand_over"):
                 sp.hand_over = self.scheme.takes_accumulated
+        bits = getattr(self.configs.get("dgc"), "value_bits", None)
+        if bits is not None and "dgc" in self.sparsifiers:  # refused before the first step, not at it
+            self.scheme.require_low_bits(bits)
         self._tp_kinds = tuple(k for k in self.configs if specs[k].cls.uses_tp_group)
         self.row_kinds = frozenset(k for k in self.sparsifiers if specs[k].cls.row_sparse)
         """The enabled kinds whose gradients are sparse by rows (``Sparsifier.row_sparse``)."""
@@ -190,6 +193,11 @@ class Synchronizer:
         if not isinstance(self._rs_scheme, ReduceScatterScheme):
             given = self._rs_scheme
             self._rs_scheme = build_reduce_scatter(given) if isinstance(given, str) else reduce_scatter_of(self.scheme)
+        bits = getattr(self.configs.get("dgc"), "value_bits", None)
+        if bits is not None and "dgc" in self.sparsifiers and not getattr(self._rs_scheme, "carries_low_bits", False):
+            raise ValueError(f"zen.dgc.value_bits ({bits}) must go with the all-reduce path (DDP hook, DeepSpeed "
+                             f"ZeRO-0/1/2 with reduce_scatter false, ColossalAI); reduce-scatter schemes that carry "
+                             f"it: [] (reduce-scatter {self._rs_scheme.name!r} sends the gradient's dtype)")
         return self._rs_scheme
 
     @rs_scheme.setter
@@ -247,9 +255,9 @@ class Synchronizer:
                     grad = sg
                 elif group.tiled:
                     idx_K = sg.indices if group.in_order else group.to_bucket(sg.indices) - group.lo
-                    grad = SparseGrad(idx_K, sg.values, group.hi - group.lo, in_range=True)
+                    grad = SparseGrad(idx_K, sg.values, group.hi - group.lo, in_range=True, lowbit=sg.lowbit)
                 else:
-                    grad = SparseGrad(sg.indices, sg.values, sg.numel, in_range=True)
+                    grad = SparseGrad(sg.indices, sg.values, sg.numel, in_range=True, lowbit=sg.lowbit)
                 prep.parts.append(PreparedPart(group, grad, sg.numel))
             st["compress_s"] += time.perf_counter() - t0
         if tp_before is not None:
