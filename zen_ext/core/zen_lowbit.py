@@ -34,59 +34,8 @@ def sync_group_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: str,
     5. Every rank: one host read of the pulled headers, every message's positions mapped to indices,
        one dequantize for all of them, one scatter into the result (mean's division before the cast).
     """
-    n, rank = comm.size, comm.rank
-    # Step 1: partition.
-    for c in calls:
-        c.timer.start("hash_s")
-        c.part = scheme.partitioner(c.sg.numel, n)
-        counts_P, order_K, pos_K, _ = c.part.partition(c.sg.indices)
-        c.counts_P, c.order_K, c.pos_K = counts_P.to(torch.int64), order_K, pos_K.to(c.idt)
-        c.timer.stop()
-    bounds_G = torch.stack([c.counts_P for c in calls]).cumsum(1).tolist()
-
-    # Step 2: quantize per owner, sender feedback, push.
-    for c, bounds in zip(calls, bounds_G):
-        c.timer.start("push_s")
-        lb = c.sg.lowbit
-        codes, scales, deq = ops.quantize_blocks(c.sg.values.index_select(0, c.order_K), bounds, lb.bits, lb.block)
-        if lb.sender_feedback is not None:
-            lb.sender_feedback(c.order_K, deq)
-        elem, code_at, blk_at = segment_layout(bounds, lb.bits, lb.block)
-        send = []
-        for j in range(n):
-            s, e = elem[j], elem[j + 1]
-            if e == s:
-                send.append(torch.empty(0, dtype=torch.uint8, device=c.device))
-            else:
-                send.append(pack(c.pos_K[s:e], scales[blk_at[j]:blk_at[j + 1]], codes[code_at[j]:code_at[j + 1]]))
-        del c.pos_K, codes, scales, deq
-        with comm.signed(c.sg.dense_numel, c.dtype, op, where=f"scheme {scheme.name!r}.sync"):
-            c.recv = comm.exchange_v(send)
-        c.timer.stop()
-
-    # Step 3: owner aggregation in fp32.
-    for c in calls:
-        c.timer.start("aggregate_s")
-        lb = c.sg.lowbit
-        c.m = c.part.part_size(rank)
-        counts = [push_count(r.numel(), c.isz, lb.bits, lb.block) for r in c.recv]
-        pos, sc, cd = [], [], []
-        for r, k in zip(c.recv, counts):
-            if k:
-                nb = (k + lb.block - 1) // lb.block
-                pos.append(view_as(r, 0, k, c.idt))
-                sc.append(view_as(r, k * c.isz, nb, torch.float32))
-                cd.append(r[k * c.isz + 4 * nb:])
-        ends = torch.tensor(counts).cumsum(0).tolist()
-        c.acc = torch.zeros(c.m, dtype=torch.float32, device=c.device)
-        c.touched = torch.zeros(c.m, dtype=torch.bool, device=c.device)
-        if pos:
-            pos_R = torch.cat(pos).to(torch.int64)
-            c.acc.index_add_(0, pos_R, ops.dequantize_blocks(torch.cat(cd), torch.cat(sc), ends, lb.bits, lb.block))
-            c.touched.index_fill_(0, pos_R, True)
-        c.count_1 = c.touched.sum().reshape(1)
-        del c.recv
-        c.timer.stop()
+    n = comm.size
+    push_aggregate_lowbit(scheme, comm, calls, op)
     carried = torch.cat([c.count_1 for c in calls]).tolist()
 
     # Step 4: owner residual, quantize, pull.
@@ -99,15 +48,7 @@ def sync_group_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: str,
             pos_C = torch.arange(c.m, device=c.device)
         else:
             pos_C = c.touched.nonzero().flatten()
-        S_C = c.acc.index_select(0, pos_C)
-        R = lb.owner_residual(c.m, c.device) if lb.owner_residual is not None else None
-        if R is not None:
-            S_C = S_C + R.index_select(0, pos_C)
-        codes, scales, deq = ops.quantize_blocks(S_C, [pos_C.numel()], lb.bits, lb.block)
-        if R is not None:
-            applied = _applied(deq, c.dtype, n if op == "mean" else 1)
-            new = S_C - applied
-            R.index_copy_(0, pos_C, torch.where(torch.isfinite(new), new, R.index_select(0, pos_C)))
+        codes, scales = quantize_owned(c, pos_C, [pos_C.numel()], n if op == "mean" else 1)
         head = torch.tensor([fmt, pos_C.numel()], dtype=torch.int64, device=c.device)
         if fmt == FMT_BITMAP:
             bm = encode_bitmap(c.touched).to(c.device)
@@ -156,6 +97,92 @@ def sync_group_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: str,
             timing["pull_format"] = FMT_NAMES[fmt]
         results.append(res)
     return results
+
+
+def push_aggregate_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: str, exchange=None) -> None:
+    """Steps 1-3 of ``sync_group_lowbit`` (shared with the reduce-scatter, ``core/rs_zen.py``): leaves on each
+    call ``c.part``, ``c.m``, ``c.acc`` (fp32 ``[m]``: the sum of the dequantized contributions), ``c.touched``
+    (bool ``[m]``) and ``c.count_1`` (the touched count, on the device). ``exchange``: None pushes each
+    call in its own exchange under its signature; else a callable taking every call's per-peer payloads
+    and returning every call's received ones (``ZenScheme.push_aggregate``'s rule)."""
+    n, rank = comm.size, comm.rank
+    # Step 1: partition.
+    for c in calls:
+        c.timer.start("hash_s")
+        c.part = scheme.partitioner(c.sg.numel, n)
+        counts_P, order_K, pos_K, _ = c.part.partition(c.sg.indices)
+        c.counts_P, c.order_K, c.pos_K = counts_P.to(torch.int64), order_K, pos_K.to(c.idt)
+        c.timer.stop()
+    bounds_G = torch.stack([c.counts_P for c in calls]).cumsum(1).tolist()
+
+    # Step 2: quantize per owner, sender feedback, push.
+    sends = []
+    for c, bounds in zip(calls, bounds_G):
+        c.timer.start("push_s")
+        lb = c.sg.lowbit
+        codes, scales, deq = ops.quantize_blocks(c.sg.values.index_select(0, c.order_K), bounds, lb.bits, lb.block)
+        if lb.sender_feedback is not None:
+            lb.sender_feedback(c.order_K, deq)
+        elem, code_at, blk_at = segment_layout(bounds, lb.bits, lb.block)
+        send = []
+        for j in range(n):
+            s, e = elem[j], elem[j + 1]
+            if e == s:
+                send.append(torch.empty(0, dtype=torch.uint8, device=c.device))
+            else:
+                send.append(pack(c.pos_K[s:e], scales[blk_at[j]:blk_at[j + 1]], codes[code_at[j]:code_at[j + 1]]))
+        del c.pos_K, codes, scales, deq
+        if exchange is None:
+            with comm.signed(c.sg.dense_numel, c.dtype, op, where=f"scheme {scheme.name!r}.sync"):
+                c.recv = comm.exchange_v(send)
+        else:
+            sends.append(send)
+        c.timer.stop()
+    if exchange is not None:  # the caller's one exchange for the whole group (under its signature)
+        for c, recv in zip(calls, exchange(sends)):
+            c.recv = recv
+
+    # Step 3: owner aggregation in fp32.
+    for c in calls:
+        c.timer.start("aggregate_s")
+        lb = c.sg.lowbit
+        c.m = c.part.part_size(rank)
+        counts = [push_count(r.numel(), c.isz, lb.bits, lb.block) for r in c.recv]
+        pos, sc, cd = [], [], []
+        for r, k in zip(c.recv, counts):
+            if k:
+                nb = (k + lb.block - 1) // lb.block
+                pos.append(view_as(r, 0, k, c.idt))
+                sc.append(view_as(r, k * c.isz, nb, torch.float32))
+                cd.append(r[k * c.isz + 4 * nb:])
+        ends = torch.tensor(counts).cumsum(0).tolist()
+        c.acc = torch.zeros(c.m, dtype=torch.float32, device=c.device)
+        c.touched = torch.zeros(c.m, dtype=torch.bool, device=c.device)
+        if pos:
+            pos_R = torch.cat(pos).to(torch.int64)
+            c.acc.index_add_(0, pos_R, ops.dequantize_blocks(torch.cat(cd), torch.cat(sc), ends, lb.bits, lb.block))
+            c.touched.index_fill_(0, pos_R, True)
+        c.count_1 = c.touched.sum().reshape(1)
+        del c.recv
+        c.timer.stop()
+
+
+def quantize_owned(c: ZenCall, pos_C: torch.Tensor, seg_ends: list[int], divisor: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The owner's step 4 (shared with the reduce-scatter): the sums at its unique compact positions
+    ``pos_C`` plus its owner residual there, quantized in segments ``seg_ends`` (one per receiver in the
+    reduce-scatter); the owner residual there becomes the sum minus what the receivers will apply (the
+    old one kept where that is not finite). Returns ``(codes, scales)``."""
+    lb = c.sg.lowbit
+    S_C = c.acc.index_select(0, pos_C)
+    R = lb.owner_residual(c.m, c.device) if lb.owner_residual is not None else None
+    if R is not None:
+        S_C = S_C + R.index_select(0, pos_C)
+    codes, scales, deq = ops.quantize_blocks(S_C, seg_ends, lb.bits, lb.block)
+    if R is not None:
+        new = S_C - _applied(deq, c.dtype, divisor)
+        R.index_copy_(0, pos_C, torch.where(torch.isfinite(new), new, R.index_select(0, pos_C)))
+    return codes, scales
 
 
 def _applied(deq: torch.Tensor, dtype: torch.dtype, divisor: int) -> torch.Tensor:

@@ -192,12 +192,11 @@ class Synchronizer:
         attaches, so that error comes before training)."""
         if not isinstance(self._rs_scheme, ReduceScatterScheme):
             given = self._rs_scheme
-            self._rs_scheme = build_reduce_scatter(given) if isinstance(given, str) else reduce_scatter_of(self.scheme)
-        bits = getattr(self.configs.get("dgc"), "value_bits", None)
-        if bits is not None and "dgc" in self.sparsifiers and not getattr(self._rs_scheme, "carries_low_bits", False):
-            raise ValueError(f"zen.dgc.value_bits ({bits}) must go with the all-reduce path (DDP hook, DeepSpeed "
-                             f"ZeRO-0/1/2 with reduce_scatter false, ColossalAI); reduce-scatter schemes that carry "
-                             f"it: [] (reduce-scatter {self._rs_scheme.name!r} sends the gradient's dtype)")
+            rs = build_reduce_scatter(given) if isinstance(given, str) else reduce_scatter_of(self.scheme)
+            bits = getattr(self.configs.get("dgc"), "value_bits", None)
+            if bits is not None and "dgc" in self.sparsifiers:  # refused (or auto narrowed) when read at attach
+                rs.require_low_bits(bits)
+            self._rs_scheme = rs
         return self._rs_scheme
 
     @rs_scheme.setter
