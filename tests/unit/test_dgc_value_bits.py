@@ -308,3 +308,27 @@ def test_reduce_scatter_is_close_to_today_and_drops_nothing(n, bits, owner):
         assert err.abs().max() <= 1e-3, err.abs().max()
     else:
         assert err.abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("n", [3, 4])
+@pytest.mark.parametrize("density", [0.02, 0.3])
+def test_auto_cost_model_predicts_the_low_bit_bytes_exactly(bits, n, density):
+    """``ZenScheme.predict_traffic`` with ``value_bits`` equals SimWorld's bytes, messages and rounds."""
+    from zen_ext.analysis import workloads as W
+    from zen_ext.core.lowbit import LowBitValues
+    from zen_ext.planner import cost_model as cm
+    from zen_ext.planner.profile import profile_from_grads
+
+    inputs = W.dgc_topk(n, numel=1 << 14, density=density)
+    profile = profile_from_grads(inputs, sample_budget=10**9)
+    for name in ("zen", "zen_coo"):
+        scheme = build_scheme(name)
+        world = SimWorld(n)
+        world.run(lambda c, x: scheme.sync(c, type(x)(x.indices, x.values, x.numel, lowbit=LowBitValues(bits))), inputs)
+        got = [(s.bytes_sent, s.bytes_recv, s.msgs_sent, s.msgs_recv, s.rounds) for s in world.stats]
+        want = [(s.bytes_sent, s.bytes_recv, s.msgs_sent, s.msgs_recv, s.rounds)
+                for s in cm.predict_stats(name, profile, {"value_bits": bits}, first_call=True)]
+        assert got == want, name
+        plain = cm.predict_stats(name, profile, {}, first_call=True)
+        assert max(s.bytes_sent for s in world.stats) < max(s.bytes_sent for s in plain)

@@ -104,7 +104,8 @@ class DGCConfig:
     residual (``residual = accumulated − dequantized(sent)``), and each ZEN owner keeps an owner residual
     (fp32, about ``numel/n`` per bucket per rank, checkpointed) for its sums (``owner_error_feedback``).
     Needs a scheme that carries low-bit values (``zen``, ``zen_coo``, or ``auto``, which then chooses
-    among them), on the all-reduce path. Design: zen_ext/core/lowbit.py; docs/sparsifiers.md."""
+    among them; under reduce-scatter ``zen``'s, or ``auto`` narrowed to it). Design:
+    zen_ext/core/lowbit.py; docs/sparsifiers.md."""
     owner_error_feedback: bool = True
     """With ``value_bits``: each owner adds its residual to its sum before quantizing it for the pull, and
     keeps what that quantization lost (DoubleSqueeze's server-side memory). false: the owner's rounding is
