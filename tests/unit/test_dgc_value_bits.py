@@ -332,3 +332,28 @@ def test_auto_cost_model_predicts_the_low_bit_bytes_exactly(bits, n, density):
         assert got == want, name
         plain = cm.predict_stats(name, profile, {}, first_call=True)
         assert max(s.bytes_sent for s in world.stats) < max(s.bytes_sent for s in plain)
+
+
+@pytest.mark.parametrize("pull_format", ["auto", "coo", "bitmap", "dense"])
+def test_host_syncs_bounded_and_independent_of_n(pull_format):
+    """The low-bit path reads the host a constant number of times per call whatever n (GPU rule)."""
+    from tests.unit.test_zen_host_syncs import SyncCounter
+    from tests.unit.test_zen_scheme import int_inputs
+    from zen_ext.core.lowbit import LowBitValues
+
+    per_n = {}
+    for n in (4, 16):
+        inputs = int_inputs(n, numel=50_003, nnz=400, seed=n)
+        scheme = build_scheme("zen", pull_format=pull_format)
+
+        def fn(comm, x):
+            x = type(x)(x.indices, x.values, x.numel, lowbit=LowBitValues(4))
+            scheme.sync(comm, x, op="mean")
+            with SyncCounter() as c:
+                scheme.sync(comm, x, op="mean")
+            return c.calls
+
+        got = SimWorld(n).run(fn, inputs)
+        per_n[n] = max(len(c) for c in got)
+        assert per_n[n] <= 8, got[0]
+    assert per_n[4] == per_n[16], per_n

@@ -28,6 +28,7 @@ Legend: ``_M`` a server's partition, ``_R`` this rank's range (units: rows of a 
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -298,7 +299,7 @@ class ZenReduceScatter(ReduceScatterScheme):
                 counts.append(k)
             at += k
         C = torch.cat(carried) if carried else sel
-        ends = torch.tensor(counts, dtype=torch.int64).cumsum(0).tolist()
+        ends = list(itertools.accumulate(counts))
         codes, scales = quantize_owned(c, c.lay.own_order.long().index_select(0, C), ends, n if op == "mean" else 1)
         _, code_at, blk_at = lowbit.segment_layout(ends, lb.bits, lb.block)
         head = torch.tensor([v for f, k in zip(fmts, counts) for v in (f, k)], dtype=torch.int64, device=c.device)

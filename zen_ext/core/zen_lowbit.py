@@ -2,18 +2,20 @@
 gradients that carry ``SparseGrad.lowbit`` here. Design, formats and why: ``core/lowbit.py``.
 
 Host reads per group: the partition counts (as ZEN without value_bits), the owners' carried counts, and
-the pulled headers; none per peer. Ops per gradient are constant in the number of tensors; the push's
+the pulled headers; none per peer (positions come from ``nonzero_static`` with counts already read). Ops per gradient are constant in the number of tensors; the push's
 payloads and the pull's parsing are views per peer (no kernel), and the bitmap of each pulled message
 is unpacked on its own (as ``decode_pull_`` runs per message).
 """
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from .. import ops
 from ..comm.base import Communicator
-from .bitmap import decode_bitmap, encode_bitmap
+from ..ops._reference import mask_to_words, words_to_mask
 from .lowbit import cheapest_format, push_count, segment_layout, value_bytes
 from .wire import pack, view_as
 from .zen_wire import FMT_BITMAP, FMT_COO, FMT_DENSE, FMT_NAMES, ZenCall
@@ -47,12 +49,11 @@ def sync_group_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: str,
         if fmt == FMT_DENSE:
             pos_C = torch.arange(c.m, device=c.device)
         else:
-            pos_C = c.touched.nonzero().flatten()
+            pos_C = torch.nonzero_static(c.touched, size=count).flatten()  # the count is read: no sync here
         codes, scales = quantize_owned(c, pos_C, [pos_C.numel()], n if op == "mean" else 1)
         head = torch.tensor([fmt, pos_C.numel()], dtype=torch.int64, device=c.device)
         if fmt == FMT_BITMAP:
-            bm = encode_bitmap(c.touched).to(c.device)
-            index = torch.cat([bm, torch.zeros(-bm.numel() % 8, dtype=torch.uint8, device=c.device)])
+            index = mask_to_words(c.touched)
         elif fmt == FMT_COO:
             index = pos_C.to(c.idt)
         else:
@@ -73,9 +74,9 @@ def sync_group_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: str,
             m_i = c.part.part_size(i)
             at = 16
             if f == FMT_BITMAP:
-                nbytes = (m_i + 7) // 8
-                p = decode_bitmap(msg[at:at + nbytes], m_i).to(c.device)
-                at += nbytes + (-nbytes % 8)
+                nw = (m_i + 63) // 64
+                p = torch.nonzero_static(words_to_mask(view_as(msg, at, nw, torch.int64), m_i), size=k).flatten()
+                at += 8 * nw
             elif f == FMT_COO:
                 p = view_as(msg, at, k, c.idt).to(torch.int64)
                 at += k * c.isz
@@ -155,7 +156,7 @@ def push_aggregate_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: 
                 pos.append(view_as(r, 0, k, c.idt))
                 sc.append(view_as(r, k * c.isz, nb, torch.float32))
                 cd.append(r[k * c.isz + 4 * nb:])
-        ends = torch.tensor(counts).cumsum(0).tolist()
+        ends = list(itertools.accumulate(counts))
         c.acc = torch.zeros(c.m, dtype=torch.float32, device=c.device)
         c.touched = torch.zeros(c.m, dtype=torch.bool, device=c.device)
         if pos:
