@@ -357,3 +357,17 @@ def test_host_syncs_bounded_and_independent_of_n(pull_format):
         per_n[n] = max(len(c) for c in got)
         assert per_n[n] <= 8, got[0]
     assert per_n[4] == per_n[16], per_n
+
+
+@pytest.mark.parametrize("momentum", [False, True])
+def test_composes_with_the_4bit_residual(momentum):
+    """``residual_dtype: "int4"`` with ``value_bits: 4``: replicas agree bitwise, results stay close to the
+    fp32 residual's, and each rank's 4-bit residual holds the sender's quantization error."""
+    n, steps = 3, 4
+    res, _ = _run(n, steps, "mean", 4, True, dgc=dict(DGC, residual_dtype="int4", momentum_correction=momentum))
+    ref, _ = _run(n, steps, "mean", 4, True, dgc=dict(DGC, momentum_correction=momentum))
+    for s in range(steps):
+        for r in range(1, n):
+            assert torch.equal(res[r][0][s], res[0][0][s])
+        assert (res[0][0][s] - ref[0][0][s]).abs().max() <= 12
+    assert "residual_codes" in res[0][1].state.params["w1"]
