@@ -63,8 +63,8 @@ class PlannerConfig(_Section):
     at start with the bandwidth."""
     profile_steps: int = 3
     """Steps profiled (density, overlap) before the first choice, >= 1. Default 3. Profiling goes on
-    until every candidate predicted within 1.5× of the best has run twice (measured, not only predicted;
-    the first, cold run is not learnt from)."""
+    until every candidate predicted within 1.5× of the best has run three times (measured, not only
+    predicted; the first, cold run is not counted, the fastest of the other two ranks it)."""
     reprofile_every: int = 1000
     """Re-profile and re-choose every this many steps; 0 never re-profiles. Default 1000."""
 
