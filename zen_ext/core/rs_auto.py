@@ -87,6 +87,14 @@ class AutoReduceScatter(ReduceScatterScheme):
         self._decisions: dict[tuple, list] = {}
         self._lock = threading.Lock()
 
+    def require_low_bits(self, bits: int) -> None:
+        """``zen.dgc.value_bits``: choose only among the candidates that carry low-bit values (``zen``)."""
+        keep = tuple(s for s in self.schemes if self._built[s].carries_low_bits)
+        if not keep:
+            super().require_low_bits(bits)
+        self.schemes = keep
+        self._built = {s: self._built[s] for s in keep}
+
     def options(self) -> dict:
         return dict(bandwidth_gbps=self._fixed[0], latency_us=self._fixed[1], seed=self.seed,
                     reprofile_every=self.reprofile_every, schemes=list(self.schemes))

@@ -66,7 +66,7 @@ import torch
 from ..comm.base import Communicator
 from ..core.cost import BLOCK_SIZE, PRIMITIVES, WorkCounts
 from ..core.registry import build_scheme, register_scheme, registered_schemes, scheme_class
-from ..core.scheme import SyncScheme
+from ..core.scheme import SyncScheme, low_bits_error
 from ..core.types import SparseGrad, as_sparse
 from . import cost_model as cm
 from .calibration import _Calibration, calibrate
@@ -173,6 +173,25 @@ class AutoScheme(SyncScheme):
         self._refine: dict[int, Refinement] = {}
         # Syncs each candidate has run, per rank (the same on every rank: all run the same choices).
         self._runs: dict[int, dict[str, int]] = {}
+        self._low_bits: dict = {}
+        """``{"value_bits": b}`` once ``require_low_bits`` narrowed the candidates; added to the cost model's
+        options for the gradients that carry low-bit values."""
+
+    def require_low_bits(self, bits: int) -> None:
+        """``zen.dgc.value_bits``: choose only among the candidates that carry low-bit values, and predict
+        their bytes with the values' bits (``ZenScheme.predict_traffic``)."""
+        keep = tuple(c for c in self.candidates if scheme_class(c).carries_low_bits)
+        if not keep:
+            raise ValueError(low_bits_error(bits, f"zen.scheme 'auto' with zen.candidates {list(self.candidates)}"))
+        self.candidates = keep
+        self._schemes = {c: self._schemes[c] for c in keep}
+        self._low_bits = {"value_bits": int(bits)}
+
+    def _options(self, c: str, grad) -> dict:
+        opts = self._schemes[c].options()
+        if self._low_bits and isinstance(grad, SparseGrad) and grad.lowbit is not None:
+            opts = {**opts, **self._low_bits}
+        return opts
 
     @staticmethod
     def valid_candidates() -> list[str]:
@@ -345,7 +364,7 @@ class AutoScheme(SyncScheme):
             work = WorkCounts.from_profile(profile)
             preds, wires, raw = {}, {}, {}
             for c in self.candidates:
-                opts = self._schemes[c].options()
+                opts = self._options(c, grad)
                 # In a slot (a Synchronizer's bucket) the steady steps carry their counts in the payload.
                 stats = cm.predict_stats(c, profile, opts, first_call=not comm.in_slot)
                 wires[c] = Wire.of(stats, cal.network)

@@ -127,6 +127,9 @@ class Synchronizer:
             for k, cfg in self.configs.items() if cfg.enabled}
         self._handing = [sp for sp in self.sparsifiers.values() if hasattr(sp, "hand_over")]
         self.hand_over_to(self.scheme)  # a sparsifier that cannot hand over to it refuses here, at attach
+        bits = getattr(self.configs.get("dgc"), "value_bits", None)
+        if bits is not None and "dgc" in self.sparsifiers:  # refused before the first step, not at it
+            self.scheme.require_low_bits(bits)
         self._tp_kinds = tuple(k for k in self.configs if specs[k].cls.uses_tp_group)
         self.row_kinds = frozenset(k for k in self.sparsifiers if specs[k].cls.row_sparse)
         """The enabled kinds whose gradients are sparse by rows (``Sparsifier.row_sparse``)."""
@@ -184,6 +187,9 @@ class Synchronizer:
             built = build_reduce_scatter(given) if isinstance(given, str) else reduce_scatter_of(self.scheme)
             self.hand_over_to(built)  # refused here as for ``scheme``: the engines read this at attach
             self.hand_over_to(self.scheme)
+            bits = getattr(self.configs.get("dgc"), "value_bits", None)
+            if bits is not None and "dgc" in self.sparsifiers:  # refused (or auto narrowed) when read at attach
+                built.require_low_bits(bits)
             self._rs_scheme = built
         return self._rs_scheme
 
@@ -256,9 +262,9 @@ class Synchronizer:
                     grad = sg
                 elif group.tiled:
                     idx_K = sg.indices if group.in_order else group.to_bucket(sg.indices) - group.lo
-                    grad = SparseGrad(idx_K, sg.values, group.hi - group.lo, in_range=True)
+                    grad = SparseGrad(idx_K, sg.values, group.hi - group.lo, in_range=True, lowbit=sg.lowbit)
                 else:
-                    grad = SparseGrad(sg.indices, sg.values, sg.numel, in_range=True)
+                    grad = SparseGrad(sg.indices, sg.values, sg.numel, in_range=True, lowbit=sg.lowbit)
                 prep.parts.append(PreparedPart(group, grad, sg.numel))
             st["compress_s"] += time.perf_counter() - t0
         if tp_before is not None:
