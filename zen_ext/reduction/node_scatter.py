@@ -11,7 +11,7 @@ its shard ``T_l`` (``|T_l| ≈ |bucket|/L``).
   bucket above half of ``zen.bucket_cap_mb`` is reordered and reduced in column windows of the blocks
   (every ``T_l``'s same window at once, at most half the cap in all), so the reordered copy never holds
   the whole bucket: Step A's transient memory is the cap plus the shard, not twice the bucket
-  (``benchmarks/results/rs_peak_memory.md``).
+  (``benchmarks/memory/results/rs_peak_memory.md``).
 * Step B, across nodes (slow links): the reduce-scatter route (``reduction/scatter.py``) over the
   inter-node group ``l`` on that node sum, with ``T_l``'s slices and the inter-node owners' ranges in it
   (``NodeLayout.slices``, ``NodeLayout.ranges``), windowed to ``zen.bucket_cap_mb`` there: the
