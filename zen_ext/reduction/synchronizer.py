@@ -51,7 +51,6 @@ from ..core.scheme import SyncScheme, check_op
 from ..core.types import AccumulatedGrad, SparseGrad
 from .plan import GradSlice, Plan, agree, build_plan
 from .prepared import PreparedBucket, PreparedPart
-from .scatter import reduce_scatter_flat
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +72,9 @@ class Synchronizer:
         tp_comm: the tensor-parallel group (DGC agrees on one threshold per layer across it).
         **by_kind: sections given one by one as keywords, e.g. ``dgc={"enabled": True}``, ``natural={}``
             (merged with ``sections``; a value None = disabled).
-        reduce_scatter: the ReduceScatterScheme (or its name) of ``reduce_scatter_flat``; None: the
-            reduce-scatter form of ``scheme`` (``core/reduce_scatter.py`` ``reduce_scatter_of``). Built
-            on first use and kept in ``rs_scheme``.
+        reduce_scatter: the ReduceScatterScheme (or its name) of the reduce-scatter route
+            (``reduction/scatter.py``); None: the reduce-scatter form of ``scheme``
+            (``core/reduce_scatter.py`` ``reduce_scatter_of``). Built on first use, kept in ``rs_scheme``.
 
     Raises:
         ValueError: a kind that is not registered, or a kind whose sparsifier is disabled.
@@ -178,15 +177,9 @@ class Synchronizer:
         """
         return self.finish_flat(self.prepare_flat(flat, slices, op, out))
 
-    def reduce_scatter_flat(self, flat: torch.Tensor, slices: list[GradSlice], ranges, op: str = "mean",
-                            out: torch.Tensor | None = None) -> torch.Tensor:
-        """``sync_flat``'s routing, then a reduce-scatter: this rank's range ``ranges[rank]`` of the reduced
-        bucket (``out`` when given); see ``reduction/scatter.py``."""
-        return reduce_scatter_flat(self, flat, slices, ranges, op, out)
-
     @property
     def rs_scheme(self) -> ReduceScatterScheme:
-        """The ReduceScatterScheme of ``reduce_scatter_flat``, built here on first read (and only here): the
+        """The ReduceScatterScheme of the reduce-scatter route, built here on first read (and only here): the
         constructor's ``reduce_scatter`` (a name is built with defaults) or the reduce-scatter form of
         ``scheme``, NotImplementedError for a scheme without one (a sharded engine reads it when it
         attaches, so that error comes before training)."""
