@@ -22,6 +22,7 @@ from zen_ext.compress import DGCConfig, DGCSparsifier, NamedGrad
 from zen_ext.compress.dgc.int4 import dequantize
 from zen_ext.compress.dgc.sparsifier import OWNER_KEY
 from zen_ext.core.registry import build_scheme
+from zen_ext.reduction.scatter import reduce_scatter_flat
 from zen_ext.reduction.synchronizer import Synchronizer
 
 DGC_SLICES = [s for s in SLICES if KINDS[s.name] == "dgc"]
@@ -255,7 +256,7 @@ def _run_rs(n, steps, op="sum", bits=4, owner=True, rs=None, seed=0):
                             reduce_scatter=rs)
         outs = []
         for x in inputs:
-            outs.append(sync.reduce_scatter_flat(x[comm.rank].clone(), SLICES, ranges, op).clone())
+            outs.append(reduce_scatter_flat(sync, x[comm.rank].clone(), SLICES, ranges, op).clone())
             sync.end_step()
         return outs, sync
 
