@@ -22,6 +22,7 @@ from zen_ext.compress import DGCConfig, DGCSparsifier, NamedGrad
 from zen_ext.compress.dgc.int4 import dequantize
 from zen_ext.compress.dgc.sparsifier import OWNER_KEY
 from zen_ext.core.registry import build_scheme
+from zen_ext.reduction.scatter import reduce_scatter_flat
 from zen_ext.reduction.synchronizer import Synchronizer
 from zen_ext.reduction.scatter import reduce_scatter_flat
 
@@ -387,3 +388,14 @@ def test_composes_with_the_4bit_residual():
     want = sum(x[r].double() for x in inputs for r in range(n))[concat]
     err = (total - want).abs()
     assert err.max() <= bound, (float(err.max()), bound)
+
+
+def test_auto_runs_low_bit_values_through_its_carrier():
+    """``auto`` narrowed to the carriers passes low-bit gradients to the one it chose: the same bits as ``zen``."""
+    res, _ = _run(3, 2, "mean", 4, True, scheme="auto")
+    ref, _ = _run(3, 2, "mean", 4, True, scheme="zen")
+    for r in range(3):
+        for s in range(2):
+            assert torch.equal(res[r][0][s], res[0][0][s])
+    assert res[0][1].scheme.carries_low_bits and set(res[0][1].scheme.candidates) <= {"zen", "zen_coo"}
+    assert (res[0][0][1] - ref[0][0][1]).abs().max() <= 12

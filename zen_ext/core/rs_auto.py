@@ -87,11 +87,11 @@ class AutoReduceScatter(ReduceScatterScheme):
         self._decisions: dict[tuple, list] = {}
         self._lock = threading.Lock()
 
-    def require_low_bits(self, bits: int) -> None:
+    def require_low_bits(self, bits: int, carriers: "list[str] | None" = None) -> None:
         """``zen.dgc.value_bits``: choose only among the candidates that carry low-bit values (``zen``)."""
         keep = tuple(s for s in self.schemes if self._built[s].carries_low_bits)
         if not keep:
-            super().require_low_bits(bits)
+            super().require_low_bits(bits, carriers)
         self.schemes = keep
         self._built = {s: self._built[s] for s in keep}
 

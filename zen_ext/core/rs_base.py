@@ -27,18 +27,17 @@ from typing import ClassVar, Sequence
 import torch
 
 from ..comm.base import Communicator
-from .scheme import check_op, check_out, refuse_accumulated
+from .scheme import _subclasses, check_op, check_out, low_bits_error, refuse_accumulated
 from .types import SparseGrad
 
 _SIG_DIGEST_BITS = 50  # the numel field of the signature word (comm/base.py encode_signature)
 _DISAGREE = "zen: ranks disagree on the gradient passed to"  # comm/base.py's signature error
 
 
-def low_bits_reduce_scatters() -> list[str]:
-    """The registered reduce-scatter schemes that carry ``zen.dgc.value_bits``."""
-    from .reduce_scatter import _REGISTRY
-
-    return [name for name, cls in _REGISTRY.items() if cls.carries_low_bits]
+def _carriers() -> list[str]:
+    """The loaded reduce-scatter classes that carry ``zen.dgc.value_bits`` (for errors)."""
+    return list(dict.fromkeys(c.name for c in _subclasses(ReduceScatterScheme)
+                              if c.carries_low_bits and isinstance(getattr(c, "name", None), str)))
 
 
 class ReduceScatterScheme(abc.ABC):
@@ -51,13 +50,13 @@ class ReduceScatterScheme(abc.ABC):
     carries_low_bits: ClassVar[bool] = False
     """Whether it carries low-bit values (``zen.dgc.value_bits``, ``SparseGrad.lowbit``; ``zen`` does)."""
 
-    def require_low_bits(self, bits: int) -> None:
+    def require_low_bits(self, bits: int, carriers: "list[str] | None" = None) -> None:
         """Called when a sharded engine attaches with ``zen.dgc.value_bits`` set: raise unless this scheme
-        carries low-bit values (``auto`` narrows its candidates to those that do)."""
+        carries low-bit values (``auto`` narrows its candidates to those that do); ``carriers``: the
+        registered reduce-scatters that do, for the error."""
         if not self.carries_low_bits:
-            raise ValueError(f"zen.dgc.value_bits ({bits}) must go with a reduce-scatter that carries low-bit values, "
-                             f"not {self.name!r}; reduce-scatter schemes that carry it: "
-                             f"{low_bits_reduce_scatters() + ['auto']} (auto then chooses among them)")
+            raise ValueError(low_bits_error(bits, repr(self.name), carriers if carriers is not None else _carriers(),
+                                            "a reduce-scatter"))
 
     def reduce_scatter(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, ranges: Sequence[tuple[int, int]], op: str = "sum",
@@ -146,9 +145,7 @@ class ReduceScatterScheme(abc.ABC):
         """``(dense numel, dtype, device)``, after the index check (one host read unless in range by construction)."""
         refuse_accumulated(self, grad, "reduce-scatter")
         if isinstance(grad, SparseGrad) and grad.lowbit is not None and not self.carries_low_bits:
-            raise ValueError(f"zen.dgc.value_bits ({grad.lowbit.bits}) must go with a reduce-scatter that carries "
-                             f"low-bit values, not {self.name!r}; reduce-scatter schemes that carry it: "
-                             f"{low_bits_reduce_scatters()}")
+            raise ValueError(low_bits_error(grad.lowbit.bits, repr(self.name), _carriers(), "a reduce-scatter"))
         if isinstance(grad, SparseGrad):
             grad.check_range(where=f"reduce-scatter {self.name!r}")
             return grad.dense_numel, grad.values.dtype, grad.values.device

@@ -46,11 +46,12 @@ class SyncScheme(abc.ABC):
     #: quantized push and pull with the owner's error feedback. Every other scheme refuses such a gradient.
     carries_low_bits: ClassVar[bool] = False
 
-    def require_low_bits(self, bits: int) -> None:
+    def require_low_bits(self, bits: int, carriers: "list[str] | None" = None) -> None:
         """Called before the first step when ``zen.dgc.value_bits`` is set: raise unless this scheme carries
-        low-bit values (``auto`` narrows its candidates to those that do)."""
+        low-bit values (``auto`` narrows its candidates to those that do); ``carriers``: the registered
+        schemes that do, for the error."""
         if not self.carries_low_bits:
-            raise ValueError(low_bits_error(bits, f"zen.scheme {self.name!r}"))
+            raise ValueError(low_bits_error(bits, f"zen.scheme {self.name!r}", carriers))
 
     def sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
@@ -244,13 +245,24 @@ def _into(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
     return res
 
 
-def low_bits_error(bits: int, what: str) -> str:
-    """The error of a scheme that cannot carry ``zen.dgc.value_bits``, naming the registered ones that can."""
-    from .registry import registered_schemes, scheme_class
+def low_bits_error(bits: int, what: str, carriers: "list[str] | None" = None, kind: str = "a scheme") -> str:
+    """The error of a scheme that cannot carry ``zen.dgc.value_bits``, naming the ones that can: ``carriers``
+    (the registered ones, as the Synchronizer passes them), else the loaded classes that declare it."""
+    if carriers is None:
+        carriers = list(dict.fromkeys(c.name for c in _subclasses(SyncScheme if kind == "a scheme" else None)
+                                      if c.carries_low_bits and isinstance(getattr(c, "name", None), str)))
+    return (f"zen.dgc.value_bits ({bits}) must go with {kind} that carries low-bit values, not {what}; "
+            f"{'schemes' if kind == 'a scheme' else 'reduce-scatter schemes'} that carry it: "
+            f"{list(carriers) + ['auto']} (auto then chooses among them)")
 
-    carriers = [n for n in registered_schemes() if scheme_class(n).carries_low_bits]
-    return (f"zen.dgc.value_bits ({bits}) must go with a scheme that carries low-bit values, not {what}; "
-            f"schemes that carry it: {carriers + ['auto']} (auto then chooses among them)")
+
+def _subclasses(base) -> list:
+    out, todo = [], list(base.__subclasses__()) if base is not None else []
+    while todo:
+        c = todo.pop(0)
+        out.append(c)
+        todo[:0] = c.__subclasses__()
+    return out
 
 
 def refuse_accumulated(scheme, grad, what: str) -> None:

@@ -434,28 +434,21 @@ def dgc_int4_gather(codes: torch.Tensor, scales: torch.Tensor, ends_T: torch.Ten
     return _reference_dgc.dgc_int4_gather(codes, scales, ends_T, blocks_T, pos)
 
 
-def has_lowbit_op(t: torch.Tensor) -> bool:
-    """Whether ``quantize_blocks`` and ``dequantize_blocks`` have kernels for ``t``'s device (tests)."""
+def has_lowbit_op(t: torch.Tensor) -> bool:  # tests: whether both low-bit ops have kernels for t's device
     return _has_kernel("quantize_blocks", t) and _has_kernel("dequantize_blocks", t)
 
 
-def quantize_blocks(values: torch.Tensor, seg_ends: list[int], bits: int, block: int
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``zen.dgc.value_bits``' quantizer: the 1-D float ``values``, cut into segments at the cumulative
-    ends ``seg_ends`` (host ints: a segment per receiving peer) and each into blocks of ``block``, as
-    ``(codes uint8, scales fp32, dequantized fp32)``: symmetric, one scale ``amax/qmax`` a block, codes
-    rounded to nearest (ties to even), 8 bits or 4 packed two a byte. One launch on a GPU, whatever the
-    number of segments. Format: ``_reference_lowbit.py``."""
-    seg_ends = [int(e) for e in seg_ends]
-    return _dispatch("quantize_blocks", values, _reference_lowbit.quantize_blocks)(values, seg_ends, int(bits), int(block))
+def quantize_blocks(values: torch.Tensor, seg_ends: list[int], bits: int, block: int):
+    """``zen.dgc.value_bits``' quantizer: ``values`` cut at the cumulative ``seg_ends`` (host ints), blocks of
+    ``block`` in each, as ``(codes, scales, dequantized)``; one launch on a GPU (``_reference_lowbit.py``)."""
+    return _dispatch("quantize_blocks", values, _reference_lowbit.quantize_blocks)(
+        values, [int(e) for e in seg_ends], int(bits), int(block))
 
 
-def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, seg_ends: list[int], bits: int, block: int
-                      ) -> torch.Tensor:
+def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, seg_ends: list[int], bits: int, block: int):
     """``quantize_blocks``' inverse: the fp32 values ``q · scale`` of every segment."""
-    seg_ends = [int(e) for e in seg_ends]
-    return _dispatch("dequantize_blocks", codes, _reference_lowbit.dequantize_blocks)(codes, scales, seg_ends, int(bits),
-                                                                                      int(block))
+    return _dispatch("dequantize_blocks", codes, _reference_lowbit.dequantize_blocks)(
+        codes, scales, [int(e) for e in seg_ends], int(bits), int(block))
 
 
 def gather_list(g_T: list[torch.Tensor], pos: torch.Tensor) -> torch.Tensor:

@@ -66,10 +66,11 @@ import torch
 from ..comm.base import Communicator
 from ..core.cost import BLOCK_SIZE, PRIMITIVES, WorkCounts
 from ..core.registry import build_scheme, register_scheme, registered_schemes, scheme_class
-from ..core.scheme import SyncScheme, low_bits_error
+from ..core.scheme import SyncScheme
 from ..core.types import SparseGrad, as_sparse
 from . import cost_model as cm
 from .calibration import Calibration, calibrate
+from .low_bits import low_bit_options, narrow_to_low_bits
 from .network import Network, modeled_time_s
 from .profile import SparsityProfile, local_profile, nonzero_blocks, sample_parts_for
 from .refinement import Refinement, Wire
@@ -173,25 +174,11 @@ class AutoScheme(SyncScheme):
         self._refine: dict[int, Refinement] = {}
         # Syncs each candidate has run, per rank (the same on every rank: all run the same choices).
         self._runs: dict[int, dict[str, int]] = {}
-        self._low_bits: dict = {}
-        """``{"value_bits": b}`` once ``require_low_bits`` narrowed the candidates; added to the cost model's
-        options for the gradients that carry low-bit values."""
+        self._low_bits: dict = {}  # {"value_bits": b} once require_low_bits narrowed the candidates
 
-    def require_low_bits(self, bits: int) -> None:
-        """``zen.dgc.value_bits``: choose only among the candidates that carry low-bit values, and predict
-        their bytes with the values' bits (``ZenScheme.predict_traffic``)."""
-        keep = tuple(c for c in self.candidates if scheme_class(c).carries_low_bits)
-        if not keep:
-            raise ValueError(low_bits_error(bits, f"zen.scheme 'auto' with zen.candidates {list(self.candidates)}"))
-        self.candidates = keep
-        self._schemes = {c: self._schemes[c] for c in keep}
-        self._low_bits = {"value_bits": int(bits)}
-
-    def _options(self, c: str, grad) -> dict:
-        opts = self._schemes[c].options()
-        if self._low_bits and isinstance(grad, SparseGrad) and grad.lowbit is not None:
-            opts = {**opts, **self._low_bits}
-        return opts
+    def require_low_bits(self, bits: int, carriers: list[str] | None = None) -> None:
+        """``zen.dgc.value_bits``: only the candidates that carry it, their bytes in its bits (``low_bits.py``)."""
+        narrow_to_low_bits(self, bits, carriers)
 
     @staticmethod
     def valid_candidates() -> list[str]:
@@ -364,7 +351,7 @@ class AutoScheme(SyncScheme):
             work = WorkCounts.from_profile(profile)
             preds, wires, raw = {}, {}, {}
             for c in self.candidates:
-                opts = self._options(c, grad)
+                opts = low_bit_options(self, c, grad)
                 # In a slot (a Synchronizer's bucket) the steady steps carry their counts in the payload.
                 stats = cm.predict_stats(c, profile, opts, first_call=not comm.in_slot)
                 wires[c] = Wire.of(stats, cal.network)

@@ -44,8 +44,8 @@ from ..compress.base import NamedGrad, Sparsifier
 from ..compress.none import NoneSparsifier
 from ..compress.registry import DENSE, all_kinds, registered
 from ..compress.state import SparsifierState
-from ..core.reduce_scatter import build_reduce_scatter, reduce_scatter_of
-from ..core.registry import build_scheme
+from ..core.reduce_scatter import build_reduce_scatter, low_bit_reduce_scatters, reduce_scatter_of
+from ..core.registry import build_scheme, registered_schemes, scheme_class
 from ..core.rs_base import ReduceScatterScheme
 from ..core.scheme import SyncScheme, check_op
 from ..core.types import AccumulatedGrad, SparseGrad
@@ -127,9 +127,10 @@ class Synchronizer:
             for k, cfg in self.configs.items() if cfg.enabled}
         self._handing = [sp for sp in self.sparsifiers.values() if hasattr(sp, "hand_over")]
         self.hand_over_to(self.scheme)  # a sparsifier that cannot hand over to it refuses here, at attach
-        bits = getattr(self.configs.get("dgc"), "value_bits", None)
-        if bits is not None and "dgc" in self.sparsifiers:  # refused before the first step, not at it
-            self.scheme.require_low_bits(bits)
+        self._value_bits = next((sp.value_bits for sp in self.sparsifiers.values() if sp.value_bits), None)
+        if self._value_bits:  # refused before the first step, not at it
+            self.scheme.require_low_bits(self._value_bits, [n for n in registered_schemes()
+                                                            if scheme_class(n).carries_low_bits])
         self._tp_kinds = tuple(k for k in self.configs if specs[k].cls.uses_tp_group)
         self.row_kinds = frozenset(k for k in self.sparsifiers if specs[k].cls.row_sparse)
         """The enabled kinds whose gradients are sparse by rows (``Sparsifier.row_sparse``)."""
@@ -187,9 +188,8 @@ class Synchronizer:
             built = build_reduce_scatter(given) if isinstance(given, str) else reduce_scatter_of(self.scheme)
             self.hand_over_to(built)  # refused here as for ``scheme``: the engines read this at attach
             self.hand_over_to(self.scheme)
-            bits = getattr(self.configs.get("dgc"), "value_bits", None)
-            if bits is not None and "dgc" in self.sparsifiers:  # refused (or auto narrowed) when read at attach
-                built.require_low_bits(bits)
+            if self._value_bits:  # refused (or auto narrowed) when read at attach
+                built.require_low_bits(self._value_bits, low_bit_reduce_scatters())
             self._rs_scheme = built
         return self._rs_scheme
 

@@ -159,6 +159,11 @@ class DGCSparsifier(Sparsifier):
         self._non_finite_sent = False
 
     @property
+    def value_bits(self) -> int | None:
+        """``zen.dgc.value_bits`` (``Sparsifier.value_bits``)."""
+        return self.config.value_bits
+
+    @property
     def hand_over(self) -> bool:
         """Hand the accumulated memory to the scheme instead of selecting (an ``AccumulatedGrad``): set by
         the Synchronizer when its scheme selects its own entries (``spardl``, ``core/spardl.py``)."""
