@@ -54,3 +54,11 @@ def test_ddp_snippet_runs_as_written(tmp_path):
     sds = [torch.load(tmp_path / f"outer_rank{r}.pt", weights_only=True) for r in (0, 1)]
     assert all(sd["outer_steps"] == 2 and sd["inner_steps"] == 10 for sd in sds)
     assert torch.equal(sds[0]["buckets"][0]["theta"], sds[1]["buckets"][0]["theta"])  # one θ_global
+
+
+def test_deepspeed_snippet_runs_as_written(tmp_path):
+    os.symlink(os.path.join(ROOT, "recipes"), tmp_path / "recipes")
+    proc = _run(tmp_path, "deepspeed-outer")
+    assert "zen_ext: zen.outer on DeepSpeed ZeRO-0 (2 replicas): every 4 steps" in proc.stdout, proc.stdout
+    assert re.search(r"zen.outer summary \(2 replicas, 2 outer steps\): sent [\d,]+ bytes per rank, 0\.0\d+x",
+                     proc.stdout), proc.stdout
