@@ -325,3 +325,55 @@ def test_reduce_scatter_flat_carries_counts_in_the_payload_from_the_second_step(
         # Step 1: counts in a round of their own; a repeat: one round per exchange.
         assert per_step[0] == 2 * rounds and per_step[1] == rounds and per_step[3] == rounds, (r, per_step)
         assert rounds <= per_step[2] <= 2 * rounds, (r, per_step)
+
+
+def test_dgc_hands_over_to_the_reduce_scatter_scheme_in_use():
+    """The hand-over follows the scheme that consumes the bucket: with ``scheme: zen`` and a ``spardl``
+    reduce-scatter, DGC hands its memory to SparDL's reduce-scatter (equal, step by step, to a Synchronizer
+    whose scheme is spardl), while ``sync_flat`` on that Synchronizer still runs zen; the reverse pair is zen's
+    lossless reduce-scatter of DGC's own selection. A 4-bit residual, which SparDL cannot write back, is
+    refused when ``rs_scheme`` is read (at attach), not at the first step."""
+    n, numel = 3, 620
+    shapes = {"a": (16, 20), "b": (30, 10)}
+    slices = [GradSlice("a", 0, 320, (16, 20)), GradSlice("b", 320, 300, (30, 10))]
+    kinds = {k: "dgc" for k in shapes}
+    dgc = {"enabled": True, "density": 0.05, "momentum_correction": False, "warmup_steps": 0, "min_numel": 8}
+    gen = torch.Generator().manual_seed(58)
+    steps = [[torch.randint(-9, 10, (numel,), generator=gen).float() for _ in range(n)] for _ in range(3)]
+    ranges = [(0, 100), (100, 100), (100, numel)]
+
+    def fn(comm):
+        def sync(scheme, rs=None):
+            return Synchronizer(dp_comm=comm, scheme=scheme, param_kinds=kinds, dgc=dgc, reduce_scatter=rs)
+        pairs = {"spardl": (sync("zen", "spardl"), sync("spardl")), "zen": (sync("spardl", "zen"), sync("zen"))}
+        got = {k: [] for k in pairs}
+        for x in steps:
+            for k, (mixed, own) in pairs.items():
+                got[k].append((mixed.reduce_scatter_flat(x[comm.rank].clone(), slices, ranges, "sum"),
+                               own.reduce_scatter_flat(x[comm.rank].clone(), slices, ranges, "sum")))
+                mixed.end_step()
+                own.end_step()
+        mixed = pairs["spardl"][0]
+        ran = set(mixed.pop_step_stats()["slice_schemes"].values())
+        # The all-reduce of the same Synchronizer is still zen's (lossless: the plain zen Synchronizer's result).
+        fresh, plain = sync("zen", "spardl"), sync("zen")
+        assert fresh.rs_scheme.name == "spardl"
+        all_reduce = (fresh.sync_flat(steps[0][comm.rank].clone(), slices, "sum"),
+                      plain.sync_flat(steps[0][comm.rank].clone(), slices, "sum"))
+        return got, ran, all_reduce
+
+    results = SimWorld(n).run(fn)
+    for r, (got, ran, (fresh, plain)) in enumerate(results):
+        for k, rows in got.items():
+            for step, (mixed, own) in enumerate(rows):
+                assert torch.equal(mixed, own), (r, k, step)
+        assert ran == {"spardl"}, ran
+        assert torch.equal(fresh, plain), r
+    # SparDL's reduce-scatter is not zen's: the pair above would be equal by accident otherwise.
+    assert any(not torch.equal(a[0], b[0]) for res in results for a, b in zip(res[0]["spardl"], res[0]["zen"]))
+    comm = SimWorld(1).communicators()[0]
+    int4 = Synchronizer(dp_comm=comm, scheme="zen", param_kinds=kinds, reduce_scatter="spardl",
+                        dgc={**dgc, "residual_dtype": "int4"})
+    with pytest.raises(ValueError, match=r"zen\.dgc\.residual_dtype \('int4'\) must be \"float32\" or \"bfloat16\""):
+        int4.rs_scheme
+    assert not int4.sparsifiers["dgc"].hand_over  # the all-reduce (zen) still runs with it

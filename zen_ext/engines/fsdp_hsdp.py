@@ -14,10 +14,20 @@ each FSDP parameter group a one-rank replicate group, which makes FSDP's native 
 and its divide factors those of the shard dim alone (``AVG`` over ``L``, or the pre/post factors of
 ``L``), and sets an all-reduce hook (``FSDPModule.set_all_reduce_hook``) that FSDP calls right after, on
 the reduce-scatter output: ZEN all-reduces it over the real replicate group (``BucketReducer.reduce_``,
-the all-reduce path every other adapter uses), ``mean`` over the ``N`` replicas when no gradient divide
-factor is set (FSDP's HSDP then averages over ``N·L``) and ``sum`` when one is (FSDP then pre-multiplies by
-``1/factor`` and sums both levels). The post-divide FSDP applies after the hook is its shard dim's part,
-so the gradient is FSDP's. ``close()`` hands the all-reduce back to FSDP.
+the all-reduce path every other adapter uses). The divisions are plain HSDP's (``divide_plan``):
+
+* no gradient divide factor, communication by averages (fp32/bf16): FSDP averages over the shard dim and
+  ZEN takes the ``mean`` over the ``N`` replicas, as plain HSDP's two averages;
+* a gradient divide factor: FSDP pre-multiplies by ``1/factor`` (or pre/post-divides by it), which
+  involves no group size, and ZEN sums;
+* no factor with sum-only communication (``set_force_sum_reduction_for_comms``, or an fp16 reduce dtype):
+  FSDP would divide by the factors of the one-rank group's world (``L``), and a mean over ``N`` after it
+  would make ``sum/N/L``, which rounds differently from plain HSDP's ``sum/(N·L)`` unless ``N`` or ``L`` is
+  a power of two. So ``attach`` sets the factor plain HSDP uses, ``N·L``, on the parameter group (FSDP
+  then pre/post-divides exactly as plain HSDP) and ZEN sums; ``close()`` clears it again.
+
+What ``attach`` decided is checked in every call (a factor or sum-only switch changed after ``attach``
+raises, naming it). ``close()`` hands the all-reduce back to FSDP.
 """
 
 from __future__ import annotations
@@ -76,14 +86,58 @@ def hsdp_param_groups(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     return hsdp
 
 
+def sum_only(param_group, reduce_dtype: torch.dtype) -> bool:
+    """Whether FSDP communicates by sums only for this parameter group (torch 2.13
+    ``_get_gradient_divide_factors``): forced, on MTIA, or a reduce dtype with overflow risk (not fp32/bf16)."""
+    return (bool(param_group.force_sum_reduction_for_comms) or param_group.device.type == "mtia"
+            or reduce_dtype not in (torch.float32, torch.bfloat16))
+
+
+def reduce_dtype_of(param_group) -> torch.dtype:
+    """The dtype FSDP reduces this parameter group's gradients in: the mixed-precision policy's reduce dtype,
+    else its parameter dtype, else the parameters' own (``FSDPParam.init_dtype_attrs``)."""
+    mp = param_group.mp_policy
+    trainable = [fp for fp in param_group.fsdp_params if fp.sharded_param.requires_grad]
+    return mp.reduce_dtype or mp.param_dtype or trainable[0].sharded_param.dtype
+
+
+def divide_plan(param_group, replicas: int, shard: int) -> tuple[str, float | None]:
+    """ZEN's op over the replicas and the gradient divide factor ``attach`` sets on ``param_group`` (None:
+    none), so that FSDP's divisions and ZEN's make plain HSDP's on ``replicas × shard`` ranks (the module
+    docstring): a user's factor: ``sum``; averaging communication: ``mean``; sum-only communication without
+    a factor: ``sum`` with the factor ``replicas·shard``. A shard dim of 1 skips FSDP's reduce-scatter,
+    which then divides by a set factor on its own (torch 2.13): there ``mean``, FSDP dividing by nothing."""
+    if param_group.gradient_divide_factor is not None:
+        return "sum", None
+    if shard > 1 and sum_only(param_group, reduce_dtype_of(param_group)):
+        return "sum", float(replicas * shard)
+    return "mean", None
+
+
 class ZenAllReduceHook:
-    """The all-reduce hook set on one FSDP module: its parameter group, parameters, the attachment."""
+    """The all-reduce hook set on one FSDP module: its parameter group, parameters, the attachment, and the
+    division ``attach`` chose for it (``divide_plan``)."""
 
     def __init__(self, attachment: "ZenHSDP", module_name: str, param_group,
-                 params: list[tuple[str, tuple[int, ...]]]) -> None:
+                 params: list[tuple[str, tuple[int, ...]]], op: str) -> None:
         self.attachment = attachment  # FSDP keeps the hook, so the model keeps the attachment alive
         self.module_name, self.param_group, self.params = module_name, param_group, params
         self.layouts: dict[int, list[GradSlice]] = {}
+        self.op = op
+        """``mean`` or ``sum`` over the replicas."""
+        self.expected = (param_group.gradient_divide_factor, sum_only(param_group, reduce_dtype_of(param_group)))
+        """What FSDP divided by when ``op`` was chosen: its divide factor and whether it sums only."""
+
+    def check_divisions(self, dtype: torch.dtype) -> None:
+        """Raise when FSDP's divide factor or sum-only switch changed after ``attach`` (then ``op`` would no
+        longer make plain HSDP's result)."""
+        pg = self.param_group
+        now = (pg.gradient_divide_factor, sum_only(pg, dtype))
+        if now != self.expected:
+            raise RuntimeError(f"zen_ext.fsdp: FSDP module {self.module_name or '<root>'} now reduces with gradient "
+                               f"divide factor {now[0]} and sum-only communication {now[1]}, but ZEN attached with "
+                               f"{self.expected[0]} and {self.expected[1]}; call set_gradient_divide_factor and "
+                               f"set_force_sum_reduction_for_comms before zen_ext.fsdp.attach")
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         self.attachment.all_reduce(self, reduce_output)
@@ -109,7 +163,7 @@ class ZenHSDP(ZenFSDP):
     statistics, steps; ``state_dict()`` holds this rank's shard-sized DGC residuals (keyed by parameter name
     and chunk offset) and the mesh shape; ``close()`` hands the all-reduce back to FSDP."""
 
-    __slots__ = ("mesh_shape", "_native")
+    __slots__ = ("mesh_shape", "_native", "_divided")
 
     def __init__(self, *, cfg: ZenConfig, group, built, rank: int, mesh_shape: tuple[int, int]) -> None:
         super().__init__(cfg=cfg, group=group, built=built, rank=rank)
@@ -117,6 +171,7 @@ class ZenHSDP(ZenFSDP):
         self.mesh_shape = mesh_shape
         self.dp_size = mesh_shape[0] * mesh_shape[1]  # a checkpoint's residuals fit only this world and layout
         self._native: list[tuple[object, object]] = []  # (param group, its own replicate group), for close()
+        self._divided: list = []  # param groups whose gradient divide factor attach set (divide_plan), for close()
 
     @property
     def summary_label(self) -> str:
@@ -127,7 +182,8 @@ class ZenHSDP(ZenFSDP):
 
         1. Map the shard to named slices (once per layout); refuse a DGC step accumulated across
            all-reduces (``fsdp_steps.AccumulationWatch``).
-        2. The op: ``mean`` over the replicas without a gradient divide factor, ``sum`` with one.
+        2. The op: ``attach``'s (``divide_plan``), after checking that FSDP's divisions are still those it
+           was chosen for.
         3. All-reduce over the replicate group (``BucketReducer.reduce_``: the non-finite guard, buckets of
            ``zen.bucket_cap_mb``, the Synchronizer's routing) on this thread; open the step's end callback.
         """
@@ -138,10 +194,10 @@ class ZenHSDP(ZenFSDP):
         slices = hook.slices_for(shard.numel())
         if not self._step_open and self.accumulation is not None:  # DGC, accumulating across all-reduces?
             self.accumulation.begin_backward(n for n, _ in hook.params)
-        # Step 2: the op.
-        op = "mean" if hook.param_group.gradient_divide_factor is None else "sum"
+        # Step 2: the op (chosen at attach, so that the result is plain HSDP's).
+        hook.check_divisions(shard.dtype)
         # Step 3: the reduction, and the step's end.
-        self.reducer.reduce_(shard.view(-1), slices, op, pipelined=False)
+        self.reducer.reduce_(shard.view(-1), slices, hook.op, pipelined=False)
         self._t_step += time.perf_counter() - t0
         if not self._step_open:
             self._step_open = True
@@ -154,7 +210,9 @@ class ZenHSDP(ZenFSDP):
             pg.mesh_info.replicate_process_group = native
         for hook in self.comms:
             hook.param_group._all_reduce_hook = None
-        self._native = []
+        for pg in self._divided:
+            pg.gradient_divide_factor = None
+        self._native, self._divided = [], []
         super().close()
 
     def _extra_state(self) -> dict:
@@ -235,7 +293,9 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
        the FSDP parameter groups and refuse what is not served (``SUPPORTED``); check that every rank
        attaches the same mesh, modules and section.
     2. Route each parameter (natural / dgc / dense) and build the Synchronizer over the replicate group.
-    3. Per FSDP module: a one-rank replicate group for FSDP's native all-reduce, and a ``ZenAllReduceHook``.
+    3. Per FSDP module: a one-rank replicate group for FSDP's native all-reduce, the divisions of plain HSDP
+       (``divide_plan``: a gradient divide factor where the communication is sum-only), and a
+       ``ZenAllReduceHook``.
 
     Raises:
         ValueError, TypeError: an invalid section or ``zen.enabled`` false.
@@ -280,7 +340,11 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
     for name, module, pg, params in per_module:
         if not params:
             continue
-        hook = ZenAllReduceHook(zen, name, pg, params)
+        op, factor = divide_plan(pg, *shape)
+        if factor is not None:
+            pg.gradient_divide_factor = factor
+            zen._divided.append(pg)
+        hook = ZenAllReduceHook(zen, name, pg, params, op)
         if pg.mesh_info.replicate_process_group is not alone:  # param groups may share a mesh info
             zen._native.append((pg, pg.mesh_info.replicate_process_group))
             pg.mesh_info.replicate_process_group = alone

@@ -24,13 +24,16 @@ Per slice ``key``:
   ``sample_budget`` entries, from which density and γ at 2, 4, …, n are estimated), every candidate's
   time is predicted, and the candidate with the lowest mean prediction over the profiled syncs wins;
 * measured, not only predicted: before the choice is final, every candidate that the calibrated
-  model (before refinement) puts within ``EXPLORE_MARGIN`` (1.5×) of its best runs twice (fastest
-  first; profiling goes on meanwhile): its first run on a rank is cold (caches, first-touch
-  buffers) and is not learnt from,
-  the second refines its own predictions — the model's error differs between schemes, and a choice
-  from predictions alone could be 2–4× slower than the best (4-rank lab on 2 cores). This costs at
-  most two syncs per close candidate in a run (run counts are per scheme, so later slices rarely
-  need any);
+  model (before refinement) puts within ``EXPLORE_MARGIN`` (1.5×) of its best runs
+  ``1 + MEASURED_RUNS`` times (fastest first; profiling goes on meanwhile): its first run on a rank is
+  cold (caches, first-touch buffers) and is not learnt from, the others refine its own predictions
+  — the model's error differs between schemes, and a choice from predictions alone could be 2–4×
+  slower than the best (4-rank lab on 2 cores). The measured candidates are then ranked by the
+  fastest of their measured syncs (each rank's, the slowest rank's counts), not by one sync: on a
+  shared machine one sync of 16 ranks varies by ±30 %, and ranked on one sample each the near-equal
+  ``zen`` and ``zen_coo`` (and at times AGsparse, 1.4× slower) won at random from run to run
+  (16-rank SimWorld, 16-host lab). This costs at most ``1 + MEASURED_RUNS`` syncs per close
+  candidate in a run (run counts are per scheme, so later slices rarely need any);
 * every sync runs the current winner — all candidates are lossless, so profiling syncs also return the
   exact aggregate;
 * the choice is computed from all-gathered data, hence the same everywhere, and then checked: the
@@ -74,12 +77,33 @@ from .state import _SliceState
 
 logger = logging.getLogger("zen_ext.planner")
 _SKIP_LOGGED: set[str] = set()
-"""Lossless schemes ``valid_candidates`` left out for want of a cost model (logged once each)."""
+"""Lossless schemes ``candidate_schemes`` left out for want of a cost model (logged once each)."""
 
 _STATE_VERSION = 1
-# Candidates predicted within this factor of the best are run once (on profiling syncs, all lossless)
+# Candidates predicted within this factor of the best are run (on profiling syncs, all lossless)
 # before the choice is final, so that it rests on measured times rather than on the model alone.
 EXPLORE_MARGIN = 1.5
+MEASURED_RUNS = 2
+"""Syncs of each close candidate measured after its cold first run; the fastest of them ranks it."""
+
+
+def candidate_schemes() -> list[str]:
+    """The schemes ``auto`` ranks: registered lossless schemes with a cost model (``auto`` itself
+    excluded), ties first. A lossy scheme (``spardl``) is never a candidate: ``auto`` promises the exact
+    aggregate. A lossless scheme registered without a cost model is left out with a log line saying so,
+    once. The one list of candidates: the planner's and the at-scale prediction's
+    (``analysis/at_scale.py``)."""
+    names = []
+    for s in registered_schemes():
+        if s == "auto" or not scheme_class(s).lossless:
+            continue
+        if scheme_class(s).has_cost_model():
+            names.append(s)
+        elif s not in _SKIP_LOGGED:
+            _SKIP_LOGGED.add(s)
+            logger.info("auto: scheme %r has no cost model, so auto never picks it (declare wire_phases, "
+                        "predict_traffic and predict_work on its class; docs/extending.md)", s)
+    return sorted(names, key=_priority)
 
 
 class AutoScheme(SyncScheme):
@@ -152,19 +176,8 @@ class AutoScheme(SyncScheme):
 
     @staticmethod
     def valid_candidates() -> list[str]:
-        """Registered lossless schemes with a cost model (``auto`` itself excluded). A lossless scheme
-        registered without one is left out with a log line saying so, once."""
-        names = []
-        for s in registered_schemes():
-            if s == "auto" or not scheme_class(s).lossless:
-                continue
-            if scheme_class(s).has_cost_model():
-                names.append(s)
-            elif s not in _SKIP_LOGGED:
-                _SKIP_LOGGED.add(s)
-                logger.info("auto: scheme %r has no cost model, so auto never picks it (declare wire_phases, "
-                            "predict_traffic and predict_work on its class; docs/extending.md)", s)
-        return sorted(names, key=_priority)
+        """What ``auto`` chooses among (``candidate_schemes``)."""
+        return candidate_schemes()
 
     def options(self) -> dict:
         return dict(bandwidth_gbps=self._fixed[0], latency_us=self._fixed[1],
@@ -326,7 +339,7 @@ class AutoScheme(SyncScheme):
             cal = self._calibrate(comm, sg.values.device)
             refine = self._refine.setdefault(comm.rank, Refinement())
             # Step 2: profile.
-            profile, states = self._gather_profile(comm, sg, refine.state())
+            profile, states, measured = self._gather_profile(comm, sg, refine.state(), st.measured)
             if self.model == "compute":
                 refine.merge_max(states)
             work = WorkCounts.from_profile(profile)
@@ -347,13 +360,16 @@ class AutoScheme(SyncScheme):
             st.stale = False
             st.profiled += 1
             # Step 3: decide (or measure a close candidate first) and agree.
-            choice, reason = self._decide(st, profile, cal)
+            # Measured on every rank: the slowest rank's fastest sync (the same on every rank).
+            measured_s = {c: max(m[c] for m in measured) for c in self.candidates if all(c in m for m in measured)}
+            choice, reason = self._decide(st, profile, cal, measured_s)
             probe_c = (self._unmeasured_close(raw, self._runs.get(comm.rank, {}))
                        if self.model == "compute" else None)
             if probe_c is not None:
                 reason = (f"measuring {probe_c} before the choice is final: the calibrated model puts it at "
                           f"{raw[probe_c] * 1e3:.3f} ms, within {EXPLORE_MARGIN:g}x of its best "
-                          f"({min(raw.values()) * 1e3:.3f} ms); every such candidate runs twice")
+                          f"({min(raw.values()) * 1e3:.3f} ms); every such candidate runs "
+                          f"{1 + MEASURED_RUNS} times")
                 choice = probe_c
                 # Keep profiling, and decide on predictions refined by this measurement only.
                 st.profiled = min(st.profiled, self.profile_steps - 1)
@@ -369,7 +385,7 @@ class AutoScheme(SyncScheme):
         else:
             st.since_decision += 1
             if self.reprofile_every and st.since_decision >= self.reprofile_every:
-                st.profiled, st.predictions = 0, []  # the next sync of this slice profiles again
+                st.profiled, st.predictions, st.measured = 0, [], {}  # the next sync profiles again
         return st, profiling_s
 
     def _learn(self, comm: Communicator, st: "_SliceState", phases: dict, timings: dict | None,
@@ -379,6 +395,11 @@ class AutoScheme(SyncScheme):
         in the lab), and report the phases, the choice and the profiling time in ``timings``."""
         runs = self._runs.setdefault(comm.rank, {})
         runs[st.choice] = runs.get(st.choice, 0) + 1
+        if (self.model == "compute" and runs[st.choice] > 1
+                and (st.stale or st.profiled < self.profile_steps)):  # still deciding: keep its fastest sync
+            took = sum(v for k, v in phases.items() if k.endswith("_s") and isinstance(v, float))
+            if took > 0:
+                st.measured[st.choice] = min(st.measured.get(st.choice, took), took)
         if self.model == "compute" and st.work is not None and comm.rank in self._calib and runs[st.choice] > 1:
             cal = self._calib[comm.rank]
             c = st.choice
@@ -405,10 +426,11 @@ class AutoScheme(SyncScheme):
             cal = self._calib[comm.rank] = calibrate(comm, device, self._fixed, self.model)
         return cal
 
-    def _gather_profile(self, comm: Communicator, sg: SparseGrad,
-                        refine_state: dict | None = None) -> tuple[SparsityProfile, list[dict]]:
+    def _gather_profile(self, comm: Communicator, sg: SparseGrad, refine_state: dict | None = None,
+                        measured: dict | None = None) -> tuple[SparsityProfile, list[dict], list[dict]]:
         """Two small all-gathers: sizes (to agree on the sample rate), then every rank's local profile
-        with its refinement state. Returns the profile and the states in rank order."""
+        with its refinement state and its measured syncs of this slice. Returns the profile, the states
+        and the measured times in rank order."""
         n = comm.size
         indices = sg.indices.cpu()  # the profile is small bookkeeping: CPU, whatever the gradient's device
         uniq = torch.unique(indices)
@@ -422,18 +444,18 @@ class AutoScheme(SyncScheme):
         s = sample_parts_for(max(x[1] for x in sizes), self.sample_budget)
         sb = sample_parts_for(max(x[2] for x in sizes), self.sample_budget)
         mine = local_profile(indices, sg.numel, sg.row_width, n, self.seed, s, sb)
-        gathered = comm.all_gather_object((mine, refine_state or {}))
+        gathered = comm.all_gather_object((mine, refine_state or {}, measured or {}))
         profile = SparsityProfile(
             numel=sg.numel, row_width=sg.row_width, value_bytes=sg.values.element_size(), seed=self.seed,
             locals=[g[0] for g in gathered], sample_parts=s, block_sample_parts=sb,
         )
-        return profile, [g[1] for g in gathered]
+        return profile, [g[1] for g in gathered], [g[2] for g in gathered]
 
     def _unmeasured_close(self, raw: dict[str, float], runs: dict[str, int]) -> str | None:
         """The candidate to measure before deciding, or None: the fastest of the candidates that the
         calibrated model (``raw``: not refined) puts within ``EXPLORE_MARGIN`` of its best and that
-        have not run twice yet (a first run is not learnt from; the second refines the scheme's own
-        predictions). The model's error differs between schemes: a 4-rank lab on 2 cores measured
+        have not run ``1 + MEASURED_RUNS`` times yet (a first run is not learnt from; the others
+        refine the scheme's own predictions and the fastest of them ranks it). The model's error differs between schemes: a 4-rank lab on 2 cores measured
         SparCML at 2.7x its prediction and ZEN at 0.85x, so predictions alone picked a scheme 2-4x
         slower than the best. Closeness is judged on the unrefined model because the refinement
         carries one measured scheme's error over to the unmeasured ones (the shared fits), which pushed
@@ -444,10 +466,14 @@ class AutoScheme(SyncScheme):
                        key=lambda c: (raw[c], _priority(c)))
         if len(close) < 2:  # nothing to compare with: the prediction stands
             return None
-        return next((c for c in close if runs.get(c, 0) < 2), None)
+        return next((c for c in close if runs.get(c, 0) < 1 + MEASURED_RUNS), None)
 
-    def _decide(self, st: _SliceState, profile: SparsityProfile, cal: _Calibration) -> tuple[str, str]:
-        mean = _mean_predictions(st, self.candidates)
+    def _decide(self, st: _SliceState, profile: SparsityProfile, cal: _Calibration,
+                measured_s: dict[str, float] | None = None) -> tuple[str, str]:
+        """The candidate to run: the lowest of its measured time (``measured_s``: agreed, the fastest
+        measured sync) where it was measured on this slice, else of its mean prediction."""
+        measured_s = measured_s or {}
+        mean = {**_mean_predictions(st, self.candidates), **measured_s}
         ranked = sorted(self.candidates, key=lambda c: (mean[c], _priority(c)))
         best = ranked[0]
         n, d = profile.n, profile.density()
@@ -457,7 +483,7 @@ class AutoScheme(SyncScheme):
         else:
             rule = "Balanced Parallelism" if cm.prefers_balanced_parallelism(n, gammas) else \
                 "Hierarchical Centralization"
-        parts = [f"predicted {mean[best] * 1e3:.3f} ms"]
+        parts = [f"{'measured' if best in measured_s else 'predicted'} {mean[best] * 1e3:.3f} ms"]
         if "dense" in mean and best != "dense":
             parts.append(f"dense {mean['dense'] * 1e3:.3f} ms")
         if len(ranked) > 1:

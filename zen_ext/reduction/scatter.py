@@ -84,7 +84,7 @@ def reduce_scatter_flat(sync, flat: torch.Tensor, slices: list[GradSlice], range
                                   f"with reduce-scatter: sparsifiers without after_sync (natural, dgc)")
     scheme = sync.rs_scheme
     # Step 2: prepare (out=flat: no bucket-sized output is allocated; nothing writes it).
-    prep = sync.prepare_flat(flat, slices, op, out=flat)
+    prep = sync.prepare_flat(flat, slices, op, out=flat, scheme=scheme)
     plan = prep.plan
     dp_before = dp.stats.snapshot()
 
@@ -109,6 +109,7 @@ def reduce_scatter_flat(sync, flat: torch.Tensor, slices: list[GradSlice], range
         for part, o, res, t in zip(parts, outs, results, timings):
             if o is None:
                 place(res, part.segs, lo, hi, out_R)
+            t.setdefault("scheme", scheme.name)  # the reduce-scatter scheme ran it, not the all-reduce one
             sync.note_part(part.kind, part.numel, part.nnz, t, part.key)
 
     # Step 5: statistics.

@@ -126,9 +126,8 @@ class Synchronizer:
         self.sparsifiers: dict[str, Sparsifier] = {
             k: specs[k].cls.from_config(cfg, state=self.state, dp_size=dp_comm.size)
             for k, cfg in self.configs.items() if cfg.enabled}
-        for sp in self.sparsifiers.values():  # spardl selects from DGC's accumulated memory itself
-            if hasattr(sp, "hand_over"):
-                sp.hand_over = self.scheme.takes_accumulated
+        self._handing = [sp for sp in self.sparsifiers.values() if hasattr(sp, "hand_over")]
+        self.hand_over_to(self.scheme)  # a sparsifier that cannot hand over to it refuses here, at attach
         self._tp_kinds = tuple(k for k in self.configs if specs[k].cls.uses_tp_group)
         self.row_kinds = frozenset(k for k in self.sparsifiers if specs[k].cls.row_sparse)
         """The enabled kinds whose gradients are sparse by rows (``Sparsifier.row_sparse``)."""
@@ -189,7 +188,10 @@ class Synchronizer:
         attaches, so that error comes before training)."""
         if not isinstance(self._rs_scheme, ReduceScatterScheme):
             given = self._rs_scheme
-            self._rs_scheme = build_reduce_scatter(given) if isinstance(given, str) else reduce_scatter_of(self.scheme)
+            built = build_reduce_scatter(given) if isinstance(given, str) else reduce_scatter_of(self.scheme)
+            self.hand_over_to(built)  # refused here as for ``scheme``: the engines read this at attach
+            self.hand_over_to(self.scheme)
+            self._rs_scheme = built
         return self._rs_scheme
 
     @rs_scheme.setter
@@ -197,12 +199,25 @@ class Synchronizer:
         """Another reduce-scatter scheme (as the constructor's ``reduce_scatter``), e.g. ``direct`` in a test."""
         self._rs_scheme = scheme
 
+    def hand_over_to(self, scheme: "SyncScheme | ReduceScatterScheme") -> None:
+        """Make the sparsifiers that can hand their accumulated memory over (DGC) do so exactly when
+        ``scheme``, the one that will consume what they prepare, selects its own entries
+        (``takes_accumulated``: spardl, all-reduce or reduce-scatter); ValueError from a sparsifier that
+        cannot (DGC's 4-bit residual)."""
+        for sp in self._handing:
+            sp.hand_over = scheme.takes_accumulated
+
     def prepare_flat(
-        self, flat: torch.Tensor, slices: list[GradSlice], op: str = "mean", out: torch.Tensor | None = None
+        self, flat: torch.Tensor, slices: list[GradSlice], op: str = "mean", out: torch.Tensor | None = None,
+        scheme: "SyncScheme | ReduceScatterScheme | None" = None,
     ) -> PreparedBucket:
         """The local half of ``sync_flat``: plan, and every read of ``flat`` (dense gather, compression,
         sparsifier memory updates). No data-parallel collective unless the layout is new (its
         agreement); DGC's thresholds use the TP group. ``finish_flat`` does the rest.
+
+        ``scheme`` is the scheme that will consume the prepared parts (default: the all-reduce
+        ``scheme``; the reduce-scatter route passes ``rs_scheme``): DGC hands its memory over exactly
+        when that one selects its own entries (``hand_over_to``).
 
         A caller may run ``finish_flat`` of one bucket on another thread while it prepares the next
         (``BucketReducer`` with a communication worker), once every bucket's layout is planned
@@ -218,6 +233,7 @@ class Synchronizer:
 
         # Step 1: plan.
         plan = self._plan_for(flat_N, slices, op)
+        self.hand_over_to(scheme if scheme is not None else self.scheme)
         if out is not None:
             if not out.is_contiguous() or out.numel() != flat_N.numel() or out.dtype != flat_N.dtype \
                     or out.device != flat_N.device:

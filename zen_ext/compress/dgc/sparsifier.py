@@ -70,7 +70,7 @@ from typing import Sequence
 import torch
 
 from ... import ops
-from ...core.types import AccumulatedGrad, SparseGrad
+from ...core.types import AccumulatedGrad, FlushPositions, SparseGrad
 from ..base import NamedGrad, Sparsifier
 from ..registry import register_sparsifier
 from ..state import SparsifierState
@@ -307,7 +307,10 @@ class DGCSparsifier(Sparsifier):
         del gs
         if self.hand_over:  # the scheme selects from R and leaves its residual there (core/spardl.py)
             masked = U if cfg.momentum_correction and cfg.momentum_masking else None
-            return AccumulatedGrad.of(R, cfg.density_at(self.state.step), wire, masked)
+            # The rotating flush goes with it: the scheme sends those positions inside its (full) density.
+            pos_F = None if not flush else FlushPositions(lay.flush_positions(self.state.step, flush, R.device),
+                                                          lay.numels, self.state.step % flush, flush)
+            return AccumulatedGrad.of(R, cfg.density_at(self.state.step), wire, masked, pos_F)
 
         # Step 3 + 4: thresholds, one per selection unit, and the selection mask they give.
         tiny = torch.finfo(mdt).smallest_normal * torch.finfo(mdt).eps  # zeros never travel
