@@ -324,6 +324,11 @@ def test_state_bytes_match_the_formula(density, momentum):
     assert out[0] == state_bytes_per_param(cfg) * numel == 4 * numel * (1 + (density < 1) + (momentum > 0))
 
 
+def test_outer_sync_dict_config_refuses_unknown_keys():
+    with pytest.raises(RuntimeError, match=r"zen.outer got unknown key\(s\) \['evry'\]; did you mean 'every'"):
+        SimWorld(1).run(lambda c: OuterSync(_named(0), c, dict(SMALL, evry=3)))
+
+
 def test_lossy_scheme_refused():
     with pytest.raises(RuntimeError, match="must be a lossless scheme"):
         SimWorld(1).run(lambda c: OuterSync(_named(0), c, SMALL, scheme="spardl"))

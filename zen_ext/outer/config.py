@@ -6,13 +6,16 @@ outer SGD lr 1 without momentum. ``density: 1`` with ``lr: 0.7, momentum: 0.9, n
 DiLoCo (arXiv 2311.08105) as torchft ships it (a dense outer all-reduce of the pseudo-gradients).
 
 Plain dataclass with its own checks (as ``zen.spardl``): errors read ``zen.outer.<field> (<value>)
-must <rule>``. Engine-neutral: imports nothing but the standard library.
+must <rule>``. Engine-neutral: imports nothing but the standard library and ``zen_ext._keys``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+
+from .._keys import unknown_keys_message
 
 AVERAGES = ("mean", "contributors")
 STATE_DEVICES = ("cpu", "device")
@@ -101,6 +104,20 @@ class OuterConfig:
             raise ValueError(f"{_PATH}.delay ({self.delay!r}) must be one of {list(DELAYS)}")
         for name in ("density", "error_decay", "lr", "momentum"):  # ints accepted in JSON, floats kept
             setattr(self, name, float(getattr(self, name)))
+
+    @classmethod
+    def from_dict(cls, values: "dict | OuterConfig | None") -> "OuterConfig":
+        """The section from a plain dict (None: the defaults); an unknown key raises ValueError listing the
+        valid ones, as every section does."""
+        if values is None or isinstance(values, cls):
+            return values or cls()
+        if not isinstance(values, dict):
+            raise TypeError(f"{_PATH} ({values!r}) must be a JSON object (dict)")
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = set(values) - set(names)
+        if unknown:
+            raise ValueError(unknown_keys_message(_PATH, unknown, names))
+        return cls(**values)
 
     @property
     def dense(self) -> bool:
