@@ -133,10 +133,11 @@ def test_error_feedback_conservation_exact():
     assert {0, 299} <= set(range(300)) and torch.all(work[idx] == 0)
 
 
-@pytest.mark.parametrize("scheme", ["zen", "agsparse", "auto"])
+@pytest.mark.parametrize("scheme, state_device", [("zen", "cpu"), ("agsparse", "cpu"), ("auto", "cpu"),
+                                                  ("zen", "device")])
 @pytest.mark.parametrize("n", [3, 4])
-def test_replicas_bitwise_equal_after_each_outer_step(scheme, n):
-    cfg = dict(SMALL, lr=0.7, momentum=0.9, nesterov=True, error_decay=0.95)
+def test_replicas_bitwise_equal_after_each_outer_step(scheme, state_device, n):
+    cfg = dict(SMALL, lr=0.7, momentum=0.9, nesterov=True, error_decay=0.95, state_device=state_device)
     res = _run_rounds(SimWorld(n), cfg, rounds=3, scheme=scheme, ints=False)
     for rnd in range(3):
         ref = res[0][1][rnd]
