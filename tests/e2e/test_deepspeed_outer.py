@@ -109,3 +109,29 @@ def test_unserved_settings_refused(run):
     assert z1.startswith("zen.outer on DeepSpeed supports ZeRO-0 with fp32 weights, each data-parallel rank one "
                          "replica; got ZeRO-1")
     assert bf16.startswith("zen.outer on DeepSpeed supports ZeRO-0 with fp32 weights") and "got bf16" in bf16
+
+
+def test_recipe_runs_with_outer_flags(tmp_path):
+    """recipes/finetune_llm.py under torchrun with configs/demo_ds_outer.json and --outer_every 3: the start
+    line names zen.outer, the run ends with its summary, and eval losses are logged."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.multiproc.launch import free_port
+
+    out = str(tmp_path / "run")
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT)
+    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "--master_port",
+           str(free_port()), os.path.join(ROOT, "recipes", "finetune_llm.py"), "--deepspeed_config",
+           os.path.join(ROOT, "configs", "demo_ds_outer.json"), "--data", "pydoc", "--max_docs", "25",
+           "--vocab_size", "512", "--seq_len", "64", "--steps", "6", "--eval_every", "3", "--output_dir", out,
+           "--outer_every", "3", "--outer_density", "0.05"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "zen.outer on DeepSpeed ZeRO-0 (2 replicas): every 3 steps, density 0.05" in proc.stdout
+    assert "zen.outer summary (2 replicas, 2 outer steps)" in proc.stdout
+    with open(os.path.join(out, "train_log.jsonl")) as f:
+        log = [json.loads(line) for line in f]
+    assert [r["step"] for r in log if "eval_loss" in r] == [3, 6]
+    assert log[-1]["bytes_sent"] < log[-1]["dense_bytes"]

@@ -125,7 +125,12 @@ class OuterDeepSpeed:
                 f"{t['picks']:,} of {t['numel']:,} entries picked")
 
     def close(self) -> None:
-        """Nothing runs in the background; kept for the attachment protocol."""
+        """End of training: rank 0 prints ``summary()`` (``zen.stats.summary``), once."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if self.rank == 0 and self.cfg.stats.summary:
+            print(self.summary(), flush=True)
 
     # --- checkpoints ------------------------------------------------------------------------------------
     def _path(self, root, tag) -> str:
