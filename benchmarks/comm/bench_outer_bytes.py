@@ -133,6 +133,19 @@ def run_replicas(args, model, start_flat, blocks, R: int) -> tuple[list[list[dic
     return rows, start_flat.numel()
 
 
+def _provenance() -> str:
+    """When, at which commit and where the run was made (the results files' rule, benchmarks/README.md)."""
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=30).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    return (f"Run {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC at commit {commit} on a shared 2-core CPU "
+            f"machine (other jobs running; bytes are counted, not timed)")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="configs/models/llama-tiny-untied.json")
@@ -211,8 +224,8 @@ def main() -> None:
                      f"{mmm([a / b for a, b in zip(zm, ag)], '{:.2f}')} | {mmm([a / b for a, b in zip(zc, ag)], '{:.2f}')} | "
                      f"{dense:.3f} |")
         print(lines[-1], f"({time.time() - t:.0f} s)", flush=True)
-        _write(args.out, lines + ["", f"Total {time.time() - t0:.0f} s so far on the shared 2-core CPU machine."])
-    _write(args.out, lines + ["", f"Total {time.time() - t0:.0f} s on the shared 2-core CPU machine."])
+        _write(args.out, lines + ["", f"{_provenance()}; {time.time() - t0:.0f} s so far."])
+    _write(args.out, lines + ["", f"{_provenance()}; {time.time() - t0:.0f} s in total."])
 
 
 def _write(path: str, lines: list[str]) -> None:
