@@ -445,6 +445,26 @@ def log_step(rec: dict, log_file, records: list[dict], progress) -> None:
     progress(rec)
 
 
+class StepLog:
+    """A run's step records, kept the same way by every recipe: rank 0 appends each to
+    ``<output_dir>/train_log.jsonl`` (a resumed run continues the file) and shows it on its progress bar;
+    every rank keeps them in ``records``. ``close`` writes the run's outputs on rank 0 (``write_outputs``)."""
+
+    def __init__(self, output_dir: str, rank: int, start: int, steps: int) -> None:
+        self.output_dir, self.rank = output_dir, rank
+        self.file = open(os.path.join(output_dir, "train_log.jsonl"), "a") if rank == 0 else None
+        self.progress = progress_bar(rank, start, steps)
+        self.records: list[dict] = []
+
+    def log(self, rec: dict) -> None:
+        log_step(rec, self.file, self.records, self.progress)
+
+    def close(self, summary_text: str | None, extra: dict | None = None) -> None:
+        if self.rank == 0:
+            self.file.close()
+            write_outputs(self.output_dir, self.records, summary_text, extra)
+
+
 def gather_peak_memory(world: int, **extra) -> list[dict]:
     """Every rank's peak resident memory in MiB (CPU tensors live there; ``ru_maxrss`` is KiB on Linux),
     with ``extra`` fields of its own, gathered to every rank (a collective: all ranks call it)."""
@@ -507,3 +527,12 @@ def exit_on_config_error(main, *args):
             print(f"zen_ext: configuration error: {exc} (ZEN_DEBUG=1 shows the traceback)", file=sys.stderr,
                   flush=True)
         sys.exit(2)
+
+
+def run_main(main) -> None:
+    """A recipe's entry point: ``main`` under ``exit_on_config_error``, then every rank leaves the process
+    group together (a rank that left first would fail the others' last collective)."""
+    exit_on_config_error(main)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

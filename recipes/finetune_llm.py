@@ -213,9 +213,7 @@ def main(argv=None) -> list[dict]:
     if memory is not None:
         memory.at_init()  # after data, model and engine: the peak from here on is the training steps'
     batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)
-    log_file = open(os.path.join(args.output_dir, "train_log.jsonl"), "a") if rank == 0 else None
-    progress = common.progress_bar(rank, start, args.steps)
-    records: list[dict] = []
+    log = common.StepLog(args.output_dir, rank, start, args.steps)
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         loss_sum = 0.0
@@ -235,7 +233,7 @@ def main(argv=None) -> list[dict]:
             rec["dense_bytes"] = zen.totals["dense_bytes"]
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             rec["eval_loss"] = common.evaluate(engine, eval_blocks, micro, dp_rank, dp_size, dp_group)
-        common.log_step(rec, log_file, records, progress)
+        log.log(rec)
         if memory is not None and step == args.steps:  # before the checkpoint save's copies
             memory.at_train_end(zen, engine.module)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
@@ -246,9 +244,8 @@ def main(argv=None) -> list[dict]:
     # final model where asked (ZeRO-1/2 keep full parameters on every rank).
     text = zen.summary() if zen is not None else None
     peak = common.gather_peak_memory(dist.get_world_size(), **(memory.rec if memory is not None else {}))
+    log.close(text, {"memory": peak} if memory is not None else None)
     if rank == 0:
-        log_file.close()
-        common.write_outputs(args.output_dir, records, text, {"memory": peak} if memory is not None else None)
         print("deepspeed recipe: peak memory per rank: " + json.dumps(peak), flush=True)
         if args.save_model:
             engine.module.save_pretrained(args.save_model, safe_serialization=True)
@@ -256,11 +253,8 @@ def main(argv=None) -> list[dict]:
             print(f"deepspeed recipe: final model and tokenizer saved to {args.save_model}", flush=True)
     if zen is not None:
         zen.close()
-    return records
+    return log.records
 
 
 if __name__ == "__main__":
-    common.exit_on_config_error(main)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    common.run_main(main)

@@ -251,9 +251,7 @@ def main(argv=None) -> list[dict]:
 
     # Step 3: train; a checkpoint every --save_every steps and at the end.
     batches = common.train_batches(train_blocks, fsdp["micro_batch"], rank, world, seed=args.seed, start_step=start)
-    log_file = open(os.path.join(args.output_dir, "train_log.jsonl"), "a") if rank == 0 else None
-    progress = common.progress_bar(rank, start, args.steps)
-    records: list[dict] = []
+    log = common.StepLog(args.output_dir, rank, start, args.steps)
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         batch = next(batches).to(batch_device)
@@ -277,7 +275,7 @@ def main(argv=None) -> list[dict]:
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             rec["eval_loss"] = common.evaluate(model, eval_blocks, fsdp["micro_batch"], rank, world, dist.group.WORLD,
                                                device=batch_device)
-        common.log_step(rec, log_file, records, progress)
+        log.log(rec)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             fsdp_checkpoint.save(ckpt_dir, step, model, optimizer, zen, optimizer_name)
 
@@ -285,17 +283,13 @@ def main(argv=None) -> list[dict]:
     text = zen.summary() if zen is not None else None
     peak = common.gather_peak_memory(world, peak_rss_at_start_mib=rss_start / 1024,
                                      cuda_peak_mib=torch.cuda.max_memory_allocated() / 2**20 if device else None)
+    log.close(text)
     if rank == 0:
-        log_file.close()
-        common.write_outputs(args.output_dir, records, text)
         print("fsdp recipe: peak memory per rank: " + json.dumps(peak), flush=True)
     if zen is not None:
         zen.close()
-    return records
+    return log.records
 
 
 if __name__ == "__main__":
-    common.exit_on_config_error(main)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    common.run_main(main)

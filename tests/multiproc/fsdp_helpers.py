@@ -1,7 +1,7 @@
 """What the FSDP2 and HSDP tests share (tests/multiproc/test_fsdp.py, test_fsdp_hsdp.py, test_fsdp_node.py,
 test_fsdp_float_sums.py): the SGD loop that records a run (every step's loss and gradient shard, the final
-weight shards), the bitwise comparison of two such runs, the bytes of a state dict, an error caught for
-the test to read."""
+weight shards), the bitwise comparison of two such runs, a resume from a run's state, the bytes of a state
+dict, an error caught for the test to read."""
 
 from __future__ import annotations
 
@@ -31,6 +31,20 @@ def train_sgd(model, batch: Callable[[int], tuple], steps: int, start: int = 0, 
         opt.step()
         opt.zero_grad()
     return losses, grads, {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+
+
+def resume_into(model, weights_from, zen: dict, state: dict):
+    """``zen_ext.fsdp.attach(model, zen)`` resumed as from a checkpoint: ``model``'s local shards copied from
+    ``weights_from`` (what the engine's checkpoint restores), then ``state`` loaded (what zen_ext's restores).
+    Returns the attachment and its state dict right after loading (for the round-trip check)."""
+    import zen_ext.fsdp
+
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), weights_from.parameters()):
+            p.to_local().copy_(q.to_local())
+    attachment = zen_ext.fsdp.attach(model, zen)
+    attachment.load_state_dict(state)
+    return attachment, attachment.state_dict()
 
 
 def assert_same_run(ref, got, where: str) -> None:

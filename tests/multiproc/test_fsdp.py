@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multiproc.fsdp_helpers import assert_same_run, caught, train_sgd
+from tests.multiproc.fsdp_helpers import assert_same_run, caught, resume_into, train_sgd
 from tests.multiproc.launch import run_workers
 
 VOCAB, WIDTH, IN, HID = 11, 4, 6, 5
@@ -182,12 +182,7 @@ def _resume(rank, world):
     _train(first, rank, world, torch.float32, steps=3)
     sd = a.state_dict()
     second = _shard(SplitLM(torch.float32), world, "avg")
-    with torch.no_grad():
-        for p, q in zip(second.parameters(), first.parameters()):
-            p.to_local().copy_(q.to_local())
-    b = zen_ext.fsdp.attach(second, zen)
-    b.load_state_dict(sd)
-    restored = b.state_dict()
+    b, restored = resume_into(second, first, zen, sd)
     _, _, params = _train(second, rank, world, torch.float32, steps=3, start=3)
     return sd, restored, ref_params, params, b.step
 

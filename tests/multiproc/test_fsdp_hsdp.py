@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.multiproc.fsdp_helpers import assert_same_run, caught, state_bytes, tensors, train_sgd
+from tests.multiproc.fsdp_helpers import assert_same_run, caught, resume_into, state_bytes, tensors, train_sgd
 from tests.multiproc.launch import run_workers
 from tests.multiproc.test_fsdp import SplitLM, _batch
 
@@ -188,12 +188,7 @@ def _resume(rank, world):
     _train(first, rank, world, torch.float32, steps=3)
     sd = a.state_dict()
     second = _shard(SplitLM(torch.float32), _mesh((2, 2)))
-    with torch.no_grad():
-        for p, q in zip(second.parameters(), first.parameters()):
-            p.to_local().copy_(q.to_local())
-    b = zen_ext.fsdp.attach(second, zen)
-    b.load_state_dict(sd)
-    restored = b.state_dict()
+    b, restored = resume_into(second, first, zen, sd)
     _, _, params = _train(second, rank, world, torch.float32, steps=3, start=3)
     # close() hands the all-reduce back to FSDP: the model then trains as plain HSDP.
     plain = _shard(SplitLM(torch.float32), _mesh((2, 2)))

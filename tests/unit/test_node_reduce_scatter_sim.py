@@ -43,9 +43,11 @@ def node_grid(nodes: list[list[int]], fn):
     on threads; inter-node group ``l`` orders its members by rank, as ``new_group`` does."""
     L, n = len(nodes[0]), sum(len(m) for m in nodes)
     owners = owner_order(nodes, list(range(n)))
-    out = run_grid(len(nodes), L, lambda k, l, intra, inter: fn(nodes[k][l], NodeShardedReduce(intra, l, L, owners=owners),
-                                                                  inter),
-                   col_rank=lambda k, l: owners[l].index(nodes[k][l]), timeout_s=120)
+
+    def cell(k, l, intra, inter):
+        return fn(nodes[k][l], NodeShardedReduce(intra, l, L, owners=owners), inter)
+
+    out = run_grid(len(nodes), L, cell, col_rank=lambda k, l: owners[l].index(nodes[k][l]), timeout_s=120)
     by_rank = [None] * n
     for k, members in enumerate(nodes):
         for l, r in enumerate(members):
@@ -141,7 +143,7 @@ def test_the_fsdp_layout_reorders_by_rows_and_interleaved_nodes_are_served():
         red = BucketReducer(sync, cap_bytes=1 << 20, dp_size=n, node=node)
         out = torch.empty(ranges[r][1] - ranges[r][0])
         red.reduce_scatter_(grads(n, 0)[r][:numel].clone(), slices, ranges, "sum", out)
-        return out, red._node_scatter._layouts
+        return out, red.route.node.layouts
 
     xs = [x[:numel] for x in grads(n, 0)]
     for r, (out, layouts) in enumerate(node_grid(nodes, fn)):
@@ -168,7 +170,7 @@ def test_step_a_reorders_in_windows_of_at_most_the_cap(layout, cap_elems):
         red = BucketReducer(sync, cap_bytes=cap_elems * 4, dp_size=n, node=node)
         out = torch.empty(ranges[r][1] - ranges[r][0])
         red.reduce_scatter_(xs[r].clone(), slices, ranges, "sum", out)
-        return out, next(iter(red._node_scatter._layouts.values()))
+        return out, next(iter(red.route.node.layouts.values()))
 
     for r, (out, lay) in enumerate(node_grid(blocks(N, L), fn)):
         assert torch.equal(out, dense_want(xs, ranges, r, "sum")), (r, cap_elems)

@@ -34,6 +34,13 @@ _SIG_DIGEST_BITS = 50  # the numel field of the signature word (comm/base.py enc
 _DISAGREE = "zen: ranks disagree on the gradient passed to"  # comm/base.py's signature error
 
 
+def low_bits_reduce_scatters() -> list[str]:
+    """The registered reduce-scatter schemes that carry ``zen.dgc.value_bits``."""
+    from .reduce_scatter import _REGISTRY
+
+    return [name for name, cls in _REGISTRY.items() if cls.carries_low_bits]
+
+
 class ReduceScatterScheme(abc.ABC):
     """One way to reduce a (sparse) gradient and scatter contiguous ranges of the result to their owners."""
 
@@ -41,6 +48,16 @@ class ReduceScatterScheme(abc.ABC):
     lossless: ClassVar[bool] = True
     takes_accumulated: ClassVar[bool] = False
     """Whether it takes an ``AccumulatedGrad`` (``core/types.py``) and selects from it itself (``spardl``)."""
+    carries_low_bits: ClassVar[bool] = False
+    """Whether it carries low-bit values (``zen.dgc.value_bits``, ``SparseGrad.lowbit``; ``zen`` does)."""
+
+    def require_low_bits(self, bits: int) -> None:
+        """Called when a sharded engine attaches with ``zen.dgc.value_bits`` set: raise unless this scheme
+        carries low-bit values (``auto`` narrows its candidates to those that do)."""
+        if not self.carries_low_bits:
+            raise ValueError(f"zen.dgc.value_bits ({bits}) must go with a reduce-scatter that carries low-bit values, "
+                             f"not {self.name!r}; reduce-scatter schemes that carry it: "
+                             f"{low_bits_reduce_scatters() + ['auto']} (auto then chooses among them)")
 
     def reduce_scatter(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, ranges: Sequence[tuple[int, int]], op: str = "sum",
@@ -128,6 +145,10 @@ class ReduceScatterScheme(abc.ABC):
     def _facts(self, grad: SparseGrad | torch.Tensor):
         """``(dense numel, dtype, device)``, after the index check (one host read unless in range by construction)."""
         refuse_accumulated(self, grad, "reduce-scatter")
+        if isinstance(grad, SparseGrad) and grad.lowbit is not None and not self.carries_low_bits:
+            raise ValueError(f"zen.dgc.value_bits ({grad.lowbit.bits}) must go with a reduce-scatter that carries "
+                             f"low-bit values, not {self.name!r}; reduce-scatter schemes that carry it: "
+                             f"{low_bits_reduce_scatters()}")
         if isinstance(grad, SparseGrad):
             grad.check_range(where=f"reduce-scatter {self.name!r}")
             return grad.dense_numel, grad.values.dtype, grad.values.device
@@ -140,6 +161,15 @@ class ReduceScatterScheme(abc.ABC):
     ) -> list[torch.Tensor]:
         """The scheme on validated, non-empty gradients: one result per gradient, this rank's range
         (written into ``outs[i]`` and returned, or a new 1-D tensor that the caller copies)."""
+
+    def reduce_scatter_group_validated(
+        self, comm: Communicator, grads: list[SparseGrad | torch.Tensor], ranges: list[list[tuple[int, int]]],
+        op: str, outs: list[torch.Tensor | None], timings: list[dict | None], keys: list[str | None],
+    ) -> list[torch.Tensor]:
+        """This scheme on gradients another scheme already validated and signed (``reduce_scatter_group``'s
+        step 1 and its signature were the caller's: spardl's lossless path, ``auto``'s choice): the scheme
+        itself (``_reduce_scatter_group``), nothing checked twice."""
+        return self._reduce_scatter_group(comm, grads, ranges, op, outs, timings, keys)
 
     def options(self) -> dict:
         """The constructor options of this instance (folded into the call signature)."""

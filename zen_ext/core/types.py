@@ -30,6 +30,9 @@ class SparseGrad:
     in_range: bool = field(default=False, compare=False, repr=False)
     """True when the indices lie in ``[0, numel)`` by construction (``nonzero`` of a ``numel``-long
     tensor, a compressor's positions): ``check_range`` then skips its host synchronization."""
+    lowbit: object = field(default=None, compare=False, repr=False)
+    """``core.lowbit.LowBitValues`` when the values travel in low bits (``zen.dgc.value_bits``; a scheme
+    that cannot carry them refuses the gradient), else None: the values travel in their dtype."""
 
     def __post_init__(self) -> None:
         if self.indices.dim() != 1 or self.values.dim() not in (1, 2):

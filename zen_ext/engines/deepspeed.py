@@ -51,7 +51,7 @@ import os
 from ..config import SECTION, ZenConfig, load_json_config, near_miss_sections
 from . import deepspeed_compat
 from .deepspeed_compat import ALLOW_UNVERIFIED_ENV
-from .deepspeed_engine import VERIFIED_DEEPSPEED, ZenDeepSpeed, _refuse_pipeline_model
+from .deepspeed_engine import VERIFIED_DEEPSPEED, ZenDeepSpeed, refuse_pipeline_model
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def initialize(*args, **kwargs):
         _mark_without_zen(result[0], _off_reason(ds_config))
         return result
     check_deepspeed_version()
-    _refuse_pipeline_model(a.get("model"))
+    refuse_pipeline_model(a.get("model"))
     # Step 2: the ZeRO settings the override needs.
     _rewrite_zero_settings(ds_config)
     a["config"] = ds_config

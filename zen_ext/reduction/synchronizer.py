@@ -51,7 +51,6 @@ from ..core.scheme import SyncScheme, check_op
 from ..core.types import AccumulatedGrad, SparseGrad
 from .plan import GradSlice, Plan, agree, build_plan
 from .prepared import PreparedBucket, PreparedPart
-from .scatter import reduce_scatter_flat
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +72,9 @@ class Synchronizer:
         tp_comm: the tensor-parallel group (DGC agrees on one threshold per layer across it).
         **by_kind: sections given one by one as keywords, e.g. ``dgc={"enabled": True}``, ``natural={}``
             (merged with ``sections``; a value None = disabled).
-        reduce_scatter: the ReduceScatterScheme (or its name) of ``reduce_scatter_flat``; None: the
-            reduce-scatter form of ``scheme`` (``core/reduce_scatter.py`` ``reduce_scatter_of``). Built
-            on first use and kept in ``rs_scheme``.
+        reduce_scatter: the ReduceScatterScheme (or its name) of the reduce-scatter route
+            (``reduction/scatter.py``); None: the reduce-scatter form of ``scheme``
+            (``core/reduce_scatter.py`` ``reduce_scatter_of``). Built on first use, kept in ``rs_scheme``.
 
     Raises:
         ValueError: a kind that is not registered, or a kind whose sparsifier is disabled.
@@ -128,6 +127,9 @@ class Synchronizer:
             for k, cfg in self.configs.items() if cfg.enabled}
         self._handing = [sp for sp in self.sparsifiers.values() if hasattr(sp, "hand_over")]
         self.hand_over_to(self.scheme)  # a sparsifier that cannot hand over to it refuses here, at attach
+        bits = getattr(self.configs.get("dgc"), "value_bits", None)
+        if bits is not None and "dgc" in self.sparsifiers:  # refused before the first step, not at it
+            self.scheme.require_low_bits(bits)
         self._tp_kinds = tuple(k for k in self.configs if specs[k].cls.uses_tp_group)
         self.row_kinds = frozenset(k for k in self.sparsifiers if specs[k].cls.row_sparse)
         """The enabled kinds whose gradients are sparse by rows (``Sparsifier.row_sparse``)."""
@@ -174,15 +176,9 @@ class Synchronizer:
         """
         return self.finish_flat(self.prepare_flat(flat, slices, op, out))
 
-    def reduce_scatter_flat(self, flat: torch.Tensor, slices: list[GradSlice], ranges, op: str = "mean",
-                            out: torch.Tensor | None = None) -> torch.Tensor:
-        """``sync_flat``'s routing, then a reduce-scatter: this rank's range ``ranges[rank]`` of the reduced
-        bucket (``out`` when given); see ``reduction/scatter.py``."""
-        return reduce_scatter_flat(self, flat, slices, ranges, op, out)
-
     @property
     def rs_scheme(self) -> ReduceScatterScheme:
-        """The ReduceScatterScheme of ``reduce_scatter_flat``, built here on first read (and only here): the
+        """The ReduceScatterScheme of the reduce-scatter route, built here on first read (and only here): the
         constructor's ``reduce_scatter`` (a name is built with defaults) or the reduce-scatter form of
         ``scheme``, NotImplementedError for a scheme without one (a sharded engine reads it when it
         attaches, so that error comes before training)."""
@@ -191,6 +187,9 @@ class Synchronizer:
             built = build_reduce_scatter(given) if isinstance(given, str) else reduce_scatter_of(self.scheme)
             self.hand_over_to(built)  # refused here as for ``scheme``: the engines read this at attach
             self.hand_over_to(self.scheme)
+            bits = getattr(self.configs.get("dgc"), "value_bits", None)
+            if bits is not None and "dgc" in self.sparsifiers:  # refused (or auto narrowed) when read at attach
+                built.require_low_bits(bits)
             self._rs_scheme = built
         return self._rs_scheme
 
@@ -263,9 +262,9 @@ class Synchronizer:
                     grad = sg
                 elif group.tiled:
                     idx_K = sg.indices if group.in_order else group.to_bucket(sg.indices) - group.lo
-                    grad = SparseGrad(idx_K, sg.values, group.hi - group.lo, in_range=True)
+                    grad = SparseGrad(idx_K, sg.values, group.hi - group.lo, in_range=True, lowbit=sg.lowbit)
                 else:
-                    grad = SparseGrad(sg.indices, sg.values, sg.numel, in_range=True)
+                    grad = SparseGrad(sg.indices, sg.values, sg.numel, in_range=True, lowbit=sg.lowbit)
                 prep.parts.append(PreparedPart(group, grad, sg.numel))
             st["compress_s"] += time.perf_counter() - t0
         if tp_before is not None:
