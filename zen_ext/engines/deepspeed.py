@@ -191,7 +191,9 @@ def _deepspeed_initialize():
 
 
 def attach(engine, cfg: "ZenConfig | dict") -> "ZenDeepSpeed":
-    """Attach ZEN to an initialized DeepSpeed engine; returns the attachment (also ``engine.zen``).
+    """Attach ZEN to an initialized DeepSpeed engine; returns the attachment (also ``engine.zen``):
+    ``ZenDeepSpeed``, or with ``zen.outer`` enabled ``deepspeed_outer.OuterDeepSpeed`` (local steps and the
+    outer synchronization, docs/outer.md).
 
     Raises:
         NotImplementedError: pipeline or sequence parallelism, MoE, or what a ZeRO reduce-scatter cannot
@@ -202,6 +204,11 @@ def attach(engine, cfg: "ZenConfig | dict") -> "ZenDeepSpeed":
     check_deepspeed_version()
     if getattr(engine, "zen", None) is not None:
         raise RuntimeError("zen: this engine already has ZEN attached")
+    if cfg.outer.enabled:  # local steps and the outer sync instead of a per-step reduction
+        from .deepspeed_outer import OuterDeepSpeed
+
+        engine.zen = OuterDeepSpeed(engine, cfg)
+        return engine.zen
     engine.zen = ZenDeepSpeed(engine, cfg)
     return engine.zen
 
