@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # zen_ext on a GPU machine, one command, no internet: bash launch/gpu_check.sh [options]
 #
-#   bash launch/gpu_check.sh                 # single GPU: report in benchmarks/results/gpu_check.md
+#   bash launch/gpu_check.sh                 # single GPU: report in benchmarks/gpu/results/gpu_check.md
 #   bash launch/gpu_check.sh --parts hash    # a subset (hash,schemes,synchronizer,deepspeed,gloo)
 #   bash launch/gpu_check.sh --multi [N]     # N GPUs of this node over NCCL (default: all visible);
-#                                            # report in benchmarks/results/gpu_check_multi.md
+#                                            # report in benchmarks/gpu/results/gpu_check_multi.md
 #
 # Needs what launch/setup.sh installs (run it first, with nvcc reachable, so the CUDA kernel is built;
 # see docs/gpu.md). Without a GPU it exits with status 2 at once.
@@ -27,6 +27,6 @@ if [[ "${1:-}" == "--multi" ]]; then
     echo "gpu_check --multi: needs at least 2 GPUs on this node (found $n); one GPU: bash launch/gpu_check.sh" >&2
     exit 2
   fi
-  exec "$py" -m torch.distributed.run --standalone --nproc_per_node "$n" benchmarks/gpu_check.py --multi "$@"
+  exec "$py" -m torch.distributed.run --standalone --nproc_per_node "$n" benchmarks/gpu/gpu_check.py --multi "$@"
 fi
-exec "$py" benchmarks/gpu_check.py "$@"
+exec "$py" benchmarks/gpu/gpu_check.py "$@"

@@ -61,7 +61,7 @@ class TrainSettings:
     min_lr_ratio: float = 1.0
     """After the warm-up, a cosine decay to this fraction of ``lr`` at the run's last step (``--steps``),
     as DeepSpeed's WarmupCosineLR; in [0, 1], 1: constant. Default 1. Fine-tuning decays: DGC's gap to
-    dense shrinks with it (benchmarks/results/time_to_quality.md)."""
+    dense shrinks with it (benchmarks/quality/results/time_to_quality.md)."""
     optimizer: str = "auto"
     """``"adamw"`` (torch's AdamW), ``"catch_up_adamw"`` (``zen_ext.optim.CatchUpAdamW``: the tensors
     DGC sparsifies take a gradient held back for k steps as k steps' worth; the rest is AdamW) or

@@ -7,7 +7,7 @@ docstring with its unit, default and why. Validation runs before the first step:
 * an unknown key raises ``ValueError`` listing the valid keys of its section;
 * a wrong type raises ``TypeError`` and a value out of range ``ValueError``, both in the form
   ``zen.<field> (<value>) must <rule>`` (nested fields as ``zen.<section>.<field>``);
-* an engine setting ZEN cannot serve (ZeRO-3, pipeline parallelism) raises ``NotImplementedError``
+* an engine setting ZEN cannot serve (pipeline or sequence parallelism, MoE) raises ``NotImplementedError``
   naming what is supported (``check_deepspeed_settings``).
 
 Each registered sparsifier (``zen_ext/compress/registry.py``) has its section at ``zen.<kind>``, parsed
@@ -91,8 +91,9 @@ class ZenConfig(_Section):
     """Attach ZEN when the section is present. Default true; false keeps DeepSpeed's all-reduce."""
     scheme: str = "zen"
     """The synchronization scheme: ``"zen"`` (Balanced Parallelism with hash bitmap), ``"auto"``
-    (the paper's planner picks per gradient), or any registered scheme (``dense``, ``agsparse``,
-    ``sparcml``, ``omnireduce``, ``sparse_ps``, ``zen_coo``). Default zen."""
+    (the paper's planner picks per gradient among the lossless schemes), or any registered scheme
+    (``dense``, ``agsparse``, ``sparcml``, ``omnireduce``, ``sparse_ps``, ``zen_coo``, and the lossy
+    ``spardl``, which re-sparsifies and keeps residuals: ``zen.spardl``). Default zen."""
     seed: int = 0
     """Seed of the shared hash partition, >= 0; every rank must use the same (checked). Default 0."""
     pull_format: str = "auto"
@@ -111,7 +112,7 @@ class ZenConfig(_Section):
     blocking path; false synchronizes in turn on the training thread. Default false: on the 2-core
     emulated lab the DDP hook measured 0.93-1.04x the blocking step time (the thread competes with
     autograd for the cores), and its CUDA stream path has not run on a GPU yet; turn it on where
-    communication dominates and measure (benchmarks/bench_overlap.py)."""
+    communication dominates and measure (benchmarks/cluster/bench_overlap.py)."""
     bucket_cap_mb: float = 128.0
     """Gradients are synchronized in buckets of at most this many MB (the paper's 128 MB DDP
     buckets); DeepSpeed hands up to 5e8 elements at once, so buckets are re-cut. > 0. Default 128."""

@@ -191,7 +191,7 @@ def compare(zen: dict, dense: dict) -> str:
     lines = [f"ZEN (DGC 5 % + natural, auto) vs dense DeepSpeed, {len(zen['losses'])} steps, {ranks} ranks:",
              f"  {'':<{w}}  {'ZEN':>12}  {'dense':>12}  {'ZEN vs dense':>14}"]
     lines += [f"  {a:<{w}}  {b:>12}  {c:>12}  {d:>14}" for a, b, c, d in rows]
-    # Time to quality (benchmarks/results/time_to_quality.md): when does dense reach the quality ZEN ends with?
+    # Time to quality (benchmarks/quality/results/time_to_quality.md): when does dense reach the quality ZEN ends with?
     reach = steps_to_reach(dense["eval"], ze)
     steps = len(zen["losses"])
     if reach is not None and reach < steps:

@@ -62,7 +62,7 @@ def _adam_state(st: dict, p: torch.Tensor) -> dict:
 class CatchUpAdamW(torch.optim.Optimizer):
     """AdamW that takes a gradient DGC held back for ``k`` steps as ``k`` steps' worth (a lazy catch-up).
 
-    Why it exists (benchmarks/results/time_to_quality_catch_up.md): under error feedback a coordinate arrives as a burst ``G``, the sum of the
+    Why it exists (benchmarks/quality/results/time_to_quality_catch_up.md): under error feedback a coordinate arrives as a burst ``G``, the sum of the
     ``k`` gradients it missed, and nothing in between. Plain Adam takes the burst as one gradient: its
     square lands in the second moment, and the coordinate moves about ``lr / sqrt(1 − β2)`` in total
     whatever ``k`` is. Here a coordinate whose synchronized gradient is exactly zero (not sent, or an
@@ -73,7 +73,7 @@ class CatchUpAdamW(torch.optim.Optimizer):
     gradients (``E[G²] = k·E[g²]``): a coordinate whose gradients are mostly noise then moves about
     ``sqrt(k) · lr``, as dense AdamW's random walk moves it, and one with a steady gradient moves
     ``sqrt(k) · lr`` instead of dense's ``k · lr`` (conservative). Taking ``(G/k)²`` instead (right for a
-    steady gradient) moved noise ``k · lr`` and was far worse (benchmarks/results/time_to_quality.md).
+    steady gradient) moved noise ``k · lr`` and was far worse (benchmarks/quality/results/time_to_quality.md).
 
     The age is read from the synchronized gradient, so it is the same on every rank without a
     collective. Where every coordinate has a non-zero gradient every step (``k = 1``), this is AdamW.
@@ -120,8 +120,8 @@ class CatchUpAdamW(torch.optim.Optimizer):
            ``G²/k`` into the moments.
         3. There, step by ``k · lr · m̂ / (sqrt(v̂) + eps)``; reset the age.
 
-        ``zen_ext.ops.catch_up_adamw_`` runs them: contiguous float32/bf16/fp16 CPU parameters in the
-        fused op (one pass per tensor, and a coordinate that waits costs only its decay and age), any
+        ``zen_ext.ops.catch_up_adamw_`` runs them: contiguous float32/bf16/fp16 parameters on a device
+        the op has a kernel for (the CPU; CUDA where the set-up built the CUDA kernels) in the fused op (one pass per tensor, and a coordinate that waits costs only its decay and age), any
         other in its torch reference (``zen_ext/ops/_reference.py``), the op's oracle. DTensors (FSDP2)
         go in as their local shards; their state is created as DTensors placed like the parameter.
         """

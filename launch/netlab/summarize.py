@@ -3,14 +3,14 @@
 
     python3 launch/netlab/summarize.py FILE.jsonl [more.jsonl ...] [--max-foreign F] [--bench comm|e2e]
 
-Reads the lines ``benchmarks/bench_comm.py`` and ``benchmarks/bench_e2e.py`` append (one per
+Reads the lines ``benchmarks/cluster/bench_comm.py`` and ``benchmarks/cluster/bench_e2e.py`` append (one per
 workload × scheme, or per e2e config, each with its repetitions in ``records``): min / median / max
 time, the link-rate bound and its efficiency, bytes of the busiest rank (logical and on the wire),
 and the machine's CPU (all = busy fraction of every core, foreign = busy minus our ranks).
 
 ``--max-foreign F`` recomputes every row from only the repetitions during which the foreign load
 was <= F (on a shared machine: keep the clean repetitions); rows with none left are dropped.
-The full report with speedups and plots: ``benchmarks/cluster_report.py``.
+The full report with speedups and plots: ``benchmarks/cluster/cluster_report.py``.
 """
 import argparse
 import json

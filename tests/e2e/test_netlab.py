@@ -73,7 +73,7 @@ def _launch(tmp_path, program: str, *opts: str, timeout_s: int = 240) -> subproc
 
 EXCHANGE = f"""
     import json, os, sys, socket
-    sys.path.insert(0, os.path.join({ROOT!r}, "benchmarks"))
+    sys.path.insert(0, os.path.join({ROOT!r}, "benchmarks", "cluster"))
     import torch, torch.distributed as dist
     from cluster_common import Lab, SpanProbe, finish_process, init_from_env
     from zen_ext.comm.torch_dist import TorchCommunicator
@@ -131,7 +131,7 @@ def test_shaped_exchange_values_bytes_time_and_teardown(tmp_path):
 
 PER_HOST = f"""
     import json, os, sys
-    sys.path.insert(0, os.path.join({ROOT!r}, "benchmarks"))
+    sys.path.insert(0, os.path.join({ROOT!r}, "benchmarks", "cluster"))
     import torch, torch.distributed as dist
     from cluster_common import iface_bytes, finish_process, init_from_env
     from zen_ext.reduction.hierarchy import decide_hierarchy, local_host_facts

@@ -1,4 +1,4 @@
-"""benchmarks/bench_rs_peak_memory.py's worker on 4 gloo processes at a small size: the state it reports is
+"""benchmarks/memory/bench_rs_peak_memory.py's worker on 4 gloo processes at a small size: the state it reports is
 the residual's arithmetic (``4·P`` fp32 and ``0.53·P`` int4 flat, divided by L = 2 node-level; none for
 the dense all-reduce), and a non-negative peak rise per step."""
 
@@ -10,7 +10,7 @@ import pytest
 from tests.multiproc.launch import run_workers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "memory"))
 import bench_rs_peak_memory as bench  # noqa: E402
 
 NUMEL = 4 * bench.WIDTH * 64

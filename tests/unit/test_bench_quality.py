@@ -1,45 +1,49 @@
-"""``benchmarks/bench_quality.py``'s arithmetic: configs per variant, steps to a loss, the paired report."""
+"""``benchmarks/quality/bench_quality.py``'s arithmetic: configs per variant (``quality_variants.py``), steps to a loss
+and the paired report (``quality_report.py``, ``quality_bytes.py``), the runs' launch and cache (``quality_runs.py``)."""
 
 from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "quality"))
 
-import bench_quality as bq  # noqa: E402
+import quality_report as qrep  # noqa: E402
+import quality_runs as qruns  # noqa: E402
+import quality_variants as qv  # noqa: E402
 
 
 def test_variant_configs():
-    dense = bq.ds_config("dense")
+    dense = qv.ds_config("dense")
     assert "zen" not in dense and dense["optimizer"]["params"]["lr"] == 0.003
-    assert bq.ds_config("dense_lr2x")["optimizer"]["params"]["lr"] == 0.006
-    assert bq.ds_config("dense_lr2x")["scheduler"]["params"]["warmup_max_lr"] == 0.006
-    dgc1 = bq.ds_config("dgc1")
+    assert qv.ds_config("dense_lr2x")["optimizer"]["params"]["lr"] == 0.006
+    assert qv.ds_config("dense_lr2x")["scheduler"]["params"]["warmup_max_lr"] == 0.006
+    dgc1 = qv.ds_config("dgc1")
     assert dgc1["zen"]["dgc"]["density"] == 0.01 and dgc1["zen"]["dgc"]["enabled"]
     # The benchmark's own keys never reach the zen section.
-    catch_up = bq.ds_config("dgc5_catchup_flush20")
+    catch_up = qv.ds_config("dgc5_catchup_flush20")
     assert catch_up["zen"]["dgc"]["flush_fraction"] == 0.2 and not any(k.startswith("_") for k in catch_up["zen"]["dgc"])
-    assert bq.ds_config("dgc5_b2_999")["optimizer"]["params"]["betas"][1] == 0.999
-    assert not bq.ds_config("natural")["zen"]["dgc"]["enabled"]
+    assert qv.ds_config("dgc5_b2_999")["optimizer"]["params"]["betas"][1] == 0.999
+    assert not qv.ds_config("natural")["zen"]["dgc"]["enabled"]
     # The cosine variants decay over the run's own steps; without them the config cannot be built.
-    cosine = bq.ds_config("dgc5_cosine", 300)["scheduler"]
+    cosine = qv.ds_config("dgc5_cosine", 300)["scheduler"]
     assert cosine["type"] == "WarmupCosineLR" and cosine["params"]["total_num_steps"] == 300
     assert cosine["params"]["cos_min_ratio"] == 0.1 and cosine["params"]["warmup_num_steps"] == 10
-    assert bq.ds_config("dense_cosine", 200)["scheduler"]["params"]["total_num_steps"] == 200
+    assert qv.ds_config("dense_cosine", 200)["scheduler"]["params"]["total_num_steps"] == 200
     with pytest.raises(ValueError, match="needs its steps"):
-        bq.ds_config("dgc5_cosine")
+        qv.ds_config("dgc5_cosine")
 
 
 def test_steps_to_interpolates_between_evaluations():
     evals = [[25, 5.0], [50, 4.0], [75, 3.0]]
-    assert bq.steps_to(evals, 5.0) == 25.0
-    assert bq.steps_to(evals, 3.5) == pytest.approx(62.5)
-    assert bq.steps_to(evals, 2.9) is None
+    assert qrep.steps_to(evals, 5.0) == 25.0
+    assert qrep.steps_to(evals, 3.5) == pytest.approx(62.5)
+    assert qrep.steps_to(evals, 2.9) is None
 
 
 def _run(setting, variant, seed, evals):
@@ -53,12 +57,12 @@ def test_report_pairs_by_seed_and_marks_divergence():
     slow = [_run("scratch", "dgc5", s, [[50, 5.0 + s], [100, 4.0 + s], [200, 3.0 + s]]) for s in (0, 1)]
     blown = [_run("scratch", "dgc1", 0, [[50, 4.0], [100, 3.5], [200, 900.0]])]
     step_s = {(4, "1gbit"): {"dense": 2.0, "zen_dgc5": 1.0}}
-    text = bq.report(dense + slow + blown, step_s, None)
+    text = qrep.report(dense + slow + blown, step_s, None)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
     # dense against itself: no gap, 1x steps and time; the paired gap uses each seed's own dense.
     assert rows["dense"][3].startswith("+0.00") and rows["dense"][5].startswith("1.00") and "1.00" in rows["dense"][6]
-    assert rows["dgc5"][3] == f"{bq._fmt_range([50.0, 100 / 3], '+.2f')} %"
+    assert rows["dgc5"][3] == f"{qrep.fmt_range([50.0, 100 / 3], '+.2f')} %"
     assert rows["dgc5"][5].startswith("2.00")  # dense reaches 3.0 (seed 0) at step 100, dgc5 at 200
     assert rows["dgc5"][6] == "**1.00 [1.00–1.00]×**"  # 2x the steps at half the step time
     assert "1 diverged" in rows["dgc1 (1 seed)"][5] and rows["dgc1 (1 seed)"][6] == "–"
@@ -69,7 +73,7 @@ def test_a_run_that_regresses_from_an_early_best_has_no_equal_loss_point():
     # Best at its first evaluation, 14 % worse at the end: not "as fast as dense to its best loss".
     worse = [_run("finetune", "dgc1", 0, [[50, 4.09], [100, 4.46], [200, 4.67]])]
     kept = [_run("finetune", "dgc5", 0, [[50, 3.7], [100, 3.45], [200, 3.46]])]  # 0.3 % above its best
-    text = bq.report(dense + worse + kept, {(4, "1gbit"): {"dense": 1.0, "zen_dgc5": 1.0}}, None)
+    text = qrep.report(dense + worse + kept, {(4, "1gbit"): {"dense": 1.0, "zen_dgc5": 1.0}}, None)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
     assert "1 diverged" in rows["dgc1"][5] and rows["dgc1"][6] == "–"
@@ -77,49 +81,49 @@ def test_a_run_that_regresses_from_an_early_best_has_no_equal_loss_point():
 
 
 def test_a_schedule_variant_is_measured_against_dense_on_the_same_schedule():
-    assert bq.baseline_of("dgc5") == "dense" and bq.baseline_of("dgc5_b2_999") == "dense"
-    assert bq.baseline_of("dgc5_cosine") == "dense_cosine" and bq.baseline_of("dgc1_cosine0") == "dense_cosine0"
+    assert qv.baseline_of("dgc5") == "dense" and qv.baseline_of("dgc5_b2_999") == "dense"
+    assert qv.baseline_of("dgc5_cosine") == "dense_cosine" and qv.baseline_of("dgc1_cosine0") == "dense_cosine0"
     dense = [_run("finetune", "dense", 0, [[100, 3.4], [200, 3.3]])]
     cosine = [_run("finetune", "dense_cosine", 0, [[100, 3.3], [200, 3.0]])]
     dgc = [_run("finetune", "dgc5_cosine", 0, [[100, 3.4], [200, 3.03]])]
-    text = bq.report(dense + cosine + dgc, {(4, "1gbit"): {"dense": 1.0, "zen_dgc5": 1.0}}, None)
+    text = qrep.report(dense + cosine + dgc, {(4, "1gbit"): {"dense": 1.0, "zen_dgc5": 1.0}}, None)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
     # +1 % against dense_cosine's 3.0, not −8.2 % against constant-rate dense's 3.3.
-    assert rows["dgc5_cosine (against dense_cosine)"][2] == f"{bq._fmt_range([1.0], '+.2f')} %"
+    assert rows["dgc5_cosine (against dense_cosine)"][2] == f"{qrep.fmt_range([1.0], '+.2f')} %"
     assert rows["dense_cosine"][2].startswith("+0.00")
 
 
 def test_zero3_variants_shard_and_pair_with_dense_zero3():
-    dense3, dgc3 = bq.ds_config("dense_zero3"), bq.ds_config("dgc5_project_defaults_zero3")
+    dense3, dgc3 = qv.ds_config("dense_zero3"), qv.ds_config("dgc5_project_defaults_zero3")
     assert dense3["zero_optimization"]["stage"] == 3 and "zen" not in dense3
     assert dgc3["zero_optimization"]["stage"] == 3 and dgc3["zero_optimization"]["reduce_scatter"]
     assert dgc3["zen"]["scheme"] == "zen" and "planner" not in dgc3["zen"]
     # Everything but the ZeRO section and the scheme equals the ZeRO-1 variant of the same name.
-    dgc1 = bq.ds_config("dgc5_project_defaults")
+    dgc1 = qv.ds_config("dgc5_project_defaults")
     assert dgc1["zero_optimization"] == {"stage": 1} and dgc3["zen"]["dgc"] == dgc1["zen"]["dgc"] == {
         "enabled": True, "density": 0.05}
     assert {k: v for k, v in dgc3.items() if k not in ("zero_optimization", "zen")} == {
         k: v for k, v in dgc1.items() if k not in ("zero_optimization", "zen")}
-    assert bq.ds_config("dense")["zero_optimization"]["stage"] == 1  # the existing variants are unchanged
-    assert bq.baseline_of("dgc5_project_defaults_zero3") == "dense_zero3"
-    assert bq.baseline_of("dense_zero3") == "dense_zero3" and bq.baseline_of("dgc5_project_defaults") == "dense"
+    assert qv.ds_config("dense")["zero_optimization"]["stage"] == 1  # the existing variants are unchanged
+    assert qv.baseline_of("dgc5_project_defaults_zero3") == "dense_zero3"
+    assert qv.baseline_of("dense_zero3") == "dense_zero3" and qv.baseline_of("dgc5_project_defaults") == "dense"
 
 
 def test_node_variants_set_the_hierarchy_and_pair_with_dense_on_the_same_nodes(tmp_path, monkeypatch):
-    flat, node, int4 = (bq.ds_config(v) for v in ("dgc5_zero3_2x2_flat", "dgc5_zero3_2x2_node",
+    flat, node, int4 = (qv.ds_config(v) for v in ("dgc5_zero3_2x2_flat", "dgc5_zero3_2x2_node",
                                                    "dgc5_zero3_2x2_node_int4"))
     assert (flat["zen"]["hierarchical"], node["zen"]["hierarchical"], int4["zen"]["hierarchical"]) == (
         False, True, True)
     assert node["zen"]["dgc"] == {"enabled": True, "density": 0.05} and int4["zen"]["dgc"] == {
         "enabled": True, "density": 0.05, "residual_dtype": "int4"}
     # Everything else is the 2-rank ZeRO-3 variant's; dense on 2 × 2 has no zen section.
-    base = bq.ds_config("dgc5_project_defaults_zero3")
+    base = qv.ds_config("dgc5_project_defaults_zero3")
     assert {k: v for k, v in node.items() if k != "zen"} == {k: v for k, v in base.items() if k != "zen"}
-    assert "zen" not in bq.ds_config("dense_zero3_2x2")
+    assert "zen" not in qv.ds_config("dense_zero3_2x2")
     for v in ("dgc5_zero3_2x2_flat", "dgc5_zero3_2x2_node", "dgc5_zero3_2x2_node_int4", "dense_zero3_2x2"):
-        assert bq.baseline_of(v) == "dense_zero3_2x2"
-    assert bq.baseline_of("dgc5_project_defaults_zero3") == "dense_zero3"
+        assert qv.baseline_of(v) == "dense_zero3_2x2"
+    assert qv.baseline_of("dgc5_project_defaults_zero3") == "dense_zero3"
     # run_one launches them on 2 emulated nodes, and caches them apart from the 2-rank runs.
     nodes_seen = []
 
@@ -131,8 +135,8 @@ def test_node_variants_set_the_hierarchy_and_pair_with_dense_on_the_same_nodes(t
         open(os.path.join(out, "train_log.jsonl"), "w").close()
         return 1.0
 
-    monkeypatch.setattr(bq, "_launch", fake_launch)
-    keys = [bq.run_one(str(tmp_path), "scratch", v, 0, 25, 25, None, None)["key"]
+    monkeypatch.setattr(qruns, "_launch", fake_launch)
+    keys = [qruns.run_one(str(tmp_path), "scratch", v, 0, 25, 25, None, None)["key"]
             for v in ("dense_zero3_2x2", "dense_zero3")]
     assert nodes_seen == [2, 0] and keys[0] != keys[1]
 
@@ -142,7 +146,7 @@ def test_report_pairs_a_zero3_variant_with_dense_zero3_alone():
     dense3 = [_run("finetune", "dense_zero3", s, [[100, 3.5], [200, 3.0 + s]]) for s in (0, 1)]
     dgc3 = [_run("finetune", "dgc5_project_defaults_zero3", s, [[100, 3.6], [200, final]])
             for s, final in ((0, 3.03), (1, 4.12))]  # 1 % and 3 % above dense_zero3 of the seed
-    text = bq.report(dense3 + dgc3, {}, None)
+    text = qrep.report(dense3 + dgc3, {}, None)
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
             for line in text.splitlines() if line.startswith("| ") and not line.startswith("| variant")}
     assert rows["dense_zero3"][2].startswith("+0.00")
@@ -152,19 +156,19 @@ def test_report_pairs_a_zero3_variant_with_dense_zero3_alone():
 def test_spardl_variants_name_the_scheme_and_its_residual():
     """SparDL's variants are the project-defaults DGC variant with the scheme named (no planner section)
     and zen.spardl.residual set; their time columns stay empty (no cluster measurement of SparDL)."""
-    base = bq.ds_config("dgc5_project_defaults")
+    base = qv.ds_config("dgc5_project_defaults")
     for residual in ("global", "local"):
-        cfg = bq.ds_config(f"spardl5_{residual}")
+        cfg = qv.ds_config(f"spardl5_{residual}")
         assert cfg["zen"]["scheme"] == "spardl" and cfg["zen"]["spardl"] == {"residual": residual}
         assert "planner" not in cfg["zen"] and cfg["zen"]["dgc"] == base["zen"]["dgc"]
         assert {k: v for k, v in cfg.items() if k != "zen"} == {k: v for k, v in base.items() if k != "zen"}
-        assert bq.baseline_of(f"spardl5_{residual}") == "dense"
-        assert bq.step_time_key(f"spardl5_{residual}") == "spardl"
-    assert bq.ds_config("spardl1_local")["zen"]["dgc"]["density"] == 0.01
+        assert qv.baseline_of(f"spardl5_{residual}") == "dense"
+        assert qv.step_time_key(f"spardl5_{residual}") == "spardl"
+    assert qv.ds_config("spardl1_local")["zen"]["dgc"]["density"] == 0.01
     assert base["zen"]["scheme"] == "auto" and "spardl" not in base["zen"]  # the DGC variant is unchanged
     from zen_ext.config import ZenConfig
 
-    ZenConfig.from_dict(bq.ds_config("spardl5_global")["zen"])  # a valid zen section
+    ZenConfig.from_dict(qv.ds_config("spardl5_global")["zen"])  # a valid zen section
 
 
 def _bytes_run(variant, seed, evals, per_step_sent, dense_per_step=100):
@@ -191,7 +195,7 @@ def test_equal_bytes_compares_where_each_run_has_sent_the_same():
     assert rows["dense"][2].startswith("50 ") and rows["dgc5_project_defaults"][2].startswith("100 ")
     assert rows["spardl5_global"][2].startswith("200 ")
     assert rows["dense"][3].startswith("4.0000") and rows["dgc5_project_defaults"][3].startswith("3.3000")
-    assert rows["spardl5_global"][4] == f"{qb._fmt_range([100 * (2.2 / 4.0 - 1)], '+.2f')} %"
+    assert rows["spardl5_global"][4] == f"{qrep.fmt_range([100 * (2.2 / 4.0 - 1)], '+.2f')} %"
     # dense + 1 % = 2.02: dense at step 198 (19,800 bytes), half at 200 (10,000), quarter never.
     assert rows["dgc5_project_defaults"][5].startswith(f"{10000 / 19800:.2f}")
     assert rows["spardl5_global"][5] == "– (0/1 seeds reach it)"
@@ -217,25 +221,25 @@ def test_interpolation_in_cumulative_bytes():
 def test_fsdp_variants_translate_the_zero3_settings_and_pair_with_dense_fsdp():
     import quality_fsdp
 
-    dense, dgc, plain = (quality_fsdp.fsdp_config(bq.ds_config(v)) for v in (
+    dense, dgc, plain = (quality_fsdp.fsdp_config(qv.ds_config(v)) for v in (
         "dense_fsdp", "dgc5_project_defaults_fsdp", "dgc5_project_defaults_fsdp_plain_adam"))
     # The demo's DeepSpeed settings, key for key: AdamW, the clip, micro-batch, WarmupLR's 10 log steps.
     assert dense == {"fsdp": {"micro_batch": 8, "lr": 0.003, "betas": [0.9, 0.95], "eps": 1e-8,
                               "weight_decay": 0.01, "grad_clip": 1.0, "param_dtype": "fp32",
                               "warmup_steps": 10, "warmup_type": "log"}}
     # DGC's zen section is the ZeRO-3 variant's; the two DGC variants differ only in the recipe flag.
-    assert dgc["zen"] == bq.ds_config("dgc5_project_defaults_zero3")["zen"] == plain["zen"]
+    assert dgc["zen"] == qv.ds_config("dgc5_project_defaults_zero3")["zen"] == plain["zen"]
     assert dgc["fsdp"] == plain["fsdp"] == dense["fsdp"]
     for v in ("dgc5_project_defaults_fsdp", "dgc5_project_defaults_fsdp_plain_adam", "dense_fsdp"):
-        assert bq.baseline_of(v) == "dense_fsdp"
-    assert bq.baseline_of("dgc5_project_defaults_zero3") == "dense_zero3"  # ZeRO-3 still pairs with ZeRO-3
-    assert bq.step_time_key("dense_fsdp") == "dense" and bq.step_time_key("dgc5_project_defaults_fsdp") == "zen_dgc5"
+        assert qv.baseline_of(v) == "dense_fsdp"
+    assert qv.baseline_of("dgc5_project_defaults_zero3") == "dense_zero3"  # ZeRO-3 still pairs with ZeRO-3
+    assert qv.step_time_key("dense_fsdp") == "dense" and qv.step_time_key("dgc5_project_defaults_fsdp") == "zen_dgc5"
 
 
 def test_settings_the_fsdp_recipe_cannot_reproduce_are_refused():
     import quality_fsdp
 
-    base = bq.ds_config("dense_fsdp")
+    base = qv.ds_config("dense_fsdp")
     for change, rule in (({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, "optimizer.type"),
                          ({"gradient_accumulation_steps": 2}, "gradient_accumulation_steps"),
                          ({"bf16": {"enabled": True}}, "bf16.enabled"),
@@ -258,10 +262,10 @@ def test_run_one_launches_the_fsdp_recipe_with_its_config_and_flags(tmp_path, mo
         open(os.path.join(out, "train_log.jsonl"), "w").close()
         return 1.0
 
-    monkeypatch.setattr(bq, "_launch", fake_launch)
+    monkeypatch.setattr(qruns, "_launch", fake_launch)
     start = str(tmp_path / "pretrained")
     for variant in ("dense_fsdp", "dgc5_project_defaults_fsdp", "dgc5_project_defaults_fsdp_plain_adam", "dense"):
-        bq.run_one(str(tmp_path), "finetune", variant, 1, 25, 25, start, None)
+        qruns.run_one(str(tmp_path), "finetune", variant, 1, 25, 25, start, None)
     (dense, f1), (dgc, f2), (plain, f3), (ds, f4) = calls
     assert (f1, f2, f3, f4) == (True, True, True, False)
     # The same data, model start, seed and steps as the DeepSpeed run; only the optimizer flag differs.
@@ -274,5 +278,18 @@ def test_run_one_launches_the_fsdp_recipe_with_its_config_and_flags(tmp_path, mo
     with open(dgc[1]) as f:
         assert json.load(f)["zen"]["dgc"] == {"enabled": True, "density": 0.05}
     # A cached result is read back, not re-run.
-    bq.run_one(str(tmp_path), "finetune", "dense_fsdp", 1, 25, 25, start, None)
+    qruns.run_one(str(tmp_path), "finetune", "dense_fsdp", 1, 25, 25, start, None)
     assert len(calls) == 4
+
+
+def test_the_modules_depend_one_way():
+    """Variants ← runs, report ← bytes ← the CLI: no module imports the CLI (``bench_quality.py``), so
+    importing any one loads no cycle; the CLI imports them all."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "import quality_variants, quality_runs, quality_report, quality_bytes; "
+            "assert 'bench_quality' not in sys.modules, 'a module imports the CLI'; "
+            "import bench_quality; print(sorted(m for m in sys.modules if m.startswith('quality_')))")
+    out = subprocess.run([sys.executable, "-c", code, os.path.join(ROOT, "benchmarks", "quality")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() and "quality_bytes" in out.stdout and "quality_fsdp" in out.stdout

@@ -1,6 +1,6 @@
 """The reduce-scatter lab benchmark's parts that run without a lab: the markdown writer on canned JSON
-lines (``benchmarks/cluster_rs_report.py``), the model predictions against ``auto``'s own
-(``benchmarks/bench_rs_cluster.py``), and ``bench_e2e.py``'s ZeRO-3 configurations."""
+lines (``benchmarks/cluster/cluster_rs_report.py``), the model predictions against ``auto``'s own
+(``benchmarks/cluster/bench_rs_cluster.py``), and ``bench_e2e.py``'s ZeRO-3 configurations."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "cluster"))
 
 import bench_e2e  # noqa: E402
 import cluster_rs_report as report  # noqa: E402

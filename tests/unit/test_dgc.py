@@ -396,7 +396,7 @@ def test_tp_on_a_dp_by_tp_grid():
     assert not torch.equal(thr[0], thr[2])
 
 
-# --- batched operations per bucket (benchmarks/bench_dgc.py) ------------------------------------------------------
+# --- batched operations per bucket (benchmarks/comm/bench_dgc.py) ------------------------------------------------------
 class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts every aten operation dispatched (a foreach op is one, as one launch)."""
 
@@ -639,7 +639,7 @@ def test_overflowed_step_leaves_residual_and_momentum_bitwise_unchanged():
         assert not torch.equal(after1["a"]["residual"], before1["a"]["residual"])  # normal steps update
 
 
-# --- residual dtype (benchmarks/bench_dgc.py's memory) ----------------------------------------------------
+# --- residual dtype (benchmarks/comm/bench_dgc.py's memory) ----------------------------------------------------
 def test_residual_dtype_option_validates_and_halves_memory():
     with pytest.raises(ValueError) as info:
         DGCConfig.from_dict({"residual_dtype": "float16"})

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpu"))
 
 import gpu_check  # noqa: E402
 
@@ -16,7 +16,7 @@ import gpu_check  # noqa: E402
 def test_arguments_and_their_errors(capsys):
     a = gpu_check.parse_args([])
     assert a.parts == list(gpu_check.PARTS) and a.numel == 214_000_000 and a.density == 0.052
-    assert a.sim_ranks == [8, 16] and a.out.endswith(os.path.join("benchmarks", "results", "gpu_check.md"))
+    assert a.sim_ranks == [8, 16] and a.out.endswith(os.path.join("benchmarks", "gpu", "results", "gpu_check.md"))
     assert gpu_check.parse_args(["--multi"]).out.endswith("gpu_check_multi.md")
     # A CPU smoke run writes under runs/, never over the committed GPU report.
     assert gpu_check.parse_args(["--device", "cpu"]).out.endswith(os.path.join("runs", "gpu_check_cpu.md"))
@@ -62,7 +62,7 @@ def test_grouping_comparison_can_fail():
 
 
 def test_gpu_bench_cpu_smoke(tmp_path):
-    """benchmarks/bench_gpu.py (docs/kernels.md's GPU cost tables) runs end to end at small sizes on the CPU."""
+    """benchmarks/gpu/bench_gpu.py (docs/kernels.md's GPU cost tables) runs end to end at small sizes on the CPU."""
     import bench_gpu
 
     out = tmp_path / "gpu_bench.md"

@@ -1,4 +1,4 @@
-"""recipes/memory_report.py (the recipe's ``--memory_report``) and benchmarks/bench_peak_memory.py's configs
+"""recipes/memory_report.py (the recipe's ``--memory_report``) and benchmarks/memory/bench_peak_memory.py's configs
 and arithmetic, without launching a run."""
 
 import os
@@ -13,7 +13,7 @@ from zen_ext.reduction.plan import GradSlice
 from zen_ext.reduction.synchronizer import Synchronizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "memory"))
 import bench_peak_memory  # noqa: E402
 
 

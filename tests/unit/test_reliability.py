@@ -306,10 +306,10 @@ def _text_files(*dirs):
 
 def test_docs_and_results_name_no_machine_paths():
     """Docs say where things are relative to the repository; results record $WORK/... or repo-relative
-    paths (benchmarks/cluster_common.py ``portable_path``). Example scratch directories in commands
+    paths (benchmarks/cluster/cluster_common.py ``portable_path``). Example scratch directories in commands
     (``--work /tmp/w``) are the reader's choice, not this machine's, and stay allowed in docs."""
     found = []
-    for path in [os.path.join(ROOT, "README.md"), *_text_files("docs", "benchmarks/results")]:
+    for path in [os.path.join(ROOT, "README.md"), *_text_files("docs", "benchmarks")]:
         with open(path, encoding="utf-8") as f:
             text = f.read()
         rel = os.path.relpath(path, ROOT)
@@ -322,12 +322,12 @@ def test_docs_and_results_name_no_machine_paths():
 def test_benchmark_writers_record_portable_paths(monkeypatch):
     import sys
 
-    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks", "cluster"))
     sys.modules.pop("cluster_common", None)
     from cluster_common import portable_path
 
-    assert portable_path(os.path.join(ROOT, "benchmarks", "configs", "llama-bench.json")) == \
-        os.path.join("benchmarks", "configs", "llama-bench.json")
+    assert portable_path(os.path.join(ROOT, "benchmarks", "cluster", "configs", "llama-bench.json")) == \
+        os.path.join("benchmarks", "cluster", "configs", "llama-bench.json")
     assert portable_path("/scratch/zen/traces/dgc1/step_00000005.pt", "/scratch/zen") == \
         "$WORK/traces/dgc1/step_00000005.pt"
     monkeypatch.delenv("WORK", raising=False)

@@ -1,5 +1,5 @@
 """``python -m zen_ext sim``: argument parsing, outputs, traces, and the simulator's acceptance checks on the
-calibrated embedding workload (small n here; n = 128 in one test and in benchmarks/sim_report.py)."""
+calibrated embedding workload (small n here; n = 128 in one test and in benchmarks/comm/sim_report.py)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,7 @@ rank's signature, so when any two differ, every rank detects it at the same coll
 **Counts in the payload** (``slot``). A receiver must post a receive of the exact size before a byte
 arrives (NCCL and gloo have no probe), which is why a plain ``exchange_v`` sends the counts in a round
 of their own. On the emulated cluster that round costs as much as a 300 KB payload round at 16 hosts
-(``benchmarks/results/count_round.md``). Where the same exchange recurs (every step syncs the same buckets),
+(``benchmarks/comm/results/count_round.md``). Where the same exchange recurs (every step syncs the same buckets),
 the counts of its last call size the next one: inside ``with comm.slot(name):``, the k-th
 ``exchange_v`` sends peer ``j`` one message of ``inline_segment_bytes(cap)`` bytes, ``[count,
 signature | the first min(count, cap) elements | zeros]``, where ``cap = next_capacity(the count this

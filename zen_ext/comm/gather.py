@@ -61,7 +61,7 @@ class GatherCosts:
     """What ``choose`` and ``count_algo`` weigh: seconds per round (latency on the critical path),
     seconds per extra payload message a rank handles in one round (simultaneous flows: incast, TCP
     flows sharing a link, per-message CPU; the direct pull ran at 5–7× its link bound at 16 emulated
-    hosts, benchmarks/results/cluster_pull16.md), seconds per extra 16-byte count message in one round, and link bytes per second.
+    hosts, benchmarks/cluster/results/cluster_pull16.md), seconds per extra 16-byte count message in one round, and link bytes per second.
     Ranks must agree on them (every rank builds them from the same configuration)."""
 
     round_s: float = 50e-6

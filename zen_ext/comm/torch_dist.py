@@ -17,7 +17,7 @@ count and the call signature per peer, see ``comm/base.py``), then the payloads 
 transports, ``zen.exchange_impl``:
 
 * ``"p2p"`` (default): the payloads as one ``batch_isend_irecv`` (receives listed first; gloo runs them
-  one by one in that order). ``benchmarks/results/exchange_netlab.md`` measures both forms on the
+  one by one in that order). ``benchmarks/comm/results/exchange_netlab.md`` measures both forms on the
   emulated cluster.
 * ``"a2a"``: one ``all_to_all_single`` with split sizes. gloo is never handed an empty tensor: the
   buffers carry one extra element addressed to oneself.

@@ -8,7 +8,7 @@ bitmap over hashed partitions would cost ``n·numel/8``). Positions decode to gl
 
 ``zen`` itself now encodes and decodes its bitmaps inside the fused pull ops (``zen_ext.ops.encode_pull``
 / ``decode_pull_``, 64-bit words scanned with popcount and count-trailing-zeros, same bytes); these
-byte-level helpers remain for analysis and for ``benchmarks/bench_overhead.py``'s before/after decode.
+byte-level helpers remain for analysis and for ``benchmarks/cluster/bench_overhead.py``'s before/after decode.
 
 Legend: ``_M`` bitmap length in bits (``|𝕀_i|``), ``_B`` bytes.
 """

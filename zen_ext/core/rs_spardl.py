@@ -1,4 +1,4 @@
-"""``spardl`` reduce-scatter: SparDL's Spar-Reduce-Scatter alone (seed 002), the form ZeRO-2/3 and FSDP2
+"""``spardl`` reduce-scatter: SparDL's Spar-Reduce-Scatter alone (Zhao et al.), the form ZeRO-2/3 and FSDP2
 take (``core/spardl.py`` has the algorithm, its residuals and why it is lossy).
 
 The blocks are the owners' ranges (uneven or empty ones allowed; ``k_b = ⌈density·|R_b|⌉``), so after

@@ -1,4 +1,4 @@
-"""``spardl``: SparDL's Spar-Reduce-Scatter, Bruck all-gather and global residual collection (seed 002,
+"""``spardl``: SparDL's Spar-Reduce-Scatter, Bruck all-gather and global residual collection (Zhao et al.,
 Algorithm 1; d = 1, no Spar-All-Gather teams). A **lossy** scheme: ``auto`` never picks it.
 
 DGC's top-k union grows with the rank count (sparse gradient accumulation). ZEN keeps the union and
