@@ -33,7 +33,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 MODEL = "configs/models/llama-tiny-untied.json"
 RUN_TIMEOUT_S = 1200
@@ -52,17 +52,35 @@ VARIANTS: dict[str, list[str]] = {
     "diloco_h50": ["--method", "diloco", "--sync_every", "50"],
     "sparseloco_h15": ["--method", "sparseloco", "--sync_every", "15"],
 }
+NODE_VARIANTS: dict[str, dict] = {
+    # DeepSpeed ZeRO-3 on 2 emulated nodes × 2 ranks (quality_nodes.py), the recipe with the qgZ emulation
+    # installed (qgz_recipe.py): dense ZeRO-3 and ZeRO++ qgZ (zero_optimization.zero_quantized_gradients),
+    # everything else bench_quality's dense_zero3_2x2; qgZ is paired with zero3_2x2_dense.
+    "zero3_2x2_dense": {},
+    "zero3_2x2_qgz": {"zero_quantized_gradients": True},
+}
+BASELINE = {v: "zero3_2x2_dense" for v in NODE_VARIANTS}
+"""The paired baseline of a variant (default: ddp_dense)."""
 
 
 def run_one(runs: str, setting: str, variant: str, seed: int, steps: int, eval_every: int, start: str | None) -> dict:
     """Step 1: one run (or its cached result)."""
-    run_args = ["--data", "pydoc", "--steps", str(steps), "--eval_every", str(eval_every), "--seed", str(seed),
-                *VARIANTS[variant]]
+    run_args = ["--data", "pydoc", "--steps", str(steps), "--eval_every", str(eval_every), "--seed", str(seed)]
     if setting == "finetune":
         run_args += ["--model", start, "--tokenizer", start, "--data_part", "second"]
     else:
         run_args += ["--model", MODEL, "--tokenizer", "train"]
-    key = hashlib.sha1(json.dumps(["peers", run_args]).encode()).hexdigest()[:12]
+    nodes = variant in NODE_VARIANTS
+    if nodes:
+        import quality_variants
+
+        cfg = quality_variants.ds_config("dense_zero3_2x2")
+        cfg["zero_optimization"].update(NODE_VARIANTS[variant])
+        key_src = ["peers", "zero3_2x2", cfg, run_args]
+    else:
+        run_args += VARIANTS[variant]
+        key_src = ["peers", run_args]
+    key = hashlib.sha1(json.dumps(key_src).encode()).hexdigest()[:12]
     out = os.path.join(runs, setting, variant, f"seed{seed}")
     path = os.path.join(out, "result.json")
     if os.path.exists(path):
@@ -71,21 +89,39 @@ def run_one(runs: str, setting: str, variant: str, seed: int, steps: int, eval_e
         if result.get("key") == key:
             return result
     os.makedirs(out, exist_ok=True)
-    import bench_quality
+    import quality_runs
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
-    cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "--master_port",
-           str(bench_quality.free_port()), os.path.join(HERE, "peers_ddp.py"), "--output_dir", out, *run_args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
-    with open(os.path.join(out, "log.txt"), "w") as log:
-        try:
-            rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-    if rc != 0:
-        raise RuntimeError(f"run failed (exit {rc}): {' '.join(cmd)}; see {out}/log.txt")
+    if nodes:
+        import quality_nodes
+
+        cfg_path = os.path.join(out, "ds_config.json")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f, indent=1)
+        quality_nodes.launch_nodes(os.path.join(HERE, "qgz_recipe.py"),
+                                   ["--deepspeed_config", cfg_path, "--output_dir", out, *run_args],
+                                   os.path.join(out, "log.txt"), quality_runs.free_port(), 2, 2, ROOT, env,
+                                   2 * RUN_TIMEOUT_S)
+    else:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc_per_node", "2", "--master_port",
+               str(quality_runs.free_port()), os.path.join(HERE, "peers_ddp.py"), "--output_dir", out, *run_args]
+        with open(os.path.join(out, "log.txt"), "w") as log:
+            try:
+                rc = subprocess.call(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     timeout=RUN_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        if rc != 0:
+            raise RuntimeError(f"run failed (exit {rc}): {' '.join(cmd)}; see {out}/log.txt")
     with open(os.path.join(out, "train_log.jsonl")) as f:
         recs = [json.loads(line) for line in f]
+    if nodes:  # the DeepSpeed recipe logs no bytes without zen: the qgZ emulation's own count (rank 0)
+        with open(os.path.join(out, "log.txt")) as f:
+            line = next((x for x in f if x.startswith("qgz emulation: rank 0 ")), None)
+        sent = json.loads(line.split(" ", 4)[4])["bytes_sent"] if line else 0
+        for r in recs:
+            r["bytes_sent"], r["dense_bytes"] = sent * r["step"] / len(recs), 1
     result = {"key": key, "setting": setting, "variant": variant, "seed": seed, "steps": steps,
               "eval": [[r["step"], r["eval_loss"]] for r in recs if "eval_loss" in r],
               "bytes_per_step": recs[-1]["bytes_sent"] / len(recs),
@@ -116,25 +152,28 @@ def _rng(values, fmt: str) -> str:
     return f"{format(statistics.median(values), fmt)} [{format(min(values), fmt)}–{format(max(values), fmt)}]"
 
 
-def report(results: list[dict], baseline: str = "ddp_dense") -> str:
-    """Step 2: one table per setting, paired by seed against ``baseline``."""
+def report(results: list[dict]) -> str:
+    """Step 2: one table per setting, each variant paired by seed against its baseline (``BASELINE``)."""
     lines = []
     for setting in ("finetune", "scratch"):
         by: dict[str, dict[int, dict]] = {}
         for r in results:
             if r["setting"] == setting:
                 by.setdefault(r["variant"], {})[r["seed"]] = r
-        base = by.get(baseline)
-        if not base:
+        ref = by.get("ddp_dense") or next(iter(by.values()), None)
+        if not ref:
             continue
-        steps = next(iter(base.values()))["steps"]
+        steps = next(iter(ref.values()))["steps"]
         marks = [steps // 4, steps // 2, steps]
-        lines += [f"### {setting}: {steps} steps, seeds {sorted(base)} (paired with {baseline})", "",
+        lines += [f"### {setting}: {steps} steps, seeds {sorted(ref)}", "",
                   "| variant | " + " | ".join(f"eval @ {m}" for m in marks) + f" | gap to dense @ {steps} | "
                   f"reaches dense + {TARGET_MARGIN:.0%} (seeds; median step) | bytes / rank / step (× dense) | "
                   "step s here |", "|---|" + "---|" * (len(marks) + 4)]
         for variant, seeds in by.items():
+            base = by.get(BASELINE.get(variant, "ddp_dense"), {})
             paired = {s: r for s, r in seeds.items() if s in base}
+            if not paired:
+                continue
             at = [[dict(map(tuple, r["eval"])).get(m) for r in paired.values()] for m in marks]
             gaps, reach = [], []
             for s, r in paired.items():
@@ -145,9 +184,9 @@ def report(results: list[dict], baseline: str = "ddp_dense") -> str:
             b = statistics.median(r["bytes_per_step"] for r in paired.values())
             d = statistics.median(r["dense_bytes_per_step"] for r in paired.values())
             lines.append("| " + " | ".join([
-                f"{variant} ({len(paired)} seeds)", *(_rng([x for x in v if x is not None], ".4f") for v in at),
+                f"{variant} ({len(paired)} seeds" + (f", against {BASELINE[variant]})" if variant in BASELINE else ")"), *(_rng([x for x in v if x is not None], ".4f") for v in at),
                 f"{_rng(gaps, '+.2f')} %", f"{len(got)}/{len(reach)}" + (f"; {statistics.median(got):.0f}" if got else ""),
-                f"{b / 1024:.1f} KiB ({b / d:.4f}×)",
+                f"{b / 1024:.1f} KiB" + (f" ({b / d:.4f}×)" if d > 1 else " (quantized path only)"),
                 _rng([r["step_s_med"] for r in paired.values()], ".3f")]) + " |")
         lines.append("")
     return "\n".join(lines)
@@ -155,7 +194,7 @@ def report(results: list[dict], baseline: str = "ddp_dense") -> str:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS) + list(NODE_VARIANTS))
     p.add_argument("--settings", nargs="+", default=["finetune"], choices=["scratch", "finetune"])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--scratch_steps", type=int, default=300)
@@ -167,9 +206,10 @@ def main(argv=None) -> None:
     p.add_argument("--out", default=None, help="markdown report")
     p.add_argument("--report_only", action="store_true")
     args = p.parse_args(argv)
-    if "ddp_dense" not in args.variants:
-        args.variants.insert(0, "ddp_dense")
-    import bench_quality
+    for v in list(args.variants):
+        if BASELINE.get(v, "ddp_dense") not in args.variants:
+            args.variants.insert(0, BASELINE.get(v, "ddp_dense"))
+    import quality_runs
 
     start = None
     results = []
@@ -183,13 +223,28 @@ def main(argv=None) -> None:
                     results.append(json.load(f))
             continue
         if setting == "finetune" and start is None:
-            start = bench_quality.pretrained(args.runs, args.pretrain_steps)
+            start = quality_runs.pretrained(args.runs, args.pretrain_steps)
         t0 = time.perf_counter()
         r = run_one(args.runs, setting, variant, seed, steps, args.eval_every, start)
         results.append(r)
         print(f"[{i + 1}/{len(jobs)}] {setting} {variant} seed {seed}: eval {r['eval'][-1][1]:.4f} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     text = report(results)
+    # The modelled lab times (peers_time.py) from these runs and the bytes of each implementation.
+    import peers_bytes
+    import peers_time
+
+    cache: dict = {}
+    demo = peers_bytes.rows(peers_bytes.build(peers_bytes.MODELS["demo tiny Llama"]), cache)[:-1]
+    big = peers_bytes.rows(peers_bytes.build(peers_bytes.MODELS["58 M Llama"]), cache)[:-1]
+    measured = peers_bytes.measured_zen(args.runs)
+    at2 = next(r for r in demo if r["n"] == 2)
+    scale = {k: measured[f"ddp_{k}"] / at2[k] for k in ("zen_dgc5", "zen_dgc1") if f"ddp_{k}" in measured}
+    text += ("\n### Modelled time to dense + 1 % (finetune; peers_time.py)\n\n" + peers_time.report(results, demo, big, scale)
+             + "\n\nzen_ext's modelled demo bytes scaled by measured / modelled at 2 ranks: "
+             + ", ".join(f"{k} {v:.3f}" for k, v in scale.items()) + ". Model check: "
+             + "; ".join(peers_time.calibration(os.path.join(ROOT, "benchmarks/cluster/results/cluster_e2e.jsonl")))
+             + ".\n")
     print(text)
     if args.out:
         with open(args.out, "w") as f:

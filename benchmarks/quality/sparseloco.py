@@ -118,6 +118,24 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     return v[:n]
 
 
+def layout_of(params, chunk: int, topk: int) -> list[tuple[int, int, int]]:
+    """Per parameter ``(chunks, elements per chunk, k)``: fixed by the shapes, so every replica's message has
+    the same size."""
+    out = []
+    for p in params:
+        rows, width = to_chunks(torch.empty(p.shape, device="meta"), chunk).shape
+        out.append((rows, width, min(topk, width)))
+    return out
+
+
+def message_bytes(layout, value_bits: int = 2) -> int:
+    """Bytes of one replica's message: indices packed 12 bits each (pairs in 3 bytes, per tensor), values
+    ``value_bits`` each (per tensor, whole bytes), and per tensor the fp32 shift and bin means."""
+    per = 8 // value_bits
+    return sum(math.ceil(rows * k / 2) * 3 + math.ceil(rows * k / per) + 4 * (1 + (1 << value_bits))
+               for rows, _, k in layout)
+
+
 class SparseLoCo:
     """The outer synchronization of SparseLoCo over the model's parameters (one replica per rank of ``group``).
 
@@ -143,21 +161,11 @@ class SparseLoCo:
         self.inner_steps = 0
         self.bytes_sent = 0
         self.outer_steps = 0
-        # Per parameter: (chunks, elements per chunk, k); fixed by the shapes, so every message has the same size.
-        self.layout = []
-        for p in self.params:
-            c = to_chunks(p.detach(), self.s["chunk"])
-            self.layout.append((c.shape[0], c.shape[1], min(self.s["topk"], c.shape[1])))
+        self.layout = layout_of(self.params, self.s["chunk"], self.s["topk"])
 
     def message_bytes(self) -> int:
-        """Bytes of one replica's message: packed indices and values, and the fp32 tables."""
-        return self._index_bytes() + self._value_bytes() + 4 * len(self.layout) * (1 + (1 << self.s["value_bits"]))
-
-    def _index_bytes(self) -> int:
-        return sum(math.ceil(rows * k / 2) * 3 for rows, _, k in self.layout)
-
-    def _value_bytes(self) -> int:
-        return sum(math.ceil(rows * k / 4) for rows, _, k in self.layout)
+        """Bytes of one replica's message (``message_bytes``)."""
+        return message_bytes(self.layout, self.s["value_bits"])
 
     @torch.no_grad()
     def after_inner_step(self) -> bool:
