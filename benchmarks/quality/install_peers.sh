@@ -4,5 +4,6 @@
 # the project's pin, so nothing zen_ext uses changes. Not part of launch/setup.sh's default path.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-.venv/bin/pip install -c launch/constraints.txt -e ".[peers]"
+# The pin of pyproject.toml's "peers" extra (pip install -e ".[peers]" does the same plus zen_ext itself).
+.venv/bin/pip install -c launch/constraints.txt "torchft==0.2.0"
 .venv/bin/python -c "import torch, torchft.local_sgd; print('torchft', 'ok with torch', torch.__version__)"
