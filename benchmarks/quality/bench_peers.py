@@ -192,6 +192,53 @@ def report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def gap_curve(results: list[dict], setting: str, plot_path: str | None = None) -> str:
+    """Each variant's gap to its paired dense at every evaluation (median [min–max] over seeds, %): whether a
+    gap grows with training length, settles or closes. With ``plot_path`` the medians are drawn too."""
+    by: dict[str, dict[int, dict]] = {}
+    for r in results:
+        if r["setting"] == setting:
+            by.setdefault(r["variant"], {})[r["seed"]] = r
+    curves = {}
+    for variant, seeds in by.items():
+        base = by.get(BASELINE.get(variant, "ddp_dense"), {})
+        if variant == BASELINE.get(variant, "ddp_dense") or not base:
+            continue
+        at: dict[int, list[float]] = {}
+        for s, r in seeds.items():
+            if s in base:
+                d = dict(map(tuple, base[s]["eval"]))
+                for step, loss in r["eval"]:
+                    if step in d:
+                        at.setdefault(step, []).append(100 * (loss / d[step] - 1))
+        curves[variant] = at
+    if not curves:
+        return ""
+    steps = sorted({st for c in curves.values() for st in c})
+    lines = ["| step | " + " | ".join(f"{v}: gap to dense %" for v in curves) + " |",
+             "|---|" + "---|" * len(curves)]
+    for st in steps:
+        lines.append(f"| {st} | " + " | ".join(_rng(c.get(st, []), "+.2f") for c in curves.values()) + " |")
+    if plot_path:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 3.8))
+        for v, c in curves.items():
+            xs = sorted(c)
+            ax.plot(xs, [statistics.median(c[x]) for x in xs], "o-", ms=3, label=v)
+        ax.axhline(0, color="black", lw=0.8)
+        ax.axhline(100 * TARGET_MARGIN, color="grey", lw=0.8, ls="--")
+        ax.set(xlabel="step", ylabel="eval loss gap to dense (%)", title=f"{setting}: gap to dense, median over seeds")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(plot_path, dpi=100)
+        plt.close(fig)
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS) + list(NODE_VARIANTS))
@@ -205,6 +252,8 @@ def main(argv=None) -> None:
                    help="run folders; the fine-tuning start is bench_quality's, shared")
     p.add_argument("--out", default=None, help="markdown report")
     p.add_argument("--report_only", action="store_true")
+    p.add_argument("--curve", action="store_true", help="also each variant's gap to dense at every evaluation")
+    p.add_argument("--no_time_model", action="store_true", help="leave out the modelled lab times")
     args = p.parse_args(argv)
     for v in list(args.variants):
         if BASELINE.get(v, "ddp_dense") not in args.variants:
@@ -230,7 +279,18 @@ def main(argv=None) -> None:
         print(f"[{i + 1}/{len(jobs)}] {setting} {variant} seed {seed}: eval {r['eval'][-1][1]:.4f} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     text = report(results)
+    if args.curve:
+        text += "\n### Gap to dense along the run\n\n" + "\n\n".join(
+            gap_curve(results, st, None if not args.out else args.out[:-3] + (f"_{st}" if len(args.settings) > 1 else "")
+                      + "_gap.png") for st in args.settings)
+        text += "\n"
     # The modelled lab times (peers_time.py) from these runs and the bytes of each implementation.
+    if args.no_time_model or "finetune" not in args.settings:
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
+        return
     import peers_bytes
     import peers_time
 

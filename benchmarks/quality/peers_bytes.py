@@ -15,8 +15,10 @@ Each peer's bytes come from its implementation's own message sizes, applied to t
 * qgZ (emulation of DeepSpeed 0.19.8, one rank per node, so ``nodes = n`` and the intra-node all-to-all
   is empty): per 2-D tensor with ``numel % 2n == 0``, the inter-node all-to-all of int4 codes
   (``numel / 2``) and fp32 scales (``max(shape[0], shape[1], n)``), ``(n−1)/n`` of each; the fallbacks
-  (1-D, odd sizes) in DeepSpeed's fp32 reduce-scatter, ``(n−1)/n·numel·4``. Gradient sync only: ZeRO-3
-  also all-gathers the parameters (twice per step unless persisted), for qgZ and zen_ext under ZeRO-3 alike.
+  (1-D, odd sizes) in DeepSpeed's fp32 reduce-scatter, ``(n−1)/n·numel·4``. qgZ exists only under ZeRO-3,
+  which also all-gathers the parameters twice per step (``(n−1)/n·P·4`` each; 1 byte per element with
+  ZeRO++ qwZ): rows with and without them (zen_ext under ZeRO-3 pays the same all-gathers; its DDP hook
+  does not).
 * zen_ext (DGC, ``scheme: auto``, the DDP hook): the DGC-routed tensors (2-D, at least ``dgc.min_numel``
   elements, not the input embedding) at the ratio the real ``zen`` scheme code sends in SimWorld for ``n``
   ranks with independent uniform indices at the density (``benchmarks/comm/bench_bytes.measure``; real
@@ -111,6 +113,11 @@ def rows(model, cache: dict) -> list[dict]:
                 groups = max(p.shape[0], p.shape[1], n)
                 q += (n - 1) / n * (p.numel() / 2 + 4 * groups)
         r["qgz"] = q
+        # qgZ only runs under ZeRO-3, which all-gathers the parameters before the forward and again before
+        # the backward pass (stage3_param_persistence_threshold 0): fp32, or int8 with ZeRO++ qwZ (its
+        # block scales left out).
+        r["qgz_zero3"] = q + 2 * (n - 1) / n * P * 4
+        r["qgz_qwz"] = q + 2 * (n - 1) / n * P * 1
         out.append(r)
     # Extra state per parameter element.
     mem = {"zen_dgc": (4 + 4) * dgc / P, "zen_dgc_int4": (0.53125 + 4) * dgc / P}
@@ -155,7 +162,9 @@ def report(runs: str) -> str:
     methods = [("dense DDP", "dense"), ("zen_ext DGC 5 % (auto)", "zen_dgc5"), ("zen_ext DGC 1 % (auto)", "zen_dgc1"),
                ("PowerSGD rank 1", "powersgd_r1"), ("PowerSGD rank 4", "powersgd_r4"),
                ("DiLoCo H 10", "diloco_h10"), ("DiLoCo H 50", "diloco_h50"), ("SparseLoCo H 15", "sparseloco_h15"),
-               ("ZeRO++ qgZ (emulation)", "qgz")]
+               ("ZeRO++ qgZ (emulation), gradient sync only", "qgz"),
+               ("qgZ + ZeRO-3's fp32 parameter all-gathers (2 per step)", "qgz_zero3"),
+               ("qgZ + qwZ's int8 parameter all-gathers (2 per step)", "qgz_qwz")]
     for label, spec in MODELS.items():
         rs = rows(build(spec), cache)
         extra = rs.pop()
