@@ -42,8 +42,6 @@ def _flat(module):
 
 
 def _worker(rank, world, ckpt_dir):
-    import copy
-
     from recipes.common import build_model
 
     out = {}
@@ -57,7 +55,8 @@ def _worker(rank, world, ckpt_dir):
         alone.load_state_dict(engine.module.state_dict())
         alone.zero_grad()
         alone(input_ids=x, labels=x).loss.backward()
-        grads_own.append(all(torch.equal(p.grad, q.grad) for p, q in zip(engine.module.parameters(), alone.parameters())))
+        grads_own.append(all(torch.equal(p.grad, q.grad)
+                             for p, q in zip(engine.module.parameters(), alone.parameters())))
         engine.step()
         params.append(_flat(engine.module))
         if step == 4:

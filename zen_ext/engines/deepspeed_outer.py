@@ -120,7 +120,8 @@ class OuterDeepSpeed:
     def summary(self) -> str:
         t = self.totals
         ratio = t["bytes_sent"] / t["dense_bytes"] if t["dense_bytes"] else 0.0
-        return (f"zen.outer summary ({self.dp_size} replicas, {t['outer_steps']} outer steps): sent {t['bytes_sent']:,} "
+        return (f"zen.outer summary ({self.dp_size} replicas, {t['outer_steps']} outer steps): "
+                f"sent {t['bytes_sent']:,} "
                 f"bytes per rank, {ratio:.4f}x a per-step dense all-reduce's {t['dense_bytes']:,}; "
                 f"{t['picks']:,} of {t['numel']:,} entries picked")
 

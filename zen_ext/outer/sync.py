@@ -92,7 +92,8 @@ class OuterSync:
     """
 
     def __init__(self, named_params: Iterable[tuple[str, torch.Tensor]], comm: Communicator,
-                 cfg: "OuterConfig | dict", *, scheme: "SyncScheme | str" = "zen", bucket_cap_mb: float = 128.0) -> None:
+                 cfg: "OuterConfig | dict", *, scheme: "SyncScheme | str" = "zen",
+                 bucket_cap_mb: float = 128.0) -> None:
         self.cfg = OuterConfig.from_dict(cfg)
         if not self.cfg.enabled:
             raise ValueError("zen.outer.enabled (False) must be true to build an OuterSync")
