@@ -18,6 +18,7 @@ to (an HF model or dataset *name*; everything else is local).
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import logging
@@ -231,6 +232,39 @@ def add_run_args(p, default_output_dir: str) -> None:
     p.add_argument("--seed", type=int, default=0, help="model initialization and data order")
     p.add_argument("--output_dir", default=default_output_dir)
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
+
+
+def add_outer_args(p) -> None:
+    """``--outer_every`` and friends: local steps with the sparse outer synchronization (``zen.outer``,
+    docs/outer.md) instead of a per-step sync. Each flag overrides its key of the config's ``zen.outer``;
+    ``--outer_every`` turns it on."""
+    p.add_argument("--outer_every", type=int, default=None,
+                   help="H: run zen.outer, an outer synchronization every H optimizer steps (docs/outer.md)")
+    for name, typ, what in (("density", float, "fraction of each chunk sent (1: dense DiLoCo)"),
+                            ("error_decay", float, "error feedback decay β"), ("chunk", int, "elements per top-k chunk"),
+                            ("lr", float, "outer SGD learning rate"), ("momentum", float, "outer SGD momentum"),
+                            ("average", str, "'contributors' or 'mean'"), ("state_device", str, "'cpu' or 'device'")):
+        p.add_argument(f"--outer_{name}", type=typ, default=None, help=f"zen.outer.{name}: {what}")
+    p.add_argument("--outer_nesterov", action=argparse.BooleanOptionalAction, default=None, help="zen.outer.nesterov")
+
+
+OUTER_FLAGS = ("every", "density", "error_decay", "chunk", "lr", "momentum", "average", "state_device", "nesterov")
+
+
+def apply_outer_args(args, config: dict) -> None:
+    """Write the ``--outer_*`` flags given into ``config["zen"]["outer"]`` (a ``"zen"`` section is created
+    when needed; ``--outer_every`` sets ``enabled``). Validation is the config's (``zen.outer.<field>``)."""
+    given = {k: getattr(args, f"outer_{k}", None) for k in OUTER_FLAGS}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return
+    zen = config.setdefault("zen", {})
+    if not isinstance(zen, dict):
+        raise ConfigError(f"--outer_* flags need a \"zen\" JSON object in the config, got {zen!r}")
+    outer = zen.setdefault("outer", {})
+    if "every" in given:
+        outer["enabled"] = True
+    outer.update(given)
 
 
 def add_optimizer_args(p) -> None:

@@ -41,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(a later run fine-tunes from it: --model DIR --tokenizer DIR)")
     p.add_argument("--frozen_variance_after", default=None, help=argparse.SUPPRESS)  # removed: load_ds_config
     common.add_optimizer_args(p)
+    common.add_outer_args(p)
     p.add_argument("--memory_report", action="store_true", help="each rank's resident memory after engine init and "
                    "over the training steps, and zen_ext's state bytes, into summary.json (recipes/memory_report.py)")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
@@ -56,6 +57,7 @@ def load_ds_config(args) -> dict:
     from zen_ext.config import ZenConfig
 
     ds = copy.deepcopy(load_json_config(args.deepspeed_config))
+    common.apply_outer_args(args, ds)  # --outer_every and friends into zen.outer
     try:  # validated again inside initialize; here it fails before processes, data and model exist
         ZenConfig.from_ds_config(ds)
     except (ValueError, TypeError) as exc:

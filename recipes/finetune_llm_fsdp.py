@@ -53,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="JSON with an \"fsdp\" section and optionally a \"zen\" section")
     common.add_run_args(p, default_output_dir="runs/fsdp")
     common.add_optimizer_args(p)
+    common.add_outer_args(p)  # refused in load_config: FSDP2 does not serve zen.outer
     p.add_argument("--mixed_precision", default="fp32", choices=sorted(MIXED_PRECISION),
                    help="FSDP2's MixedPrecisionPolicy: bf16 = bf16 forward/backward, fp32 gradient reduction and "
                    "fp32 weights; bf16-reduce-bf16 = the reduction in bf16 too; fp32 = no policy")
@@ -64,12 +65,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_config(path: str) -> tuple[dict, dict | None]:
+def load_config(path: str, args=None) -> tuple[dict, dict | None]:
     """The ``"fsdp"`` settings (defaults filled in) and the ``"zen"`` section (None: plain FSDP2),
-    validated before any process group, data or model exists."""
-    from zen_ext.config import ZenConfig, load_json_config
+    validated before any process group, data or model exists; ``args``' ``--outer_*`` flags go into
+    ``zen.outer``, which FSDP2 does not serve (refused here)."""
+    import copy
 
-    cfg = load_json_config(path)
+    from zen_ext.config import ZenConfig, load_json_config
+    from zen_ext.reduction.attachment import OUTER_REFUSAL
+
+    cfg = copy.deepcopy(load_json_config(path))
+    if args is not None:
+        common.apply_outer_args(args, cfg)
     unknown = sorted(set(cfg) - {"fsdp", "zen", "_comment"})
     if unknown:
         raise common.ConfigError(f"config keys {unknown} must be among ['fsdp', 'zen']")
@@ -91,10 +98,13 @@ def load_config(path: str) -> tuple[dict, dict | None]:
         raise common.ConfigError(f"fsdp.blocks ({blocks!r}) must be null or a non-empty list of class names")
     zen = cfg.get("zen")
     try:
-        if zen is not None and not ZenConfig.from_json_section(zen).enabled:
+        parsed = ZenConfig.from_json_section(zen) if zen is not None else None
+        if parsed is not None and not parsed.enabled:
             zen = None
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, NotImplementedError) as exc:
         raise common.ConfigError(str(exc)) from exc
+    if zen is not None and parsed.outer.enabled:
+        raise common.ConfigError(OUTER_REFUSAL)
     return fsdp, zen
 
 
@@ -199,7 +209,7 @@ def main(argv=None) -> list[dict]:
 
     args = parse_args(argv)
     # Step 1: config, processes.
-    fsdp, zen_section = load_config(args.config)
+    fsdp, zen_section = load_config(args.config, args)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
     dist.init_process_group("nccl" if device is not None else "gloo")
     if device is not None:

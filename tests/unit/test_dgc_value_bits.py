@@ -24,6 +24,7 @@ from zen_ext.compress.dgc.sparsifier import OWNER_KEY
 from zen_ext.core.registry import build_scheme
 from zen_ext.reduction.scatter import reduce_scatter_flat
 from zen_ext.reduction.synchronizer import Synchronizer
+from zen_ext.reduction.scatter import reduce_scatter_flat
 
 DGC_SLICES = [s for s in SLICES if KINDS[s.name] == "dgc"]
 

@@ -132,7 +132,7 @@ class AutoReduceScatter(ReduceScatterScheme):
             if not members:
                 continue
             t0 = time.perf_counter()
-            got = self._built[name]._reduce_scatter_group(
+            got = self._built[name].reduce_scatter_group_validated(
                 comm, [grads[i] for i in members], [ranges[i] for i in members], op, [outs[i] for i in members],
                 [timings[i] for i in members], [keys[i] for i in members])
             for i, res in zip(members, got):

@@ -159,6 +159,15 @@ class ReduceScatterScheme(abc.ABC):
         """The scheme on validated, non-empty gradients: one result per gradient, this rank's range
         (written into ``outs[i]`` and returned, or a new 1-D tensor that the caller copies)."""
 
+    def reduce_scatter_group_validated(
+        self, comm: Communicator, grads: list[SparseGrad | torch.Tensor], ranges: list[list[tuple[int, int]]],
+        op: str, outs: list[torch.Tensor | None], timings: list[dict | None], keys: list[str | None],
+    ) -> list[torch.Tensor]:
+        """This scheme on gradients another scheme already validated and signed (``reduce_scatter_group``'s
+        step 1 and its signature were the caller's: spardl's lossless path, ``auto``'s choice): the scheme
+        itself (``_reduce_scatter_group``), nothing checked twice."""
+        return self._reduce_scatter_group(comm, grads, ranges, op, outs, timings, keys)
+
     def options(self) -> dict:
         """The constructor options of this instance (folded into the call signature)."""
         return {}

@@ -172,6 +172,22 @@ class SyncScheme(abc.ABC):
         (``sync`` then copies it into ``out``).
         """
 
+    # --- for schemes that hand a validated gradient on to another (spardl → zen, auto → its choice) ------
+    def sync_validated(
+        self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str, timings: dict | None,
+        key: str | None, out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """This scheme on a gradient another scheme already validated and signed (``sync``'s step 1 and
+        its signature were the caller's): the scheme itself (``_sync``), nothing checked twice."""
+        return self._sync(comm, grad, op, timings, key, out)
+
+    def sync_group_validated(
+        self, comm: Communicator, grads: list[SparseGrad | torch.Tensor], op: str, timings: list[dict | None],
+        keys: list[str | None], outs: list[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        """``sync_validated`` of several gradients of one bucket (``_sync_group``)."""
+        return self._sync_group(comm, grads, op, timings, keys, outs)
+
     def options(self) -> dict:
         """The constructor options this instance was built with (for agreement checks and logs)."""
         return {}

@@ -123,8 +123,8 @@ class AccumulatedGrad(SparseGrad):
     def of(cls, memory: torch.Tensor, density: float, wire_dtype: torch.dtype,
            momentum: torch.Tensor | None = None, flush: "FlushPositions | None" = None) -> "AccumulatedGrad":
         empty = torch.empty(0, dtype=wire_dtype, device=memory.device)
-        return cls(empty.long(), empty, memory.numel(), True, memory=memory.reshape(-1), density=float(density),
-                   momentum=momentum, flush=flush)
+        return cls(empty.long(), empty, memory.numel(), in_range=True, memory=memory.reshape(-1),
+                   density=float(density), momentum=momentum, flush=flush)
 
 
 @dataclass(frozen=True)
