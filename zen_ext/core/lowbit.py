@@ -42,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from ..ops import _reference_lowbit as _ref
+from ..ops._reference_lowbit import layout
 
 VALUE_BLOCK = 128
 """Values per fp32 scale (module docstring: why 128)."""
@@ -118,4 +118,4 @@ def cheapest_format(count: int, part_size: int, idx_bytes: int, bits: int, force
 
 def segment_layout(seg_ends: list[int], bits: int, block: int = VALUE_BLOCK):
     """Per segment: first element, first code byte, first scale (``ops/_reference_lowbit.layout``)."""
-    return _ref.layout(seg_ends, bits, block)
+    return layout(seg_ends, bits, block)

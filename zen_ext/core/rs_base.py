@@ -27,7 +27,7 @@ from typing import ClassVar, Sequence
 import torch
 
 from ..comm.base import Communicator
-from .scheme import _subclasses, check_op, check_out, low_bits_error, refuse_accumulated
+from .scheme import check_op, check_out, low_bits_error, refuse_accumulated, subclasses_of
 from .types import SparseGrad
 
 _SIG_DIGEST_BITS = 50  # the numel field of the signature word (comm/base.py encode_signature)
@@ -36,7 +36,7 @@ _DISAGREE = "zen: ranks disagree on the gradient passed to"  # comm/base.py's si
 
 def _carriers() -> list[str]:
     """The loaded reduce-scatter classes that carry ``zen.dgc.value_bits`` (for errors)."""
-    return list(dict.fromkeys(c.name for c in _subclasses(ReduceScatterScheme)
+    return list(dict.fromkeys(c.name for c in subclasses_of(ReduceScatterScheme)
                               if c.carries_low_bits and isinstance(getattr(c, "name", None), str)))
 
 

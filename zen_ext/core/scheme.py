@@ -249,14 +249,15 @@ def low_bits_error(bits: int, what: str, carriers: "list[str] | None" = None, ki
     """The error of a scheme that cannot carry ``zen.dgc.value_bits``, naming the ones that can: ``carriers``
     (the registered ones, as the Synchronizer passes them), else the loaded classes that declare it."""
     if carriers is None:
-        carriers = list(dict.fromkeys(c.name for c in _subclasses(SyncScheme if kind == "a scheme" else None)
+        carriers = list(dict.fromkeys(c.name for c in subclasses_of(SyncScheme if kind == "a scheme" else None)
                                       if c.carries_low_bits and isinstance(getattr(c, "name", None), str)))
     return (f"zen.dgc.value_bits ({bits}) must go with {kind} that carries low-bit values, not {what}; "
             f"{'schemes' if kind == 'a scheme' else 'reduce-scatter schemes'} that carry it: "
             f"{list(carriers) + ['auto']} (auto then chooses among them)")
 
 
-def _subclasses(base) -> list:
+def subclasses_of(base) -> list:
+    """Every subclass of ``base``, depth first (the loaded scheme classes, for errors that list them)."""
     out, todo = [], list(base.__subclasses__()) if base is not None else []
     while todo:
         c = todo.pop(0)
