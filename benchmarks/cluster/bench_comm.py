@@ -214,9 +214,11 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
         dist.all_gather_object(errs, err)
         check[name] = max(errs)
     if AUTO in schemes:
-        # auto measures every close candidate once before its choice is final: warm it up until then,
+        # auto measures every close candidate before its choice is final: warm it up until then,
         # so the repeats time what a long run settles on (the same count on every rank).
-        for _ in range(2 * len(schemes[AUTO].candidates) + 1):
+        from zen_ext.planner.auto import MEASURED_RUNS
+
+        for _ in range((1 + MEASURED_RUNS) * len(schemes[AUTO].candidates) + 1):
             if all(schemes[AUTO].settled(k) for k in mine):
                 break
             sync_all(schemes[AUTO])

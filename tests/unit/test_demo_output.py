@@ -71,6 +71,24 @@ def test_at_scale_prediction_is_labelled_and_picks_the_cheapest():
     assert text.startswith("Model prediction, not a measurement") and "docs/benchmarks.md" in text
 
 
+def test_at_scale_ranks_what_auto_ranks(monkeypatch):
+    """The table says what ``auto`` would pick, so it ranks auto's candidates only: a lossy scheme whose
+    model claims no cost at all (SparDL here) is never its choice, and every candidate is predicted."""
+    from zen_ext.core.cost import Traffic
+    from zen_ext.core.registry import scheme_class
+    from zen_ext.planner.auto import AutoScheme
+
+    spardl = scheme_class("spardl")
+    monkeypatch.setattr(spardl, "predict_traffic", staticmethod(lambda p, o: Traffic(p.n)))
+    monkeypatch.setattr(spardl, "predict_work", staticmethod(lambda w, o: {}))
+    preds = predict_at_scale(RECORD, row_width=64, tokens_per_rank=1024, hosts=(16,), gbps=(1.0,))
+    assert len(preds) == 2
+    for p in preds:
+        assert list(p.predicted_s) == AutoScheme.valid_candidates()
+        assert "spardl" not in p.predicted_s and p.choice != "spardl"
+        assert p.choice_s == min(p.predicted_s.values()) and p.dense_s == p.predicted_s["dense"]
+
+
 def test_harmless_launcher_lines_are_the_known_ones():
     for line in ("[2026-11-26 05:37:17,404] [INFO] [launch.py:174:main] Setting CUDA_VISIBLE_DEVICES=0,1",
                  "[WARNING] [runner.py:232:main] Unable to find hostfile, will proceed with training",

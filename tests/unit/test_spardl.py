@@ -16,7 +16,7 @@ from zen_ext.core.registry import build_scheme
 from zen_ext.core.rs_base import even_ranges
 from zen_ext.core.rs_spardl import predict_spardl_bytes
 from zen_ext.core.spardl import SparDLScheme, block_ks, even_blocks, srs_bags, srs_distances
-from zen_ext.core.types import AccumulatedGrad, SparseGrad
+from zen_ext.core.types import AccumulatedGrad, FlushPositions, SparseGrad
 
 WORLDS = (1, 2, 3, 4, 5, 8, 16)
 
@@ -260,3 +260,118 @@ def test_through_the_synchronizer_dgc_memory_holds_the_residual(n):
     assert 0 < stats["bytes_sent"] < stats["dense_bytes_sent"]
     sd = syncs[0].state_dict()["sparsifiers"]  # checkpointed with DGC's state, keyed by parameter name
     assert "'a'" in str(sd) and "'b'" in str(sd) and "residual" in str(sd)
+
+
+# --- DGC's rotating flush (zen.dgc.flush_fraction) inside SparDL's budget ----------------------------------
+def _flush(numels, phase, stride):
+    from zen_ext.compress.dgc.units import _Layout
+
+    lay = _Layout(tuple(f"t{i}" for i in range(len(numels))), tuple(numels), True, torch.device("cpu"))
+    return FlushPositions(lay.flush_positions(phase, stride, "cpu"), tuple(numels), phase, stride)
+
+
+@pytest.mark.parametrize("numels,phase,stride", [((100, 7, 53), 3, 10), ((5, 5), 6, 7), ((1000,), 0, 1),
+                                                 ((33, 1, 64), 31, 40)])
+def test_flush_positions_are_counted_on_the_host_as_they_lie(numels, phase, stride):
+    """``count_in`` (host, from the segments) agrees with the positions DGC's layout builds (device)."""
+    f = _flush(numels, phase, stride)
+    total = sum(numels)
+    assert torch.equal(f.positions, f.positions.sort().values)
+    cuts = [0, 1, total // 3, total // 2, total - 1, total]
+    ranges = list(zip(cuts, cuts[1:])) + [(0, total), (4, 4)]
+    assert f.count_in(ranges) == [int(((f.positions >= lo) & (f.positions < hi)).sum()) for lo, hi in ranges]
+
+
+@pytest.mark.parametrize("n", (1, 2, 3, 5, 8))
+@pytest.mark.parametrize("residual", ["global", "local"])
+@pytest.mark.parametrize("form", ["all_reduce", "reduce_scatter"])
+def test_flushed_positions_are_applied_in_full_within_the_budget(n, residual, form):
+    """The flushed positions hold tiny values the top-k would never pick, beside huge ones that fill
+    every block's budget: each still reaches the result as the sum over all ranks, and no rank keeps a
+    residual there; the bytes are those without a flush (the flush takes its share of k_b), and the
+    global residual still conserves exactly."""
+    numels, numel, density = (300, 200, 121), 621, 0.05
+    f = _flush(numels, 4, 40)  # DGC's stride at flush_fraction 0.5: half of the budget
+    gen = torch.Generator().manual_seed(n)
+    grads = [torch.randint(1, 3, (numel,), generator=gen).float() for _ in range(n)]
+    for g in grads:
+        g[1::3] = 1000.0  # a third of the elements, far above the 5 % budget: the top-k's choice
+        g[f.positions] = 1.0
+    mems, plain = [g.clone() for g in grads], [g.clone() for g in grads]
+    ranges = even_ranges(numel, n)
+    if form == "all_reduce":
+        scheme = build_scheme("spardl", residual=residual)
+        run = lambda c, m, fl: scheme.sync(c, AccumulatedGrad.of(m, density, torch.float32, None, fl))  # noqa: E731
+    else:
+        rs = build_reduce_scatter("spardl", residual=residual)
+        run = lambda c, m, fl: rs.reduce_scatter(c, AccumulatedGrad.of(m, density, torch.float32, None, fl),  # noqa: E731
+                                                 ranges)
+    world, base = SimWorld(n), SimWorld(n)
+    outs = world.run(lambda c, m: run(c, m, f), mems)
+    base.run(lambda c, m: run(c, m, None), plain)
+    got = outs[0] if form == "all_reduce" else torch.cat(outs)
+    assert torch.equal(got[f.positions], torch.full((f.positions.numel(),), float(n)))
+    for m in mems:
+        assert torch.equal(m[f.positions], torch.zeros(f.positions.numel()))
+    for p in plain:  # without the flush they wait
+        assert bool(p[f.positions].ne(0).any())
+    assert [s.bytes_sent for s in world.stats] == [s.bytes_sent for s in base.stats]
+    if residual == "global":
+        assert torch.equal(got + sum(mems), sum(grads))
+
+
+@pytest.mark.parametrize("n", (2, 3))
+def test_through_the_synchronizer_dgc_s_flush_reaches_every_coordinate_within_a_stride(n):
+    """DGC with ``flush_fraction`` hands its flush to SparDL: while huge gradients on every third
+    coordinate take the whole top-k every step, the small ones of the first step are still applied in
+    full, each within one stride of steps (what the start-up line promises), and the residuals stay
+    DGC's, conserving exactly."""
+    from zen_ext.reduction.plan import GradSlice
+    from zen_ext.reduction.synchronizer import Synchronizer
+
+    shapes = {"a": (16, 20), "b": (30, 10)}
+    slices = [GradSlice("a", 0, 320, (16, 20)), GradSlice("b", 320, 300, (30, 10))]
+    dgc = {"enabled": True, "density": 0.05, "flush_fraction": 0.5, "momentum_correction": False,
+           "warmup_steps": 0, "min_numel": 8}
+    stride = round(1 / (0.5 * 0.05))
+    hot = torch.zeros(620, dtype=torch.bool)
+    hot[0::3] = True
+    first = _ints(n, 620, seed=9)
+    steps = [[torch.where(hot, 1000.0, g) for g in first]] + [[hot * 1000.0] * n for _ in range(stride - 1)]
+    syncs = [None] * n
+
+    def run(comm):
+        r = comm.rank
+        sync = syncs[r] = Synchronizer(dp_comm=comm, scheme="spardl", param_kinds={k: "dgc" for k in shapes}, dgc=dgc)
+        applied = torch.zeros(620)
+        for flats in steps:
+            applied += sync.sync_flat(flats[r].clone(), slices, op="sum")
+            sync.end_step()
+        return applied, torch.cat([sync.state.params[k]["residual"].reshape(-1) for k in shapes]).clone()
+
+    per_rank = SimWorld(n).run(run)
+    applied = per_rank[0][0]
+    assert torch.equal(applied + sum(res for _, res in per_rank), sum(sum(s) for s in steps))
+    cold = ~hot
+    assert torch.equal(applied[cold], sum(first)[cold])  # every small coordinate arrived, in full
+    for _, res in per_rank:
+        assert torch.equal(res[cold], torch.zeros(int(cold.sum())))
+
+
+def test_a_flush_larger_than_the_budget_widens_the_blocks():
+    """A stride below ``1/density`` flushes more than ``k_b`` per block: the block sends its flushed
+    positions (a size every rank computes the same), all of them applied, conservation exact."""
+    n, numels, numel = 3, (50, 61), 111
+    f = _flush(numels, 1, 3)
+    grads = _ints(n, numel, seed=21)
+    mems = [g.clone() for g in grads]
+    scheme = build_scheme("spardl")
+    world = SimWorld(n)
+    outs = world.run(lambda c, m: scheme.sync(c, AccumulatedGrad.of(m, 0.05, torch.float32, None, f)), mems)
+    assert torch.equal(outs[0][f.positions], sum(grads)[f.positions])
+    assert torch.equal(outs[0] + sum(mems), sum(grads))
+    ks = [max(k, c) for k, c in zip(block_ks(even_blocks(numel, n), 0.05), f.count_in(even_blocks(numel, n)))]
+    eb = entry_bytes(numel, 1, torch.float32)
+    # Every block reaches each other rank once in the SRS and once in the all-gather.
+    assert sum(s.bytes_sent for s in world.stats) == 2 * (n - 1) * sum(ks) * eb
+    assert sum(ks) > sum(block_ks(even_blocks(numel, n), 0.05))

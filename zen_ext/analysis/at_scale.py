@@ -3,14 +3,16 @@
 A 2-rank run on one machine cannot show where ZEN wins (its buckets are small and its link is a local
 socket). This module takes what a run recorded about its gradients (one ``zen_stats.jsonl`` record:
 elements and non-zeros per sparsifier kind, the embedding's union over ranks) and predicts, for more
-hosts and other links, every lossless scheme's sync time with the same model ``auto`` uses:
+hosts and other links, the sync time of every scheme ``auto`` ranks (``planner/auto.py``:
+``candidate_schemes``, the planner's own list: lossless schemes only, so never ``spardl``) with the
+same model ``auto`` uses:
 
 1. Build ``n`` synthetic ranks with the recorded densities (``workloads.py``): the embedding
    rows from a Zipf draw of the run's tokens per rank, the DGC bucket as top-k at the recorded density.
 2. Profile them (``planner/profile.py``: ``profile_from_grads``) and predict each scheme's traffic (α–β wire at the
    link rate and latency) plus its computation at ``ComputeRates`` (calibrated on this machine by the
    caller, or the defaults).
-3. Per slice, the cheapest scheme (what ``auto`` would pick) against a dense all-reduce.
+3. Per slice, the cheapest candidate (what ``auto`` would pick) against a dense all-reduce.
 
 It is a model prediction, not a measurement: the emulated-cluster report (docs/benchmarks.md) holds
 measured times at 4–16 hosts.
@@ -22,6 +24,7 @@ from dataclasses import dataclass
 
 from ..core.cost import WorkCounts
 from ..planner import cost_model as cm
+from ..planner.auto import candidate_schemes
 from ..planner.compute_model import ComputeRates
 from ..planner.network import Network
 from ..planner.profile import profile_from_grads
@@ -31,7 +34,8 @@ from .workloads import dgc_topk, zipf_embedding
 
 @dataclass
 class ScalePrediction:
-    """One slice at one scale: ``auto``'s choice, its predicted time and a dense all-reduce's."""
+    """One slice at one scale: ``auto``'s choice, its predicted time and a dense all-reduce's;
+    ``predicted_s`` holds every candidate's."""
 
     slice: str
     hosts: int
@@ -39,6 +43,7 @@ class ScalePrediction:
     choice: str
     choice_s: float
     dense_s: float
+    predicted_s: dict[str, float]
 
 
 def _grads(kind: str, n: int, record: dict, row_width: int, tokens_per_rank: int, seed: int):
@@ -63,7 +68,8 @@ def predict_at_scale(record: dict, row_width: int, tokens_per_rank: int, hosts=(
         rates: computation rates (``planner/compute_model.py``: ``calibrate_compute``); the model's defaults when None.
     """
     rates = rates or ComputeRates()
-    schemes = cm.modeled_schemes()
+    # The planner's candidates, not every scheme with a cost model: a lossy one is never auto's choice.
+    schemes = candidate_schemes()
     out = []
     for kind in ("natural", "dgc"):
         if not record.get("nnz", {}).get(kind):
@@ -79,7 +85,7 @@ def predict_at_scale(record: dict, row_width: int, tokens_per_rank: int, hosts=(
                          for s in schemes}
                 # Step 3: the cheapest, as auto's model ranks them.
                 best = min(total, key=total.get)
-                out.append(ScalePrediction(kind, n, bw, best, total[best], total["dense"]))
+                out.append(ScalePrediction(kind, n, bw, best, total[best], total["dense"], total))
     return out
 
 

@@ -15,9 +15,12 @@ the Synchronizer's scheme ``takes_accumulated`` it hands over its flat memory in
 an ``AccumulatedGrad`` (``core/types.py``: the memory ``R = local gradient + residual``, this step's
 density, the momentum to mask). SparDL selects from ``R`` and writes the new residual back into ``R``
 in place, so the residual lives in DGC's state, keyed by parameter name, and is checkpointed with it.
-Anything else it is given (natural's embedding rows, a non-finite gradient DGC passes through, a
-direct call with a plain gradient) has no memory to keep a dropped entry in, so it goes through ``zen``
-losslessly.
+DGC's rotating flush (``zen.dgc.flush_fraction``) comes with it (``AccumulatedGrad.flush``): every
+selection of a block sends the block's flushed positions first, inside its ``k_b``, and the top-k the
+rest, so a flushed coordinate reaches the result as the sum over all ranks and its residual is reset
+on every rank, as under DGC's own selection. Anything else it is given (natural's embedding rows, a
+non-finite gradient DGC passes through, a direct call with a plain gradient) has no memory to keep a
+dropped entry in, so it goes through ``zen`` losslessly.
 
 Algorithm, for rank ``w`` of ``P`` (blocks: ``even_ranges(N, P)``, or the owners' ranges for the
 reduce-scatter form; ``k_b = ⌈density·|b|⌉`` entries per block, known on every rank, so every message
@@ -65,7 +68,7 @@ from .coo import decode_coo, encode_coo, entry_bytes
 from .cost import Dims, ProfileView, Traffic, WorkCounts
 from .scheme import SyncScheme
 from .timing import PhaseTimer
-from .types import AccumulatedGrad, SparseGrad
+from .types import AccumulatedGrad, FlushPositions, SparseGrad
 from .zen import ZenScheme
 
 RESIDUALS = ("global", "local")
@@ -103,43 +106,77 @@ def srs_bags(n: int, rank: int, d: int) -> tuple[list[int], list[int]]:
 
 
 class _Blocks:
-    """Block-wise top-k over a flat buffer: the blocks, their ``k_b``, and the selection."""
+    """Block-wise top-k over a flat buffer: the blocks, their ``k_b``, and the selection. With a
+    rotating flush (``flush``) each block's flushed positions are part of every selection of it, inside
+    its ``k_b`` (at least their number), and the top-k picks the rest among the others."""
 
-    def __init__(self, ranges: list[tuple[int, int]], density: float, wire: torch.dtype) -> None:
+    def __init__(self, ranges: list[tuple[int, int]], density: float, wire: torch.dtype,
+                 flush: FlushPositions | None = None) -> None:
         self.ranges, self.ks, self.wire = ranges, block_ks(ranges, density), wire
         self.numel = ranges[-1][1]
         self.eb = entry_bytes(self.numel, 1, wire)
+        self.flush = flush
+        if flush is not None:  # the flush's share comes out of k_b, as DGC's out of its density
+            below = flush.count_below([x for r in ranges for x in r])
+            self.flush_at = [(below[2 * b], below[2 * b + 1]) for b in range(len(ranges))]
+            self.ks = [max(k, hi - lo) for k, (lo, hi) in zip(self.ks, self.flush_at)]
 
     def nbytes(self, blocks: list[int]) -> int:
         return sum(self.ks[b] for b in blocks) * self.eb
 
     def select(self, buf_N: torch.Tensor, blocks: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-``k_b`` ``|buf|`` of each block: ``(positions, values in the wire dtype)``; ``buf`` keeps
-        ``buf − sent`` there (the cast's rounding, or 0). No host read: every size is known."""
+        """Top-``k_b`` ``|buf|`` of each block (its flushed positions first, then the largest others):
+        ``(positions, values in the wire dtype)``; ``buf`` keeps ``buf − sent`` there (the cast's
+        rounding, or 0). No host read: every size is known."""
         live = [b for b in blocks if self.ks[b]]
         dev = buf_N.device
         if not live:
             return torch.empty(0, dtype=torch.int64, device=dev), torch.empty(0, dtype=self.wire, device=dev)
-        ks = [self.ks[b] for b in live]
+        fs = [self.flush_at[b][1] - self.flush_at[b][0] for b in live] if self.flush is not None else [0] * len(live)
+        ks = [self.ks[b] - f for b, f in zip(live, fs)]  # what the top-k picks
         lens = [self.ranges[b][1] - self.ranges[b][0] for b in live]
         bmax, kmax = max(lens), max(ks)
-        col = torch.arange(bmax, device=dev)
-        pos_CB = torch.tensor([self.ranges[b][0] for b in live], device=dev)[:, None] + col
-        pad = col >= torch.tensor(lens, device=dev)[:, None]
-        key = buf_N[pos_CB.clamp_(max=self.numel - 1)].abs().masked_fill_(pad, -1)
-        pos_CK = pos_CB.gather(1, key.topk(kmax, dim=1).indices)
-        if min(ks) == kmax:
-            pos_M = pos_CK.reshape(-1)
-        else:  # the first k_b of each row (topk sorts by magnitude), sizes known: no host read
-            k_C = torch.tensor(ks, device=dev)
-            m = sum(ks)
-            row = torch.repeat_interleave(torch.arange(len(live), device=dev), k_C, output_size=m)
-            pos_M = pos_CK[row, torch.arange(m, device=dev) - (torch.cumsum(k_C, 0) - k_C)[row]]
+        pos_M = torch.empty(0, dtype=torch.int64, device=dev)
+        pos_F, row_F = self._flushed(live, fs, dev) if sum(fs) else (None, None)
+        if kmax:
+            col = torch.arange(bmax, device=dev)
+            start_C = torch.tensor([self.ranges[b][0] for b in live], device=dev)
+            pos_CB = start_C[:, None] + col
+            pad = col >= torch.tensor(lens, device=dev)[:, None]
+            key = buf_N[pos_CB.clamp_(max=self.numel - 1)].abs().masked_fill_(pad, -1)
+            if pos_F is not None:  # the flushed positions travel anyway: out of the top-k's reach
+                key.view(-1).index_fill_(0, row_F * bmax + pos_F - start_C[row_F], -1)
+            pos_CK = pos_CB.gather(1, key.topk(kmax, dim=1).indices)
+            if min(ks) == kmax:
+                pos_M = pos_CK.reshape(-1)
+            else:  # the first k_b of each row (topk sorts by magnitude), sizes known: no host read
+                k_C = torch.tensor(ks, device=dev)
+                m = sum(ks)
+                row = torch.repeat_interleave(torch.arange(len(live), device=dev), k_C, output_size=m)
+                pos_M = pos_CK[row, torch.arange(m, device=dev) - (torch.cumsum(k_C, 0) - k_C)[row]]
+        if pos_F is not None:
+            pos_M = torch.cat([pos_F, pos_M])
         v_M = buf_N[pos_M]
         top = torch.finfo(self.wire).max
         sent = (v_M.clamp(-top, top) if top < torch.finfo(v_M.dtype).max else v_M).to(self.wire)
         buf_N.index_put_((pos_M,), v_M - sent.to(v_M.dtype))
         return pos_M, sent
+
+    def _flushed(self, live: list[int], fs: list[int], dev) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flushed positions of the ``live`` blocks (slices of the ascending ``flush.positions`` at
+        host-known bounds) and the row of ``live`` each belongs to. A bag is a run of consecutive blocks
+        that wraps at most once, so its positions are one or two slices: launches flat in the ranks."""
+        spans: list[list[int]] = []
+        for b in live:
+            lo, hi = self.flush_at[b]
+            if spans and spans[-1][1] == lo:
+                spans[-1][1] = hi
+            else:
+                spans.append([lo, hi])
+        pos_F = torch.cat([self.flush.positions[lo:hi] for lo, hi in spans])
+        row_F = torch.repeat_interleave(torch.arange(len(live), device=dev), torch.tensor(fs, device=dev),
+                                        output_size=sum(fs))
+        return pos_F, row_F
 
     def decode(self, buf_B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return decode_coo(buf_B, self.numel, (), self.wire)
@@ -151,7 +188,7 @@ def spardl_reduce(comm: Communicator, grad: AccumulatedGrad, ranges: list[tuple[
     ``(positions, values)`` of the result: every block's (``all_gather``) or this rank's block's."""
     n, w = comm.size, comm.rank
     mem = grad.memory
-    blk = _Blocks(ranges, grad.density, grad.dtype)
+    blk = _Blocks(ranges, grad.density, grad.dtype, grad.flush)
     timer = timer or PhaseTimer(mem.device, enabled=False)
     consumed = [] if grad.momentum is not None else None  # positions this rank's selections reset
     # Step 1: what the SRS works on.
@@ -250,7 +287,7 @@ class SparDLScheme(SyncScheme):
               key: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Steps 1–5 (module docstring) on an ``AccumulatedGrad``; anything else through ``zen``."""
         if not isinstance(grad, AccumulatedGrad):
-            return self.lossless_scheme._sync(comm, grad, op, timings, key, out)
+            return self.lossless_scheme.sync_validated(comm, grad, op, timings, key, out)
         timer = PhaseTimer(grad.memory.device, enabled=timings is not None)
         pos, val = spardl_reduce(comm, grad, even_blocks(grad.numel, comm.size), self.residual, True, timer)
         timer.start("decode_s")

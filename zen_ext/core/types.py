@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 INDEX_INT32_LIMIT = 2**31
@@ -29,6 +30,9 @@ class SparseGrad:
     in_range: bool = field(default=False, compare=False, repr=False)
     """True when the indices lie in ``[0, numel)`` by construction (``nonzero`` of a ``numel``-long
     tensor, a compressor's positions): ``check_range`` then skips its host synchronization."""
+    lowbit: object = field(default=None, compare=False, repr=False)
+    """``core.lowbit.LowBitValues`` when the values travel in low bits (``zen.dgc.value_bits``; a scheme
+    that cannot carry them refuses the gradient), else None: the values travel in their dtype."""
 
     def __post_init__(self) -> None:
         if self.indices.dim() != 1 or self.values.dim() not in (1, 2):
@@ -111,12 +115,46 @@ class AccumulatedGrad(SparseGrad):
     memory: torch.Tensor = None  # acc_N, flat, contiguous
     density: float = 1.0
     momentum: torch.Tensor | None = None
+    flush: "FlushPositions | None" = None
+    """Positions the scheme must send this step whatever their size, inside its ``density`` budget (the
+    sparsifier's rotating flush), or None."""
 
     @classmethod
     def of(cls, memory: torch.Tensor, density: float, wire_dtype: torch.dtype,
-           momentum: torch.Tensor | None = None) -> "AccumulatedGrad":
+           momentum: torch.Tensor | None = None, flush: "FlushPositions | None" = None) -> "AccumulatedGrad":
         empty = torch.empty(0, dtype=wire_dtype, device=memory.device)
-        return cls(empty.long(), empty, memory.numel(), True, memory.reshape(-1), float(density), momentum)
+        return cls(empty.long(), empty, memory.numel(), in_range=True, memory=memory.reshape(-1),
+                   density=float(density), momentum=momentum, flush=flush)
+
+
+@dataclass(frozen=True)
+class FlushPositions:
+    """A rotating flush's positions in a flat memory (DGC's ``zen.dgc.flush_fraction``): in each of
+    consecutive segments of lengths ``numels`` (one per tensor), the elements ``phase``, ``phase +
+    stride``, ... counted from the segment's start, the same on every rank. ``positions`` holds them
+    ascending on the memory's device; how many fall in a range is computed on the host from the
+    segments (``count_in``), so a scheme's message sizes stay known everywhere without a host read."""
+
+    positions: torch.Tensor  # pos_F, int64, ascending
+    numels: tuple[int, ...]
+    phase: int
+    stride: int
+
+    def count_below(self, at: list[int]) -> list[int]:
+        """Flushed positions ``< x`` for each ``x`` in ``at`` (one vectorized pass over segments × ``at``)."""
+        n_T = np.asarray(self.numels, dtype=np.int64)
+        start_T = np.cumsum(n_T) - n_T + self.phase  # each segment's first flushed position
+        count_T = np.maximum(0, -(-(n_T - self.phase) // self.stride))
+        x = np.asarray(at, dtype=np.int64)[:, None]
+        below = np.clip(-(-(x - start_T) // self.stride), 0, count_T)  # ceil((x − start) / stride), clipped
+        return below.sum(axis=1).tolist()
+
+    def count_in(self, ranges: list[tuple[int, int]]) -> list[int]:
+        """Flushed positions in each ``[lo, hi)`` of ``ranges``."""
+        if not ranges:
+            return []
+        ends = self.count_below([x for r in ranges for x in r])
+        return [ends[2 * i + 1] - ends[2 * i] for i in range(len(ranges))]
 
 
 def as_sparse(grad: "SparseGrad | torch.Tensor") -> SparseGrad:

@@ -24,13 +24,16 @@ Per slice ``key``:
   ``sample_budget`` entries, from which density and γ at 2, 4, …, n are estimated), every candidate's
   time is predicted, and the candidate with the lowest mean prediction over the profiled syncs wins;
 * measured, not only predicted: before the choice is final, every candidate that the calibrated
-  model (before refinement) puts within ``EXPLORE_MARGIN`` (1.5×) of its best runs twice (fastest
-  first; profiling goes on meanwhile): its first run on a rank is cold (caches, first-touch
-  buffers) and is not learnt from,
-  the second refines its own predictions — the model's error differs between schemes, and a choice
-  from predictions alone could be 2–4× slower than the best (4-rank lab on 2 cores). This costs at
-  most two syncs per close candidate in a run (run counts are per scheme, so later slices rarely
-  need any);
+  model (before refinement) puts within ``EXPLORE_MARGIN`` (1.5×) of its best runs
+  ``1 + MEASURED_RUNS`` times (fastest first; profiling goes on meanwhile): its first run on a rank is
+  cold (caches, first-touch buffers) and is not learnt from, the others refine its own predictions
+  — the model's error differs between schemes, and a choice from predictions alone could be 2–4×
+  slower than the best (4-rank lab on 2 cores). The measured candidates are then ranked by the
+  fastest of their measured syncs (each rank's, the slowest rank's counts), not by one sync: on a
+  shared machine one sync of 16 ranks varies by ±30 %, and ranked on one sample each the near-equal
+  ``zen`` and ``zen_coo`` (and at times AGsparse, 1.4× slower) won at random from run to run
+  (16-rank SimWorld, 16-host lab). This costs at most ``1 + MEASURED_RUNS`` syncs per close
+  candidate in a run (run counts are per scheme, so later slices rarely need any);
 * every sync runs the current winner — all candidates are lossless, so profiling syncs also return the
   exact aggregate;
 * the choice is computed from all-gathered data, hence the same everywhere, and then checked: the
@@ -66,20 +69,42 @@ from ..core.registry import build_scheme, register_scheme, registered_schemes, s
 from ..core.scheme import SyncScheme
 from ..core.types import SparseGrad, as_sparse
 from . import cost_model as cm
-from .calibration import _Calibration, calibrate
+from .calibration import Calibration, calibrate
+from .low_bits import low_bit_options, narrow_to_low_bits
 from .network import Network, modeled_time_s
 from .profile import SparsityProfile, local_profile, nonzero_blocks, sample_parts_for
 from .refinement import Refinement, Wire
-from .state import _SliceState
+from .state import SliceState
 
 logger = logging.getLogger("zen_ext.planner")
 _SKIP_LOGGED: set[str] = set()
-"""Lossless schemes ``valid_candidates`` left out for want of a cost model (logged once each)."""
+"""Lossless schemes ``candidate_schemes`` left out for want of a cost model (logged once each)."""
 
 _STATE_VERSION = 1
-# Candidates predicted within this factor of the best are run once (on profiling syncs, all lossless)
+# Candidates predicted within this factor of the best are run (on profiling syncs, all lossless)
 # before the choice is final, so that it rests on measured times rather than on the model alone.
 EXPLORE_MARGIN = 1.5
+MEASURED_RUNS = 2
+"""Syncs of each close candidate measured after its cold first run; the fastest of them ranks it."""
+
+
+def candidate_schemes() -> list[str]:
+    """The schemes ``auto`` ranks: registered lossless schemes with a cost model (``auto`` itself
+    excluded), ties first. A lossy scheme (``spardl``) is never a candidate: ``auto`` promises the exact
+    aggregate. A lossless scheme registered without a cost model is left out with a log line saying so,
+    once. The one list of candidates: the planner's and the at-scale prediction's
+    (``analysis/at_scale.py``)."""
+    names = []
+    for s in registered_schemes():
+        if s == "auto" or not scheme_class(s).lossless:
+            continue
+        if scheme_class(s).has_cost_model():
+            names.append(s)
+        elif s not in _SKIP_LOGGED:
+            _SKIP_LOGGED.add(s)
+            logger.info("auto: scheme %r has no cost model, so auto never picks it (declare wire_phases, "
+                        "predict_traffic and predict_work on its class; docs/extending.md)", s)
+    return sorted(names, key=_priority)
 
 
 class AutoScheme(SyncScheme):
@@ -143,28 +168,22 @@ class AutoScheme(SyncScheme):
         self.model = model
         self.candidates = tuple(sorted(dict.fromkeys(candidates), key=_priority))
         self._schemes = {c: self._build(c) for c in self.candidates}
-        self._states: dict[tuple[str, int], _SliceState] = {}
+        self._states: dict[tuple[str, int], SliceState] = {}
         # Per rank (one instance may serve every simulated rank of a SimWorld).
-        self._calib: dict[int, _Calibration] = {}
+        self._calib: dict[int, Calibration] = {}
         self._refine: dict[int, Refinement] = {}
         # Syncs each candidate has run, per rank (the same on every rank: all run the same choices).
         self._runs: dict[int, dict[str, int]] = {}
+        self._low_bits: dict = {}  # {"value_bits": b} once require_low_bits narrowed the candidates
+
+    def require_low_bits(self, bits: int, carriers: list[str] | None = None) -> None:
+        """``zen.dgc.value_bits``: only the candidates that carry it, their bytes in its bits (``low_bits.py``)."""
+        narrow_to_low_bits(self, bits, carriers)
 
     @staticmethod
     def valid_candidates() -> list[str]:
-        """Registered lossless schemes with a cost model (``auto`` itself excluded). A lossless scheme
-        registered without one is left out with a log line saying so, once."""
-        names = []
-        for s in registered_schemes():
-            if s == "auto" or not scheme_class(s).lossless:
-                continue
-            if scheme_class(s).has_cost_model():
-                names.append(s)
-            elif s not in _SKIP_LOGGED:
-                _SKIP_LOGGED.add(s)
-                logger.info("auto: scheme %r has no cost model, so auto never picks it (declare wire_phases, "
-                            "predict_traffic and predict_work on its class; docs/extending.md)", s)
-        return sorted(names, key=_priority)
+        """What ``auto`` chooses among (``candidate_schemes``)."""
+        return candidate_schemes()
 
     def options(self) -> dict:
         return dict(bandwidth_gbps=self._fixed[0], latency_us=self._fixed[1],
@@ -244,9 +263,9 @@ class AutoScheme(SyncScheme):
         if sd.get("options") != self.options():
             raise ValueError(f"auto state_dict options ({sd.get('options')}) must equal this planner's "
                              f"({self.options()}); resume with the same zen.planner settings")
-        self._states = {(key, int(rank)): _SliceState.from_state(st)
+        self._states = {(key, int(rank)): SliceState.from_state(st)
                         for key, per_rank in sd["slices"].items() for rank, st in per_rank.items()}
-        self._calib = {int(r): _Calibration.from_state(c) for r, c in sd["calibration"].items()}
+        self._calib = {int(r): Calibration.from_state(c) for r, c in sd["calibration"].items()}
         # Absent in states saved before 2026-11-25: the close candidates are measured again.
         self._runs = {int(r): {k: int(v) for k, v in runs.items()} for r, runs in sd.get("runs", {}).items()}
         self._refine = {}
@@ -273,7 +292,7 @@ class AutoScheme(SyncScheme):
         st, profiling_s = self._choose(comm, grad, key)
         # Step 2: run.
         phases: dict = {}
-        out = self._schemes[st.choice]._sync(comm, grad, op, phases, key, out)
+        out = self._schemes[st.choice].sync_validated(comm, grad, op, phases, key, out)
         # Step 3: learn.
         self._learn(comm, st, phases, timings, profiling_s)
         return out
@@ -299,8 +318,8 @@ class AutoScheme(SyncScheme):
         results: list[torch.Tensor | None] = [None] * len(grads)
         for choice, members in by_choice.items():
             phases = [{} for _ in members]
-            got = self._schemes[choice]._sync_group(comm, [grads[i] for i in members], op, phases,
-                                                    [keys[i] for i in members], [outs[i] for i in members])
+            got = self._schemes[choice].sync_group_validated(comm, [grads[i] for i in members], op, phases,
+                                                             [keys[i] for i in members], [outs[i] for i in members])
             for i, res, ph in zip(members, got, phases):
                 results[i] = res
                 self._learn(comm, chosen[i][0], ph, timings[i], chosen[i][1])
@@ -317,7 +336,7 @@ class AutoScheme(SyncScheme):
         sg_numel = grad.numel if isinstance(grad, SparseGrad) else grad.numel()
         if key is None:
             key = f"numel={sg_numel}"
-        st = self._states.setdefault((key, comm.rank), _SliceState())
+        st = self._states.setdefault((key, comm.rank), SliceState())
         profiling_s = 0.0
         if st.profiled < self.profile_steps:
             t0 = time.perf_counter()
@@ -326,13 +345,13 @@ class AutoScheme(SyncScheme):
             cal = self._calibrate(comm, sg.values.device)
             refine = self._refine.setdefault(comm.rank, Refinement())
             # Step 2: profile.
-            profile, states = self._gather_profile(comm, sg, refine.state())
+            profile, states, measured = self._gather_profile(comm, sg, refine.state(), st.measured)
             if self.model == "compute":
                 refine.merge_max(states)
             work = WorkCounts.from_profile(profile)
             preds, wires, raw = {}, {}, {}
             for c in self.candidates:
-                opts = self._schemes[c].options()
+                opts = low_bit_options(self, c, grad)
                 # In a slot (a Synchronizer's bucket) the steady steps carry their counts in the payload.
                 stats = cm.predict_stats(c, profile, opts, first_call=not comm.in_slot)
                 wires[c] = Wire.of(stats, cal.network)
@@ -347,13 +366,16 @@ class AutoScheme(SyncScheme):
             st.stale = False
             st.profiled += 1
             # Step 3: decide (or measure a close candidate first) and agree.
-            choice, reason = self._decide(st, profile, cal)
+            # Measured on every rank: the slowest rank's fastest sync (the same on every rank).
+            measured_s = {c: max(m[c] for m in measured) for c in self.candidates if all(c in m for m in measured)}
+            choice, reason = self._decide(st, profile, cal, measured_s)
             probe_c = (self._unmeasured_close(raw, self._runs.get(comm.rank, {}))
                        if self.model == "compute" else None)
             if probe_c is not None:
                 reason = (f"measuring {probe_c} before the choice is final: the calibrated model puts it at "
                           f"{raw[probe_c] * 1e3:.3f} ms, within {EXPLORE_MARGIN:g}x of its best "
-                          f"({min(raw.values()) * 1e3:.3f} ms); every such candidate runs twice")
+                          f"({min(raw.values()) * 1e3:.3f} ms); every such candidate runs "
+                          f"{1 + MEASURED_RUNS} times")
                 choice = probe_c
                 # Keep profiling, and decide on predictions refined by this measurement only.
                 st.profiled = min(st.profiled, self.profile_steps - 1)
@@ -369,16 +391,21 @@ class AutoScheme(SyncScheme):
         else:
             st.since_decision += 1
             if self.reprofile_every and st.since_decision >= self.reprofile_every:
-                st.profiled, st.predictions = 0, []  # the next sync of this slice profiles again
+                st.profiled, st.predictions, st.measured = 0, [], {}  # the next sync profiles again
         return st, profiling_s
 
-    def _learn(self, comm: Communicator, st: "_SliceState", phases: dict, timings: dict | None,
+    def _learn(self, comm: Communicator, st: "SliceState", phases: dict, timings: dict | None,
                profiling_s: float) -> None:
         """After the chosen scheme ran: refine the model from its phase times (not from a scheme's first
         run on this rank: cold caches, first-touch workspaces and new connection sizes made it 2x slower
         in the lab), and report the phases, the choice and the profiling time in ``timings``."""
         runs = self._runs.setdefault(comm.rank, {})
         runs[st.choice] = runs.get(st.choice, 0) + 1
+        if (self.model == "compute" and runs[st.choice] > 1
+                and (st.stale or st.profiled < self.profile_steps)):  # still deciding: keep its fastest sync
+            took = sum(v for k, v in phases.items() if k.endswith("_s") and isinstance(v, float))
+            if took > 0:
+                st.measured[st.choice] = min(st.measured.get(st.choice, took), took)
         if self.model == "compute" and st.work is not None and comm.rank in self._calib and runs[st.choice] > 1:
             cal = self._calib[comm.rank]
             c = st.choice
@@ -397,7 +424,7 @@ class AutoScheme(SyncScheme):
             scheme = build_scheme(name, seed=self.seed)
         return scheme
 
-    def _calibrate(self, comm: Communicator, device: torch.device) -> _Calibration:
+    def _calibrate(self, comm: Communicator, device: torch.device) -> Calibration:
         """This rank's calibration, measured once (``calibration.calibrate``); every rank calls it at its
         first profiling sync, so the collectives line up."""
         cal = self._calib.get(comm.rank)
@@ -405,10 +432,11 @@ class AutoScheme(SyncScheme):
             cal = self._calib[comm.rank] = calibrate(comm, device, self._fixed, self.model)
         return cal
 
-    def _gather_profile(self, comm: Communicator, sg: SparseGrad,
-                        refine_state: dict | None = None) -> tuple[SparsityProfile, list[dict]]:
+    def _gather_profile(self, comm: Communicator, sg: SparseGrad, refine_state: dict | None = None,
+                        measured: dict | None = None) -> tuple[SparsityProfile, list[dict], list[dict]]:
         """Two small all-gathers: sizes (to agree on the sample rate), then every rank's local profile
-        with its refinement state. Returns the profile and the states in rank order."""
+        with its refinement state and its measured syncs of this slice. Returns the profile, the states
+        and the measured times in rank order."""
         n = comm.size
         indices = sg.indices.cpu()  # the profile is small bookkeeping: CPU, whatever the gradient's device
         uniq = torch.unique(indices)
@@ -422,18 +450,18 @@ class AutoScheme(SyncScheme):
         s = sample_parts_for(max(x[1] for x in sizes), self.sample_budget)
         sb = sample_parts_for(max(x[2] for x in sizes), self.sample_budget)
         mine = local_profile(indices, sg.numel, sg.row_width, n, self.seed, s, sb)
-        gathered = comm.all_gather_object((mine, refine_state or {}))
+        gathered = comm.all_gather_object((mine, refine_state or {}, measured or {}))
         profile = SparsityProfile(
             numel=sg.numel, row_width=sg.row_width, value_bytes=sg.values.element_size(), seed=self.seed,
             locals=[g[0] for g in gathered], sample_parts=s, block_sample_parts=sb,
         )
-        return profile, [g[1] for g in gathered]
+        return profile, [g[1] for g in gathered], [g[2] for g in gathered]
 
     def _unmeasured_close(self, raw: dict[str, float], runs: dict[str, int]) -> str | None:
         """The candidate to measure before deciding, or None: the fastest of the candidates that the
         calibrated model (``raw``: not refined) puts within ``EXPLORE_MARGIN`` of its best and that
-        have not run twice yet (a first run is not learnt from; the second refines the scheme's own
-        predictions). The model's error differs between schemes: a 4-rank lab on 2 cores measured
+        have not run ``1 + MEASURED_RUNS`` times yet (a first run is not learnt from; the others
+        refine the scheme's own predictions and the fastest of them ranks it). The model's error differs between schemes: a 4-rank lab on 2 cores measured
         SparCML at 2.7x its prediction and ZEN at 0.85x, so predictions alone picked a scheme 2-4x
         slower than the best. Closeness is judged on the unrefined model because the refinement
         carries one measured scheme's error over to the unmeasured ones (the shared fits), which pushed
@@ -444,10 +472,14 @@ class AutoScheme(SyncScheme):
                        key=lambda c: (raw[c], _priority(c)))
         if len(close) < 2:  # nothing to compare with: the prediction stands
             return None
-        return next((c for c in close if runs.get(c, 0) < 2), None)
+        return next((c for c in close if runs.get(c, 0) < 1 + MEASURED_RUNS), None)
 
-    def _decide(self, st: _SliceState, profile: SparsityProfile, cal: _Calibration) -> tuple[str, str]:
-        mean = _mean_predictions(st, self.candidates)
+    def _decide(self, st: SliceState, profile: SparsityProfile, cal: Calibration,
+                measured_s: dict[str, float] | None = None) -> tuple[str, str]:
+        """The candidate to run: the lowest of its measured time (``measured_s``: agreed, the fastest
+        measured sync) where it was measured on this slice, else of its mean prediction."""
+        measured_s = measured_s or {}
+        mean = {**_mean_predictions(st, self.candidates), **measured_s}
         ranked = sorted(self.candidates, key=lambda c: (mean[c], _priority(c)))
         best = ranked[0]
         n, d = profile.n, profile.density()
@@ -457,7 +489,7 @@ class AutoScheme(SyncScheme):
         else:
             rule = "Balanced Parallelism" if cm.prefers_balanced_parallelism(n, gammas) else \
                 "Hierarchical Centralization"
-        parts = [f"predicted {mean[best] * 1e3:.3f} ms"]
+        parts = [f"{'measured' if best in measured_s else 'predicted'} {mean[best] * 1e3:.3f} ms"]
         if "dense" in mean and best != "dense":
             parts.append(f"dense {mean['dense'] * 1e3:.3f} ms")
         if len(ranked) > 1:
@@ -476,7 +508,7 @@ class AutoScheme(SyncScheme):
                                    "every rank must use the same options and slice order")
 
 
-def _mean_predictions(st: _SliceState, candidates: tuple[str, ...]) -> dict[str, float]:
+def _mean_predictions(st: SliceState, candidates: tuple[str, ...]) -> dict[str, float]:
     return {c: sum(p[c] for p in st.predictions) / len(st.predictions) for c in candidates} if st.predictions \
         else {}
 
@@ -485,7 +517,7 @@ def _candidates_text_of(mean: dict[str, float], choice: str, candidates: tuple[s
     return ", ".join(f"{c}{'*' if c == choice else ''} {mean[c] * 1e3:.3f} ms" for c in candidates if c in mean)
 
 
-def _candidates_text(st: _SliceState, candidates: tuple[str, ...]) -> str:
+def _candidates_text(st: SliceState, candidates: tuple[str, ...]) -> str:
     return "candidates " + _candidates_text_of(_mean_predictions(st, candidates), st.choice, candidates)
 
 
