@@ -1,7 +1,7 @@
 """Time to quality: zen_ext against PowerSGD, DiLoCo and SparseLoCo on plain DDP (2 CPU ranks).
 
 Each run is ``benchmarks/quality/peers_ddp.py`` under ``torchrun`` on the time-to-quality benchmark's model,
-data and settings (``benchmarks/bench_quality.py``: the demo's tiny Llama, AdamW lr 3e-3, 10 log warm-up
+data and settings (``benchmarks/quality/bench_quality.py``: the demo's tiny Llama, AdamW lr 3e-3, 10 log warm-up
 steps, clip 1.0, micro-batch 8 × 128 tokens per rank; ``finetune`` starts from the same densely pretrained
 checkpoint, built by ``bench_quality.pretrained`` in the same ``--runs`` folder; ``scratch`` from random
 initialization), one variant and one seed. Every variant is paired with plain DDP (``ddp_dense``) of the

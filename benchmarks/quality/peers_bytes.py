@@ -21,7 +21,7 @@ Each peer's bytes come from its implementation's own message sizes, applied to t
   does not).
 * zen_ext (DGC, ``scheme: auto``, the DDP hook): the DGC-routed tensors (2-D, at least ``dgc.min_numel``
   elements, not the input embedding) at the ratio the real ``zen`` scheme code sends in SimWorld for ``n``
-  ranks with independent uniform indices at the density (``benchmarks/comm/bench_bytes.measure``; real
+  ranks with independent uniform indices at the density (``measure`` in ``benchmarks/comm/bench_bytes.py``; real
   gradients' indices overlap, so this is an upper bound), the rest (embedding rows, 1-D) as a dense
   all-reduce (natural sparsity can only send less). For the demo model at 2 ranks the runs' measured
   bytes after the density ramp stand beside it.

@@ -33,7 +33,7 @@ the kernel leaves them unwritten or launches nothing) are refused with an error.
 ``install()`` puts the emulation where ZeRO-3 calls it (``deepspeed.runtime.zero.stage3.all_to_all_quant_reduce``);
 DeepSpeed then takes the qgZ path when the config sets ``"zero_quantized_gradients": true`` and there is more
 than one node (``world // accelerator.device_count()``: on the CPU accelerator ``LOCAL_SIZE``, which
-DeepSpeed's launcher sets per node — ``benchmarks/quality_nodes.py`` runs emulated nodes that way).
+DeepSpeed's launcher sets per node — ``benchmarks/quality/quality_nodes.py`` runs emulated nodes that way).
 """
 
 from __future__ import annotations
