@@ -3,7 +3,7 @@
 A 2-rank run on one machine cannot show where ZEN wins (its buckets are small and its link is a local
 socket). This module takes what a run recorded about its gradients (one ``zen_stats.jsonl`` record:
 elements and non-zeros per sparsifier kind, the embedding's union over ranks) and predicts, for more
-hosts and other links, the sync time of every scheme ``auto`` ranks (``planner/auto.py``:
+hosts and other links, the sync time of every scheme ``auto`` ranks (``planner/candidates.py``
 ``candidate_schemes``, the planner's own list: lossless schemes only, so never ``spardl``) with the
 same model ``auto`` uses:
 
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from ..core.cost import WorkCounts
 from ..planner import cost_model as cm
-from ..planner.auto import candidate_schemes
+from ..planner.candidates import candidate_schemes
 from ..planner.compute_model import ComputeRates
 from ..planner.network import Network
 from ..planner.profile import profile_from_grads

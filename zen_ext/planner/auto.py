@@ -65,11 +65,12 @@ import torch
 
 from ..comm.base import Communicator
 from ..core.cost import BLOCK_SIZE, PRIMITIVES, WorkCounts
-from ..core.registry import build_scheme, register_scheme, registered_schemes, scheme_class
+from ..core.registry import build_scheme, register_scheme
 from ..core.scheme import SyncScheme
 from ..core.types import SparseGrad, as_sparse
 from . import cost_model as cm
 from .calibration import Calibration, calibrate
+from .candidates import candidate_schemes, candidates_text, candidates_text_of, mean_predictions, priority
 from .low_bits import low_bit_options, narrow_to_low_bits
 from .network import Network, modeled_time_s
 from .profile import SparsityProfile, local_profile, nonzero_blocks, sample_parts_for
@@ -77,8 +78,6 @@ from .refinement import Refinement, Wire
 from .state import SliceState
 
 logger = logging.getLogger("zen_ext.planner")
-_SKIP_LOGGED: set[str] = set()
-"""Lossless schemes ``candidate_schemes`` left out for want of a cost model (logged once each)."""
 
 _STATE_VERSION = 1
 # Candidates predicted within this factor of the best are run (on profiling syncs, all lossless)
@@ -86,25 +85,6 @@ _STATE_VERSION = 1
 EXPLORE_MARGIN = 1.5
 MEASURED_RUNS = 2
 """Syncs of each close candidate measured after its cold first run; the fastest of them ranks it."""
-
-
-def candidate_schemes() -> list[str]:
-    """The schemes ``auto`` ranks: registered lossless schemes with a cost model (``auto`` itself
-    excluded), ties first. A lossy scheme (``spardl``) is never a candidate: ``auto`` promises the exact
-    aggregate. A lossless scheme registered without a cost model is left out with a log line saying so,
-    once. The one list of candidates: the planner's and the at-scale prediction's
-    (``analysis/at_scale.py``)."""
-    names = []
-    for s in registered_schemes():
-        if s == "auto" or not scheme_class(s).lossless:
-            continue
-        if scheme_class(s).has_cost_model():
-            names.append(s)
-        elif s not in _SKIP_LOGGED:
-            _SKIP_LOGGED.add(s)
-            logger.info("auto: scheme %r has no cost model, so auto never picks it (declare wire_phases, "
-                        "predict_traffic and predict_work on its class; docs/extending.md)", s)
-    return sorted(names, key=_priority)
 
 
 class AutoScheme(SyncScheme):
@@ -166,7 +146,7 @@ class AutoScheme(SyncScheme):
         self.seed = int(seed)
         self.sample_budget = sample_budget
         self.model = model
-        self.candidates = tuple(sorted(dict.fromkeys(candidates), key=_priority))
+        self.candidates = tuple(sorted(dict.fromkeys(candidates), key=priority))
         self._schemes = {c: self._build(c) for c in self.candidates}
         self._states: dict[tuple[str, int], SliceState] = {}
         # Per rank (one instance may serve every simulated rank of a SimWorld).
@@ -235,7 +215,7 @@ class AutoScheme(SyncScheme):
             if rank != (ranks[0] if ranks else 0) or st.choice is None:
                 continue
             measuring = " (measuring it; the choice is not final yet)" if st.stale else ""
-            lines.append(f"auto[{key}] -> {st.choice}{measuring}: " + _candidates_text(st, self.candidates))
+            lines.append(f"auto[{key}] -> {st.choice}{measuring}: " + candidates_text(st, self.candidates))
         return "\n".join(lines) if lines else "auto: no slice synchronized yet"
 
     # --- checkpoints ---------------------------------------------------------------------------------
@@ -382,8 +362,8 @@ class AutoScheme(SyncScheme):
                 st.stale = True
             self._agree(comm, key, choice)
             if comm.rank == 0 and (choice != st.choice or st.profiled == self.profile_steps):
-                logger.info("auto[%s] -> %s: %s | %s", key, choice, reason, _candidates_text_of(
-                    _mean_predictions(st, self.candidates), choice, self.candidates))
+                logger.info("auto[%s] -> %s: %s | %s", key, choice, reason, candidates_text_of(
+                    mean_predictions(st, self.candidates), choice, self.candidates))
             st.choice, st.reason = choice, reason
             st.work, st.wire = work, wires[choice]
             st.since_decision = 0
@@ -469,7 +449,7 @@ class AutoScheme(SyncScheme):
         (every rank runs the same choices): the same on every rank."""
         best = min(raw.values())
         close = sorted((c for c in self.candidates if raw[c] <= EXPLORE_MARGIN * best),
-                       key=lambda c: (raw[c], _priority(c)))
+                       key=lambda c: (raw[c], priority(c)))
         if len(close) < 2:  # nothing to compare with: the prediction stands
             return None
         return next((c for c in close if runs.get(c, 0) < 1 + MEASURED_RUNS), None)
@@ -479,8 +459,8 @@ class AutoScheme(SyncScheme):
         """The candidate to run: the lowest of its measured time (``measured_s``: agreed, the fastest
         measured sync) where it was measured on this slice, else of its mean prediction."""
         measured_s = measured_s or {}
-        mean = {**_mean_predictions(st, self.candidates), **measured_s}
-        ranked = sorted(self.candidates, key=lambda c: (mean[c], _priority(c)))
+        mean = {**mean_predictions(st, self.candidates), **measured_s}
+        ranked = sorted(self.candidates, key=lambda c: (mean[c], priority(c)))
         best = ranked[0]
         n, d = profile.n, profile.density()
         gammas = profile.gammas() if n > 1 else {1: 1.0}
@@ -506,26 +486,6 @@ class AutoScheme(SyncScheme):
             if other != mine:
                 raise RuntimeError(f"auto: rank {r} decided {other} but rank {comm.rank} decided {mine}; "
                                    "every rank must use the same options and slice order")
-
-
-def _mean_predictions(st: SliceState, candidates: tuple[str, ...]) -> dict[str, float]:
-    return {c: sum(p[c] for p in st.predictions) / len(st.predictions) for c in candidates} if st.predictions \
-        else {}
-
-
-def _candidates_text_of(mean: dict[str, float], choice: str, candidates: tuple[str, ...]) -> str:
-    return ", ".join(f"{c}{'*' if c == choice else ''} {mean[c] * 1e3:.3f} ms" for c in candidates if c in mean)
-
-
-def _candidates_text(st: SliceState, candidates: tuple[str, ...]) -> str:
-    return "candidates " + _candidates_text_of(_mean_predictions(st, candidates), st.choice, candidates)
-
-
-def _priority(name: str) -> int:
-    """Ties go to the earlier registered scheme: dense first (no profile can make it slower than itself),
-    then the built-ins in the registry's order (``core/registry.py``)."""
-    order = registered_schemes()
-    return order.index(name) if name in order else len(order)
 
 
 register_scheme(AutoScheme)
