@@ -85,6 +85,13 @@ TORCH_LIBRARY(zen_ext, m) {
   // catch_up false takes every gradient, zero or not (AdamW). Logic in csrc/catch_up_adamw.h.
   m.def("catch_up_adamw_(Tensor(a!)[] p_T, Tensor[] g_T, Tensor(b!)[] m_T, Tensor(c!)[] v_T, Tensor(d!)[] age_T, "
         "float lr, float beta1, float beta2, float eps, float weight_decay, int step, bool catch_up) -> ()");
+  // zen.dgc.value_bits: the 1-D float values, cut into segments (seg_ends: cumulative element ends) and each
+  // segment into blocks of `block` values, as symmetric codes of `bits` (8: int8; 4: q + 8, two a byte) and one
+  // float32 scale amax/qmax per block. Returns (codes uint8, scales float32, the dequantized values float32).
+  // Format and rules: zen_ext/ops/_reference_lowbit.py; logic in csrc/lowbit.h.
+  m.def("quantize_blocks(Tensor values, int[] seg_ends, int bits, int block) -> (Tensor, Tensor, Tensor)");
+  // quantize_blocks' inverse: the float32 values q * scale.
+  m.def("dequantize_blocks(Tensor codes, Tensor scales, int[] seg_ends, int bits, int block) -> Tensor");
   // Values of the concatenation of g_T at int64 positions pos, without the concatenation.
   m.def("gather_list(Tensor[] g_T, Tensor pos) -> Tensor");
 }

@@ -27,5 +27,8 @@ unset PYTHONDONTWRITEBYTECODE
 workers="${ZEN_TEST_WORKERS:-$(getconf _NPROCESSORS_ONLN 2>/dev/null || echo 1)}"  # not nproc: it obeys OMP_NUM_THREADS
 (( workers > 4 )) && workers=4
 xdist=()
-(( workers > 1 )) && xdist=(-n "$workers" --dist loadfile)
+# --no-loadscope-reorder: pytest-xdist (3.8 in the set-up) otherwise hands out files by their number of
+# tests, most first, so the few-test end-to-end files that take minutes each started last and ended
+# the run on one worker; in collection order, tests/conftest.py's LONG_FILES go first.
+(( workers > 1 )) && xdist=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 exec .venv/bin/python -m pytest -ra --durations=15 "${xdist[@]}" "${quick[@]}" "$@"

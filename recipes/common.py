@@ -18,6 +18,7 @@ to (an HF model or dataset *name*; everything else is local).
 
 from __future__ import annotations
 
+import argparse
 import glob
 import json
 import logging
@@ -233,6 +234,39 @@ def add_run_args(p, default_output_dir: str) -> None:
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in output_dir")
 
 
+def add_outer_args(p) -> None:
+    """``--outer_every`` and friends: local steps with the sparse outer synchronization (``zen.outer``,
+    docs/outer.md) instead of a per-step sync. Each flag overrides its key of the config's ``zen.outer``;
+    ``--outer_every`` turns it on."""
+    p.add_argument("--outer_every", type=int, default=None,
+                   help="H: run zen.outer, an outer synchronization every H optimizer steps (docs/outer.md)")
+    for name, typ, what in (("density", float, "fraction of each chunk sent (1: dense DiLoCo)"),
+                            ("error_decay", float, "error feedback decay β"), ("chunk", int, "elements per top-k chunk"),
+                            ("lr", float, "outer SGD learning rate"), ("momentum", float, "outer SGD momentum"),
+                            ("average", str, "'contributors' or 'mean'"), ("state_device", str, "'cpu' or 'device'")):
+        p.add_argument(f"--outer_{name}", type=typ, default=None, help=f"zen.outer.{name}: {what}")
+    p.add_argument("--outer_nesterov", action=argparse.BooleanOptionalAction, default=None, help="zen.outer.nesterov")
+
+
+OUTER_FLAGS = ("every", "density", "error_decay", "chunk", "lr", "momentum", "average", "state_device", "nesterov")
+
+
+def apply_outer_args(args, config: dict) -> None:
+    """Write the ``--outer_*`` flags given into ``config["zen"]["outer"]`` (a ``"zen"`` section is created
+    when needed; ``--outer_every`` sets ``enabled``). Validation is the config's (``zen.outer.<field>``)."""
+    given = {k: getattr(args, f"outer_{k}", None) for k in OUTER_FLAGS}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return
+    zen = config.setdefault("zen", {})
+    if not isinstance(zen, dict):
+        raise ConfigError(f"--outer_* flags need a \"zen\" JSON object in the config, got {zen!r}")
+    outer = zen.setdefault("outer", {})
+    if "every" in given:
+        outer["enabled"] = True
+    outer.update(given)
+
+
 def add_optimizer_args(p) -> None:
     """The optimizer flags the DeepSpeed and FSDP2 recipes share (``optimizer_choice`` reads them)."""
     p.add_argument("--catch_up_adam", action="store_true",
@@ -411,6 +445,26 @@ def log_step(rec: dict, log_file, records: list[dict], progress) -> None:
     progress(rec)
 
 
+class StepLog:
+    """A run's step records, kept the same way by every recipe: rank 0 appends each to
+    ``<output_dir>/train_log.jsonl`` (a resumed run continues the file) and shows it on its progress bar;
+    every rank keeps them in ``records``. ``close`` writes the run's outputs on rank 0 (``write_outputs``)."""
+
+    def __init__(self, output_dir: str, rank: int, start: int, steps: int) -> None:
+        self.output_dir, self.rank = output_dir, rank
+        self.file = open(os.path.join(output_dir, "train_log.jsonl"), "a") if rank == 0 else None
+        self.progress = progress_bar(rank, start, steps)
+        self.records: list[dict] = []
+
+    def log(self, rec: dict) -> None:
+        log_step(rec, self.file, self.records, self.progress)
+
+    def close(self, summary_text: str | None, extra: dict | None = None) -> None:
+        if self.rank == 0:
+            self.file.close()
+            write_outputs(self.output_dir, self.records, summary_text, extra)
+
+
 def gather_peak_memory(world: int, **extra) -> list[dict]:
     """Every rank's peak resident memory in MiB (CPU tensors live there; ``ru_maxrss`` is KiB on Linux),
     with ``extra`` fields of its own, gathered to every rank (a collective: all ranks call it)."""
@@ -473,3 +527,12 @@ def exit_on_config_error(main, *args):
             print(f"zen_ext: configuration error: {exc} (ZEN_DEBUG=1 shows the traceback)", file=sys.stderr,
                   flush=True)
         sys.exit(2)
+
+
+def run_main(main) -> None:
+    """A recipe's entry point: ``main`` under ``exit_on_config_error``, then every rank leaves the process
+    group together (a rank that left first would fail the others' last collective)."""
+    exit_on_config_error(main)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -41,6 +41,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(a later run fine-tunes from it: --model DIR --tokenizer DIR)")
     p.add_argument("--frozen_variance_after", default=None, help=argparse.SUPPRESS)  # removed: load_ds_config
     common.add_optimizer_args(p)
+    common.add_outer_args(p)
     p.add_argument("--memory_report", action="store_true", help="each rank's resident memory after engine init and "
                    "over the training steps, and zen_ext's state bytes, into summary.json (recipes/memory_report.py)")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
@@ -56,6 +57,7 @@ def load_ds_config(args) -> dict:
     from zen_ext.config import ZenConfig
 
     ds = copy.deepcopy(load_json_config(args.deepspeed_config))
+    common.apply_outer_args(args, ds)  # --outer_every and friends into zen.outer
     try:  # validated again inside initialize; here it fails before processes, data and model exist
         ZenConfig.from_ds_config(ds)
     except (ValueError, TypeError) as exc:
@@ -211,9 +213,7 @@ def main(argv=None) -> list[dict]:
     if memory is not None:
         memory.at_init()  # after data, model and engine: the peak from here on is the training steps'
     batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)
-    log_file = open(os.path.join(args.output_dir, "train_log.jsonl"), "a") if rank == 0 else None
-    progress = common.progress_bar(rank, start, args.steps)
-    records: list[dict] = []
+    log = common.StepLog(args.output_dir, rank, start, args.steps)
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         loss_sum = 0.0
@@ -233,7 +233,7 @@ def main(argv=None) -> list[dict]:
             rec["dense_bytes"] = zen.totals["dense_bytes"]
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             rec["eval_loss"] = common.evaluate(engine, eval_blocks, micro, dp_rank, dp_size, dp_group)
-        common.log_step(rec, log_file, records, progress)
+        log.log(rec)
         if memory is not None and step == args.steps:  # before the checkpoint save's copies
             memory.at_train_end(zen, engine.module)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
@@ -244,9 +244,8 @@ def main(argv=None) -> list[dict]:
     # final model where asked (ZeRO-1/2 keep full parameters on every rank).
     text = zen.summary() if zen is not None else None
     peak = common.gather_peak_memory(dist.get_world_size(), **(memory.rec if memory is not None else {}))
+    log.close(text, {"memory": peak} if memory is not None else None)
     if rank == 0:
-        log_file.close()
-        common.write_outputs(args.output_dir, records, text, {"memory": peak} if memory is not None else None)
         print("deepspeed recipe: peak memory per rank: " + json.dumps(peak), flush=True)
         if args.save_model:
             engine.module.save_pretrained(args.save_model, safe_serialization=True)
@@ -254,11 +253,8 @@ def main(argv=None) -> list[dict]:
             print(f"deepspeed recipe: final model and tokenizer saved to {args.save_model}", flush=True)
     if zen is not None:
         zen.close()
-    return records
+    return log.records
 
 
 if __name__ == "__main__":
-    common.exit_on_config_error(main)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    common.run_main(main)

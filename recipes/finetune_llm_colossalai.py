@@ -238,9 +238,7 @@ def main(argv=None) -> list[dict]:
 
     # Step 3: train.
     batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)
-    log_file = open(os.path.join(args.output_dir, "train_log.jsonl"), "a") if rank == 0 else None
-    progress = common.progress_bar(rank, start, args.steps)
-    records: list[dict] = []
+    log = common.StepLog(args.output_dir, rank, start, args.steps)
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         loss_sum = 0.0
@@ -263,19 +261,17 @@ def main(argv=None) -> list[dict]:
             rec["dense_bytes"] = zen.stats.totals["dense_bytes"]
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             rec["eval_loss"] = common.evaluate(model, eval_blocks, micro, dp_rank, dp_size, dp_group)
-        common.log_step(rec, log_file, records, progress)
+        log.log(rec)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             save_checkpoint(booster, plugin, model, optimizer, scheduler, args.output_dir, step, rank,
                             optimizer_id)
 
     # Step 4: summary.
     text = zen.summary() if zen is not None else None
-    if rank == 0:
-        log_file.close()
-        common.write_outputs(args.output_dir, records, text)
+    log.close(text)
     if zen is not None:
         zen.close()
-    return records
+    return log.records
 
 
 def _no_sync(booster, model, optimizer, skip: bool):
@@ -286,10 +282,7 @@ def _no_sync(booster, model, optimizer, skip: bool):
 
 
 if __name__ == "__main__":
-    common.exit_on_config_error(main)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    common.run_main(main)
     # DDP + gloo can abort at interpreter exit (gloo's pairs are torn down after the interpreter's state).
     sys.stdout.flush()
     sys.stderr.flush()

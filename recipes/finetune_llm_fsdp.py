@@ -53,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="JSON with an \"fsdp\" section and optionally a \"zen\" section")
     common.add_run_args(p, default_output_dir="runs/fsdp")
     common.add_optimizer_args(p)
+    common.add_outer_args(p)  # refused in load_config: FSDP2 does not serve zen.outer
     p.add_argument("--mixed_precision", default="fp32", choices=sorted(MIXED_PRECISION),
                    help="FSDP2's MixedPrecisionPolicy: bf16 = bf16 forward/backward, fp32 gradient reduction and "
                    "fp32 weights; bf16-reduce-bf16 = the reduction in bf16 too; fp32 = no policy")
@@ -64,12 +65,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_config(path: str) -> tuple[dict, dict | None]:
+def load_config(path: str, args=None) -> tuple[dict, dict | None]:
     """The ``"fsdp"`` settings (defaults filled in) and the ``"zen"`` section (None: plain FSDP2),
-    validated before any process group, data or model exists."""
-    from zen_ext.config import ZenConfig, load_json_config
+    validated before any process group, data or model exists; ``args``' ``--outer_*`` flags go into
+    ``zen.outer``, which FSDP2 does not serve (refused here)."""
+    import copy
 
-    cfg = load_json_config(path)
+    from zen_ext.config import ZenConfig, load_json_config
+    from zen_ext.reduction.attachment import OUTER_REFUSAL
+
+    cfg = copy.deepcopy(load_json_config(path))
+    if args is not None:
+        common.apply_outer_args(args, cfg)
     unknown = sorted(set(cfg) - {"fsdp", "zen", "_comment"})
     if unknown:
         raise common.ConfigError(f"config keys {unknown} must be among ['fsdp', 'zen']")
@@ -91,10 +98,13 @@ def load_config(path: str) -> tuple[dict, dict | None]:
         raise common.ConfigError(f"fsdp.blocks ({blocks!r}) must be null or a non-empty list of class names")
     zen = cfg.get("zen")
     try:
-        if zen is not None and not ZenConfig.from_json_section(zen).enabled:
+        parsed = ZenConfig.from_json_section(zen) if zen is not None else None
+        if parsed is not None and not parsed.enabled:
             zen = None
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, NotImplementedError) as exc:
         raise common.ConfigError(str(exc)) from exc
+    if zen is not None and parsed.outer.enabled:
+        raise common.ConfigError(OUTER_REFUSAL)
     return fsdp, zen
 
 
@@ -199,7 +209,7 @@ def main(argv=None) -> list[dict]:
 
     args = parse_args(argv)
     # Step 1: config, processes.
-    fsdp, zen_section = load_config(args.config)
+    fsdp, zen_section = load_config(args.config, args)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
     dist.init_process_group("nccl" if device is not None else "gloo")
     if device is not None:
@@ -241,9 +251,7 @@ def main(argv=None) -> list[dict]:
 
     # Step 3: train; a checkpoint every --save_every steps and at the end.
     batches = common.train_batches(train_blocks, fsdp["micro_batch"], rank, world, seed=args.seed, start_step=start)
-    log_file = open(os.path.join(args.output_dir, "train_log.jsonl"), "a") if rank == 0 else None
-    progress = common.progress_bar(rank, start, args.steps)
-    records: list[dict] = []
+    log = common.StepLog(args.output_dir, rank, start, args.steps)
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
         batch = next(batches).to(batch_device)
@@ -267,7 +275,7 @@ def main(argv=None) -> list[dict]:
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
             rec["eval_loss"] = common.evaluate(model, eval_blocks, fsdp["micro_batch"], rank, world, dist.group.WORLD,
                                                device=batch_device)
-        common.log_step(rec, log_file, records, progress)
+        log.log(rec)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
             fsdp_checkpoint.save(ckpt_dir, step, model, optimizer, zen, optimizer_name)
 
@@ -275,17 +283,13 @@ def main(argv=None) -> list[dict]:
     text = zen.summary() if zen is not None else None
     peak = common.gather_peak_memory(world, peak_rss_at_start_mib=rss_start / 1024,
                                      cuda_peak_mib=torch.cuda.max_memory_allocated() / 2**20 if device else None)
+    log.close(text)
     if rank == 0:
-        log_file.close()
-        common.write_outputs(args.output_dir, records, text)
         print("fsdp recipe: peak memory per rank: " + json.dumps(peak), flush=True)
     if zen is not None:
         zen.close()
-    return records
+    return log.records
 
 
 if __name__ == "__main__":
-    common.exit_on_config_error(main)
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+    common.run_main(main)

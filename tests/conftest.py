@@ -48,12 +48,23 @@ def pytest_sessionfinish(session, exitstatus):
             pass
 
 
-# The files that took over a minute each on 2 cores (`--durations`): collected first, so that pytest-xdist
-# (launch/test.sh, --dist loadfile hands out files in collection order) starts them early and no worker
-# ends the run alone with one of them. Order inside a file is kept.
-LONG_FILES = ("tests/ops/test_cuda_compile.py", "tests/e2e/test_readme_snippets.py",
-              "tests/e2e/test_colossalai_recipe.py", "tests/e2e/test_deepspeed_recipe.py",
-              "tests/e2e/test_deepspeed_engine.py", "tests/e2e/test_deepspeed_zero3.py")
+# The heaviest files by measured time (`--durations=0`, whole suite on 2 xdist workers, 2026-12-06),
+# heaviest first: collected first, so that pytest-xdist (launch/test.sh: --dist loadfile
+# --no-loadscope-reorder hands out files in collection order) starts them early and a worker that ends
+# the run alone does so on a short file. Order inside a file is kept. Each took over 100 s there (a
+# loaded machine: several times their time on 2 quiet cores).
+LONG_FILES = ("tests/e2e/test_recipe_pretrained_start.py", "tests/e2e/test_deepspeed_recipe.py",
+              "tests/e2e/test_deepspeed_zero3.py", "tests/e2e/test_deepspeed_zero3_node.py",
+              "tests/e2e/test_readme_snippets.py", "tests/ops/test_cuda_compile.py",
+              "tests/e2e/test_deepspeed_hf_trainer.py", "tests/e2e/test_deepspeed_spardl_recipe.py",
+              "tests/e2e/test_colossalai_recipe.py", "tests/e2e/test_deepspeed_rs_overlap.py",
+              "tests/e2e/test_deepspeed_engine.py", "tests/e2e/test_fsdp_recipe.py",
+              "tests/multiproc/test_ddp_hook.py", "tests/e2e/test_deepspeed_tp.py",
+              "tests/e2e/test_deepspeed_zero3_recipe.py", "tests/multiproc/test_fsdp_hsdp.py",
+              "tests/unit/test_gpu_check.py", "tests/multiproc/test_fsdp.py",
+              "tests/e2e/test_colossalai_plugins.py", "tests/multiproc/test_fsdp_float_sums.py",
+              "tests/e2e/test_deepspeed_offload.py", "tests/multiproc/test_fsdp_node.py",
+              "tests/e2e/test_dgc_deepspeed_fp16.py")
 
 
 def pytest_collection_modifyitems(config, items):

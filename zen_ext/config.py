@@ -33,6 +33,7 @@ from typing import Any, Optional, Union
 from ._keys import SECTION, near_miss_sections, unknown_keys_message, warn_near_miss_sections  # noqa: F401 (API)
 from .compress import registered, spec_of
 from .core.spardl import SparDLConfig
+from .outer.config import OuterConfig
 
 SUPPORTED_ZERO_STAGES = (0, 1, 2, 3)
 MAX_BUCKET_CAP_MB = 2.0**20
@@ -124,6 +125,9 @@ class ZenConfig(_Section):
     forces it (an error naming what is supported if it cannot apply); false never. Default auto."""
     spardl: SparDLConfig = field(default_factory=SparDLConfig)
     """Options of the SparDL scheme (see the ``zen.spardl`` table; ``core/spardl.py``)."""
+    outer: OuterConfig = field(default_factory=OuterConfig)
+    """Local steps and a sparse outer synchronization instead of a per-step one (see the ``zen.outer``
+    table; ``zen_ext/outer/``, docs/outer.md). Off by default."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """Cost-model inputs of ``scheme: "auto"`` (see the ``zen.planner`` table)."""
     stats: StatsConfig = field(default_factory=StatsConfig)
@@ -444,6 +448,11 @@ def _rules_zen(c: ZenConfig, p: str) -> None:
         raise _range_error(f"{p}.bucket_cap_mb", c.bucket_cap_mb, f"be in (0, {int(MAX_BUCKET_CAP_MB)}]")
     if isinstance(c.hierarchical, str) and c.hierarchical != "auto":
         raise _range_error(f"{p}.hierarchical", c.hierarchical, 'be true, false or "auto"')
+    if c.outer.enabled:
+        from .core.registry import scheme_class
+
+        if not scheme_class(c.scheme).lossless:  # the outer sum must equal a dense sum of the picks
+            raise _range_error(f"{p}.scheme", c.scheme, "be a lossless scheme when zen.outer is enabled")
     # Every registered kind's section, in the registry's order: an absent one is its defaults, and one
     # built in code (a dict) becomes its config class.
     given = dict(c.sparsifier_sections)

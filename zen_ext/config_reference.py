@@ -1,6 +1,6 @@
 """The configuration reference (``python -m zen_ext.config_reference``; the README and docs embed it, and
 tests/unit/test_config.py checks they hold the current one): every key of the ``zen`` section and its
-subsections (one per registered sparsifier, then SparDL's, the planner and the statistics) with its default and
+subsections (one per registered sparsifier, then SparDL's, the outer synchronization's, the planner and the statistics) with its default and
 the docstring under its field."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 from .compress import registered
 from .config import PlannerConfig, StatsConfig, ZenConfig
 from .core.spardl import SparDLConfig
+from .outer.config import OuterConfig
 
 
 def _field_docs(cls) -> dict[str, str]:
@@ -33,7 +34,7 @@ def reference_markdown() -> str:
     """Markdown tables of every key with its default and meaning (the docs' config reference)."""
     out = []
     sections = [(ZenConfig, "zen"), *((s.config, f"zen.{s.kind}") for s in registered()),
-                (SparDLConfig, "zen.spardl"), (PlannerConfig, "zen.planner"), (StatsConfig, "zen.stats")]
+                (SparDLConfig, "zen.spardl"), (OuterConfig, "zen.outer"), (PlannerConfig, "zen.planner"), (StatsConfig, "zen.stats")]
     for cls, path in sections:
         docs = _field_docs(cls)
         out.append(f"#### `{path}`\n\n{' '.join(inspect.getdoc(cls).split())}\n")

@@ -22,7 +22,7 @@ from .engines.fsdp_hsdp import ZenHSDP, shard_layout
 __all__ = ["SUPPORTED", "ZenFSDP", "ZenFSDPReduceScatter", "ZenHSDP", "attach", "chunk_layout", "shard_layout"]
 
 
-def attach(model, config=None, *, optimizer=None, guard_nonfinite: bool = False) -> ZenFSDP:
+def attach(model, config=None, *, optimizer=None, guard_nonfinite: bool = False) -> "ZenFSDP | ZenHSDP":
     """Attach ZEN to an FSDP2 ``model`` after its ``fully_shard`` calls; returns the attachment.
 
     On a 1-D mesh, ZEN's reduce-scatter on every FSDP module (``zen_ext.engines.fsdp.attach``, whose

@@ -28,7 +28,6 @@ import argparse
 import os
 import statistics
 import sys
-import threading
 import time
 
 import torch
@@ -36,6 +35,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 from zen_ext import SimWorld  # noqa: E402
+from zen_ext.comm.simulated import run_grid  # noqa: E402
 from zen_ext.core.rs_base import even_ranges  # noqa: E402
 from zen_ext.reduction import BucketReducer, NodeShardedReduce  # noqa: E402
 from zen_ext.reduction.hierarchy import owner_order  # noqa: E402
@@ -49,26 +49,8 @@ def grid(N: int, L: int, fn):
     """``fn(rank, node, inter)`` on ``N × L`` threads (rank = node·L + l); results by rank."""
     nodes = [[k * L + l for l in range(L)] for k in range(N)]
     owners = owner_order(nodes, list(range(N * L)))
-    intra = [SimWorld(L, timeout_s=1800).communicators() for _ in range(N)]
-    inter = [SimWorld(N, timeout_s=1800).communicators() for _ in range(L)]
-    out, errors = {}, []
-
-    def body(k, l):
-        try:
-            out[k * L + l] = fn(k * L + l, NodeShardedReduce(intra[k][l], l, L, owners=owners), inter[l][k])
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-            for c in (intra[k][l], inter[l][k]):
-                c._sh.barrier.abort()
-
-    threads = [threading.Thread(target=body, args=(k, l)) for k in range(N) for l in range(L)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return [out[r] for r in range(N * L)]
+    return run_grid(N, L, lambda k, l, intra, inter: fn(k * L + l, NodeShardedReduce(intra, l, L, owners=owners),
+                                                         inter), timeout_s=1800)
 
 
 def grad(rank: int, step: int, numel: int) -> torch.Tensor:

@@ -330,12 +330,12 @@ def check_dgc_search(rep: Report, device: str) -> None:
         bad, checked = [], 0
         for sizes, density in (([4096] * 7, 0.01), ([1, 64, 5000, 65536, 3, 20000], 0.05), ([8192, 24576, 1024] * 20, 0.02)):
             g = torch.Generator().manual_seed(len(sizes))
-            lay = units._Layout(tuple(f"p{i}" for i in range(len(sizes))), tuple(sizes), True, "cpu")
+            lay = units.Layout(tuple(f"p{i}" for i in range(len(sizes))), tuple(sizes), True, "cpu")
             R = torch.cat([torch.randn(n, generator=g, dtype=torch.float64) ** 3 * 10.0 ** (i % 5 - 2)
                            for i, n in enumerate(sizes)]).to(dtype)
             pos_S, ns_U = lay.sample_positions(density, 0.01, 7, "cpu")
             consts = lay.search_constants(ns_U, [max(1, math.ceil(density * n)) for n in sizes], list(sizes), "cpu")
-            sorted_S = units._sort_per_unit(R.index_select(0, pos_S).abs(), consts.unit_S)
+            sorted_S = units.sort_per_unit(R.index_select(0, pos_S).abs(), consts.unit_S)
             tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
             t_low = sorted_S.index_select(0, consts.low_S).clamp(min=tiny)  # the sample at rank CANDIDATE_FACTOR·first
             pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
@@ -504,7 +504,7 @@ def check_dgc_sample(rep: Report, device: str) -> None:
     import torch
 
     from zen_ext import ops
-    from zen_ext.compress.dgc.units import _Layout, sample_shift
+    from zen_ext.compress.dgc.units import Layout, sample_shift
 
     if device != "cuda":
         return  # the CPU ops are held to the torch path by tests/ops/test_dgc_ops.py
@@ -525,8 +525,8 @@ def check_dgc_sample(rep: Report, device: str) -> None:
                     U = torch.randn(N, generator=g) if momentum else None
                     bucket = torch.randn(N, generator=g).to(gdt)
                     g_T = list(bucket.split(sizes)) if layout == "adjacent" else [t.clone() for t in bucket.split(sizes)]
-                    lay_c = _Layout(tuple(f"t{i}" for i in range(len(sizes))), tuple(sizes), True, "cpu")
-                    lay_d = _Layout(lay_c.names, lay_c.numels, True, device)
+                    lay_c = Layout(tuple(f"t{i}" for i in range(len(sizes))), tuple(sizes), True, "cpu")
+                    lay_d = Layout(lay_c.names, lay_c.numels, True, device)
                     try:
                         grid, ns_U, stride, unit, hsh = lay_c.sample_grid(0.01, 0.01, "cpu")
                         want = ops.dgc_sample_keys(R, U, g_T, momentum or 0.0, grid, unit, hsh, stride, sample_shift(step))

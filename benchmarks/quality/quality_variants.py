@@ -41,6 +41,15 @@ VARIANTS: dict[str, dict | None] = {
     # against fp32's 4): benchmarks/quality/results/residual_int4.md.
     "dgc5_int4": {"residual_dtype": "int4"},
     "dgc5_int4_sr": {"residual_dtype": "int4", "int4_rounding": "stochastic"},
+    # zen.dgc.value_bits (docs/sparsifiers.md): the selected values on the wire in 8 or 4 bits, error feedback
+    # at the sender (DGC's residual) and at each ZEN owner (owner residual; _noowner: off, to show what it buys).
+    "dgc5_v8": {"value_bits": 8},
+    "dgc5_v4": {"value_bits": 4},
+    "dgc5_v4_noowner": {"value_bits": 4, "owner_error_feedback": False},
+    "dgc5_v4_int4": {"value_bits": 4, "residual_dtype": "int4"},
+    "dgc1_v8": {"density": 0.01, "value_bits": 8},
+    "dgc1_v4": {"density": 0.01, "value_bits": 4},
+    "dgc1_v4_noowner": {"density": 0.01, "value_bits": 4, "owner_error_feedback": False},
     "dgc10": {"density": 0.10},
     "dgc20": {"density": 0.20},
     "dgc25": {"density": 0.25},  # about the elements dgc5_attn_dense sends (26 % of the non-embedding gradient)

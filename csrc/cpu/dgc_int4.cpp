@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../dgc_int4.h"
+#include "dgc_select.h"
 
 namespace zen_ext {
 namespace {
@@ -86,11 +87,6 @@ inline void for_blocks(const Tensors& ts, int64_t b_lo, int64_t b_hi, F&& f) {
   }
 }
 
-struct Found {
-  std::vector<int64_t> pos, run;
-  std::vector<float> val;
-};
-
 // a = Q^-1(e) + v per element, v = U <- U*m + g (U, update), U (U, !update) or g; the candidates |a| >= thr
 // of the element's run, ascending (chunks of blocks, concatenated in order: any thread count).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_int4_select_cpu(
@@ -107,13 +103,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_int4_select_cpu(
                     U_opt->scalar_type() == at::kFloat,
                 op, ": U must be a contiguous float32 CPU tensor of ", N, " elements");
   }
-  TORCH_CHECK(capacity >= -1, op, ": capacity (", capacity, ") must be >= 0, or -1 for all");
-  bool ok = true;
-  if (ok_opt.has_value() && ok_opt->defined()) {
-    TORCH_CHECK(ok_opt->device().is_cpu() && ok_opt->scalar_type() == at::kBool && ok_opt->numel() == 1,
-                op, ": ok must be one CPU bool");
-    ok = ok_opt->item<bool>();
-  }
+  dgc_select::check_capacity(capacity, op);
+  const bool ok = dgc_select::read_ok(ok_opt, op);
   auto thr = thr_U.contiguous();
   auto ends = ends_U.contiguous();
   const int64_t R = ends.numel();
@@ -125,7 +116,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_int4_select_cpu(
   const float m = float(momentum);
   constexpr int64_t kChunkBlocks = 256;  // 64 Ki elements a chunk
   const int64_t chunks = ok ? (ts.NB + kChunkBlocks - 1) / kChunkBlocks : 0;
-  std::vector<Found> found(size_t(std::max<int64_t>(chunks, 1)));
+  std::vector<dgc_select::Found<float>> found(size_t(std::max<int64_t>(chunks, 1)));
   auto body = [&](auto grad_tag) {
     using grad_t = decltype(grad_tag);
     at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
@@ -150,11 +141,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_int4_select_cpu(
             }
             const float a = x + v;
             const float th = tp[u];
-            if (a >= th || a <= -th) {
-              out.pos.push_back(i);
-              out.val.push_back(a);
-              out.run.push_back(u);
-            }
+            if (a >= th || a <= -th) out.add(i, a, u);
           }
         });
       }
@@ -164,28 +151,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_int4_select_cpu(
   if (gdt == at::kBFloat16) body(c10::BFloat16());
   else if (gdt == at::kHalf) body(c10::Half());
   else body(float());
-  int64_t total = 0;
-  for (const auto& f : found) total += int64_t(f.pos.size());
-  const int64_t size = capacity < 0 ? total : capacity;
-  auto lopt = at::TensorOptions().dtype(at::kLong);
-  auto pos = at::full({size}, N, lopt);
-  auto run = at::full({size}, R, lopt);
-  auto val = at::zeros({size}, scales.options());
-  int64_t* pp = pos.data_ptr<int64_t>();
-  int64_t* rq = run.data_ptr<int64_t>();
-  float* vp = val.data_ptr<float>();
-  int64_t left = size;
-  for (const auto& f : found) {
-    const int64_t k = std::min<int64_t>(left, int64_t(f.pos.size()));
-    std::copy(f.pos.begin(), f.pos.begin() + k, pp);
-    std::copy(f.run.begin(), f.run.begin() + k, rq);
-    std::copy(f.val.begin(), f.val.begin() + k, vp);
-    pp += k;
-    rq += k;
-    vp += k;
-    left -= k;
-  }
-  return {pos, val, run, at::full({1}, total, lopt)};
+  // Candidates in chunk order, padded to the capacity (position N, value 0, run R), as the CUDA op writes them.
+  return dgc_select::pack(found, capacity, N, R, scales.options());
 }
 
 // The step's error feedback, quantized in place: a = Q^-1(e) + (U or g); sent (|a| >= thr of the run, or a

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "../dgc_dtypes.h"
+#include "dgc_select.h"
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -40,16 +41,7 @@ std::vector<int64_t> list_ends(at::TensorList g_T, at::ScalarType dtype, const c
 }
 
 // The candidates one chunk of the pass found: position, value of R there, and its run.
-template <typename scalar_t>
-struct Found {
-  std::vector<int64_t> pos, run;
-  std::vector<scalar_t> val;
-  void add(int64_t i, scalar_t v, int64_t t) {
-    pos.push_back(i);
-    val.push_back(v);
-    run.push_back(t);
-  }
-};
+using dgc_select::Found;
 
 // Elements [i, stop) of one run and one gradient: the update and the compare, scalar. Two roundings
 // for the momentum (as U.mul_(m) then U.add_(g) make them): the ISO C++ build (-std=c++20) does not
@@ -151,20 +143,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select
   const int64_t* ep = ends.data_ptr<int64_t>();
   const int64_t* gp_end = gends.data();
   TORCH_CHECK(ep[T - 1] == N, "dgc_accumulate_select_: ends_U must end at numel (", N, "), got ", ep[T - 1]);
-  TORCH_CHECK(capacity >= -1, "dgc_accumulate_select_: capacity (", capacity, ") must be >= 0, or -1 for all");
-  bool ok = true;
-  if (ok_opt.has_value() && ok_opt->defined()) {
-    TORCH_CHECK(ok_opt->device().is_cpu() && ok_opt->scalar_type() == at::kBool && ok_opt->numel() == 1,
-                "dgc_accumulate_select_: ok must be one CPU bool");
-    ok = ok_opt->item<bool>();
-  }
+  dgc_select::check_capacity(capacity, "dgc_accumulate_select_");
+  const bool ok = dgc_select::read_ok(ok_opt, "dgc_accumulate_select_");
   const int64_t chunks_all = (N + (int64_t(1) << 16) - 1) >> 16;
   // Chunks of a fixed size, each collecting its own candidates, concatenated in chunk order: the
   // result is ascending for any thread count.
   constexpr int64_t kChunk = int64_t(1) << 16;
   const int64_t chunks = ok ? chunks_all : 0;
-  at::Tensor pos, val, run;
-  int64_t count_total = 0;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> result;
   auto body = [&](auto scalar_tag, auto grad_tag) {
     using scalar_t = decltype(scalar_tag);
     using grad_t = decltype(grad_tag);
@@ -191,27 +177,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select
         }
       }
     });
-    int64_t total = 0;
-    for (const auto& f : found) total += int64_t(f.pos.size());
-    count_total = total;
-    const int64_t size = capacity < 0 ? total : capacity;
-    pos = at::full({size}, N, at::TensorOptions().dtype(at::kLong));
-    run = at::full({size}, T, at::TensorOptions().dtype(at::kLong));
-    val = at::zeros({size}, R.options());
-    int64_t* pp = pos.data_ptr<int64_t>();
-    int64_t* rq = run.data_ptr<int64_t>();
-    scalar_t* vp = val.data_ptr<scalar_t>();
-    int64_t left = size;  // room left in the outputs
-    for (const auto& f : found) {
-      const int64_t k = std::min<int64_t>(left, int64_t(f.pos.size()));
-      std::copy(f.pos.begin(), f.pos.begin() + k, pp);
-      std::copy(f.run.begin(), f.run.begin() + k, rq);
-      std::copy(f.val.begin(), f.val.begin() + k, vp);
-      pp += k;
-      rq += k;
-      vp += k;
-      left -= k;
-    }
+    result = dgc_select::pack(found, capacity, N, T, R.options());
   };
   if (R.scalar_type() == at::kDouble) {
     body(double(), double());
@@ -222,7 +188,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> dgc_accumulate_select
   } else {
     body(float(), float());
   }
-  return {pos, val, run, at::full({1}, count_total, at::TensorOptions().dtype(at::kLong))};
+  return result;
 }
 
 // Values of the concatenation of g_T at the global positions pos (int64, any order).

@@ -27,6 +27,7 @@
 
 #include "../dgc_int4.h"
 #include "dgc_flat.h"
+#include "dgc_select.cuh"
 
 namespace zen_ext {
 namespace {
@@ -34,24 +35,14 @@ namespace {
 using int4::kBlock;
 using int4::kHalf;
 
-constexpr int kThreads = int(kBlock);  // select: one thread per element of a block
-constexpr int kItems = 8;              // blocks per tile
-constexpr int64_t kTile = int64_t(kThreads) * kItems;
-constexpr int kWarps = kThreads / 32;
-constexpr int kWordsPerTile = int(kTile / 32);
+using dgc_select::first_past;
+constexpr int kThreads = dgc_select::kTileThreads;  // select: one thread per element of a block
+static_assert(kThreads == int(kBlock), "dgc_int4_select runs one thread per element of a quantization block");
+constexpr int kItems = dgc_select::kTileItems;  // blocks per tile
+constexpr int64_t kTile = dgc_select::kTileSize;
+constexpr int kWordsPerTile = dgc_select::kTileWords;
 constexpr int kPairs = int(kHalf);  // requantize: one thread per code byte
 enum Velocity { kGrad = 0, kUpdate = 1, kVelocity = 2 };  // v = g; U <- U*m + g; U as it is
-
-// First index whose end lies past x (ends ascending, ends[n-1] > x).
-__device__ __forceinline__ int64_t first_past(const int64_t* __restrict__ ends, int64_t n, int64_t x) {
-  int64_t lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (ends[mid] <= x) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo;
-}
 
 // Block b's tensor: its first element, and b's first element inside the tensor.
 struct Where {
@@ -85,10 +76,8 @@ __global__ void int4_mark_kernel(const uint8_t* __restrict__ codes, const float*
                                  const int64_t* __restrict__ blocks_T, int64_t T, const float* __restrict__ thr,
                                  const int64_t* __restrict__ ends_U, int64_t R, const bool* __restrict__ ok, int64_t NB,
                                  uint32_t* __restrict__ words, int64_t* __restrict__ tile_count) {
-  __shared__ int warp_count[kWarps];
   const int64_t tile = blockIdx.x;
   const bool go = ok == nullptr || *ok;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int count = 0;
   for (int j = 0; j < kItems; ++j) {
     const int64_t b = tile * kItems + j;
@@ -103,20 +92,9 @@ __global__ void int4_mark_kernel(const uint8_t* __restrict__ codes, const float*
         hit = a >= th || a <= -th;  // NaN: never a candidate
       }
     }
-    // Word j·kWarps + warp covers padded positions tile·kTile + 32·(j·kWarps + warp) + lane: ascending
-    // words are ascending elements.
-    const unsigned bits = __ballot_sync(0xffffffffu, hit);
-    if (lane == 0) words[tile * kWordsPerTile + j * kWarps + warp] = bits;
-    count += hit ? 1 : 0;
+    dgc_select::mark_word(hit, tile, j, words, count);  // of padded positions: ascending words, ascending elements
   }
-  for (int d = 16; d > 0; d >>= 1) count += __shfl_down_sync(0xffffffffu, count, d);
-  if (lane == 0) warp_count[warp] = count;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int64_t total = 0;
-    for (int w = 0; w < kWarps; ++w) total += warp_count[w];
-    tile_count[tile] = total;
-  }
+  dgc_select::store_tile_count(count, tile, tile_count);
 }
 
 template <typename grad_t>
@@ -127,25 +105,10 @@ __global__ void int4_compact_kernel(const uint32_t* __restrict__ words, const in
                                     int64_t T, const int64_t* __restrict__ ends_U, int64_t R, int64_t N,
                                     int64_t capacity, int64_t* __restrict__ pos, float* __restrict__ val,
                                     int64_t* __restrict__ run) {
-  __shared__ int half_total;
   const int64_t tile = blockIdx.x;
   const int w = threadIdx.x;  // blockDim.x == kWordsPerTile == 64: two warps
-  for (int64_t q = tile_end[gridDim.x - 1] + tile * kWordsPerTile + w; q < capacity;
-       q += int64_t(gridDim.x) * kWordsPerTile) {
-    pos[q] = N;
-    val[q] = 0.0f;
-    run[q] = R;
-  }
-  uint32_t bits = words[tile * kWordsPerTile + w];
-  const int c = __popc(bits);
-  int x = c;
-  for (int d = 1; d < 32; d <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, d);
-    if ((w & 31) >= d) x += y;
-  }
-  if (w == 31) half_total = x;
-  __syncthreads();
-  int64_t o = tile_end[tile] - tile_count[tile] + (x - c) + (w >= 32 ? half_total : 0);
+  uint32_t bits;
+  int64_t o = dgc_select::compact_start(words, tile_end, tile_count, N, R, capacity, pos, val, run, bits);
   const int64_t first_pp = tile * kTile + int64_t(w) * 32;
   // The update ran in the mark kernel: read the velocity as it left it.
   const int read_mode = mode == kUpdate ? kVelocity : mode;

@@ -29,15 +29,16 @@
 
 #include "../dgc_dtypes.h"
 #include "dgc_flat.h"
+#include "dgc_select.cuh"
 
 namespace zen_ext {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kItems = 8;
-constexpr int64_t kTile = int64_t(kThreads) * kItems;  // elements per block
-constexpr int kWarps = kThreads / 32;
-constexpr int kWordsPerTile = int(kTile / 32);  // 64: one compaction thread per word
+using dgc_select::first_past;  // the run of an element: first_past(ends, T, i)
+constexpr int kThreads = dgc_select::kTileThreads;
+constexpr int kItems = dgc_select::kTileItems;
+constexpr int64_t kTile = dgc_select::kTileSize;  // elements per block
+constexpr int kWordsPerTile = dgc_select::kTileWords;  // 64: one compaction thread per word
 
 // The update's two roundings, never contracted into a fused multiply-add (the CPU op and torch's
 // U.mul_(m); U.add_(g) round twice).
@@ -46,28 +47,15 @@ __device__ __forceinline__ double mul_rn(double a, double b) { return __dmul_rn(
 __device__ __forceinline__ float add_rn(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ double add_rn(double a, double b) { return __dadd_rn(a, b); }
 
-// First run whose end lies past element i (ends ascending, ends[T-1] = numel > i).
-__device__ __forceinline__ int64_t run_of(const int64_t* __restrict__ ends, int64_t T, int64_t i) {
-  int64_t lo = 0, hi = T - 1;
-  while (lo < hi) {
-    const int64_t mid = (lo + hi) / 2;
-    if (ends[mid] <= i) lo = mid + 1;
-    else hi = mid;
-  }
-  return lo;
-}
-
 template <typename scalar_t, typename grad_t>
 __global__ void accumulate_mark_kernel(scalar_t* __restrict__ R, scalar_t* __restrict__ U,
                                        const grad_t* __restrict__ g, scalar_t m, const scalar_t* __restrict__ thr,
                                        const int64_t* __restrict__ ends, int64_t T, const bool* __restrict__ ok,
                                        int64_t N, uint32_t* __restrict__ words, int64_t* __restrict__ tile_count) {
-  __shared__ int warp_count[kWarps];
   const int64_t tile = blockIdx.x;
   const int64_t base = tile * kTile;
   const bool update = ok == nullptr || *ok;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int64_t t = run_of(ends, T, base + threadIdx.x < N ? base + threadIdx.x : N - 1);
+  int64_t t = first_past(ends, T, base + threadIdx.x < N ? base + threadIdx.x : N - 1);
   int count = 0;
   for (int j = 0; j < kItems; ++j) {
     const int64_t i = base + int64_t(j) * kThreads + threadIdx.x;
@@ -87,20 +75,9 @@ __global__ void accumulate_mark_kernel(scalar_t* __restrict__ R, scalar_t* __res
       const scalar_t th = thr[t];
       hit = r >= th || r <= -th;  // NaN: never a candidate, as on the CPU
     }
-    // Word j·kWarps + warp of the tile covers elements base + 32·(j·kWarps + warp) + lane: words in
-    // ascending order are elements in ascending order.
-    const unsigned bits = __ballot_sync(0xffffffffu, hit);
-    if (lane == 0) words[tile * kWordsPerTile + j * kWarps + warp] = bits;
-    count += hit ? 1 : 0;
+    dgc_select::mark_word(hit, tile, j, words, count);  // words in ascending order: elements in ascending order
   }
-  for (int d = 16; d > 0; d >>= 1) count += __shfl_down_sync(0xffffffffu, count, d);
-  if (lane == 0) warp_count[warp] = count;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int64_t total = 0;
-    for (int w = 0; w < kWarps; ++w) total += warp_count[w];
-    tile_count[tile] = total;
-  }
+  dgc_select::store_tile_count(count, tile, tile_count);
 }
 
 template <typename scalar_t>
@@ -108,28 +85,10 @@ __global__ void compact_kernel(const uint32_t* __restrict__ words, const int64_t
                                const int64_t* __restrict__ tile_count, const scalar_t* __restrict__ R,
                                const int64_t* __restrict__ ends, int64_t T, int64_t N, int64_t capacity,
                                int64_t* __restrict__ pos, scalar_t* __restrict__ val, int64_t* __restrict__ run) {
-  __shared__ int half_total;
   const int64_t tile = blockIdx.x;
   const int w = threadIdx.x;  // blockDim.x == kWordsPerTile == 64: two warps
-  // The padding past the last candidate, spread over the grid (three fills before the pass were
-  // three more launches).
-  for (int64_t q = tile_end[gridDim.x - 1] + tile * kWordsPerTile + w; q < capacity;
-       q += int64_t(gridDim.x) * kWordsPerTile) {
-    pos[q] = N;
-    val[q] = scalar_t(0);
-    run[q] = T;
-  }
-  uint32_t bits = words[tile * kWordsPerTile + w];
-  const int c = __popc(bits);
-  int x = c;  // inclusive prefix within the warp
-  for (int d = 1; d < 32; d <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, d);
-    if ((w & 31) >= d) x += y;
-  }
-  if (w == 31) half_total = x;
-  __syncthreads();
-  const int64_t tile_start = tile_end[tile] - tile_count[tile];
-  int64_t o = tile_start + (x - c) + (w >= 32 ? half_total : 0);
+  uint32_t bits;
+  int64_t o = dgc_select::compact_start(words, tile_end, tile_count, N, T, capacity, pos, val, run, bits);
   if (o >= capacity) return;
   const int64_t first = tile * kTile + int64_t(w) * 32;
   int64_t t = -1;
@@ -137,7 +96,7 @@ __global__ void compact_kernel(const uint32_t* __restrict__ words, const int64_t
     const int b = __ffs(int(bits)) - 1;
     bits &= bits - 1u;
     const int64_t i = first + b;
-    if (t < 0) t = run_of(ends, T, i);
+    if (t < 0) t = first_past(ends, T, i);
     while (ends[t] <= i) ++t;
     pos[o] = i;
     val[o] = R[i];

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from zen_ext.comm.local import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,11 +29,22 @@ def _run(tmp_path, out: str, steps: int, extra: list[str], stdout: list | None =
         return [json.loads(line) for line in f if line.strip()]
 
 
-def test_saved_model_is_the_start_of_the_next_run(tmp_path):
-    saved = tmp_path / "pretrained"
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """One ``--plain_adam`` run of 6 steps that saves its model: the start of the fine-tuning run below,
+    and the run whose start line and losses the ``--plain_adam`` test reads (a process start imports
+    DeepSpeed and transformers: several seconds a run)."""
+    tmp_path = tmp_path_factory.mktemp("pretrained_start")
+    text: list[str] = []
     # The check is on the saved weights, not the optimizer: the config's AdamW moves furthest in 6 steps
     # (CatchUpAdamW holds the coordinates DGC has not sent yet where they are).
-    first = _run(tmp_path, "pre", 6, ["--save_model", str(saved), "--plain_adam"])
+    first = _run(tmp_path, "pre", 6, ["--save_model", str(tmp_path / "pretrained"), "--plain_adam"], stdout=text)
+    return tmp_path, first, text[0]
+
+
+def test_saved_model_is_the_start_of_the_next_run(pretrained):
+    tmp_path, first, _ = pretrained
+    saved = tmp_path / "pretrained"
     assert (saved / "config.json").is_file() and (saved / "model.safetensors").is_file()
     assert (saved / "tokenizer.json").is_file()
     second = _run(tmp_path, "ft", 1, ["--model", str(saved), "--tokenizer", str(saved)])
@@ -40,10 +53,9 @@ def test_saved_model_is_the_start_of_the_next_run(tmp_path):
     assert second[0]["loss"] < first[0]["loss"] - 0.2, (first[0]["loss"], first[-1]["loss"], second[0]["loss"])
 
 
-def test_plain_adam_keeps_the_config_optimizer_and_says_so(tmp_path):
+def test_plain_adam_keeps_the_config_optimizer_and_says_so(pretrained):
     """``--plain_adam`` keeps the config's AdamW (without it DGC under Adam trains with CatchUpAdamW), and
     the start line then hints at it; the run trains."""
-    text: list[str] = []
-    plain = _run(tmp_path, "adamw", 4, ["--plain_adam"], stdout=text)
-    assert "optimizer=AdamW (--plain_adam)" in text[0] and "hint: DGC under plain Adam" in text[0]
+    _, plain, text = pretrained
+    assert "optimizer=AdamW (--plain_adam)" in text and "hint: DGC under plain Adam" in text
     assert plain[-1]["loss"] < plain[0]["loss"]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.multiproc.fsdp_helpers import assert_same_run, caught, resume_into, train_sgd
 from tests.multiproc.launch import run_workers
 
 VOCAB, WIDTH, IN, HID = 11, 4, 6, 5
@@ -102,16 +103,7 @@ def _shard(model, world, op: str, premul: float | None = None):
 
 
 def _train(model, rank, world, dtype, steps=STEPS, start=0, lr=0.25):
-    opt = torch.optim.SGD(model.parameters(), lr=lr)
-    losses, grads = [], []
-    for step in range(start, start + steps):
-        loss = model(*_batch(step, rank, world, dtype))
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.to_local().clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-    return losses, grads, {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+    return train_sgd(model, lambda i: _batch(i, rank, world, dtype), steps, start, lr)
 
 
 def _run(model_cls, rank, world, dtype, op, zen, premul=None):
@@ -165,15 +157,12 @@ def test_zen_reduce_scatter_equals_plain_fsdp2(runs):
             assert kinds["embed.weight"] == "natural", where
             if what == "dgc":
                 assert kinds["proj.weight"] == "dgc", where
-            scale = 0.25 if what == "premul" else 1.0
-            if what != "premul":
-                assert losses == ref_losses, where
-            for step, (r, g) in enumerate(zip(ref_grads, grads)):
-                for name in r:
-                    assert torch.equal(g[name], r[name] * scale), f"{where} step {step} {name}"
-            if what != "premul":
-                for name in ref_params:
-                    assert torch.equal(params[name], ref_params[name]), f"{where} {name}"
+            if what == "premul":  # FSDP's premultiplied sum: a quarter of the gradient, so other weights
+                for step, (r, g) in enumerate(zip(ref_grads, grads)):
+                    for name in r:
+                        assert torch.equal(g[name], r[name] * 0.25), f"{where} step {step} {name}"
+            else:
+                assert_same_run((ref_losses, ref_grads, ref_params), (losses, grads, params), where)
             if world > 1:
                 assert totals["bytes_sent"] > 0 and totals["dense_bytes"] > 0, where
                 # The embedding's chunks went through the scheme under test, every step.
@@ -193,12 +182,7 @@ def _resume(rank, world):
     _train(first, rank, world, torch.float32, steps=3)
     sd = a.state_dict()
     second = _shard(SplitLM(torch.float32), world, "avg")
-    with torch.no_grad():
-        for p, q in zip(second.parameters(), first.parameters()):
-            p.to_local().copy_(q.to_local())
-    b = zen_ext.fsdp.attach(second, zen)
-    b.load_state_dict(sd)
-    restored = b.state_dict()
+    b, restored = resume_into(second, first, zen, sd)
     _, _, params = _train(second, rank, world, torch.float32, steps=3, start=3)
     return sd, restored, ref_params, params, b.step
 
@@ -218,13 +202,6 @@ def _errors(rank, world):
     from torch.distributed.fsdp import fully_shard
 
     import zen_ext.fsdp
-
-    def caught(fn):
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - the test reads the type and message
-            return type(exc).__name__, str(exc)
-        return None
 
     out = {"plain": caught(lambda: zen_ext.fsdp.attach(SplitLM(torch.float32), {}))}
     hsdp = SplitLM(torch.float32)

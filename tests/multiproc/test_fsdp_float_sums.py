@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from tests.multiproc.fsdp_helpers import train_sgd
 from tests.multiproc.launch import run_workers
 
 VOCAB, WIDTH, IN, STEPS = 16, 8, 6, 4
@@ -60,16 +61,7 @@ def _train(rank, reduce_dtype, zen):
         fully_shard(child, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     a = zen_ext.fsdp.attach(model, zen) if zen is not None else None
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses, grads = [], []
-    for step in range(STEPS):
-        loss = model(*_batch(step, rank))
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.to_local().clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-    weights = {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
+    losses, grads, weights = train_sgd(model, lambda i: _batch(i, rank), STEPS, lr=0.5)
     out = {"losses": losses, "grads": grads, "w": weights}
     if a is not None:
         out["kinds"] = dict(a.sync.param_kinds)

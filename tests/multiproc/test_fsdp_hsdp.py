@@ -3,7 +3,8 @@ mesh) on real gloo processes, against plain HSDP.
 
 * natural-only ZEN equals plain HSDP bitwise (losses, every step's gradient shard, parameters) on a 2×2
   mesh: fp32 and bf16, a bf16 ``MixedPrecisionPolicy``, FSDP's sum (a gradient divide factor with
-  sum-only comms), gradient accumulation with ``set_requires_all_reduce(False)``; and on 2×3 and 3×2.
+  sum-only comms), gradient accumulation with ``set_requires_all_reduce(False)``; and on 2×3 and 3×2;
+  sum-only comms without a divide factor on 2×3, 3×2 and 3×3;
   ``SplitLM`` (tests/multiproc/test_fsdp.py) has integer gradients, so equality is the test;
 * with DGC, every lossless scheme (``zen``, ``agsparse``) equals ``dense`` fed the same DGC output, and
   DGC's state is the shard's: ``P / L`` elements a rank where 1-D FSDP keeps ``P``;
@@ -17,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.multiproc.fsdp_helpers import assert_same_run, caught, resume_into, state_bytes, tensors, train_sgd
 from tests.multiproc.launch import run_workers
 from tests.multiproc.test_fsdp import SplitLM, _batch
 
@@ -41,39 +43,18 @@ def _shard(model, mesh, op="avg", mp=None):
     for child in model.children():
         fully_shard(child, **kw)
     fully_shard(model, **kw)
-    if op == "sum":
+    if op in ("sum", "sum-only"):  # FSDP's sum: a divide factor of 1; sum-only: FSDP's own divisions by sums
         for m in model.modules():
             if hasattr(m, "set_force_sum_reduction_for_comms"):
                 m.set_force_sum_reduction_for_comms(True)
-                m.set_gradient_divide_factor(1.0)
+                if op == "sum":
+                    m.set_gradient_divide_factor(1.0)
     return model
 
 
 def _train(model, rank, world, dtype, steps=STEPS, start=0, accumulate=1):
     """SGD steps; with ``accumulate`` > 1, micro-batches reduce-scatter only and the last all-reduces."""
-    opt = torch.optim.SGD(model.parameters(), lr=0.25)
-    losses, grads = [], []
-    for step in range(start, start + steps):
-        for micro in range(accumulate):
-            model.set_requires_all_reduce(micro == accumulate - 1)
-            loss = model(*_batch(accumulate * step + micro, rank, world, dtype))
-            loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.to_local().clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-    return losses, grads, {n: p.detach().to_local().clone() for n, p in model.named_parameters()}
-
-
-def _state_bytes(sd) -> int:
-    """Bytes of every tensor in a state dict (DGC's residuals and thresholds)."""
-    if isinstance(sd, torch.Tensor):
-        return sd.numel() * sd.element_size()
-    if isinstance(sd, dict):
-        return sum(_state_bytes(v) for v in sd.values())
-    if isinstance(sd, (list, tuple)):
-        return sum(_state_bytes(v) for v in sd)
-    return 0
+    return train_sgd(model, lambda i: _batch(i, rank, world, dtype), steps, start, accumulate=accumulate)
 
 
 def _run(rank, world, shape, zen, dtype=torch.float32, op="avg", mp=None, accumulate=1):
@@ -83,7 +64,7 @@ def _run(rank, world, shape, zen, dtype=torch.float32, op="avg", mp=None, accumu
     a = zen_ext.fsdp.attach(model, zen) if zen is not None else None
     out = _train(model, rank, world, dtype, accumulate=accumulate)
     if a is not None:
-        out += (a.step, dict(a.sync.param_kinds), a.totals, _state_bytes(a.state_dict()["sync"]["sparsifiers"]))
+        out += (a.step, dict(a.sync.param_kinds), a.totals, state_bytes(a.state_dict()["sync"]["sparsifiers"]))
         a.close()
     return out
 
@@ -115,12 +96,7 @@ def _check(per_rank, world):
             assert kinds["embed.weight"] == "natural", where
             if what == "dgc":
                 assert kinds["proj.weight"] == "dgc", where
-            assert losses == ref[0], where
-            for step, (r, g) in enumerate(zip(ref[1], grads)):
-                for name in r:
-                    assert torch.equal(g[name], r[name]), f"{where} step {step} {name}"
-            for name in ref[2]:
-                assert torch.equal(params[name], ref[2][name]), f"{where} {name}"
+            assert_same_run(ref, got, where)
             assert totals["bytes_sent"] > 0 and totals["dense_bytes"] > 0, where
 
 
@@ -131,6 +107,36 @@ def test_natural_and_dgc_equal_plain_hsdp_2x2():
 @pytest.mark.parametrize("shape", [(2, 3), (3, 2)])
 def test_natural_and_dgc_equal_plain_hsdp_six_ranks(shape):
     _check(run_workers(_equal_runs, 6, shape, False, timeout_s=900), 6)
+
+
+def _sum_only_runs(rank, world, shape):
+    """Plain HSDP and natural-only ZEN with sum-only communication and no gradient divide factor; the divide
+    factors of FSDP's parameter groups while ZEN is attached and after ``close()``."""
+    import zen_ext.fsdp
+    from zen_ext.engines.fsdp_hsdp import hsdp_param_groups
+
+    ref = _run(rank, world, shape, None, op="sum-only")
+    model = _shard(SplitLM(torch.float32), _mesh(shape), "sum-only")
+    a = zen_ext.fsdp.attach(model, NATURAL)
+    attached = {pg.gradient_divide_factor for _, _, pg in hsdp_param_groups(model)}
+    got = _train(model, rank, world, torch.float32)
+    got += (a.step, dict(a.sync.param_kinds), a.totals, 0)
+    a.close()
+    closed = {pg.gradient_divide_factor for _, _, pg in hsdp_param_groups(model)}
+    return {("natural", "sum-only"): (ref, got)}, attached, closed
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (3, 2), (3, 3)])
+def test_sum_only_without_a_factor_equals_plain_hsdp(shape):
+    """Sum-only communication (``set_force_sum_reduction_for_comms``) without a divide factor: plain HSDP divides
+    the sum by ``N·L`` once; ZEN's hook sets that factor on FSDP's parameter groups, so FSDP divides as plain
+    HSDP and ZEN sums (a mean over the replicas would give ``sum/N/L``: different roundings at 3×3, where
+    neither is a power of two). Integer gradients: equal bit for bit; ``close()`` clears the factor."""
+    world = shape[0] * shape[1]
+    per_rank = run_workers(_sum_only_runs, world, shape, timeout_s=900)
+    _check([cases for cases, _, _ in per_rank], world)
+    for rank, (_, attached, closed) in enumerate(per_rank):
+        assert attached == {float(world)} and closed == {None}, (rank, attached, closed)
 
 
 # --- DGC's state is the shard's ---------------------------------------------------------------------------
@@ -163,21 +169,10 @@ def test_dgc_state_is_shard_sized():
         params = [(n, shapes[n]) for n in dgc]
         mine = sum(s.numel for n in dgc for s in shard_layout([(n, shapes[n])], 2, rank % 2)[0])
         whole = sum(torch.Size(s).numel() for _, s in params)
-        res_h = sum(t.numel() for t in _tensors(hsdp["sync"]["sparsifiers"]) if t.numel() > 1)
-        res_f = sum(t.numel() for t in _tensors(flat["sync"]["sparsifiers"]) if t.numel() > 1)
+        res_h = sum(t.numel() for t in tensors(hsdp["sync"]["sparsifiers"]) if t.numel() > 1)
+        res_f = sum(t.numel() for t in tensors(flat["sync"]["sparsifiers"]) if t.numel() > 1)
         assert res_h == mine and res_f == whole, (rank, res_h, mine, res_f, whole)
         assert hsdp["mesh"] == [2, 2] and hsdp["dp_size"] == 4
-
-
-def _tensors(sd):
-    if isinstance(sd, torch.Tensor):
-        yield sd
-    elif isinstance(sd, dict):
-        for v in sd.values():
-            yield from _tensors(v)
-    elif isinstance(sd, (list, tuple)):
-        for v in sd:
-            yield from _tensors(v)
 
 
 # --- checkpoints, close -----------------------------------------------------------------------------------
@@ -193,12 +188,7 @@ def _resume(rank, world):
     _train(first, rank, world, torch.float32, steps=3)
     sd = a.state_dict()
     second = _shard(SplitLM(torch.float32), _mesh((2, 2)))
-    with torch.no_grad():
-        for p, q in zip(second.parameters(), first.parameters()):
-            p.to_local().copy_(q.to_local())
-    b = zen_ext.fsdp.attach(second, zen)
-    b.load_state_dict(sd)
-    restored = b.state_dict()
+    b, restored = resume_into(second, first, zen, sd)
     _, _, params = _train(second, rank, world, torch.float32, steps=3, start=3)
     # close() hands the all-reduce back to FSDP: the model then trains as plain HSDP.
     plain = _shard(SplitLM(torch.float32), _mesh((2, 2)))
@@ -232,13 +222,6 @@ def _errors(rank, world):
 
     import zen_ext.fsdp
 
-    def caught(fn):
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - the test reads the type and message
-            return type(exc).__name__, str(exc)
-        return None
-
     out = {}
     # FSDP itself refuses an unnamed 2-D mesh; one named the other way round it would replicate over "shard".
     reversed_ = SplitLM(torch.float32)
@@ -258,6 +241,11 @@ def _errors(rank, world):
     # A shard dim of size 1 (plain replication) is served: FSDP skips its reduce-scatter, ZEN averages.
     out["replicate-only"] = (_train(_shard(SplitLM(torch.float32), _mesh((2, 1))), rank, world, torch.float32),
                              _train(ok, rank, world, torch.float32))
+    # Sum-only communication switched on after attach: FSDP no longer divides as ZEN's op was chosen for.
+    for m in ok.modules():
+        if hasattr(m, "set_force_sum_reduction_for_comms"):
+            m.set_force_sum_reduction_for_comms(True)
+    out["switched"] = caught(lambda: ok(*_batch(0, rank, world, torch.float32)).backward())
     dist.barrier()
     return out
 
@@ -271,6 +259,7 @@ def test_unsupported_setups_raise_clear_errors():
         assert out["disagree"][0] == "RuntimeError" and "another zen than rank 0" in out["disagree"][1]
         assert out["twice"][0] == "NotImplementedError" and "already has an all-reduce hook" in out["twice"][1]
         assert "1-D device mesh" in out["mixed"][1] and "HSDP" in out["mixed"][1]  # SUPPORTED names both
+        assert out["switched"][0] == "RuntimeError" and "set_force_sum_reduction_for_comms before" in out["switched"][1]
         ref, got = out["replicate-only"]
         assert ref[0] == got[0] and all(torch.equal(got[2][n], ref[2][n]) for n in ref[2])
 
@@ -347,7 +336,7 @@ def _snippet(rank, world):
         optimizer.zero_grad()
     sd = zen.state_dict()
     zen.close()
-    return type(zen).__name__, sd["step"], sd["mesh"], _state_bytes(sd["sync"]["sparsifiers"])
+    return type(zen).__name__, sd["step"], sd["mesh"], state_bytes(sd["sync"]["sparsifiers"])
 
 
 def test_docs_snippet_runs():

@@ -16,14 +16,11 @@ import os
 import pytest
 import torch
 
+from tests.multiproc.fsdp_helpers import assert_same_run, state_bytes
 from tests.multiproc.launch import run_workers
 from tests.multiproc.test_fsdp import STEPS, SplitLM, _shard, _train
 
 DGC = {"enabled": True, "density": 0.3, "min_numel": 8, "momentum_correction": False, "warmup_steps": 0}
-
-
-def _state_bytes(sd: dict) -> int:
-    return sum(t.numel() * t.element_size() for e in sd["sync"]["sparsifiers"]["params"].values() for t in e.values())
 
 
 def _run(rank, world, dtype, op, zen):
@@ -34,7 +31,7 @@ def _run(rank, world, dtype, op, zen):
     out = _train(model, rank, world, dtype)
     if a is None:
         return out
-    out += ({"node": a.reducer.node is not None, "step": a.step, "state_bytes": _state_bytes(a.state_dict()),
+    out += ({"node": a.reducer.node is not None, "step": a.step, "state_bytes": state_bytes(a.state_dict()["sync"]["sparsifiers"]["params"]),
              **a.totals},)
     a.close()
     return out
@@ -67,12 +64,7 @@ def test_node_level_fsdp2_equals_plain_fsdp2(N, L):
             assert info["intra_bytes_sent"] > 0 and info["bytes_sent"] > info["intra_bytes_sent"], (where, info)
             if what == "dgc":
                 ref = ref[:3]  # the dense node-level reduce-scatter of the same DGC output
-            assert losses == ref[0], where
-            for step, (r, g) in enumerate(zip(ref[1], grads)):
-                for name in r:
-                    assert torch.equal(g[name], r[name]), f"{where} step {step} {name}"
-            for name in ref[2]:
-                assert torch.equal(params[name], ref[2][name]), f"{where} {name}"
+            assert_same_run(ref, (losses, grads, params), where)
         node_dgc = cases[("dgc", torch.float32, "avg")][1][3]
         assert not flat["node"] and not auto["node"] and auto["intra_bytes_sent"] == 0
         # DGC's residual covers this rank's node-level shard: about 1/L of what the flat path keeps.

@@ -47,6 +47,7 @@ SAMPLE_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_sample.cu")
 KEPT_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_kept.cu")
 CATCH_UP_CU = os.path.join(ROOT, "csrc", "cuda", "catch_up_adamw.cu")
 INT4_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_int4.cu")
+LOWBIT_CU = os.path.join(ROOT, "csrc", "cuda", "lowbit.cu")
 HARNESS_CU = os.path.join(ROOT, "tests", "ops", "hash_kernel_harness.cu")
 # One architecture keeps the check quick; sm_80 (A100) is the oldest the paper-class GPUs need.
 GENCODE = ["-gencode", "arch=compute_80,code=sm_80"]
@@ -198,7 +199,7 @@ def _start_builds(build_dir) -> None:
     _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1))
     flags = _torch_nvcc_flags()
     digest = _inputs_digest()
-    for cu in (KERNEL_CU, PULL_CU, SEARCH_CU, SELECT_CU, SAMPLE_CU, KEPT_CU, CATCH_UP_CU, INT4_CU):
+    for cu in (KERNEL_CU, PULL_CU, SEARCH_CU, SELECT_CU, SAMPLE_CU, KEPT_CU, CATCH_UP_CU, INT4_CU, LOWBIT_CU):
         obj = build_dir / (os.path.basename(cu) + ".o")
         keep = build_dir / (os.path.basename(cu) + ".keep")
         extra = ["-keep", "-keep-dir", str(keep)] if cu in KEEP_PTX else []
@@ -327,6 +328,16 @@ def test_dgc_sample_kernels_compile(build_dir):
     ptx = _kept_ptx(SAMPLE_CU, build_dir)
     bodies = [b for b in re.split(r"\n\.(?:visible \.)?entry ", ptx)[1:] if "sample_keys_kernel" in b.split("(")[0]]
     assert len(bodies) == 3 and not any(re.search(r"\bfma\.", b) for b in bodies), "the update must not fuse"
+
+
+@pytest.mark.timeout(1200)
+def test_lowbit_kernels_compile(build_dir):
+    """``csrc/cuda/lowbit.cu`` (quantize_blocks, dequantize_blocks: zen.dgc.value_bits) compiles and links, the
+    quantize kernel for every value dtype."""
+    entries = _compile_and_link(LOWBIT_CU, build_dir)
+    assert "dequantize_kernel" in entries, entries
+    for tag in ("IfE", "IdE", "IN3c108BFloat16EE", "IN3c104HalfEE"):
+        assert f"quantize_kernel{tag}" in entries, f"quantize_kernel not instantiated for {tag}: {entries}"
 
 
 @pytest.mark.timeout(1200)

@@ -192,7 +192,7 @@ def _search_case(dtype, unit_sizes, density, seed, spread=True):
     import zen_ext.compress.dgc.units as units
 
     g = torch.Generator().manual_seed(seed)
-    lay = units._Layout(tuple(f"p{i}" for i in range(len(unit_sizes))), tuple(unit_sizes), True, "cpu")
+    lay = units.Layout(tuple(f"p{i}" for i in range(len(unit_sizes))), tuple(unit_sizes), True, "cpu")
     # Units of very different scales (and heavy tails), as a bucket's layers are.
     R = torch.cat([torch.randn(n, generator=g, dtype=torch.float64) ** 3 * (10.0 ** (i % 5 - 2) if spread else 1.0)
                    for i, n in enumerate(unit_sizes)]).to(dtype)
@@ -200,7 +200,7 @@ def _search_case(dtype, unit_sizes, density, seed, spread=True):
     samples = R.index_select(0, pos_S).abs()
     k_U = [max(1, math.ceil(density * n)) for n in unit_sizes]
     consts = lay.search_constants(ns_U, k_U, list(unit_sizes), "cpu")
-    sorted_S = units._sort_per_unit(samples, consts.unit_S)
+    sorted_S = units.sort_per_unit(samples, consts.unit_S)
     tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
     t_low = at_rank(sorted_S, consts.start_U, consts.ns_U, consts.first_U * units.CANDIDATE_FACTOR).clamp(min=tiny)
     pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
@@ -284,17 +284,17 @@ needs_sample_op = pytest.mark.skipif(not ops.has_dgc_sample_op(torch.zeros(1)),
 
 def _sample_oracle(R, U, g_T, m, lay, density, step):
     """The torch path the ops replace: positions, the pending update's value, nan_to_num, the sort key."""
-    from zen_ext.compress.dgc.units import _sort_per_unit
+    from zen_ext.compress.dgc.units import sort_per_unit
     pos_S, ns_U = lay.sample_positions(density, 0.01, step, R.device)
     g_S = ops.concat_view(g_T).index_select(0, pos_S)
     delta = g_S if U is None else U.index_select(0, pos_S) * m + g_S
     samples = torch.nan_to_num((R.index_select(0, pos_S) + delta).abs(), nan=0.0)
     grid_S, _, _, unit_S, _ = lay.sample_grid(density, 0.01, R.device)
-    return samples, unit_S, ns_U, _sort_per_unit(samples, unit_S)
+    return samples, unit_S, ns_U, sort_per_unit(samples, unit_S)
 
 
 def _sample_case(gdt, numels, seed, specials=True):
-    from zen_ext.compress.dgc.units import _Layout
+    from zen_ext.compress.dgc.units import Layout
     gen = torch.Generator().manual_seed(seed)
     N = sum(numels)
     R = torch.randn(N, generator=gen) * 3
@@ -307,7 +307,7 @@ def _sample_case(gdt, numels, seed, specials=True):
         R[9], R[10] = -0.0, 3.0e38
         g[9], g[10] = 0.0, 3.0e38 if gdt == torch.float32 else 1.0
     g_T = list(g.split(list(numels)))
-    lay = _Layout(tuple(f"t{i}" for i in range(len(numels))), tuple(numels), True, "cpu")
+    lay = Layout(tuple(f"t{i}" for i in range(len(numels))), tuple(numels), True, "cpu")
     return R, U, g_T, lay
 
 
@@ -342,9 +342,9 @@ def test_sample_keys_and_sort_unkey_equal_the_torch_path(gdt, with_u, numels, de
 def test_sample_keys_read_apart_tensors_and_zero_thresholds():
     """Gradients in separate allocations (not back to back) read like one concatenation; a unit whose
     samples are all zero gets the floor ``tiny`` as its candidates' threshold."""
-    from zen_ext.compress.dgc.units import _Layout, sample_shift
+    from zen_ext.compress.dgc.units import Layout, sample_shift
     numels = (300, 1, 4000)
-    lay = _Layout(("a", "b", "c"), numels, True, "cpu")
+    lay = Layout(("a", "b", "c"), numels, True, "cpu")
     R = torch.zeros(sum(numels))
     g_T = [torch.zeros(300), torch.full((1,), -2.0), torch.arange(4000, dtype=torch.float32)]
     grid_S, ns_U, stride_U, unit_S, hash_U = lay.sample_grid(0.01, 0.01, "cpu")
@@ -363,8 +363,8 @@ def test_sample_keys_read_apart_tensors_and_zero_thresholds():
 
 @needs_sample_op
 def test_sample_ops_reject_bad_input():
-    from zen_ext.compress.dgc.units import _Layout
-    lay = _Layout(("a",), (100,), True, "cpu")
+    from zen_ext.compress.dgc.units import Layout
+    lay = Layout(("a",), (100,), True, "cpu")
     grid_S, _, stride_U, unit_S, hash_U = lay.sample_grid(0.1, 0.01, "cpu")
     R, g = torch.zeros(100), [torch.zeros(100)]
     with pytest.raises(RuntimeError, match="R must be a contiguous 1-D float32"):

@@ -118,7 +118,7 @@ def test_accumulate_select_reference_rejects_what_the_op_rejects():
 def _search_case(dtype, unit_sizes, density, seed, equal=False):
     """A bucket's samples, constants and candidates as ``thresholds.sampled_thresholds`` builds them."""
     gen = torch.Generator().manual_seed(seed)
-    lay = units._Layout(tuple(f"p{i}" for i in range(len(unit_sizes))), tuple(unit_sizes), True, "cpu")
+    lay = units.Layout(tuple(f"p{i}" for i in range(len(unit_sizes))), tuple(unit_sizes), True, "cpu")
     if equal:  # every value the same: each count is all or nothing, the probes tie
         R = torch.ones(sum(unit_sizes), dtype=dtype)
     else:  # units of very different scales, heavy tails
@@ -127,7 +127,7 @@ def _search_case(dtype, unit_sizes, density, seed, equal=False):
     pos_S, ns_U = lay.sample_positions(density, 0.01, seed, "cpu")
     k_U = [max(1, math.ceil(density * n)) for n in unit_sizes]
     consts = lay.search_constants(ns_U, k_U, list(unit_sizes), "cpu")
-    sorted_S = units._sort_per_unit(R.index_select(0, pos_S).abs(), consts.unit_S)
+    sorted_S = units.sort_per_unit(R.index_select(0, pos_S).abs(), consts.unit_S)
     tiny = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
     t_low = sorted_S.index_select(0, consts.low_S).clamp(min=tiny)
     pos_C, v_C, unit_C = thresholds.candidates(R, lay, t_low)
@@ -202,7 +202,7 @@ def _sample_case(gdt, numels, seed, pattern):
         R.fill_(0.5)
         U.zero_()
         g.fill_(0.5)
-    lay = units._Layout(tuple(f"t{i}" for i in range(len(numels))), tuple(numels), True, "cpu")
+    lay = units.Layout(tuple(f"t{i}" for i in range(len(numels))), tuple(numels), True, "cpu")
     return R, U, list(g.split(list(numels))), lay
 
 
@@ -258,7 +258,7 @@ def test_sparsifier_on_the_references_sends_what_it_sends_on_the_ops(monkeypatch
     if device_path != "cpu":
         monkeypatch.setattr(thresholds, "FREE_HOST_READ_DEVICES", ())
     if device_path == "overflow":
-        monkeypatch.setattr(units._Layout, "candidate_capacity", lambda self, k: 5)
+        monkeypatch.setattr(units.Layout, "candidate_capacity", lambda self, k: 5)
     gen = torch.Generator().manual_seed(21)
     sizes = (4096, 1, 30000, 777)
     steps = [torch.randn(sum(sizes), generator=gen, dtype=torch.float64).to(dtype) * (s + 1) for s in range(4)]

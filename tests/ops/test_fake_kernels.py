@@ -80,6 +80,9 @@ def _cases():
                              [torch.zeros_like(t) for t in p], [torch.zeros(t.shape) for t in p],
                              1e-3, 0.9, 0.95, 1e-8, 0.01, 3, True)),
         ("gather_list", (g_T, torch.tensor([19, 0, 12, 11]))),
+        ("quantize_blocks", (torch.randn(300, generator=g), [0, 7, 300], 4, 128)),
+        ("quantize_blocks", (torch.randn(9, generator=g).half(), [9], 8, 128)),
+        ("dequantize_blocks", (torch.zeros(151, dtype=torch.uint8), torch.ones(4), [0, 7, 300], 4, 128)),
     ]
 
 

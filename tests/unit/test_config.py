@@ -65,10 +65,10 @@ def test_from_ds_config_reads_path_and_dict(tmp_path):
 @pytest.mark.parametrize("section, exc, text", [
     ({"sceme": "zen"}, ValueError,
      "zen got unknown key(s) ['sceme']; did you mean 'scheme' for 'sceme'? valid keys are ['async_sync', 'bucket_cap_mb', 'dgc', 'enabled', 'exchange_impl', "
-     "'hierarchical', 'natural', 'planner', 'pull_format', 'scheme', 'seed', 'spardl', 'stats']"),
+     "'hierarchical', 'natural', 'outer', 'planner', 'pull_format', 'scheme', 'seed', 'spardl', 'stats']"),
     ({"dgc": {"densty": 0.1}}, ValueError,
      "zen.dgc got unknown key(s) ['densty']; did you mean 'density' for 'densty'? valid keys are ['clip_norm', 'dense_params', 'dense_steps', 'density', 'enabled', 'flush_fraction', 'int4_rounding', 'min_numel', "
-     "'momentum', 'momentum_correction', 'momentum_masking', 'residual_dtype', 'sample_fraction', 'selection', 'threshold', "
+     "'momentum', 'momentum_correction', 'momentum_masking', 'owner_error_feedback', 'residual_dtype', 'sample_fraction', 'selection', 'threshold', 'value_bits', "
      "'warmup_start_density', 'warmup_steps']"),
     ({"planner": {"bandwith_gbps": 1}}, ValueError,
      "zen.planner got unknown key(s) ['bandwith_gbps']; did you mean 'bandwidth_gbps' for 'bandwith_gbps'? valid keys are ['bandwidth_gbps', 'latency_us', "

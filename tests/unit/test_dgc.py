@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import math
-import threading
 
 import pytest
 import torch
 
 from zen_ext import SimWorld
+from zen_ext.comm import simulated
 from zen_ext.compress import DGCConfig, DGCSparsifier, NamedGrad
 from zen_ext.compress.dgc import sparsifier as sparsifier_module
 from zen_ext.compress.dgc import thresholds as dgc_module
@@ -17,37 +17,9 @@ from zen_ext.ops._reference_dgc import REFINE_BAND
 
 
 def run_grid(dp: int, tp: int, fn, inputs):
-    """Run ``fn(dp_comm, tp_comm, inputs[g])`` on a dp × tp grid of SimWorld ranks (g = d·tp + t)."""
-    # max_active = group size: every rank may compute at once, so holding a compute token of both of
-    # its groups (as SimWorld.run holds one) can never block.
-    dp_comms = [SimWorld(dp, max_active=dp).communicators() for _ in range(tp)]  # one DP group per TP index
-    tp_comms = [SimWorld(tp, max_active=tp).communicators() for _ in range(dp)]  # one TP group per DP index
-    results, errors = [None] * (dp * tp), []
-
-    def body(d, t):
-        mine = (dp_comms[t][d], tp_comms[d][t])
-        tokens = [c._sh.active for c in mine if hasattr(c._sh, "active")]
-        for tok in tokens:
-            tok.acquire()
-        try:
-            results[d * tp + t] = fn(*mine, inputs[d * tp + t])
-        except BaseException as exc:  # noqa: BLE001 — re-raised below
-            errors.append(exc)
-            for group in dp_comms + tp_comms:
-                group[0]._sh.barrier.abort()
-        finally:
-            for tok in tokens:
-                tok.release()
-
-    threads = [threading.Thread(target=body, args=(d, t)) for d in range(dp) for t in range(tp)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
-        raise (real or errors)[0]
-    return results
+    """Run ``fn(dp_comm, tp_comm, inputs[g])`` on a dp × tp grid of SimWorld ranks (g = d·tp + t): a row is
+    a TP group, a column a DP group."""
+    return simulated.run_grid(dp, tp, lambda d, t, tp_comm, dp_comm: fn(dp_comm, tp_comm, inputs[d * tp + t]))
 
 
 def dense_of(sg):

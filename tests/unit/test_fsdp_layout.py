@@ -40,3 +40,17 @@ def test_chunk_layout_matches_fsdp_copy_in(world):
     # Each slice lies inside one rank's range.
     width = numel // world
     assert all(s.offset // width == (s.offset + s.numel - 1) // width for s in slices)
+
+
+def test_the_hsdp_attachment_holds_the_step_keeping_and_has_no_reduce_scatter():
+    """``ZenHSDP`` is no ``ZenFSDP``: it holds the shared step keeping (``FSDPSteps``) as ``ZenFSDP`` does and
+    carries only its own collective (the all-reduce hook), not the 1-D path's reduce-scatter."""
+    from zen_ext.engines.fsdp_steps import FSDPSteps
+    from zen_ext.fsdp import ZenFSDP, ZenHSDP
+    from zen_ext.reduction.attachment import ZenAttachment
+
+    assert not issubclass(ZenHSDP, ZenFSDP) and issubclass(ZenHSDP, ZenAttachment)
+    assert not hasattr(ZenHSDP, "reduce_scatter") and hasattr(ZenHSDP, "all_reduce")
+    assert not hasattr(ZenFSDP, "all_reduce")
+    assert all("steps" in cls.__slots__ for cls in (ZenFSDP, ZenHSDP))
+    assert all(callable(getattr(FSDPSteps, m)) for m in ("start", "watch", "done", "end_step", "close"))

@@ -214,3 +214,70 @@ def test_the_kernel_query_check_sees_a_query(tmp_path):
     m = tmp_path / "m.py"
     m.write_text("from zen_ext import ops\nif ops.has_dgc_select_op(t) and ops.HAVE_CPP_OP:\n    pass\n")
     assert kernel_queries(str(m)) == ["HAVE_CPP_OP", "has_dgc_select_op"]
+
+
+PRIVATE_IMPORTS_PENDING = {
+    ("zen_ext.compress.dgc.sparsifier", "_Layout"): "units.Layout is public; sparsifier.py, being edited by another "
+                                                     "change, imports the old name (an alias in units.py) until then",
+    ("zen_ext.compress.dgc.int4", "_reference_dgc"): "the 4-bit residual's host conversions use ops' pure-torch "
+                                                      "reference; a public ops entry is due with the low-bit values "
+                                                      "change, which reads more of it",
+}
+"""Private names still imported across modules, each with why it waits (none may be added)."""
+
+
+def private_imports(path: str, root: str = ROOT) -> list[str]:
+    """The private names (``_x``, not dunders) ``path`` imports from another zen_ext module. A package's
+    private submodule imported inside that package (``ops`` and its ``_reference``) is the package's own, and
+    the compiled extension (``zen_ext._C``) is every module's to load."""
+    me = _module_name(path, root)
+    package = me if path.endswith("__init__.py") else me.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(open(path).read())):
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        if node.level:
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1])
+            target = f"{base}.{node.module}" if node.module else base
+        else:
+            target = node.module or ""
+        if not (target == "zen_ext" or target.startswith("zen_ext.")):
+            continue
+        for a in node.names:
+            private = a.name.startswith("_") and not a.name.startswith("__")
+            own_submodule = _is_module(f"{target}.{a.name}", root) and target == package
+            if private and not own_submodule and f"{target}.{a.name}" not in EXTENSIONS:
+                found.append(a.name)
+    return found
+
+
+def test_no_private_name_is_imported_across_modules():
+    """A name another module needs is public in the module that defines it (or moves there)."""
+    found = {}
+    for dirpath, _, files in os.walk(ROOT):
+        for f in files:
+            if f.endswith(".py"):
+                path = os.path.join(dirpath, f)
+                for name in private_imports(path):
+                    found[(_module_name(path), name)] = path
+    unexpected = sorted(k for k in found if k not in PRIVATE_IMPORTS_PENDING)
+    assert not unexpected, unexpected
+    gone = sorted(k for k in PRIVATE_IMPORTS_PENDING if k not in found)
+    assert not gone, f"these are public now: remove them from PRIVATE_IMPORTS_PENDING: {gone}"
+
+
+def test_the_private_import_checker_sees_relative_and_absolute_imports(tmp_path):
+    pkg = tmp_path / "zen_ext"
+    (pkg / "ops").mkdir(parents=True)
+    (pkg / "core").mkdir()
+    for init in (pkg / "__init__.py", pkg / "ops" / "__init__.py", pkg / "core" / "__init__.py"):
+        init.write_text("")
+    (pkg / "ops" / "_reference.py").write_text("")
+    (pkg / "core" / "a.py").write_text("def _helper():\n    pass\n")
+    m = pkg / "core" / "b.py"
+    m.write_text("from .a import _helper\nfrom zen_ext.ops import _reference\nfrom .a import x as _x\n")
+    assert private_imports(str(m), str(pkg)) == ["_helper", "_reference"]
+    own = pkg / "ops" / "__init__.py"
+    own.write_text("from . import _reference\n")
+    assert private_imports(str(own), str(pkg)) == []

@@ -16,12 +16,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import threading
 
 import pytest
 import torch
 
 from zen_ext import SimWorld
+from zen_ext.comm.simulated import run_grid
 from zen_ext.core.rs_base import even_ranges
 from zen_ext.reduction import BucketReducer, NodeShardedReduce
 from zen_ext.reduction.hierarchy import decide_hierarchy, owner_order
@@ -43,28 +43,16 @@ def node_grid(nodes: list[list[int]], fn):
     on threads; inter-node group ``l`` orders its members by rank, as ``new_group`` does."""
     L, n = len(nodes[0]), sum(len(m) for m in nodes)
     owners = owner_order(nodes, list(range(n)))
-    intra = [SimWorld(L, timeout_s=120).communicators() for _ in nodes]
-    inter = [SimWorld(len(nodes), timeout_s=120).communicators() for _ in range(L)]
-    out, errors = {}, []
 
-    def body(k, l):
-        r = nodes[k][l]
-        mine = (intra[k][l], inter[l][owners[l].index(r)])
-        try:
-            out[r] = fn(r, NodeShardedReduce(mine[0], l, L, owners=owners), mine[1])
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-            for c in mine:
-                c._sh.barrier.abort()
+    def cell(k, l, intra, inter):
+        return fn(nodes[k][l], NodeShardedReduce(intra, l, L, owners=owners), inter)
 
-    threads = [threading.Thread(target=body, args=(k, l)) for k in range(len(nodes)) for l in range(L)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return [out[r] for r in range(n)]
+    out = run_grid(len(nodes), L, cell, col_rank=lambda k, l: owners[l].index(nodes[k][l]), timeout_s=120)
+    by_rank = [None] * n
+    for k, members in enumerate(nodes):
+        for l, r in enumerate(members):
+            by_rank[r] = out[k * L + l]
+    return by_rank
 
 
 def blocks(N: int, L: int) -> list[list[int]]:
@@ -155,7 +143,7 @@ def test_the_fsdp_layout_reorders_by_rows_and_interleaved_nodes_are_served():
         red = BucketReducer(sync, cap_bytes=1 << 20, dp_size=n, node=node)
         out = torch.empty(ranges[r][1] - ranges[r][0])
         red.reduce_scatter_(grads(n, 0)[r][:numel].clone(), slices, ranges, "sum", out)
-        return out, red._node_scatter._layouts
+        return out, red.route.node.layouts
 
     xs = [x[:numel] for x in grads(n, 0)]
     for r, (out, layouts) in enumerate(node_grid(nodes, fn)):
@@ -182,7 +170,7 @@ def test_step_a_reorders_in_windows_of_at_most_the_cap(layout, cap_elems):
         red = BucketReducer(sync, cap_bytes=cap_elems * 4, dp_size=n, node=node)
         out = torch.empty(ranges[r][1] - ranges[r][0])
         red.reduce_scatter_(xs[r].clone(), slices, ranges, "sum", out)
-        return out, next(iter(red._node_scatter._layouts.values()))
+        return out, next(iter(red.route.node.layouts.values()))
 
     for r, (out, lay) in enumerate(node_grid(blocks(N, L), fn)):
         assert torch.equal(out, dense_want(xs, ranges, r, "sum")), (r, cap_elems)

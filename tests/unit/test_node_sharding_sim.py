@@ -4,12 +4,11 @@ Communicator's ``reduce_scatter`` / ``all_gather`` are checked on their own."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
 from zen_ext import SimWorld
+from zen_ext.comm.simulated import run_grid
 from zen_ext.reduction import BucketReducer, NodeShardedReduce
 from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
@@ -36,26 +35,7 @@ def test_reduce_scatter_and_all_gather(n):
 
 def _grid(nodes: int, local: int, fn):
     """Run ``fn(rank, intra, inter)`` for ``nodes × local`` ranks, rank = node·local + l, on threads."""
-    intra = [SimWorld(local, timeout_s=60).communicators() for _ in range(nodes)]
-    inter = [SimWorld(nodes, timeout_s=60).communicators() for _ in range(local)]
-    out, errors = {}, []
-
-    def body(node, l):
-        try:
-            out[node * local + l] = fn(node * local + l, intra[node][l], inter[l][node])
-        except BaseException as exc:  # noqa: BLE001 — reported below
-            errors.append(exc)
-            for c in (intra[node][l], inter[l][node]):
-                c._sh.barrier.abort()
-
-    threads = [threading.Thread(target=body, args=(i, l)) for i in range(nodes) for l in range(local)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return [out[r] for r in range(nodes * local)]
+    return run_grid(nodes, local, lambda k, l, intra, inter: fn(k * local + l, intra, inter), timeout_s=60)
 
 
 @pytest.mark.parametrize("nodes, local", [(2, 2), (3, 2), (2, 3)])

@@ -1,5 +1,5 @@
 """The reduce-scatter API (``core/reduce_scatter.py``): ranges validation, agreement, ``out``, empty
-gradients, the all-reduce → reduce-scatter mapping, and ``Synchronizer.reduce_scatter_flat`` equal to
+gradients, the all-reduce → reduce-scatter mapping, and the reduce-scatter route (``reduce_scatter_flat``) equal to
 ``sync_flat``'s result cut to each rank's range."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from zen_ext import SimWorld, build_scheme
 from zen_ext.core.reduce_scatter import build_reduce_scatter, reduce_scatter_for, reduce_scatter_of
 from zen_ext.core.rs_base import check_ranges, even_ranges
 from zen_ext.core.types import SparseGrad
+from zen_ext.reduction.scatter import reduce_scatter_flat
 from zen_ext.reduction.synchronizer import GradSlice, Synchronizer
 
 
@@ -96,7 +97,7 @@ def test_reduce_scatter_flat_is_sync_flat_cut_to_the_range(n, op):
         for x in steps:
             lo, hi = ranges[comm.rank]
             full = whole.sync_flat(x[comm.rank].clone(), SLICES, op)
-            mine = shard.reduce_scatter_flat(x[comm.rank].clone(), SLICES, ranges, op)
+            mine = reduce_scatter_flat(shard, x[comm.rank].clone(), SLICES, ranges, op)
             got.append((full[lo:hi].clone(), mine))
             whole.end_step()
             shard.end_step()
@@ -121,10 +122,10 @@ def test_reduce_scatter_flat_sparse_schemes_equal_dense(scheme):
         dense, sparse = sync("dense"), sync(scheme)
         got = []
         for x in steps:
-            want = dense.reduce_scatter_flat(x[comm.rank].clone(), SLICES, ranges, "sum")
+            want = reduce_scatter_flat(dense, x[comm.rank].clone(), SLICES, ranges, "sum")
             lo, hi = ranges[comm.rank]
             out = torch.full((hi - lo,), float("nan"))
-            mine = sparse.reduce_scatter_flat(x[comm.rank].clone(), SLICES, ranges, "sum", out=out)
+            mine = reduce_scatter_flat(sparse, x[comm.rank].clone(), SLICES, ranges, "sum", out=out)
             assert mine is out
             got.append((want, mine))
             dense.end_step()
@@ -142,7 +143,7 @@ def test_reduce_scatter_flat_default_is_the_schemes_form():
 
     def fn(comm):
         sync = Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC, natural={})
-        shard = sync.reduce_scatter_flat(x.clone(), SLICES, [(0, NUMEL)], "sum")
+        shard = reduce_scatter_flat(sync, x.clone(), SLICES, [(0, NUMEL)], "sum")
         assert sync.rs_scheme.name == "zen"
         return shard, Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC,
                                    natural={}).sync_flat(x.clone(), SLICES, "sum")
@@ -254,9 +255,9 @@ def test_fsdp_chunk_layout_merges_each_parameters_pieces(n):
         def sync(rs):
             return Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=kinds, dgc=DGC, natural={},
                                 reduce_scatter=rs)
-        want = sync("dense").reduce_scatter_flat(flats[comm.rank].clone(), slices, ranges, "sum")
+        want = reduce_scatter_flat(sync("dense"), flats[comm.rank].clone(), slices, ranges, "sum")
         calls.clear()
-        mine = sync("zen").reduce_scatter_flat(flats[comm.rank].clone(), slices, ranges, "sum")
+        mine = reduce_scatter_flat(sync("zen"), flats[comm.rank].clone(), slices, ranges, "sum")
         return want, mine, len(calls)
 
     for r, (want, mine, exchanges) in enumerate(SimWorld(n).run(fn)):
@@ -312,10 +313,10 @@ def test_reduce_scatter_flat_carries_counts_in_the_payload_from_the_second_step(
         got = []
         for seed in seeds:
             x = bucket_inputs(n, seed=seed)[comm.rank]
-            want = dense.reduce_scatter_flat(x.clone(), SLICES, ranges, "sum")
+            want = reduce_scatter_flat(dense, x.clone(), SLICES, ranges, "sum")
             before = comm.op_stats.get("exchange_v")
             before = before.rounds if before else 0
-            mine = sparse.reduce_scatter_flat(x.clone(), SLICES, ranges, "sum")
+            mine = reduce_scatter_flat(sparse, x.clone(), SLICES, ranges, "sum")
             got.append((torch.equal(want, mine), comm.op_stats["exchange_v"].rounds - before))
         return got
 
@@ -325,3 +326,71 @@ def test_reduce_scatter_flat_carries_counts_in_the_payload_from_the_second_step(
         # Step 1: counts in a round of their own; a repeat: one round per exchange.
         assert per_step[0] == 2 * rounds and per_step[1] == rounds and per_step[3] == rounds, (r, per_step)
         assert rounds <= per_step[2] <= 2 * rounds, (r, per_step)
+
+
+def test_dgc_hands_over_to_the_reduce_scatter_scheme_in_use():
+    """The hand-over follows the scheme that consumes the bucket: with ``scheme: zen`` and a ``spardl``
+    reduce-scatter, DGC hands its memory to SparDL's reduce-scatter (equal, step by step, to a Synchronizer
+    whose scheme is spardl), while ``sync_flat`` on that Synchronizer still runs zen; the reverse pair is zen's
+    lossless reduce-scatter of DGC's own selection. A 4-bit residual, which SparDL cannot write back, is
+    refused when ``rs_scheme`` is read (at attach), not at the first step."""
+    n, numel = 3, 620
+    shapes = {"a": (16, 20), "b": (30, 10)}
+    slices = [GradSlice("a", 0, 320, (16, 20)), GradSlice("b", 320, 300, (30, 10))]
+    kinds = {k: "dgc" for k in shapes}
+    dgc = {"enabled": True, "density": 0.05, "momentum_correction": False, "warmup_steps": 0, "min_numel": 8}
+    gen = torch.Generator().manual_seed(58)
+    steps = [[torch.randint(-9, 10, (numel,), generator=gen).float() for _ in range(n)] for _ in range(3)]
+    ranges = [(0, 100), (100, 100), (100, numel)]
+
+    def fn(comm):
+        def sync(scheme, rs=None):
+            return Synchronizer(dp_comm=comm, scheme=scheme, param_kinds=kinds, dgc=dgc, reduce_scatter=rs)
+        pairs = {"spardl": (sync("zen", "spardl"), sync("spardl")), "zen": (sync("spardl", "zen"), sync("zen"))}
+        got = {k: [] for k in pairs}
+        for x in steps:
+            for k, (mixed, own) in pairs.items():
+                got[k].append((reduce_scatter_flat(mixed, x[comm.rank].clone(), slices, ranges, "sum"),
+                               reduce_scatter_flat(own, x[comm.rank].clone(), slices, ranges, "sum")))
+                mixed.end_step()
+                own.end_step()
+        mixed = pairs["spardl"][0]
+        ran = set(mixed.pop_step_stats()["slice_schemes"].values())
+        # The all-reduce of the same Synchronizer is still zen's (lossless: the plain zen Synchronizer's result).
+        fresh, plain = sync("zen", "spardl"), sync("zen")
+        assert fresh.rs_scheme.name == "spardl"
+        all_reduce = (fresh.sync_flat(steps[0][comm.rank].clone(), slices, "sum"),
+                      plain.sync_flat(steps[0][comm.rank].clone(), slices, "sum"))
+        return got, ran, all_reduce
+
+    results = SimWorld(n).run(fn)
+    for r, (got, ran, (fresh, plain)) in enumerate(results):
+        for k, rows in got.items():
+            for step, (mixed, own) in enumerate(rows):
+                assert torch.equal(mixed, own), (r, k, step)
+        assert ran == {"spardl"}, ran
+        assert torch.equal(fresh, plain), r
+    # SparDL's reduce-scatter is not zen's: the pair above would be equal by accident otherwise.
+    assert any(not torch.equal(a[0], b[0]) for res in results for a, b in zip(res[0]["spardl"], res[0]["zen"]))
+    comm = SimWorld(1).communicators()[0]
+    int4 = Synchronizer(dp_comm=comm, scheme="zen", param_kinds=kinds, reduce_scatter="spardl",
+                        dgc={**dgc, "residual_dtype": "int4"})
+    with pytest.raises(ValueError, match=r"zen\.dgc\.residual_dtype \('int4'\) must be \"float32\" or \"bfloat16\""):
+        int4.rs_scheme
+    assert not int4.sparsifiers["dgc"].hand_over  # the all-reduce (zen) still runs with it
+
+
+def test_the_route_refuses_bad_ranges_and_out_before_any_collective():
+    """A wrong ``out`` or ranges of the wrong count raise on the rank that passes them, naming the rule, before
+    the route's first collective (a one-rank group here would not hang, a larger one would)."""
+    comm = SimWorld(2).communicators()[0]
+    sync = Synchronizer(dp_comm=comm, scheme=build_scheme("zen"), param_kinds=KINDS, dgc=DGC, natural={})
+    x = bucket_inputs(1, seed=3)[0]
+    ranges = even_ranges(NUMEL, 2)
+    with pytest.raises(ValueError, match=r"zen\.reduce_scatter out \(\(3,\) torch\.float32 on cpu\) must be a "
+                                         rf"contiguous 1-D tensor of {ranges[0][1]} torch\.float32 elements"):
+        reduce_scatter_flat(sync, x, SLICES, ranges, "sum", out=torch.empty(3))
+    with pytest.raises(ValueError, match=r"zen\.reduce_scatter ranges \(3 entries\) must have one \(start, end\) per "
+                                         r"rank \(2\)"):
+        reduce_scatter_flat(sync, x, SLICES, even_ranges(NUMEL, 3), "sum")
+    assert comm.stats.bytes_sent == 0

@@ -134,3 +134,44 @@ def test_reduce_scatter_into_out_equals_the_returned_sum_and_checks_out(n):
         want = torch.arange(4 * r, 4 * r + 4, dtype=torch.float32) * scale
         assert torch.equal(got, want) and torch.equal(res, want) and torch.equal(buf[1:5], want)
         assert buf[0].isnan() and buf[5].isnan()
+
+
+@pytest.mark.parametrize("rows, cols", [(2, 3), (3, 2), (1, 1)])
+def test_run_grid_gives_every_cell_its_row_and_column_worlds(rows, cols):
+    """Each cell sums its id over its row world and its column world: the sums are exactly its row's and
+    its column's cells, and a permuted column order makes the cell that rank of its column."""
+    from zen_ext.comm.simulated import run_grid
+
+    def order(k, l):
+        return (k + l) % rows
+
+    def fn(k, l, row, col):
+        r, c = torch.tensor([10.0 * k + l]), torch.tensor([10.0 * k + l])
+        row.all_reduce(r)
+        col.all_reduce(c)
+        return row.rank, row.size, col.rank, col.size, r.item(), c.item()
+
+    out = run_grid(rows, cols, fn, col_rank=order)
+    for k in range(rows):
+        for l in range(cols):
+            assert out[k * cols + l] == (l, cols, order(k, l), rows, sum(10.0 * k + j for j in range(cols)),
+                                         sum(10.0 * i + l for i in range(rows)))
+
+
+def test_run_grid_raises_the_failing_cells_error_without_waiting_out_the_timeout():
+    import time
+
+    from zen_ext.comm.simulated import run_grid
+
+    def fn(k, l, row, col):
+        if (k, l) == (1, 0):
+            raise KeyError("cell 1,0")
+        row.all_reduce(torch.zeros(1))
+        col.all_reduce(torch.zeros(1))
+
+    t0 = time.perf_counter()
+    with pytest.raises(KeyError, match="cell 1,0"):
+        run_grid(2, 2, fn, timeout_s=60)
+    assert time.perf_counter() - t0 < 30
+    with pytest.raises(ValueError, match=r"run_grid rows \(0\) and cols \(2\) must be >= 1"):
+        run_grid(0, 2, fn)

@@ -154,6 +154,11 @@ class TraceRecorder:
             raise ValueError(f"trace slice key ({key!r}) must be unique within step {self.step}")
         self._pending.slices[key] = list(grads)
 
+    @property
+    def pending_count(self) -> int:
+        """Slices recorded for the current step so far."""
+        return len(self._pending.slices)
+
     def end_step(self) -> str | None:
         """Write the pending step (rank 0 only) and start the next; returns the path written, if any."""
         path = None
@@ -182,6 +187,6 @@ class TracingScheme(SyncScheme):
 
     def _sync(self, comm, grad, op, timings, key, out):
         if key is None:
-            key = f"slice{len(self.recorder._pending.slices)}"
+            key = f"slice{self.recorder.pending_count}"
         self.recorder.add(key, grad)
-        return self.inner._sync(comm, grad, op, timings, key, out)
+        return self.inner.sync_validated(comm, grad, op, timings, key, out)

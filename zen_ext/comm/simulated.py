@@ -276,3 +276,47 @@ class SimWorld:
             rank, exc = (real or errors)[0]
             raise RuntimeError(f"SimWorld rank {rank} failed: {exc!r}") from exc
         return results
+
+
+def run_grid(rows: int, cols: int, fn: Callable[[int, int, SimCommunicator, SimCommunicator], Any],
+             col_rank: Callable[[int, int], int] | None = None, timeout_s: float = 600.0) -> list[Any]:
+    """Run ``fn(k, l, row_comm, col_comm)`` on every cell of a ``rows × cols`` grid of virtual ranks, one
+    thread each; returns the results by ``k·cols + l``.
+
+    Two groups meet at a cell, as a rank of a 2-D process mesh is in two: row ``k``'s world of ``cols``
+    ranks (a node's ranks, a tensor-parallel group), where the cell is rank ``l``, and column ``l``'s world
+    of ``rows`` ranks (one local rank of every node, a data-parallel group), where it is rank
+    ``col_rank(k, l)`` (default ``k``; any permutation of ``range(rows)`` per column, as ``new_group``
+    orders a group by global rank).
+
+    Raises:
+        ValueError: ``rows`` or ``cols`` below 1.
+        The first exception a cell raised, as it was raised (not the ``BrokenBarrierError`` of the cells it
+        stopped): a failing cell aborts every world of the grid, so no other cell waits out its timeout.
+    """
+    if rows < 1 or cols < 1:
+        raise ValueError(f"run_grid rows ({rows}) and cols ({cols}) must be >= 1")
+    row_worlds = [SimWorld(cols, timeout_s=timeout_s).communicators() for _ in range(rows)]
+    col_worlds = [SimWorld(rows, timeout_s=timeout_s).communicators() for _ in range(cols)]
+    results: list[Any] = [None] * (rows * cols)
+    errors: list[BaseException] = []
+
+    def body(k: int, l: int) -> None:
+        col = col_worlds[l][k if col_rank is None else col_rank(k, l)]
+        try:
+            results[k * cols + l] = fn(k, l, row_worlds[k][l], col)
+        except BaseException as exc:  # noqa: BLE001 — re-raised below, after every cell stopped
+            errors.append(exc)
+            for world in row_worlds + col_worlds:
+                world[0]._sh.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(k, l), name=f"sim-cell-{k}-{l}")
+               for k in range(rows) for l in range(cols)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
+        raise (real or errors)[0]
+    return results

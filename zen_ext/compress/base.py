@@ -60,6 +60,9 @@ class Sparsifier(abc.ABC):
     """Whether ``compress`` must see each optimizer step's gradient once, whole (memory that advances
     per step, e.g. DGC's momentum correction): an engine that reduces every micro-batch (DeepSpeed
     ZeRO-2 with gradient accumulation) refuses the kind."""
+    value_bits: int | None = None
+    """Bits its values travel in when fewer than their dtype's (``SparseGrad.lowbit``; DGC's
+    ``zen.dgc.value_bits``): the Synchronizer then requires a scheme that carries them. None: the dtype."""
 
     @classmethod
     def from_config(cls, config, *, state, dp_size: int) -> "Sparsifier":

@@ -123,7 +123,8 @@ class SparsifierState:
             return lazy[0][lazy[1]]
         return self.params.get(name, {}).get(key)
 
-    def rescale(self, factor: float, keys: tuple[str, ...] = ("residual", "momentum", "residual_scales")) -> None:
+    def rescale(self, factor: float,
+                keys: tuple[str, ...] = ("residual", "momentum", "residual_scales", "owner_residual")) -> None:
         """Multiply the ``keys`` memories by ``factor`` in place (a loss-scale change; exact for powers of 2).
         A 4-bit residual scales with its blocks' min and max (``residual_scales``): its codes stay."""
         done = set()

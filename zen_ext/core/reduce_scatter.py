@@ -36,6 +36,11 @@ def available_reduce_scatters() -> list[str]:
     return sorted(_REGISTRY)
 
 
+def low_bit_reduce_scatters() -> list[str]:
+    """The registered reduce-scatter schemes that carry ``zen.dgc.value_bits`` (``carries_low_bits``)."""
+    return [name for name, cls in _REGISTRY.items() if cls.carries_low_bits]
+
+
 def build_reduce_scatter(name: str, **options) -> ReduceScatterScheme:
     """Build a registered reduce-scatter scheme by name.
 

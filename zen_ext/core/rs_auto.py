@@ -87,6 +87,14 @@ class AutoReduceScatter(ReduceScatterScheme):
         self._decisions: dict[tuple, list] = {}
         self._lock = threading.Lock()
 
+    def require_low_bits(self, bits: int, carriers: "list[str] | None" = None) -> None:
+        """``zen.dgc.value_bits``: choose only among the candidates that carry low-bit values (``zen``)."""
+        keep = tuple(s for s in self.schemes if self._built[s].carries_low_bits)
+        if not keep:
+            super().require_low_bits(bits, carriers)
+        self.schemes = keep
+        self._built = {s: self._built[s] for s in keep}
+
     def options(self) -> dict:
         return dict(bandwidth_gbps=self._fixed[0], latency_us=self._fixed[1], seed=self.seed,
                     reprofile_every=self.reprofile_every, schemes=list(self.schemes))
@@ -124,7 +132,7 @@ class AutoReduceScatter(ReduceScatterScheme):
             if not members:
                 continue
             t0 = time.perf_counter()
-            got = self._built[name]._reduce_scatter_group(
+            got = self._built[name].reduce_scatter_group_validated(
                 comm, [grads[i] for i in members], [ranges[i] for i in members], op, [outs[i] for i in members],
                 [timings[i] for i in members], [keys[i] for i in members])
             for i, res in zip(members, got):

@@ -27,11 +27,17 @@ from typing import ClassVar, Sequence
 import torch
 
 from ..comm.base import Communicator
-from .scheme import check_op, check_out, refuse_accumulated
+from .scheme import check_op, check_out, low_bits_error, refuse_accumulated, subclasses_of
 from .types import SparseGrad
 
 _SIG_DIGEST_BITS = 50  # the numel field of the signature word (comm/base.py encode_signature)
 _DISAGREE = "zen: ranks disagree on the gradient passed to"  # comm/base.py's signature error
+
+
+def _carriers() -> list[str]:
+    """The loaded reduce-scatter classes that carry ``zen.dgc.value_bits`` (for errors)."""
+    return list(dict.fromkeys(c.name for c in subclasses_of(ReduceScatterScheme)
+                              if c.carries_low_bits and isinstance(getattr(c, "name", None), str)))
 
 
 class ReduceScatterScheme(abc.ABC):
@@ -41,6 +47,16 @@ class ReduceScatterScheme(abc.ABC):
     lossless: ClassVar[bool] = True
     takes_accumulated: ClassVar[bool] = False
     """Whether it takes an ``AccumulatedGrad`` (``core/types.py``) and selects from it itself (``spardl``)."""
+    carries_low_bits: ClassVar[bool] = False
+    """Whether it carries low-bit values (``zen.dgc.value_bits``, ``SparseGrad.lowbit``; ``zen`` does)."""
+
+    def require_low_bits(self, bits: int, carriers: "list[str] | None" = None) -> None:
+        """Called when a sharded engine attaches with ``zen.dgc.value_bits`` set: raise unless this scheme
+        carries low-bit values (``auto`` narrows its candidates to those that do); ``carriers``: the
+        registered reduce-scatters that do, for the error."""
+        if not self.carries_low_bits:
+            raise ValueError(low_bits_error(bits, repr(self.name), carriers if carriers is not None else _carriers(),
+                                            "a reduce-scatter"))
 
     def reduce_scatter(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, ranges: Sequence[tuple[int, int]], op: str = "sum",
@@ -128,6 +144,8 @@ class ReduceScatterScheme(abc.ABC):
     def _facts(self, grad: SparseGrad | torch.Tensor):
         """``(dense numel, dtype, device)``, after the index check (one host read unless in range by construction)."""
         refuse_accumulated(self, grad, "reduce-scatter")
+        if isinstance(grad, SparseGrad) and grad.lowbit is not None and not self.carries_low_bits:
+            raise ValueError(low_bits_error(grad.lowbit.bits, repr(self.name), _carriers(), "a reduce-scatter"))
         if isinstance(grad, SparseGrad):
             grad.check_range(where=f"reduce-scatter {self.name!r}")
             return grad.dense_numel, grad.values.dtype, grad.values.device
@@ -140,6 +158,15 @@ class ReduceScatterScheme(abc.ABC):
     ) -> list[torch.Tensor]:
         """The scheme on validated, non-empty gradients: one result per gradient, this rank's range
         (written into ``outs[i]`` and returned, or a new 1-D tensor that the caller copies)."""
+
+    def reduce_scatter_group_validated(
+        self, comm: Communicator, grads: list[SparseGrad | torch.Tensor], ranges: list[list[tuple[int, int]]],
+        op: str, outs: list[torch.Tensor | None], timings: list[dict | None], keys: list[str | None],
+    ) -> list[torch.Tensor]:
+        """This scheme on gradients another scheme already validated and signed (``reduce_scatter_group``'s
+        step 1 and its signature were the caller's: spardl's lossless path, ``auto``'s choice): the scheme
+        itself (``_reduce_scatter_group``), nothing checked twice."""
+        return self._reduce_scatter_group(comm, grads, ranges, op, outs, timings, keys)
 
     def options(self) -> dict:
         """The constructor options of this instance (folded into the call signature)."""

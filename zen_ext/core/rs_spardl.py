@@ -59,7 +59,7 @@ class SparDLReduceScatter(ReduceScatterScheme):
         results: list = [None] * len(grads)
         plain = [i for i, g in enumerate(grads) if not isinstance(g, AccumulatedGrad)]
         if plain:
-            got = self.lossless_scheme._reduce_scatter_group(
+            got = self.lossless_scheme.reduce_scatter_group_validated(
                 comm, [grads[i] for i in plain], [ranges[i] for i in plain], op, [outs[i] for i in plain],
                 [timings[i] for i in plain], [keys[i] for i in plain])
             for i, res in zip(plain, got):

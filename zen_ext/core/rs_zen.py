@@ -28,6 +28,7 @@ Legend: ``_M`` a server's partition, ``_R`` this rank's range (units: rows of a 
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -36,7 +37,9 @@ from .. import ops
 from ..ops._reference import mask_to_words, words_to_mask
 from .rs_base import ReduceScatterScheme, RSProfile, as_units
 from .wire import exchange_packed, pack, view_as
+from . import lowbit
 from .zen import ZenScheme
+from .zen_lowbit import push_aggregate_lowbit, quantize_owned
 from .zen_wire import FMT_BITMAP, FMT_DENSE, FMT_NAMES, HEADER_BYTES, ZenCall, cheapest_format
 
 _MAX_LAYOUTS = 64
@@ -106,6 +109,7 @@ class ZenReduceScatter(ReduceScatterScheme):
     """
 
     name = "zen"
+    carries_low_bits = True  # zen.dgc.value_bits: _reduce_scatter_lowbit
 
     def __init__(self, seed: int = 0, pull_format: str = "auto", num_rehash: int = 3, parallel_factor: float = 2.0,
                  serial_factor: float = 0.1) -> None:
@@ -138,6 +142,19 @@ class ZenReduceScatter(ReduceScatterScheme):
         """
         n, rank = comm.size, comm.rank
         units = [as_units(g, rs) for g, rs in zip(grads, ranges)]
+        low = [i for i, (sg, _) in enumerate(units) if sg.lowbit is not None]
+        if low:  # zen.dgc.value_bits: the quantized form (_reduce_scatter_lowbit), the rest as always
+            results: list = [None] * len(grads)
+            got = self._reduce_scatter_lowbit(comm, [units[i] for i in low], op, [timings[i] for i in low])
+            for i, r in zip(low, got):
+                results[i] = r
+            rest = [i for i in range(len(grads)) if i not in low]
+            if rest:
+                for i, r in zip(rest, self._reduce_scatter_group(comm, [grads[i] for i in rest], [ranges[i] for i in rest],
+                                                                 op, [outs[i] for i in rest], [timings[i] for i in rest],
+                                                                 [keys[i] for i in rest])):
+                    results[i] = r
+            return results
         calls = [ZenCall(sg, t) for (sg, _), t in zip(units, timings)]
         # Steps 1-3: partition, push, aggregate.
         self.zen.push_aggregate(comm, calls, op, exchange=lambda sends: exchange_packed(comm, sends))
@@ -187,6 +204,121 @@ class ZenReduceScatter(ReduceScatterScheme):
                 timing["pull_formats"] = c.formats  # this server's messages per format
             results.append(res)
         return results
+
+    def _reduce_scatter_lowbit(self, comm, units, op, timings):
+        """``_reduce_scatter_group`` for gradients whose values travel in low bits (``zen.dgc.value_bits``,
+        ``core/lowbit.py``): the same steps, with
+
+        1-3. the quantized push and fp32 aggregation of the all-reduce (``push_aggregate_lowbit``; the sender's
+             error feedback included), one packed exchange for the group;
+        4.   per owner, this server's touched entries in ``S_ir`` (one host read for the group);
+        5.   each owner's entries plus the server's owner residual, quantized in one op with a segment per
+             owner (``quantize_owned``: the owner residual keeps what that loses); message ``[format, count
+             | index part | scales | codes]`` (index part: positions in ``S_ir``, a bitmap over ``S_ir``, or
+             none when the whole intersection travels); one packed exchange;
+        6.   one host read of the pulled headers, one dequantize for every server's values, one copy into
+             this rank's range (``mean`` divides after the cast, as the all-reduce's decoders do).
+        """
+        n, rank = comm.size, comm.rank
+        calls = [ZenCall(sg, t) for (sg, _), t in zip(units, timings)]
+        # Steps 1-3.
+        push_aggregate_lowbit(self.zen, comm, calls, op, exchange=lambda sends: exchange_packed(comm, sends))
+        # Step 4.
+        for c, (_, urs) in zip(calls, units):
+            c.timer.start("pull_s")
+            c.lay = self._layout(c.part, urs, rank, c.device)
+            c.ts = c.touched[c.lay.own_order.long()]
+            csum = torch.zeros(c.m + 1, dtype=torch.int64, device=c.device)
+            torch.cumsum(c.ts, 0, out=csum[1:])
+            c.oc = csum[c.lay.own_cuts_dev[1:]] - csum[c.lay.own_cuts_dev[:-1]]
+        flat = torch.cat([c.oc for c in calls]).tolist()
+        # Step 5.
+        sends = [self._encode_lowbit(c, flat[i * n:(i + 1) * n], n, op) for i, c in enumerate(calls)]
+        for c, recv in zip(calls, exchange_packed(comm, sends)):
+            c.recv = recv
+            del c.acc, c.touched, c.ts
+        # Step 6.
+        heads = [b[:HEADER_BYTES] for c in calls for b in c.recv if b.numel()]
+        head_vals = torch.cat(heads).view(torch.int64).tolist() if heads else []
+        results, h = [], 0
+        for c, (_, urs), timing in zip(calls, units, timings):
+            c.timer.start("decode_s")
+            lb = c.sg.lowbit
+            lo, hi = urs[rank]
+            where, sc, cd, ends = [], [], [], []
+            for i, buf in enumerate(c.recv):
+                if not buf.numel():
+                    continue
+                fmt, cnt = head_vals[2 * h], head_vals[2 * h + 1]
+                h += 1
+                tg = c.lay.tgt[c.lay.tgt_cuts[i]: c.lay.tgt_cuts[i + 1]].long()
+                s, off = tg.numel(), HEADER_BYTES
+                if fmt == FMT_DENSE:
+                    where.append(tg)
+                elif fmt == FMT_BITMAP:
+                    nw = -(-s // 64)
+                    bits = words_to_mask(view_as(buf, off, nw, torch.int64), s)
+                    where.append(tg[torch.nonzero_static(bits, size=cnt).flatten()])
+                    off += nw * 8
+                else:
+                    where.append(tg[view_as(buf, off, cnt, c.idt).to(torch.int64)])
+                    off += cnt * c.isz
+                nb = (cnt + lb.block - 1) // lb.block
+                sc.append(view_as(buf, off, nb, torch.float32))
+                cd.append(buf[off + 4 * nb: off + lowbit.value_bytes(cnt, lb.bits, lb.block)])
+                ends.append((ends[-1] if ends else 0) + cnt)
+            res = torch.zeros(hi - lo, dtype=c.dtype, device=c.device)
+            if ends:
+                vals = ops.dequantize_blocks(torch.cat(cd), torch.cat(sc), ends, lb.bits, lb.block)
+                if op == "mean":
+                    vals = vals / n
+                res.index_copy_(0, torch.cat(where), vals.to(c.dtype))
+            c.timer.write_into(timing)
+            if timing is not None:
+                timing["scheme"] = self.name
+                timing["pull_formats"] = c.formats
+            results.append(res)
+        return results
+
+    def _encode_lowbit(self, c, oc: list[int], n: int, op: str) -> list[torch.Tensor]:
+        """Each owner's low-bit pull message from this server (empty where it has no entry)."""
+        lb, cuts, total = c.sg.lowbit, c.lay.own_cuts, sum(oc)
+        sel = torch.nonzero_static(c.ts, size=total).flatten() if total else c.ts.new_empty(0, dtype=torch.int64)
+        fmts = [lowbit.cheapest_format(k, cuts[r + 1] - cuts[r], c.isz, lb.bits, self.zen.pull_format, lb.block)
+                if k else -1 for r, k in enumerate(oc)]
+        c.formats = {name: fmts.count(f) for f, name in FMT_NAMES.items() if f in fmts}
+        # The carried entries (in own_order's space), a segment per owner: the touched ones, or the whole
+        # intersection where dense is cheapest (then its untouched entries carry their owner residual).
+        carried, counts, at = [], [], 0
+        for r, (k, fmt) in enumerate(zip(oc, fmts)):
+            if fmt == FMT_DENSE:
+                carried.append(torch.arange(cuts[r], cuts[r + 1], device=c.device))
+                counts.append(cuts[r + 1] - cuts[r])
+            else:
+                carried.append(sel[at: at + k])
+                counts.append(k)
+            at += k
+        C = torch.cat(carried) if carried else sel
+        ends = list(itertools.accumulate(counts))
+        codes, scales = quantize_owned(c, c.lay.own_order.long().index_select(0, C), ends, n if op == "mean" else 1)
+        _, code_at, blk_at = lowbit.segment_layout(ends, lb.bits, lb.block)
+        head = torch.tensor([v for f, k in zip(fmts, counts) for v in (f, k)], dtype=torch.int64, device=c.device)
+        send, at = [], 0
+        for r, (k, fmt) in enumerate(zip(oc, fmts)):
+            a, b = cuts[r], cuts[r + 1]
+            if not k:
+                send.append(torch.empty(0, dtype=torch.uint8, device=c.device))
+                continue
+            vals = (scales[blk_at[r]:blk_at[r + 1]], codes[code_at[r]:code_at[r + 1]])
+            hdr = head[2 * r: 2 * r + 2]
+            if fmt == FMT_DENSE:
+                send.append(pack(hdr, *vals))
+            elif fmt == FMT_BITMAP:
+                send.append(pack(hdr, mask_to_words(c.ts[a:b]), *vals))
+            else:
+                send.append(pack(hdr, (sel[at: at + k] - a).to(c.idt), *vals))
+            at += k
+        return send
 
     def _encode(self, c, oc: list[int], n: int) -> list[torch.Tensor]:
         """Each owner's pull message from this server (empty where it has no entry)."""

@@ -42,6 +42,16 @@ class SyncScheme(abc.ABC):
     takes_accumulated: ClassVar[bool] = False
     #: What ``partition_fn`` maps: ``"index"`` (rows in row form) or ``"block"`` (OmniReduce's blocks).
     partition_unit: ClassVar[str] = "index"
+    #: Whether it carries low-bit values (``zen.dgc.value_bits``: ``SparseGrad.lowbit``, ``core/lowbit.py``):
+    #: quantized push and pull with the owner's error feedback. Every other scheme refuses such a gradient.
+    carries_low_bits: ClassVar[bool] = False
+
+    def require_low_bits(self, bits: int, carriers: "list[str] | None" = None) -> None:
+        """Called before the first step when ``zen.dgc.value_bits`` is set: raise unless this scheme carries
+        low-bit values (``auto`` narrows its candidates to those that do); ``carriers``: the registered
+        schemes that do, for the error."""
+        if not self.carries_low_bits:
+            raise ValueError(low_bits_error(bits, f"zen.scheme {self.name!r}", carriers))
 
     def sync(
         self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str = "sum", timings: dict | None = None,
@@ -125,6 +135,8 @@ class SyncScheme(abc.ABC):
         """``op``, every index inside ``[0, numel)``, ``out``; returns ``(dense numel, dtype, device)``."""
         check_op(op)
         refuse_accumulated(self, grad, "scheme")
+        if isinstance(grad, SparseGrad) and grad.lowbit is not None and not self.carries_low_bits:
+            raise ValueError(low_bits_error(grad.lowbit.bits, f"scheme {self.name!r}"))
         if isinstance(grad, SparseGrad):
             grad.check_range(where=f"scheme {self.name!r}")
             dense_numel, dtype, device = grad.dense_numel, grad.values.dtype, grad.values.device
@@ -159,6 +171,22 @@ class SyncScheme(abc.ABC):
         It may write the result into ``out`` and return ``out``, or return a new dense flat tensor
         (``sync`` then copies it into ``out``).
         """
+
+    # --- for schemes that hand a validated gradient on to another (spardl → zen, auto → its choice) ------
+    def sync_validated(
+        self, comm: Communicator, grad: SparseGrad | torch.Tensor, op: str, timings: dict | None,
+        key: str | None, out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """This scheme on a gradient another scheme already validated and signed (``sync``'s step 1 and
+        its signature were the caller's): the scheme itself (``_sync``), nothing checked twice."""
+        return self._sync(comm, grad, op, timings, key, out)
+
+    def sync_group_validated(
+        self, comm: Communicator, grads: list[SparseGrad | torch.Tensor], op: str, timings: list[dict | None],
+        keys: list[str | None], outs: list[torch.Tensor | None],
+    ) -> list[torch.Tensor]:
+        """``sync_validated`` of several gradients of one bucket (``_sync_group``)."""
+        return self._sync_group(comm, grads, op, timings, keys, outs)
 
     def options(self) -> dict:
         """The constructor options this instance was built with (for agreement checks and logs)."""
@@ -215,6 +243,27 @@ def _into(res: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         out.copy_(res.reshape(-1))
         return out
     return res
+
+
+def low_bits_error(bits: int, what: str, carriers: "list[str] | None" = None, kind: str = "a scheme") -> str:
+    """The error of a scheme that cannot carry ``zen.dgc.value_bits``, naming the ones that can: ``carriers``
+    (the registered ones, as the Synchronizer passes them), else the loaded classes that declare it."""
+    if carriers is None:
+        carriers = list(dict.fromkeys(c.name for c in subclasses_of(SyncScheme if kind == "a scheme" else None)
+                                      if c.carries_low_bits and isinstance(getattr(c, "name", None), str)))
+    return (f"zen.dgc.value_bits ({bits}) must go with {kind} that carries low-bit values, not {what}; "
+            f"{'schemes' if kind == 'a scheme' else 'reduce-scatter schemes'} that carry it: "
+            f"{list(carriers) + ['auto']} (auto then chooses among them)")
+
+
+def subclasses_of(base) -> list:
+    """Every subclass of ``base``, depth first (the loaded scheme classes, for errors that list them)."""
+    out, todo = [], list(base.__subclasses__()) if base is not None else []
+    while todo:
+        c = todo.pop(0)
+        out.append(c)
+        todo[:0] = c.__subclasses__()
+    return out
 
 
 def refuse_accumulated(scheme, grad, what: str) -> None:

@@ -287,7 +287,7 @@ class SparDLScheme(SyncScheme):
               key: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
         """Steps 1–5 (module docstring) on an ``AccumulatedGrad``; anything else through ``zen``."""
         if not isinstance(grad, AccumulatedGrad):
-            return self.lossless_scheme._sync(comm, grad, op, timings, key, out)
+            return self.lossless_scheme.sync_validated(comm, grad, op, timings, key, out)
         timer = PhaseTimer(grad.memory.device, enabled=timings is not None)
         pos, val = spardl_reduce(comm, grad, even_blocks(grad.numel, comm.size), self.residual, True, timer)
         timer.start("decode_s")

@@ -30,6 +30,9 @@ class SparseGrad:
     in_range: bool = field(default=False, compare=False, repr=False)
     """True when the indices lie in ``[0, numel)`` by construction (``nonzero`` of a ``numel``-long
     tensor, a compressor's positions): ``check_range`` then skips its host synchronization."""
+    lowbit: object = field(default=None, compare=False, repr=False)
+    """``core.lowbit.LowBitValues`` when the values travel in low bits (``zen.dgc.value_bits``; a scheme
+    that cannot carry them refuses the gradient), else None: the values travel in their dtype."""
 
     def __post_init__(self) -> None:
         if self.indices.dim() != 1 or self.values.dim() not in (1, 2):
@@ -120,8 +123,8 @@ class AccumulatedGrad(SparseGrad):
     def of(cls, memory: torch.Tensor, density: float, wire_dtype: torch.dtype,
            momentum: torch.Tensor | None = None, flush: "FlushPositions | None" = None) -> "AccumulatedGrad":
         empty = torch.empty(0, dtype=wire_dtype, device=memory.device)
-        return cls(empty.long(), empty, memory.numel(), True, memory.reshape(-1), float(density), momentum,
-                   flush)
+        return cls(empty.long(), empty, memory.numel(), in_range=True, memory=memory.reshape(-1),
+                   density=float(density), momentum=momentum, flush=flush)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,8 @@ from .hashing import HashConfig, HashPartitioner
 from .scheme import PartitionFn, SyncScheme
 from .types import SparseGrad, acc_dtype, as_sparse
 from .wire import pack
+from . import lowbit
+from .zen_lowbit import sync_group_lowbit
 from .zen_wire import FMT_BY_NAME, FMT_NAMES, HEADER_BYTES, PULL_FORMATS, ZenCall, cheapest_format, pull_costs
 
 
@@ -64,6 +66,7 @@ class ZenScheme(SyncScheme):
 
     name = "zen"
     reduce_scatter_form = "zen"
+    carries_low_bits = True  # zen.dgc.value_bits: core/zen_lowbit.py
     wire_phases = ("push_s", "pull_s")
 
     def __init__(
@@ -190,7 +193,21 @@ class ZenScheme(SyncScheme):
         Steps 4 and 5 run for one gradient after the other.
         """
         n = comm.size
-        calls = [ZenCall(as_sparse(g), t) for g, t in zip(grads, timings)]
+        grads = [as_sparse(g) for g in grads]
+        low = [i for i, g in enumerate(grads) if g.lowbit is not None]
+        if low:  # zen.dgc.value_bits: quantized push and pull, owner error feedback (core/zen_lowbit.py)
+            got = sync_group_lowbit(self, comm, [ZenCall(grads[i], timings[i]) for i in low], op,
+                                    [outs[i] for i in low], [timings[i] for i in low])
+            rest = [i for i in range(len(grads)) if grads[i].lowbit is None]
+            results: list = [None] * len(grads)
+            for i, r in zip(low, got):
+                results[i] = r
+            if rest:
+                for i, r in zip(rest, self._sync_group(comm, [grads[i] for i in rest], op, [timings[i] for i in rest],
+                                                       [keys[i] for i in rest], [outs[i] for i in rest])):
+                    results[i] = r
+            return results
+        calls = [ZenCall(g, t) for g, t in zip(grads, timings)]
         self.push_aggregate(comm, calls, op)
         counts = ops.read_aggregate_counts([c.count_1 for c in calls])
 
@@ -263,7 +280,12 @@ class ZenScheme(SyncScheme):
     @staticmethod
     def predict_traffic(p: ProfileView, opts: dict) -> Traffic:
         """Push: COO per server, or the server's whole partition dense once that is not larger; pull:
-        each server's aggregate in the format ``_choose_format`` picks (or ``pull_format``)."""
+        each server's aggregate in the format ``_choose_format`` picks (or ``pull_format``). With
+        ``opts["value_bits"]`` (``zen.dgc.value_bits``, ``core/lowbit.py``): every push COO with its values'
+        codes and scales, the pull's values the same (``lowbit.pull_costs``)."""
+        bits = opts.get("value_bits")
+        if bits:
+            return ZenScheme._predict_traffic_lowbit(p, opts, int(bits))
         n, tr = p.n, Traffic(p.n)
         vsz = p.row_width * p.value_bytes
         part_P = torch.tensor([max(0, (p.numel - j + n - 1) // n) for j in range(n)], dtype=torch.float64)
@@ -288,6 +310,32 @@ class ZenScheme(SyncScheme):
 
         tr.all_gather_v([HEADER_BYTES + body(i) for i in range(n)])
         return tr
+
+    @staticmethod
+    def _predict_traffic_lowbit(p: ProfileView, opts: dict, bits: int) -> Traffic:
+        """``predict_traffic`` for element-form gradients whose values travel in ``bits``."""
+        n, tr = p.n, Traffic(p.n)
+        c_PP = p.counts_PP("hash_counts")
+        tr.exchange_v(c_PP * p.index_bytes + 4 * torch.ceil(c_PP / lowbit.VALUE_BLOCK) + torch.ceil(c_PP * bits / 8))
+        per_server = ZenScheme._union_per_server(p)
+        fmt = opts.get("pull_format", "auto")
+
+        def body(i: int) -> float:
+            part = max(0, (p.numel - i + n - 1) // n)
+            costs = lowbit.pull_costs(int(round(per_server[i])), part, p.index_bytes, bits)
+            return min(costs.values()) if fmt == "auto" else costs[FMT_BY_NAME[fmt]]
+
+        tr.all_gather_v([HEADER_BYTES + body(i) for i in range(n)])
+        return tr
+
+    @staticmethod
+    def _union_per_server(p: ProfileView) -> list[float]:
+        """Each server's share of the union (h0 balances it; exact per server when unsampled)."""
+        n = p.n
+        if p.sample_parts == 1:
+            union = p.union_set(tuple(range(n)), False)
+            return torch.bincount(HashPartitioner(p.numel, n, p.seed).partition_of(union), minlength=n).tolist()
+        return [p.union(range(n)) / n] * n
 
     @staticmethod
     def predict_work(w: WorkCounts, opts: dict) -> dict:

@@ -51,7 +51,7 @@ import os
 from ..config import SECTION, ZenConfig, load_json_config, near_miss_sections
 from . import deepspeed_compat
 from .deepspeed_compat import ALLOW_UNVERIFIED_ENV
-from .deepspeed_engine import VERIFIED_DEEPSPEED, ZenDeepSpeed, _refuse_pipeline_model
+from .deepspeed_engine import VERIFIED_DEEPSPEED, ZenDeepSpeed, refuse_pipeline_model
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ def initialize(*args, **kwargs):
         _mark_without_zen(result[0], _off_reason(ds_config))
         return result
     check_deepspeed_version()
-    _refuse_pipeline_model(a.get("model"))
+    refuse_pipeline_model(a.get("model"))
     # Step 2: the ZeRO settings the override needs.
     _rewrite_zero_settings(ds_config)
     a["config"] = ds_config
@@ -191,7 +191,9 @@ def _deepspeed_initialize():
 
 
 def attach(engine, cfg: "ZenConfig | dict") -> "ZenDeepSpeed":
-    """Attach ZEN to an initialized DeepSpeed engine; returns the attachment (also ``engine.zen``).
+    """Attach ZEN to an initialized DeepSpeed engine; returns the attachment (also ``engine.zen``):
+    ``ZenDeepSpeed``, or with ``zen.outer`` enabled ``deepspeed_outer.OuterDeepSpeed`` (local steps and the
+    outer synchronization, docs/outer.md).
 
     Raises:
         NotImplementedError: pipeline or sequence parallelism, MoE, or what a ZeRO reduce-scatter cannot
@@ -202,6 +204,11 @@ def attach(engine, cfg: "ZenConfig | dict") -> "ZenDeepSpeed":
     check_deepspeed_version()
     if getattr(engine, "zen", None) is not None:
         raise RuntimeError("zen: this engine already has ZEN attached")
+    if cfg.outer.enabled:  # local steps and the outer sync instead of a per-step reduction
+        from .deepspeed_outer import OuterDeepSpeed
+
+        engine.zen = OuterDeepSpeed(engine, cfg)
+        return engine.zen
     engine.zen = ZenDeepSpeed(engine, cfg)
     return engine.zen
 

@@ -68,7 +68,7 @@ class ZenDeepSpeed(ZenAttachment):
         check_deepspeed_settings({"zero_optimization": {"stage": self.stage},
                                   "sequence_parallel_size": getattr(engine, "sequence_parallel_size", 1)})
         if getattr(engine, "pipeline_parallelism", False):
-            _refuse_pipeline_model(engine.module, force=True)
+            refuse_pipeline_model(engine.module, force=True)
         # A DeepSpeed release whose hooks the overrides cannot serve (deepspeed_compat); ZeRO-1/2 optimizers
         # are checked whether or not they have per-dtype IPG buckets (0.17.0 has neither these nor the dtype).
         zero_hooks = self.zero_reduces or (self.stage in (1, 2) and hasattr(engine.optimizer, "average_tensor"))
@@ -334,7 +334,7 @@ class ZenDeepSpeed(ZenAttachment):
         return load_path, client_state
 
 
-def _refuse_pipeline_model(model, force: bool = False) -> None:
+def refuse_pipeline_model(model, force: bool = False) -> None:
     try:
         from deepspeed.pipe import PipelineModule
     except ImportError:  # pragma: no cover

@@ -1,8 +1,9 @@
 """DeepSpeed ZeRO-3, and ZeRO-1/2 with ``reduce_scatter: true``: ZEN's reduce-scatter in place of ZeRO's.
 
 Each rank needs only the reduced gradient of the elements it owns, so the bucket is reduce-scattered
-(``Synchronizer.reduce_scatter_flat``, docs/reduce_scatter.md) instead of all-reduced. The overrides
-(instance attributes of ``engine.optimizer``, checked on ``deepspeed_compat.TESTED_DEEPSPEED``):
+(``BucketReducer.reduce_scatter_``, the route of ``reduction/scatter.py``, docs/reduce_scatter.md) instead
+of all-reduced. The overrides (instance attributes of ``engine.optimizer``, checked on
+``deepspeed_compat.TESTED_DEEPSPEED``):
 
 =====================  =====================================================  ==========================
 who reduces            overridden                                             what DeepSpeed does there
@@ -253,7 +254,7 @@ class ShardedReduce:
         2. Divide by ``divide_by`` (DeepSpeed's pre-divide), in the communication dtype.
         3. ``BucketReducer.reduce_scatter_`` with ``op="sum"``: its guard (fp16: a NaN/Inf on any rank
            NaN-fills every shard, so the loss scaler skips the step everywhere), re-bucketing to
-           ``zen.bucket_cap_mb``, and ``Synchronizer.reduce_scatter_flat`` per bucket.
+           ``zen.bucket_cap_mb`` and the Synchronizer's routing (the route, ``reduction/scatter.py``).
 
         Returns:
             ``(shard, mine)``: this rank's reduced range, and its segments in that order.

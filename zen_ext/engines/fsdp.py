@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import time
 
 import torch
 import torch.distributed as dist
@@ -36,7 +35,7 @@ from ..reduction.slices import piece_slices
 from ..reduction.stats import startup_line
 from ..reduction.synchronizer import GradSlice
 from .fsdp_compat import ReduceScatter, check_fsdp_internals
-from .fsdp_steps import AccumulationWatch
+from .fsdp_steps import AccumulationWatch, FSDPSteps
 
 log = logging.getLogger(__name__)
 
@@ -124,27 +123,41 @@ class ZenFSDPReduceScatter(ReduceScatter):
 
 class ZenFSDP(ZenAttachment):
     """What ZEN keeps for an FSDP2 model (built by ``attach``): the reducer over the shard group, statistics,
-    steps. ``summary()``, ``state_dict()`` / ``load_state_dict()`` (DGC residuals keyed by parameter name
-    and chunk offset, per rank) and ``annotate`` come from ``ZenAttachment``; ``close()`` at the end."""
+    steps (``FSDPSteps``). ``summary()``, ``state_dict()`` / ``load_state_dict()`` (DGC residuals keyed by
+    parameter name and chunk offset, per rank) and ``annotate`` come from ``ZenAttachment``; ``close()`` at
+    the end."""
 
-    __slots__ = ("cfg", "rank", "dp_size", "sync", "reducer", "stats", "worker", "group", "comms", "step", "_t_step",
-                 "_step_open", "closed", "accumulation")
+    __slots__ = ("cfg", "rank", "dp_size", "sync", "reducer", "stats", "worker", "group", "comms", "steps")
 
     log_name = log.name
 
-    def __init__(self, *, cfg: ZenConfig, group, built: Assembled, rank: int) -> None:
+    def __init__(self, *, cfg: ZenConfig, group, built: Assembled, rank: int, accumulation: AccumulationWatch) -> None:
         self.cfg, self.group, self.rank = cfg, group, rank
         self.sync, self.reducer, self.stats = built.sync, built.reducer, built.stats
         self.stats.dense_name = "FSDP's dense reduce-scatter"
         self.dp_size = built.reducer.dp_size  # the whole shard group, also when the Synchronizer's is across nodes
         self.worker = None  # FSDP records its event right after the call: no work may stay on a thread
         self.comms: list[ZenFSDPReduceScatter] = []
-        self.step, self._t_step, self._step_open, self.closed = 0, 0.0, False, False
-        self.accumulation = None  # an AccumulationWatch, set by attach
+        self.steps = FSDPSteps(built.sync, built.reducer, built.stats, accumulation)
 
     @property
     def summary_label(self) -> str:
         return f"FSDP2 dp={self.dp_size}"
+
+    @property
+    def step(self) -> int:
+        """Backward passes that reduced (ZEN steps)."""
+        return self.steps.step
+
+    @property
+    def accumulation(self) -> AccumulationWatch:
+        return self.steps.accumulation
+
+    def install(self, name: str, module, params: list[tuple[str, tuple[int, ...]]]) -> None:
+        """Set ZEN's reduce-scatter on the FSDP module ``name`` (its trainable ``params``: names, unsharded shapes)."""
+        rs = ZenFSDPReduceScatter(self, name, params)
+        module.set_custom_reduce_scatter(rs)
+        self.comms.append(rs)
 
     # --- per call -------------------------------------------------------------------------------------
     def reduce_scatter(self, comm: ZenFSDPReduceScatter, out: torch.Tensor, flat: torch.Tensor, group, op) -> None:
@@ -153,48 +166,35 @@ class ZenFSDP(ZenAttachment):
         1. Check the group and map the layout to named slices (once per layout); refuse a DGC step
            accumulated across reduce-scatters (``fsdp_steps.AccumulationWatch``).
         2. Turn FSDP's op into ZEN's (``PREMUL_SUM``'s factor multiplies the input, as NCCL does).
-        3. Reduce-scatter into ``out`` (``BucketReducer.reduce_scatter_``: the non-finite guard, buckets of
-           ``zen.bucket_cap_mb``, the Synchronizer's routing); open the step's end-of-backward callback.
+        3. Reduce-scatter into ``out`` (``BucketReducer.reduce_scatter_``: the non-finite guard, windows of
+           ``zen.bucket_cap_mb``, the Synchronizer's routing); the step's end is queued (``FSDPSteps``).
         """
-        if self.closed:
-            raise RuntimeError("zen_ext.fsdp: the attachment was closed (close() ends training); attach anew to train")
-        t0 = time.perf_counter()
+        t0 = self.steps.start()
         # Step 1: group and layout.
         if group is not self.group:
             raise NotImplementedError(f"zen_ext.fsdp: FSDP reduce-scattered over a group other than its mesh's shard "
                                       f"group (set_separate_reduce_scatter_group?); supported: {SUPPORTED}")
         slices = comm.slices_for(flat.numel(), self.dp_size)
-        if not self._step_open and self.accumulation is not None:  # DGC, accumulating across reduce-scatters?
-            self.accumulation.begin_backward(n for n, _ in comm.params)
+        self.steps.watch(n for n, _ in comm.params)
         # Step 2: the op.
         zen_op, factor = _reduce_op(op)
         if factor is not None and factor != 1.0:
             flat.mul_(factor)
         # Step 3: the reduction, and the step's end.
         self.reducer.reduce_scatter_(flat, slices, even_ranges(flat.numel(), self.dp_size), zen_op, out)
-        self._t_step += time.perf_counter() - t0
-        if not self._step_open:
-            self._step_open = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_step)
+        self.steps.done(t0)
 
     # --- per step -------------------------------------------------------------------------------------
     def end_step(self) -> dict:
-        """Close a backward pass that reduced: advance the Synchronizer (DGC warm-up), write the record."""
-        self._step_open = False
-        self.step += 1
-        self.sync.end_step()
-        rec = self.reducer.pop_stats()
-        rec["reduce_s"], self._t_step = self._t_step, 0.0
-        return self.stats.end_step(self.step, rec)
+        """Close a backward pass that reduced (``FSDPSteps.end_step``; autograd calls it)."""
+        return self.steps.end_step()
 
     def close(self) -> None:
         """End of training: close the statistics file and drop the Synchronizer (and with it the process
         group's references); the reduce-scatter refuses to run afterwards. Idempotent."""
-        if self.closed:
+        if self.steps.closed:
             return
-        self.closed = True
-        if self.accumulation is not None:
-            self.accumulation.close()
+        self.steps.close()
         self._release()
         self.sync = self.reducer = None
 
@@ -202,7 +202,7 @@ class ZenFSDP(ZenAttachment):
         return {"step": self.step}
 
     def _load_extra_state(self, sd: dict) -> None:
-        self.step = int(sd.get("step", 0))
+        self.steps.step = int(sd.get("step", 0))
 
 
 def check_shard0(pg, where: str) -> None:
@@ -307,17 +307,15 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
         raise NotImplementedError(f"zen_ext.fsdp: sparsifier(s) {readers} read the synchronized gradient back "
                                   f"(after_sync), but an FSDP rank holds only its shard; "
                                   f"supported: sparsifiers without after_sync (natural rows, DGC)")
-    zen = ZenFSDP(cfg=cfg, group=group, built=built, rank=rank)
-    zen.accumulation = AccumulationWatch(model, built.sync.param_kinds)
+    zen = ZenFSDP(cfg=cfg, group=group, built=built, rank=rank,
+                  accumulation=AccumulationWatch(model, built.sync.param_kinds))
     # Step 3: a reduce-scatter per FSDP module.
     names = {id(p): n for n, p in model.named_parameters()}
     for name, module, pg in modules:
         params = [(names[id(fp.sharded_param)], tuple(fp._orig_size)) for fp in pg.fsdp_params
                   if fp.sharded_param.requires_grad]
         if params:
-            rs = ZenFSDPReduceScatter(zen, name, params)
-            module.set_custom_reduce_scatter(rs)
-            zen.comms.append(rs)
+            zen.install(name, module, params)
     if rank == 0:
         level = f", node-level: {node.local_size} ranks a node" if node is not None else ""
         print(startup_line(f"FSDP2 (dp={len(dp_ranks)}{level}, {len(zen.comms)} FSDP modules)", cfg, built.kinds,

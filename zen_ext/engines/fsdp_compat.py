@@ -56,7 +56,8 @@ INTERNALS = {
     },
     "HSDP": {  # engines/fsdp_hsdp.py: FSDP's reduce-scatter, ZEN's all-reduce hook over the replicate group
         "FSDPModule": ("set_all_reduce_hook",),
-        "FSDPParamGroup": ("_all_reduce_hook", "gradient_divide_factor"),
+        "FSDPParamGroup": ("_all_reduce_hook", "gradient_divide_factor", "force_sum_reduction_for_comms",
+                           "mp_policy", "device"),
         "HSDPMeshInfo": ("replicate_process_group", "replicate_mesh_size", "shard_mesh_size", "shard_mesh_rank"),
     },
 }

@@ -14,10 +14,20 @@ each FSDP parameter group a one-rank replicate group, which makes FSDP's native 
 and its divide factors those of the shard dim alone (``AVG`` over ``L``, or the pre/post factors of
 ``L``), and sets an all-reduce hook (``FSDPModule.set_all_reduce_hook``) that FSDP calls right after, on
 the reduce-scatter output: ZEN all-reduces it over the real replicate group (``BucketReducer.reduce_``,
-the all-reduce path every other adapter uses), ``mean`` over the ``N`` replicas when no gradient divide
-factor is set (FSDP's HSDP then averages over ``N·L``) and ``sum`` when one is (FSDP then pre-multiplies by
-``1/factor`` and sums both levels). The post-divide FSDP applies after the hook is its shard dim's part,
-so the gradient is FSDP's. ``close()`` hands the all-reduce back to FSDP.
+the all-reduce path every other adapter uses). The divisions are plain HSDP's (``divide_plan``):
+
+* no gradient divide factor, communication by averages (fp32/bf16): FSDP averages over the shard dim and
+  ZEN takes the ``mean`` over the ``N`` replicas, as plain HSDP's two averages;
+* a gradient divide factor: FSDP pre-multiplies by ``1/factor`` (or pre/post-divides by it), which
+  involves no group size, and ZEN sums;
+* no factor with sum-only communication (``set_force_sum_reduction_for_comms``, or an fp16 reduce dtype):
+  FSDP would divide by the factors of the one-rank group's world (``L``), and a mean over ``N`` after it
+  would make ``sum/N/L``, which rounds differently from plain HSDP's ``sum/(N·L)`` unless ``N`` or ``L`` is
+  a power of two. So ``attach`` sets the factor plain HSDP uses, ``N·L``, on the parameter group (FSDP
+  then pre/post-divides exactly as plain HSDP) and ZEN sums; ``close()`` clears it again.
+
+What ``attach`` decided is checked in every call (a factor or sum-only switch changed after ``attach``
+raises, naming it). ``close()`` hands the all-reduce back to FSDP.
 """
 
 from __future__ import annotations
@@ -25,20 +35,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
 from ..comm.torch_dist import TorchCommunicator
 from ..config import ZenConfig, load_json_config
-from ..reduction.attachment import assemble
+from ..reduction.attachment import Assembled, ZenAttachment, assemble
 from ..reduction.hierarchy import local_host_facts
 from ..reduction.stats import startup_line
 from ..reduction.synchronizer import GradSlice
-from .fsdp import SUPPORTED, ZenFSDP, check_shard0, chunk_layout
+from .fsdp import SUPPORTED, check_shard0, chunk_layout
 from .fsdp_compat import check_fsdp_internals
-from .fsdp_steps import AccumulationWatch
+from .fsdp_steps import AccumulationWatch, FSDPSteps
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +85,58 @@ def hsdp_param_groups(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module
     return hsdp
 
 
+def sum_only(param_group, reduce_dtype: torch.dtype) -> bool:
+    """Whether FSDP communicates by sums only for this parameter group (torch 2.13
+    ``_get_gradient_divide_factors``): forced, on MTIA, or a reduce dtype with overflow risk (not fp32/bf16)."""
+    return (bool(param_group.force_sum_reduction_for_comms) or param_group.device.type == "mtia"
+            or reduce_dtype not in (torch.float32, torch.bfloat16))
+
+
+def reduce_dtype_of(param_group) -> torch.dtype:
+    """The dtype FSDP reduces this parameter group's gradients in: the mixed-precision policy's reduce dtype,
+    else its parameter dtype, else the parameters' own (``FSDPParam.init_dtype_attrs``)."""
+    mp = param_group.mp_policy
+    trainable = [fp for fp in param_group.fsdp_params if fp.sharded_param.requires_grad]
+    return mp.reduce_dtype or mp.param_dtype or trainable[0].sharded_param.dtype
+
+
+def divide_plan(param_group, replicas: int, shard: int) -> tuple[str, float | None]:
+    """ZEN's op over the replicas and the gradient divide factor ``attach`` sets on ``param_group`` (None:
+    none), so that FSDP's divisions and ZEN's make plain HSDP's on ``replicas × shard`` ranks (the module
+    docstring): a user's factor: ``sum``; averaging communication: ``mean``; sum-only communication without
+    a factor: ``sum`` with the factor ``replicas·shard``. A shard dim of 1 skips FSDP's reduce-scatter,
+    which then divides by a set factor on its own (torch 2.13): there ``mean``, FSDP dividing by nothing."""
+    if param_group.gradient_divide_factor is not None:
+        return "sum", None
+    if shard > 1 and sum_only(param_group, reduce_dtype_of(param_group)):
+        return "sum", float(replicas * shard)
+    return "mean", None
+
+
 class ZenAllReduceHook:
-    """The all-reduce hook set on one FSDP module: its parameter group, parameters, the attachment."""
+    """The all-reduce hook set on one FSDP module: its parameter group, parameters, the attachment, and the
+    division ``attach`` chose for it (``divide_plan``)."""
 
     def __init__(self, attachment: "ZenHSDP", module_name: str, param_group,
-                 params: list[tuple[str, tuple[int, ...]]]) -> None:
+                 params: list[tuple[str, tuple[int, ...]]], op: str) -> None:
         self.attachment = attachment  # FSDP keeps the hook, so the model keeps the attachment alive
         self.module_name, self.param_group, self.params = module_name, param_group, params
         self.layouts: dict[int, list[GradSlice]] = {}
+        self.op = op
+        """``mean`` or ``sum`` over the replicas."""
+        self.expected = (param_group.gradient_divide_factor, sum_only(param_group, reduce_dtype_of(param_group)))
+        """What FSDP divided by when ``op`` was chosen: its divide factor and whether it sums only."""
+
+    def check_divisions(self, dtype: torch.dtype) -> None:
+        """Raise when FSDP's divide factor or sum-only switch changed after ``attach`` (then ``op`` would no
+        longer make plain HSDP's result)."""
+        pg = self.param_group
+        now = (pg.gradient_divide_factor, sum_only(pg, dtype))
+        if now != self.expected:
+            raise RuntimeError(f"zen_ext.fsdp: FSDP module {self.module_name or '<root>'} now reduces with gradient "
+                               f"divide factor {now[0]} and sum-only communication {now[1]}, but ZEN attached with "
+                               f"{self.expected[0]} and {self.expected[1]}; call set_gradient_divide_factor and "
+                               f"set_force_sum_reduction_for_comms before zen_ext.fsdp.attach")
 
     def __call__(self, reduce_output: torch.Tensor) -> None:
         self.attachment.all_reduce(self, reduce_output)
@@ -104,61 +157,104 @@ class ZenAllReduceHook:
         return slices
 
 
-class ZenHSDP(ZenFSDP):
+class ZenHSDP(ZenAttachment):
     """What ZEN keeps for an FSDP2 HSDP model (built by ``attach``): the reducer over the replicate group,
-    statistics, steps; ``state_dict()`` holds this rank's shard-sized DGC residuals (keyed by parameter name
-    and chunk offset) and the mesh shape; ``close()`` hands the all-reduce back to FSDP."""
+    statistics, steps (``FSDPSteps``, as ``ZenFSDP`` holds them); ``state_dict()`` holds this rank's
+    shard-sized DGC residuals (keyed by parameter name and chunk offset) and the mesh shape; ``close()``
+    hands the all-reduce back to FSDP."""
 
-    __slots__ = ("mesh_shape", "_native")
+    __slots__ = ("cfg", "rank", "dp_size", "sync", "reducer", "stats", "worker", "group", "comms", "steps",
+                 "mesh_shape", "_native", "_divided")
 
-    def __init__(self, *, cfg: ZenConfig, group, built, rank: int, mesh_shape: tuple[int, int]) -> None:
-        super().__init__(cfg=cfg, group=group, built=built, rank=rank)
+    log_name = log.name
+
+    def __init__(self, *, cfg: ZenConfig, group, built: Assembled, rank: int, mesh_shape: tuple[int, int],
+                 accumulation: AccumulationWatch) -> None:
+        self.cfg, self.group, self.rank = cfg, group, rank
+        self.sync, self.reducer, self.stats = built.sync, built.reducer, built.stats
         self.stats.dense_name = "FSDP's dense HSDP all-reduce"
         self.mesh_shape = mesh_shape
         self.dp_size = mesh_shape[0] * mesh_shape[1]  # a checkpoint's residuals fit only this world and layout
+        self.worker = None  # FSDP reads the shard when the hook returns: no work may stay on a thread
+        self.comms: list[ZenAllReduceHook] = []
+        self.steps = FSDPSteps(built.sync, built.reducer, built.stats, accumulation)
         self._native: list[tuple[object, object]] = []  # (param group, its own replicate group), for close()
+        self._divided: list = []  # param groups whose gradient divide factor attach set (divide_plan), for close()
 
     @property
     def summary_label(self) -> str:
         return f"FSDP2 HSDP replicate={self.mesh_shape[0]} x shard={self.mesh_shape[1]}"
+
+    @property
+    def step(self) -> int:
+        """Backward passes that reduced (ZEN steps)."""
+        return self.steps.step
+
+    @property
+    def accumulation(self) -> AccumulationWatch:
+        return self.steps.accumulation
+
+    def install(self, name: str, module, param_group, params: list[tuple[str, tuple[int, ...]]], alone) -> None:
+        """Make ZEN the cross-replica all-reduce of the FSDP module ``name`` (its trainable ``params``: names,
+        unsharded shapes): FSDP's native all-reduce over ``alone`` (a one-rank group: the identity), plain
+        HSDP's divisions (``divide_plan``), and a ``ZenAllReduceHook``; ``close()`` undoes all three."""
+        if param_group.mesh_info.replicate_process_group is not alone:  # param groups may share a mesh info
+            self._native.append((param_group, param_group.mesh_info.replicate_process_group))
+            param_group.mesh_info.replicate_process_group = alone
+        op, factor = divide_plan(param_group, *self.mesh_shape)
+        if factor is not None:
+            param_group.gradient_divide_factor = factor
+            self._divided.append(param_group)
+        hook = ZenAllReduceHook(self, name, param_group, params, op)
+        module.set_all_reduce_hook(hook)
+        self.comms.append(hook)
 
     def all_reduce(self, hook: ZenAllReduceHook, shard: torch.Tensor) -> None:
         """The cross-replica all-reduce of one module's shard, in place (FSDP's HSDP all-reduce).
 
         1. Map the shard to named slices (once per layout); refuse a DGC step accumulated across
            all-reduces (``fsdp_steps.AccumulationWatch``).
-        2. The op: ``mean`` over the replicas without a gradient divide factor, ``sum`` with one.
+        2. The op: ``attach``'s (``divide_plan``), after checking that FSDP's divisions are still those it
+           was chosen for.
         3. All-reduce over the replicate group (``BucketReducer.reduce_``: the non-finite guard, buckets of
-           ``zen.bucket_cap_mb``, the Synchronizer's routing) on this thread; open the step's end callback.
+           ``zen.bucket_cap_mb``, the Synchronizer's routing) on this thread; the step's end is queued
+           (``FSDPSteps``).
         """
-        if self.closed:
-            raise RuntimeError("zen_ext.fsdp: the attachment was closed (close() ends training); attach anew to train")
-        t0 = time.perf_counter()
+        t0 = self.steps.start()
         # Step 1: layout.
         slices = hook.slices_for(shard.numel())
-        if not self._step_open and self.accumulation is not None:  # DGC, accumulating across all-reduces?
-            self.accumulation.begin_backward(n for n, _ in hook.params)
-        # Step 2: the op.
-        op = "mean" if hook.param_group.gradient_divide_factor is None else "sum"
+        self.steps.watch(n for n, _ in hook.params)
+        # Step 2: the op (chosen at attach, so that the result is plain HSDP's).
+        hook.check_divisions(shard.dtype)
         # Step 3: the reduction, and the step's end.
-        self.reducer.reduce_(shard.view(-1), slices, op, pipelined=False)
-        self._t_step += time.perf_counter() - t0
-        if not self._step_open:
-            self._step_open = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.end_step)
+        self.reducer.reduce_(shard.view(-1), slices, hook.op, pipelined=False)
+        self.steps.done(t0)
+
+    def end_step(self) -> dict:
+        """Close a backward pass that reduced (``FSDPSteps.end_step``; autograd calls it)."""
+        return self.steps.end_step()
 
     def close(self) -> None:
-        """End of training: FSDP's own HSDP all-reduce is back (its replicate groups, no hook), the statistics
-        file is closed and the Synchronizer dropped. Idempotent."""
+        """End of training: FSDP's own HSDP all-reduce is back (its replicate groups and divide factors, no
+        hook), the statistics file is closed and the Synchronizer dropped. Idempotent."""
+        if self.steps.closed:
+            return
         for pg, native in self._native:
             pg.mesh_info.replicate_process_group = native
         for hook in self.comms:
             hook.param_group._all_reduce_hook = None
-        self._native = []
-        super().close()
+        for pg in self._divided:
+            pg.gradient_divide_factor = None
+        self._native, self._divided = [], []
+        self.steps.close()
+        self._release()
+        self.sync = self.reducer = None
 
-    def _extra_state(self) -> dict:
+    def _extra_state(self) -> dict:  # ZenAttachment.state_dict's own entries
         return {"step": self.step, "mesh": list(self.mesh_shape)}
+
+    def _load_extra_state(self, sd: dict) -> None:
+        self.steps.step = int(sd.get("step", 0))
 
     def load_state_dict(self, sd: dict, why: str = "") -> None:
         """Restore ``state_dict()``; saved on another ``(replicate, shard)`` mesh, only the shared part (the
@@ -235,7 +331,9 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
        the FSDP parameter groups and refuse what is not served (``SUPPORTED``); check that every rank
        attaches the same mesh, modules and section.
     2. Route each parameter (natural / dgc / dense) and build the Synchronizer over the replicate group.
-    3. Per FSDP module: a one-rank replicate group for FSDP's native all-reduce, and a ``ZenAllReduceHook``.
+    3. Per FSDP module: a one-rank replicate group for FSDP's native all-reduce, the divisions of plain HSDP
+       (``divide_plan``: a gradient divide factor where the communication is sum-only), and a
+       ``ZenAllReduceHook``.
 
     Raises:
         ValueError, TypeError: an invalid section or ``zen.enabled`` false.
@@ -273,19 +371,13 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
                      device=next((p.device for p in model.parameters()), torch.device("cpu")),
                      guard_comm=TorchCommunicator(dist.group.WORLD) if guard_nonfinite else None,
                      worker_in_reducer=False, worker_off="FSDP2 HSDP (FSDP reads the shard when the hook returns)")
-    zen = ZenHSDP(cfg=cfg, group=replicate, built=built, rank=rank, mesh_shape=shape)
-    zen.accumulation = AccumulationWatch(model, built.sync.param_kinds, hsdp=True)
-    # Step 3: FSDP's native all-reduce over one rank, ZEN's in the hook.
+    zen = ZenHSDP(cfg=cfg, group=replicate, built=built, rank=rank, mesh_shape=shape,
+                  accumulation=AccumulationWatch(model, built.sync.param_kinds, hsdp=True))
+    # Step 3: FSDP's native all-reduce over one rank, plain HSDP's divisions, ZEN's all-reduce in the hook.
     alone = dist.new_group([rank], use_local_synchronization=True)
     for name, module, pg, params in per_module:
-        if not params:
-            continue
-        hook = ZenAllReduceHook(zen, name, pg, params)
-        if pg.mesh_info.replicate_process_group is not alone:  # param groups may share a mesh info
-            zen._native.append((pg, pg.mesh_info.replicate_process_group))
-            pg.mesh_info.replicate_process_group = alone
-        module.set_all_reduce_hook(hook)
-        zen.comms.append(hook)
+        if params:
+            zen.install(name, module, pg, params, alone)
     if rank == 0:
         print(startup_line(f"FSDP2 HSDP (replicate={shape[0]} x shard={shape[1]}, {len(zen.comms)} FSDP modules)",
                            cfg, built.kinds, {n: p.numel() for n, p in model.named_parameters()}, dgc_note), flush=True)

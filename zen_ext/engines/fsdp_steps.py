@@ -1,4 +1,5 @@
-"""FSDP2 gradient accumulation against sparsifiers that must see one gradient per optimizer step.
+"""What a ZEN attachment on FSDP2 keeps per step (``FSDPSteps``, held by the 1-D and the HSDP attachment
+alike), and FSDP2 gradient accumulation against sparsifiers that must see one gradient per optimizer step.
 
 FSDP2 reduces in every backward pass unless the module was told otherwise
 (``set_requires_gradient_sync(False)``; under HSDP also ``set_requires_all_reduce(False)``, which
@@ -22,6 +23,7 @@ gradient (FSDP returns before both), so that accumulation is one ZEN step and pa
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -29,7 +31,65 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..compress.registry import spec_of
 
-__all__ = ["AccumulationWatch"]
+__all__ = ["AccumulationWatch", "FSDPSteps"]
+
+
+class FSDPSteps:
+    """The step bookkeeping of an FSDP2 attachment, whichever FSDP hook runs ZEN (``ZenFSDP``'s reduce-scatter,
+    ``ZenHSDP``'s all-reduce hook): the backward pass's reductions form one ZEN step (DGC's warm-up), closed by
+    an autograd callback at its end; DGC accumulating across reductions is refused (``AccumulationWatch``); a
+    closed attachment refuses to reduce.
+
+    Per reduction: ``start`` (refused once closed), ``watch`` (the accumulation check, on a backward pass's
+    first reduction), the reduction itself, ``done`` (its seconds; the first one queues ``end_step``).
+
+    Args:
+        sync, reducer, stats: the attachment's Synchronizer, BucketReducer and StepStats.
+        accumulation: the attachment's ``AccumulationWatch``.
+    """
+
+    def __init__(self, sync, reducer, stats, accumulation: "AccumulationWatch") -> None:
+        self.sync, self.reducer, self.stats, self.accumulation = sync, reducer, stats, accumulation
+        self.step = 0
+        """Backward passes that reduced (ZEN steps)."""
+        self.seconds = 0.0
+        self.open = False
+        """A reduction of the current backward pass ran: its ``end_step`` is queued."""
+        self.closed = False
+
+    def start(self) -> float:
+        """Before a reduction: refuse once closed; returns the start time."""
+        if self.closed:
+            raise RuntimeError("zen_ext.fsdp: the attachment was closed (close() ends training); attach anew to train")
+        return time.perf_counter()
+
+    def watch(self, names) -> None:
+        """The first reduction of a backward pass, of the parameters ``names``: refuse DGC accumulating across
+        reductions (``AccumulationWatch.begin_backward``)."""
+        if not self.open:
+            self.accumulation.begin_backward(names)
+
+    def done(self, t0: float) -> None:
+        """After a reduction: its seconds; the first of a backward pass queues ``end_step`` for when autograd
+        finishes the pass."""
+        self.seconds += time.perf_counter() - t0
+        if not self.open:
+            self.open = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_step)
+
+    def end_step(self) -> dict:
+        """Close a backward pass that reduced: advance the Synchronizer (DGC warm-up), write the record."""
+        self.open = False
+        self.step += 1
+        self.sync.end_step()
+        rec = self.reducer.pop_stats()
+        rec["reduce_s"], self.seconds = self.seconds, 0.0
+        return self.stats.end_step(self.step, rec)
+
+    def close(self) -> None:
+        """Reductions refuse from now on; the accumulation watch's global hook is removed. Idempotent."""
+        self.closed = True
+        self.accumulation.close()
 
 
 class AccumulationWatch:

@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from . import _reference, _reference_dgc
+from . import _reference, _reference_dgc, _reference_lowbit
 from ._reference_dgc import INT4_BLOCK
 from ._reference import MAX_NUMEL, NUM_ROUNDS, derive_keys, domain_bits
 
@@ -39,7 +39,7 @@ __all__ = [
     "aggregate_push", "aggregate_push_into", "read_aggregate_count", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
     "has_dgc_search_op", "dgc_threshold_search", "has_dgc_gather_kept_op", "dgc_gather_kept", "has_dgc_sample_op", "dgc_sample_keys", "dgc_sort_unkey", "dgc_all_finite",
     "gather_list", "emulate_cuda_layout", "has_dgc_int4_op", "dgc_int4_select", "dgc_int4_requantize_", "dgc_int4_gather",
-    "INT4_BLOCK", "force_reference", "catch_up_adamw_",
+    "INT4_BLOCK", "force_reference", "catch_up_adamw_", "quantize_blocks", "dequantize_blocks", "has_lowbit_op",
 ]
 
 if HAVE_CPP_OP:
@@ -432,6 +432,23 @@ def dgc_int4_gather(codes: torch.Tensor, scales: torch.Tensor, ends_T: torch.Ten
     """The 4-bit residual dequantized at int64 element positions ``pos`` (fp32; a few torch ops: it reads
     the samples and the flushed elements only)."""
     return _reference_dgc.dgc_int4_gather(codes, scales, ends_T, blocks_T, pos)
+
+
+def has_lowbit_op(t: torch.Tensor) -> bool:  # tests: whether both low-bit ops have kernels for t's device
+    return _has_kernel("quantize_blocks", t) and _has_kernel("dequantize_blocks", t)
+
+
+def quantize_blocks(values: torch.Tensor, seg_ends: list[int], bits: int, block: int):
+    """``zen.dgc.value_bits``' quantizer: ``values`` cut at the cumulative ``seg_ends`` (host ints), blocks of
+    ``block`` in each, as ``(codes, scales, dequantized)``; one launch on a GPU (``_reference_lowbit.py``)."""
+    return _dispatch("quantize_blocks", values, _reference_lowbit.quantize_blocks)(
+        values, [int(e) for e in seg_ends], int(bits), int(block))
+
+
+def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, seg_ends: list[int], bits: int, block: int):
+    """``quantize_blocks``' inverse: the fp32 values ``q · scale`` of every segment."""
+    return _dispatch("dequantize_blocks", codes, _reference_lowbit.dequantize_blocks)(
+        codes, scales, [int(e) for e in seg_ends], int(bits), int(block))
 
 
 def gather_list(g_T: list[torch.Tensor], pos: torch.Tensor) -> torch.Tensor:

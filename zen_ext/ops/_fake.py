@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _reference
+from . import _reference, _reference_lowbit
 
 _register = torch.library.register_fake
 
@@ -109,3 +109,15 @@ def _catch_up_adamw(p_T, g_T, m_T, v_T, age_T, lr, beta1, beta2, eps, weight_dec
 @_register("zen_ext::gather_list")
 def _gather_list(g_T, pos):
     return g_T[0].new_empty(pos.shape[0])
+
+
+@_register("zen_ext::quantize_blocks")
+def _quantize_blocks(values, seg_ends, bits, block):
+    _, code, blk = _reference_lowbit.layout(list(seg_ends), bits, block)
+    return (values.new_empty(code[-1], dtype=torch.uint8), values.new_empty(blk[-1], dtype=torch.float32),
+            values.new_empty(values.shape[0], dtype=torch.float32))
+
+
+@_register("zen_ext::dequantize_blocks")
+def _dequantize_blocks(codes, scales, seg_ends, bits, block):
+    return scales.new_empty(seg_ends[-1] if len(seg_ends) else 0)

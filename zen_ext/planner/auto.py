@@ -69,11 +69,12 @@ from ..core.registry import build_scheme, register_scheme, registered_schemes, s
 from ..core.scheme import SyncScheme
 from ..core.types import SparseGrad, as_sparse
 from . import cost_model as cm
-from .calibration import _Calibration, calibrate
+from .calibration import Calibration, calibrate
+from .low_bits import low_bit_options, narrow_to_low_bits
 from .network import Network, modeled_time_s
 from .profile import SparsityProfile, local_profile, nonzero_blocks, sample_parts_for
 from .refinement import Refinement, Wire
-from .state import _SliceState
+from .state import SliceState
 
 logger = logging.getLogger("zen_ext.planner")
 _SKIP_LOGGED: set[str] = set()
@@ -167,12 +168,17 @@ class AutoScheme(SyncScheme):
         self.model = model
         self.candidates = tuple(sorted(dict.fromkeys(candidates), key=_priority))
         self._schemes = {c: self._build(c) for c in self.candidates}
-        self._states: dict[tuple[str, int], _SliceState] = {}
+        self._states: dict[tuple[str, int], SliceState] = {}
         # Per rank (one instance may serve every simulated rank of a SimWorld).
-        self._calib: dict[int, _Calibration] = {}
+        self._calib: dict[int, Calibration] = {}
         self._refine: dict[int, Refinement] = {}
         # Syncs each candidate has run, per rank (the same on every rank: all run the same choices).
         self._runs: dict[int, dict[str, int]] = {}
+        self._low_bits: dict = {}  # {"value_bits": b} once require_low_bits narrowed the candidates
+
+    def require_low_bits(self, bits: int, carriers: list[str] | None = None) -> None:
+        """``zen.dgc.value_bits``: only the candidates that carry it, their bytes in its bits (``low_bits.py``)."""
+        narrow_to_low_bits(self, bits, carriers)
 
     @staticmethod
     def valid_candidates() -> list[str]:
@@ -257,9 +263,9 @@ class AutoScheme(SyncScheme):
         if sd.get("options") != self.options():
             raise ValueError(f"auto state_dict options ({sd.get('options')}) must equal this planner's "
                              f"({self.options()}); resume with the same zen.planner settings")
-        self._states = {(key, int(rank)): _SliceState.from_state(st)
+        self._states = {(key, int(rank)): SliceState.from_state(st)
                         for key, per_rank in sd["slices"].items() for rank, st in per_rank.items()}
-        self._calib = {int(r): _Calibration.from_state(c) for r, c in sd["calibration"].items()}
+        self._calib = {int(r): Calibration.from_state(c) for r, c in sd["calibration"].items()}
         # Absent in states saved before 2026-11-25: the close candidates are measured again.
         self._runs = {int(r): {k: int(v) for k, v in runs.items()} for r, runs in sd.get("runs", {}).items()}
         self._refine = {}
@@ -286,7 +292,7 @@ class AutoScheme(SyncScheme):
         st, profiling_s = self._choose(comm, grad, key)
         # Step 2: run.
         phases: dict = {}
-        out = self._schemes[st.choice]._sync(comm, grad, op, phases, key, out)
+        out = self._schemes[st.choice].sync_validated(comm, grad, op, phases, key, out)
         # Step 3: learn.
         self._learn(comm, st, phases, timings, profiling_s)
         return out
@@ -312,8 +318,8 @@ class AutoScheme(SyncScheme):
         results: list[torch.Tensor | None] = [None] * len(grads)
         for choice, members in by_choice.items():
             phases = [{} for _ in members]
-            got = self._schemes[choice]._sync_group(comm, [grads[i] for i in members], op, phases,
-                                                    [keys[i] for i in members], [outs[i] for i in members])
+            got = self._schemes[choice].sync_group_validated(comm, [grads[i] for i in members], op, phases,
+                                                             [keys[i] for i in members], [outs[i] for i in members])
             for i, res, ph in zip(members, got, phases):
                 results[i] = res
                 self._learn(comm, chosen[i][0], ph, timings[i], chosen[i][1])
@@ -330,7 +336,7 @@ class AutoScheme(SyncScheme):
         sg_numel = grad.numel if isinstance(grad, SparseGrad) else grad.numel()
         if key is None:
             key = f"numel={sg_numel}"
-        st = self._states.setdefault((key, comm.rank), _SliceState())
+        st = self._states.setdefault((key, comm.rank), SliceState())
         profiling_s = 0.0
         if st.profiled < self.profile_steps:
             t0 = time.perf_counter()
@@ -345,7 +351,7 @@ class AutoScheme(SyncScheme):
             work = WorkCounts.from_profile(profile)
             preds, wires, raw = {}, {}, {}
             for c in self.candidates:
-                opts = self._schemes[c].options()
+                opts = low_bit_options(self, c, grad)
                 # In a slot (a Synchronizer's bucket) the steady steps carry their counts in the payload.
                 stats = cm.predict_stats(c, profile, opts, first_call=not comm.in_slot)
                 wires[c] = Wire.of(stats, cal.network)
@@ -388,7 +394,7 @@ class AutoScheme(SyncScheme):
                 st.profiled, st.predictions, st.measured = 0, [], {}  # the next sync profiles again
         return st, profiling_s
 
-    def _learn(self, comm: Communicator, st: "_SliceState", phases: dict, timings: dict | None,
+    def _learn(self, comm: Communicator, st: "SliceState", phases: dict, timings: dict | None,
                profiling_s: float) -> None:
         """After the chosen scheme ran: refine the model from its phase times (not from a scheme's first
         run on this rank: cold caches, first-touch workspaces and new connection sizes made it 2x slower
@@ -418,7 +424,7 @@ class AutoScheme(SyncScheme):
             scheme = build_scheme(name, seed=self.seed)
         return scheme
 
-    def _calibrate(self, comm: Communicator, device: torch.device) -> _Calibration:
+    def _calibrate(self, comm: Communicator, device: torch.device) -> Calibration:
         """This rank's calibration, measured once (``calibration.calibrate``); every rank calls it at its
         first profiling sync, so the collectives line up."""
         cal = self._calib.get(comm.rank)
@@ -468,7 +474,7 @@ class AutoScheme(SyncScheme):
             return None
         return next((c for c in close if runs.get(c, 0) < 1 + MEASURED_RUNS), None)
 
-    def _decide(self, st: _SliceState, profile: SparsityProfile, cal: _Calibration,
+    def _decide(self, st: SliceState, profile: SparsityProfile, cal: Calibration,
                 measured_s: dict[str, float] | None = None) -> tuple[str, str]:
         """The candidate to run: the lowest of its measured time (``measured_s``: agreed, the fastest
         measured sync) where it was measured on this slice, else of its mean prediction."""
@@ -502,7 +508,7 @@ class AutoScheme(SyncScheme):
                                    "every rank must use the same options and slice order")
 
 
-def _mean_predictions(st: _SliceState, candidates: tuple[str, ...]) -> dict[str, float]:
+def _mean_predictions(st: SliceState, candidates: tuple[str, ...]) -> dict[str, float]:
     return {c: sum(p[c] for p in st.predictions) / len(st.predictions) for c in candidates} if st.predictions \
         else {}
 
@@ -511,7 +517,7 @@ def _candidates_text_of(mean: dict[str, float], choice: str, candidates: tuple[s
     return ", ".join(f"{c}{'*' if c == choice else ''} {mean[c] * 1e3:.3f} ms" for c in candidates if c in mean)
 
 
-def _candidates_text(st: _SliceState, candidates: tuple[str, ...]) -> str:
+def _candidates_text(st: SliceState, candidates: tuple[str, ...]) -> str:
     return "candidates " + _candidates_text_of(_mean_predictions(st, candidates), st.choice, candidates)
 
 

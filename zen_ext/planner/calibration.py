@@ -23,7 +23,7 @@ _MAX_BANDWIDTH_GBPS = 10_000.0  # what a probe too fast to resolve reports
 
 
 @dataclass
-class _Calibration:
+class Calibration:
     """One rank's agreed calibration: the link and the compute rates."""
 
     network: Network
@@ -36,14 +36,14 @@ class _Calibration:
                 "measured_link": self.measured_link}
 
     @classmethod
-    def from_state(cls, st: dict) -> "_Calibration":
+    def from_state(cls, st: dict) -> "Calibration":
         flow = st.get("flow_us")  # absent in states saved before flows had a cost of their own: the latency
         return cls(Network(float(st["bandwidth_gbps"]), float(st["latency_us"]),
                            None if flow is None else float(flow)),
                    ComputeRates.from_list(st["rates"]), bool(st["measured_link"]))
 
 
-def calibrate(comm: Communicator, device: torch.device, fixed: tuple, model: str) -> _Calibration:
+def calibrate(comm: Communicator, device: torch.device, fixed: tuple, model: str) -> Calibration:
     """Measure and agree this rank's calibration (a collective: every rank calls it once).
 
     1. Link probe (best of a few all-reduces of two sizes, and of a few 8-byte ``exchange_v`` with
@@ -83,7 +83,7 @@ def calibrate(comm: Communicator, device: torch.device, fixed: tuple, model: str
         if n > 2:
             # exchange_v: 2 rounds (counts, payloads) of n−1 simultaneous messages each way.
             flow = max(0.0, (flows_s * 1e6 - 2 * lat) / (2 * (n - 2)))
-    cal = _Calibration(Network(bw if bw is not None else 10.0, lat if lat is not None else 50.0, flow), rates,
+    cal = Calibration(Network(bw if bw is not None else 10.0, lat if lat is not None else 50.0, flow), rates,
                        measured_link=probe)
     for key, value in saved_stats.as_dict().items():
         setattr(comm.stats, key, value)

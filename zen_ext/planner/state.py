@@ -1,6 +1,6 @@
 """What ``auto`` (``auto.py``) keeps per slice and per rank, in a form its ``state_dict`` saves: a
-slice's planning state (``_SliceState``: profiling syncs seen, predictions, the choice and why); a rank's
-calibration is ``calibration._Calibration``)."""
+slice's planning state (``SliceState``: profiling syncs seen, predictions, the choice and why); a rank's
+calibration is ``calibration.Calibration``)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from .refinement import Wire
 
 
 @dataclass
-class _SliceState:
+class SliceState:
     """One slice's planning state on one rank."""
 
     profiled: int = 0
@@ -37,7 +37,7 @@ class _SliceState:
                 "wire": dataclasses.asdict(self.wire) if self.wire is not None else None}
 
     @classmethod
-    def from_state(cls, st: dict) -> "_SliceState":
+    def from_state(cls, st: dict) -> "SliceState":
         return cls(profiled=int(st["profiled"]), predictions=[dict(p) for p in st["predictions"]],
                    since_decision=int(st["since_decision"]), choice=st["choice"], reason=st["reason"],
                    work=WorkCounts(**st["work"]) if st.get("work") else None,

@@ -41,6 +41,12 @@ class Assembled:
     stats: StepStats
 
 
+OUTER_REFUSAL = (
+    "zen.outer (enabled) is served by torch DDP (zen_ext.engines.ddp_outer.register_outer) and DeepSpeed ZeRO-0 "
+    "with fp32 weights (zen_ext.deepspeed.initialize); not by FSDP2 (HSDP included), ColossalAI or the per-step DDP "
+    "hook (register_zen_hook): set zen.outer.enabled false there")
+
+
 def assemble(module, cfg: ZenConfig, *, sync_comm, tp_comm, rank: int, dp_size: int, device, node=None,
              tp_replicated: frozenset = frozenset(), guard_comm=None, worker_off: str | None = None,
              worker_in_reducer: bool = True, monitor=None) -> Assembled:
@@ -55,7 +61,13 @@ def assemble(module, cfg: ZenConfig, *, sync_comm, tp_comm, rank: int, dp_size: 
        over ``guard_comm``); the parameters of a ``row_sparse`` kind (natural sparsity's embeddings) among
        ``tp_replicated`` (replicated across the TP group, identical gradients) are its TP-shared rows.
     4. Per-step statistics (JSONL on rank 0, the engine's ``monitor`` when given).
+
+    Raises:
+        NotImplementedError: ``zen.outer`` is enabled: these per-step attachments would synchronize every
+            step; the outer synchronization has adapters of its own (named in the message).
     """
+    if cfg.outer.enabled:
+        raise NotImplementedError(OUTER_REFUSAL)
     # Step 1: routing and the Synchronizer.
     kinds, sync = build_synchronizer(module, cfg, sync_comm=sync_comm, tp_comm=tp_comm, rank=rank)
     # Step 2: the worker.

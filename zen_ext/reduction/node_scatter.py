@@ -11,11 +11,16 @@ its shard ``T_l`` (``|T_l| ≈ |bucket|/L``).
   bucket above half of ``zen.bucket_cap_mb`` is reordered and reduced in column windows of the blocks
   (every ``T_l``'s same window at once, at most half the cap in all), so the reordered copy never holds
   the whole bucket: Step A's transient memory is the cap plus the shard, not twice the bucket
-  (``benchmarks/results/rs_peak_memory.md``).
-* Step B, across nodes (slow links): ``Synchronizer.reduce_scatter_flat`` over the inter-node group
-  ``l`` on that node sum, re-bucketed to ``zen.bucket_cap_mb``: the sparsifiers (natural rows, DGC)
-  compress the node sum of ``T_l``, so their per-element memory (DGC's residual, momentum) covers
-  ``|T_l| ≈ P/L`` elements a rank instead of ``P``; each owner receives its range.
+  (``benchmarks/memory/results/rs_peak_memory.md``).
+* Step B, across nodes (slow links): the reduce-scatter route (``reduction/scatter.py``) over the
+  inter-node group ``l`` on that node sum, with ``T_l``'s slices and the inter-node owners' ranges in it
+  (``NodeLayout.slices``, ``NodeLayout.ranges``), windowed to ``zen.bucket_cap_mb`` there: the
+  sparsifiers (natural rows, DGC) compress the node sum of ``T_l``, so their per-element memory (DGC's
+  residual, momentum) covers ``|T_l| ≈ P/L`` elements a rank instead of ``P``; each owner receives its
+  range.
+
+This module is the node level's layout and Step A; ``ScatterRoute`` (``reduction/scatter.py``) runs the
+steps in order.
 
 ``op="mean"`` sums at both levels and divides the owner's range by ``n`` once at the end: the result
 is the global sum over ``n`` exactly as the flat path's, and DGC sees sums of local gradients as it
@@ -35,7 +40,7 @@ from typing import Sequence
 import torch
 
 from .plan import GradSlice
-from .slices import clip_slices, split_to_cap
+from .slices import clip_slices
 
 __all__ = ["NodeReduceScatter", "NodeLayout"]
 
@@ -62,23 +67,24 @@ class NodeLayout:
     reorders the whole bucket."""
     max_pad: int
     """The longest padding part of any window (one zero buffer serves them all)."""
-    buckets: list[tuple[int, int, list[GradSlice], list[tuple[int, int]], tuple[int, int]]]
-    """Step B per sub-bucket of ``T_l``: ``(start, end, slices, inter-node ranges, this rank's piece
-    of its own range)``, all relative to the sub-bucket (the piece: relative to the rank's range)."""
+    slices: list[GradSlice]
+    """Step B's bucket, ``T_l`` of this rank: its pieces' slices side by side (offsets in ``T_l``)."""
+    ranges: list[tuple[int, int]]
+    """Step B's owners: the range of ``T_l`` each rank of the inter-node group owns, in its rank order."""
 
 
 class NodeReduceScatter:
-    """The node-level reduce-scatter of one rank (``BucketReducer.reduce_scatter_`` calls it).
+    """The node level of one rank's reduce-scatter route (``ScatterRoute`` holds it): layouts and Step A.
 
     Args:
         node: the node's dense part (``NodeShardedReduce``: its intra-node Communicator, local rank,
             ``L``, and ``owners``: ``owners[l]`` the data-parallel ranks with local index ``l`` in
             their inter-node group's rank order).
-        sync: the Synchronizer over this rank's inter-node group.
-        cap_elems: Step B's sub-bucket cap in elements (per element size: ``cap_bytes``).
+        inter_rank: this rank's place in its inter-node group.
+        cap_bytes: the cap Step A's windows stay within (half of it: ``zen.bucket_cap_mb``).
     """
 
-    def __init__(self, node, sync, cap_bytes: int) -> None:
+    def __init__(self, node, inter_rank: int, cap_bytes: int) -> None:
         owners = getattr(node, "owners", None)
         if not owners:
             raise NotImplementedError("zen.hierarchical with a reduce-scatter needs the node layout of the "
@@ -88,45 +94,36 @@ class NodeReduceScatter:
         if len(owners) != L or len({len(o) for o in owners}) != 1:
             raise NotImplementedError(f"zen.hierarchical with a reduce-scatter needs {L} local ranks per node, each "
                                       f"with one peer per node (owners {owners}); uneven nodes are not supported")
-        self.node, self.sync, self.cap_bytes = node, sync, cap_bytes
+        self.node, self.cap_bytes = node, cap_bytes
         self.owners = [list(o) for o in owners]
         self.n = sum(len(o) for o in self.owners)
-        self.me = self.owners[node.local_rank][sync.dp_comm.rank]
+        self.me = self.owners[node.local_rank][inter_rank]
         """This rank's data-parallel rank (its place among the owners)."""
         if sorted(r for o in self.owners for r in o) != list(range(self.n)):
             raise ValueError(f"zen.hierarchical: the node layout's owners ({owners}) must name every data-parallel "
                              f"rank 0..{self.n - 1} once")
-        self._layouts: dict[tuple, NodeLayout] = {}
+        self.layouts: dict[tuple, NodeLayout] = {}
+        """Every bucket layout seen, planned once (bounded)."""
 
-    def __call__(self, flat_N: torch.Tensor, slices: Sequence[GradSlice], ranges: list[tuple[int, int]], op: str,
-                 out: torch.Tensor) -> torch.Tensor:
-        """Write this rank's range ``ranges[me]`` of ``flat_N``'s reduction over all ``n`` ranks into ``out``.
-
-        1. Layout (once per bucket layout, agreed inside the node): ``T_l``'s pieces, Step A's width,
-           Step B's sub-buckets.
-        2. Step A: reorder into ``[L, width]`` blocks and reduce-scatter inside the node (sum).
-        3. Step B: per sub-bucket of the node sum of ``T_l``, the Synchronizer's reduce-scatter (sum)
-           across the nodes into this rank's piece of ``out``.
-        4. Mean: divide ``out`` by ``n`` once.
-        """
-        if len(ranges) != self.n:
-            raise ValueError(f"zen.reduce_scatter ranges ({len(ranges)} entries) must have one (start, end) per "
-                             f"data-parallel rank ({self.n}) (node-level reduce-scatter)")
-        # Step 1: layout.
+    def layout(self, flat_N: torch.Tensor, slices: Sequence[GradSlice], ranges: list[tuple[int, int]]) -> NodeLayout:
+        """The bucket's node layout (``ranges``: validated, one per data-parallel rank, tiling the bucket):
+        planned once per bucket layout and agreed inside the node the first time."""
         key = (flat_N.numel(), flat_N.element_size(), tuple(ranges),
                tuple((s.name, s.offset, s.numel, tuple(s.shape), s.start) for s in slices))
-        lay = self._layouts.get(key)
+        lay = self.layouts.get(key)
         if lay is None:
-            if len(self._layouts) > 4096:  # layouts change only on engine bucket rebuilds; bound the cache
-                self._layouts.clear()
+            if len(self.layouts) > 4096:  # layouts change only on engine bucket rebuilds; bound the cache
+                self.layouts.clear()
             self._agree(key, flat_N.dtype)
-            lay = self._layouts[key] = self._plan(flat_N.numel(), slices, ranges, flat_N.element_size(),
-                                                  flat_N.device)
-        if lay.width == 0:
-            return out  # an empty bucket: nothing to reduce on any rank (the layout is the same everywhere)
-        # Step 2: Step A, dense inside the node: one reorder and reduce-scatter per column window (one
-        # cat of the owners' ranges and the padding: one kernel on a GPU), or one index_select when the
-        # even ranges fit in one window.
+            lay = self.layouts[key] = self._plan(flat_N.numel(), slices, ranges, flat_N.element_size(), flat_N.device)
+        return lay
+
+    def node_sum(self, flat_N: torch.Tensor, lay: NodeLayout) -> torch.Tensor:
+        """Step A, dense inside the node: the node's sum of this rank's ``T_l`` (``lay.shard_len`` elements).
+
+        One reorder and reduce-scatter per column window (one cat of the owners' ranges and the padding:
+        one kernel on a GPU), or one index_select when the even ranges fit in one window.
+        """
         if lay.rows is not None:
             node_sum = self.node.intra.reduce_scatter(flat_N.view(self.n, -1).index_select(0, lay.rows).reshape(-1))
         else:
@@ -138,19 +135,11 @@ class NodeReduceScatter:
                     node_sum = self.node.intra.reduce_scatter(blocks)
                 else:  # straight into the shard's window: no separate result buffer
                     self.node.intra.reduce_scatter(blocks, out=node_sum[c0:c1])
-        node_sum = node_sum[: lay.shard_len]
-        # Step 3: Step B, sparse across nodes.
-        if lay.shard_len:
-            for a, b, members, inter_ranges, (pa, pb) in lay.buckets:
-                self.sync.reduce_scatter_flat(node_sum[a:b], members, inter_ranges, "sum", out=out[pa:pb])
-        # Step 4: the mean.
-        if op == "mean":
-            out.div_(self.n)
-        return out
+        return node_sum[: lay.shard_len]
 
     def _plan(self, numel: int, slices: Sequence[GradSlice], ranges: list[tuple[int, int]], itemsize: int,
               device) -> NodeLayout:
-        """Step 1: ``T_l``'s pieces for every ``l``, and this rank's Step B sub-buckets."""
+        """``T_l``'s pieces for every ``l``, Step A's windows, and this rank's ``T_l`` as Step B's bucket."""
         pieces = [[tuple(ranges[r]) for r in o] for o in self.owners]
         lens = [sum(b - a for a, b in p) for p in pieces]
         width, mine = max(lens), self.node.local_rank
@@ -166,22 +155,15 @@ class NodeReduceScatter:
         else:
             windows = [(c0, min(c0 + step, width), _window(pieces, c0, min(c0 + step, width)))
                        for c0 in range(0, width, step)]
-        # This rank's shard: its pieces' slices side by side, and each owner's range inside it.
+        # This rank's shard T_l: its pieces' slices side by side, and each inter-node owner's range in it.
         t_slices, inter_ranges, at = [], [], 0
         for a, b in pieces[mine]:
             t_slices.extend(dataclasses.replace(s, offset=s.offset + at) for s in clip_slices(slices, a, b))
             inter_ranges.append((at, at + b - a))
             at += b - a
-        j = self.owners[mine].index(self.me)
-        lo, hi = inter_ranges[j]
-        buckets = []
-        for a, b, members in split_to_cap(at, t_slices, cap) if at else []:
-            clipped = [(min(max(s, a), b) - a, min(max(e, a), b) - a) for s, e in inter_ranges]
-            pa, pb = min(max(lo, a), b), min(max(hi, a), b)
-            buckets.append((a, b, list(members), clipped, (pa - lo, pb - lo)))
         max_pad = max((b for _, _, parts in windows for a, b in parts if a < 0), default=0)
-        return NodeLayout(width=width, pieces=pieces, lens=lens, rows=rows, shard_len=lens[mine], buckets=buckets,
-                          windows=windows, max_pad=max_pad)
+        return NodeLayout(width=width, pieces=pieces, lens=lens, rows=rows, shard_len=lens[mine], windows=windows,
+                          max_pad=max_pad, slices=t_slices, ranges=inter_ranges)
 
     def _agree(self, key: tuple, dtype) -> None:
         """A new layout shapes Step A's collective: the node's ranks compare it once (one object all-gather

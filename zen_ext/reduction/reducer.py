@@ -10,8 +10,8 @@ import torch
 
 from .plan import GradSlice
 from .hierarchy import NodeShardedReduce
-from .node_scatter import NodeReduceScatter
-from .slices import _row_width, clip_slices, shard_bounds, split_to_cap
+from .scatter import ScatterRoute
+from .slices import clip_slices, row_width, shard_bounds, split_to_cap
 
 
 class BucketReducer:
@@ -57,13 +57,15 @@ class BucketReducer:
         self.calls = 0
         self._stats = self._empty()
         self._rows_cache: dict[tuple, list[tuple[str, GradSlice]]] = {}
-        self._node_scatter = None
+        self._route: ScatterRoute | None = None
 
-    def _node_rs(self):
-        """The node-level reduce-scatter (built on first use: the all-reduce path never needs it)."""
-        if self._node_scatter is None:
-            self._node_scatter = NodeReduceScatter(self.node, self.sync, self.cap_bytes)
-        return self._node_scatter
+    @property
+    def route(self) -> ScatterRoute:
+        """The reduce-scatter route (``reduction/scatter.py``), built on first use: the all-reduce path never
+        needs it (and a node without its owners' layout is refused only here)."""
+        if self._route is None:
+            self._route = ScatterRoute(self.sync, self.cap_bytes, self.node)
+        return self._route
 
     @staticmethod
     def _empty() -> dict:
@@ -121,14 +123,11 @@ class BucketReducer:
         into ``out`` (ZeRO-2's ``reduce_scatter``, ZeRO-3, FSDP2); ``flat`` is not modified.
 
         1. Guard as ``reduce_``: a non-finite gradient on any rank NaN-fills ``out`` on every rank.
-        2. Re-bucket to ``cap_bytes`` at parameter boundaries; each bucket's owner ranges are ``ranges``
-           clipped to it.
-        3. Reduce-scatter each bucket (``Synchronizer.reduce_scatter_flat``) into its piece of ``out``,
-           in turn on this thread.
-
-        With node sharding (``zen.hierarchical``) steps 2 and 3 are the node-level reduce-scatter
-        (``reduction/node_scatter.py``: dense inside the node, then the Synchronizer across nodes on
-        the node's sum of this rank's share, re-bucketed there).
+        2. The reduce-scatter route (``reduction/scatter.py`` ``ScatterRoute``): windows of ``cap_bytes``
+           at parameter boundaries, each routed as ``sync_flat`` routes a bucket and reduce-scattered by
+           the Synchronizer's ``rs_scheme`` into its place in ``out``, in turn on this thread; with node
+           sharding (``zen.hierarchical``) dense inside the node first, the route across the nodes on the
+           node's sum of this rank's share.
 
         Raises:
             NotImplementedError: TP-shared parameters (supported: a data-parallel group, flat or by node).
@@ -140,8 +139,6 @@ class BucketReducer:
         st = self._stats
         st["reduce_calls"] += 1
         flat_N = flat.view(-1)
-        rank = self.sync.dp_comm.rank if self.node is None else self._node_rs().me
-        lo, hi = ranges[rank]
         if self.dp_size > 1:
             st["dense_bytes"] += (self.dp_size - 1) * max(e - s for s, e in ranges) * flat_N.element_size()
         # Step 1: non-finite guard.
@@ -152,18 +149,11 @@ class BucketReducer:
                 st["nonfinite_steps"] += 1
                 self.sync.discard_step()
                 return out
-        if self.node is not None:  # steps 2 and 3, node by node
-            before = self.node.bytes_sent
-            self._node_rs()(flat_N, slices, [tuple(r) for r in ranges], op, out)
+        # Step 2: the route.
+        before = self.node.bytes_sent if self.node is not None else 0
+        self.route(flat_N, slices, ranges, op, out)
+        if self.node is not None:
             st["intra_bytes_sent"] += self.node.bytes_sent - before
-            return out
-        # Step 2: re-bucket.
-        cap = max(1, self.cap_bytes // flat_N.element_size())
-        for a, b, members in split_to_cap(flat_N.numel(), slices, cap):
-            clipped = [(min(max(s, a), b) - a, min(max(e, a), b) - a) for s, e in ranges]
-            pa, pb = min(max(lo, a), b), min(max(hi, a), b)
-            # Step 3: reduce-scatter into this rank's piece of out.
-            self.sync.reduce_scatter_flat(flat_N[a:b], list(members), clipped, op, out=out[pa - lo : pb - lo])
         return out
 
     def _reduce_pipelined(self, flat_N: torch.Tensor, chunks: list, op: str) -> None:
@@ -232,7 +222,7 @@ class BucketReducer:
         # the parameter's name, so the layout is new for each parameter, as on the peers.
         part = clip_slices([s], a, b) or [GradSlice(s.name, 0, 0, (0, *s.shape[1:]), start=s.start + a - s.offset)]
         mine = self._reduce_dp(chunk[a:b], part, op)
-        width = _row_width(s)
+        width = row_width(s)
         rows = mine.reshape(-1, width)
         before = tp.stats.snapshot()
         # Only the non-zero rows travel: the synchronized embedding is as sparse as the batch's tokens.

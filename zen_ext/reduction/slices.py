@@ -123,7 +123,8 @@ def _rebase(s: GradSlice, base: int) -> GradSlice:
     return dataclasses.replace(s, offset=s.offset - base)
 
 
-def _row_width(s: GradSlice) -> int:
+def row_width(s: GradSlice) -> int:
+    """Elements of one row of a slice (its shape past dim 0; 1 for a 1-D slice)."""
     return math.prod(s.shape[1:]) if len(s.shape) >= 2 else 1
 
 
@@ -139,7 +140,7 @@ def shard_bounds(numel: int, slices: Sequence[GradSlice], parts: int) -> list[in
         j = bisect.bisect_right(offsets, cuts[i]) - 1
         if j >= 0:
             s = by_offset[j]
-            w = _row_width(s)
+            w = row_width(s)
             if s.offset < cuts[i] < s.offset + s.numel and w > 1:
                 cuts[i] = s.offset + round((cuts[i] - s.offset) / w) * w
     for i in range(1, parts + 1):  # keep cuts monotone after snapping

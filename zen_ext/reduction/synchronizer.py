@@ -44,14 +44,13 @@ from ..compress.base import NamedGrad, Sparsifier
 from ..compress.none import NoneSparsifier
 from ..compress.registry import DENSE, all_kinds, registered
 from ..compress.state import SparsifierState
-from ..core.reduce_scatter import build_reduce_scatter, reduce_scatter_of
-from ..core.registry import build_scheme
+from ..core.reduce_scatter import build_reduce_scatter, low_bit_reduce_scatters, reduce_scatter_of
+from ..core.registry import build_scheme, registered_schemes, scheme_class
 from ..core.rs_base import ReduceScatterScheme
 from ..core.scheme import SyncScheme, check_op
 from ..core.types import AccumulatedGrad, SparseGrad
 from .plan import GradSlice, Plan, agree, build_plan
 from .prepared import PreparedBucket, PreparedPart
-from .scatter import reduce_scatter_flat
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +72,9 @@ class Synchronizer:
         tp_comm: the tensor-parallel group (DGC agrees on one threshold per layer across it).
         **by_kind: sections given one by one as keywords, e.g. ``dgc={"enabled": True}``, ``natural={}``
             (merged with ``sections``; a value None = disabled).
-        reduce_scatter: the ReduceScatterScheme (or its name) of ``reduce_scatter_flat``; None: the
-            reduce-scatter form of ``scheme`` (``core/reduce_scatter.py`` ``reduce_scatter_of``). Built
-            on first use and kept in ``rs_scheme``.
+        reduce_scatter: the ReduceScatterScheme (or its name) of the reduce-scatter route
+            (``reduction/scatter.py``); None: the reduce-scatter form of ``scheme``
+            (``core/reduce_scatter.py`` ``reduce_scatter_of``). Built on first use, kept in ``rs_scheme``.
 
     Raises:
         ValueError: a kind that is not registered, or a kind whose sparsifier is disabled.
@@ -126,9 +125,12 @@ class Synchronizer:
         self.sparsifiers: dict[str, Sparsifier] = {
             k: specs[k].cls.from_config(cfg, state=self.state, dp_size=dp_comm.size)
             for k, cfg in self.configs.items() if cfg.enabled}
-        for sp in self.sparsifiers.values():  # spardl selects from DGC's accumulated memory itself
-            if hasattr(sp, "hand_over"):
-                sp.hand_over = self.scheme.takes_accumulated
+        self._handing = [sp for sp in self.sparsifiers.values() if hasattr(sp, "hand_over")]
+        self.hand_over_to(self.scheme)  # a sparsifier that cannot hand over to it refuses here, at attach
+        self._value_bits = next((sp.value_bits for sp in self.sparsifiers.values() if sp.value_bits), None)
+        if self._value_bits:  # refused before the first step, not at it
+            self.scheme.require_low_bits(self._value_bits, [n for n in registered_schemes()
+                                                            if scheme_class(n).carries_low_bits])
         self._tp_kinds = tuple(k for k in self.configs if specs[k].cls.uses_tp_group)
         self.row_kinds = frozenset(k for k in self.sparsifiers if specs[k].cls.row_sparse)
         """The enabled kinds whose gradients are sparse by rows (``Sparsifier.row_sparse``)."""
@@ -175,21 +177,20 @@ class Synchronizer:
         """
         return self.finish_flat(self.prepare_flat(flat, slices, op, out))
 
-    def reduce_scatter_flat(self, flat: torch.Tensor, slices: list[GradSlice], ranges, op: str = "mean",
-                            out: torch.Tensor | None = None) -> torch.Tensor:
-        """``sync_flat``'s routing, then a reduce-scatter: this rank's range ``ranges[rank]`` of the reduced
-        bucket (``out`` when given); see ``reduction/scatter.py``."""
-        return reduce_scatter_flat(self, flat, slices, ranges, op, out)
-
     @property
     def rs_scheme(self) -> ReduceScatterScheme:
-        """The ReduceScatterScheme of ``reduce_scatter_flat``, built here on first read (and only here): the
+        """The ReduceScatterScheme of the reduce-scatter route, built here on first read (and only here): the
         constructor's ``reduce_scatter`` (a name is built with defaults) or the reduce-scatter form of
         ``scheme``, NotImplementedError for a scheme without one (a sharded engine reads it when it
         attaches, so that error comes before training)."""
         if not isinstance(self._rs_scheme, ReduceScatterScheme):
             given = self._rs_scheme
-            self._rs_scheme = build_reduce_scatter(given) if isinstance(given, str) else reduce_scatter_of(self.scheme)
+            built = build_reduce_scatter(given) if isinstance(given, str) else reduce_scatter_of(self.scheme)
+            self.hand_over_to(built)  # refused here as for ``scheme``: the engines read this at attach
+            self.hand_over_to(self.scheme)
+            if self._value_bits:  # refused (or auto narrowed) when read at attach
+                built.require_low_bits(self._value_bits, low_bit_reduce_scatters())
+            self._rs_scheme = built
         return self._rs_scheme
 
     @rs_scheme.setter
@@ -197,12 +198,25 @@ class Synchronizer:
         """Another reduce-scatter scheme (as the constructor's ``reduce_scatter``), e.g. ``direct`` in a test."""
         self._rs_scheme = scheme
 
+    def hand_over_to(self, scheme: "SyncScheme | ReduceScatterScheme") -> None:
+        """Make the sparsifiers that can hand their accumulated memory over (DGC) do so exactly when
+        ``scheme``, the one that will consume what they prepare, selects its own entries
+        (``takes_accumulated``: spardl, all-reduce or reduce-scatter); ValueError from a sparsifier that
+        cannot (DGC's 4-bit residual)."""
+        for sp in self._handing:
+            sp.hand_over = scheme.takes_accumulated
+
     def prepare_flat(
-        self, flat: torch.Tensor, slices: list[GradSlice], op: str = "mean", out: torch.Tensor | None = None
+        self, flat: torch.Tensor, slices: list[GradSlice], op: str = "mean", out: torch.Tensor | None = None,
+        scheme: "SyncScheme | ReduceScatterScheme | None" = None,
     ) -> PreparedBucket:
         """The local half of ``sync_flat``: plan, and every read of ``flat`` (dense gather, compression,
         sparsifier memory updates). No data-parallel collective unless the layout is new (its
         agreement); DGC's thresholds use the TP group. ``finish_flat`` does the rest.
+
+        ``scheme`` is the scheme that will consume the prepared parts (default: the all-reduce
+        ``scheme``; the reduce-scatter route passes ``rs_scheme``): DGC hands its memory over exactly
+        when that one selects its own entries (``hand_over_to``).
 
         A caller may run ``finish_flat`` of one bucket on another thread while it prepares the next
         (``BucketReducer`` with a communication worker), once every bucket's layout is planned
@@ -218,6 +232,7 @@ class Synchronizer:
 
         # Step 1: plan.
         plan = self._plan_for(flat_N, slices, op)
+        self.hand_over_to(scheme if scheme is not None else self.scheme)
         if out is not None:
             if not out.is_contiguous() or out.numel() != flat_N.numel() or out.dtype != flat_N.dtype \
                     or out.device != flat_N.device:
@@ -247,9 +262,9 @@ class Synchronizer:
                     grad = sg
                 elif group.tiled:
                     idx_K = sg.indices if group.in_order else group.to_bucket(sg.indices) - group.lo
-                    grad = SparseGrad(idx_K, sg.values, group.hi - group.lo, in_range=True)
+                    grad = SparseGrad(idx_K, sg.values, group.hi - group.lo, in_range=True, lowbit=sg.lowbit)
                 else:
-                    grad = SparseGrad(sg.indices, sg.values, sg.numel, in_range=True)
+                    grad = SparseGrad(sg.indices, sg.values, sg.numel, in_range=True, lowbit=sg.lowbit)
                 prep.parts.append(PreparedPart(group, grad, sg.numel))
             st["compress_s"] += time.perf_counter() - t0
         if tp_before is not None:

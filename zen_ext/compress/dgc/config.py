@@ -19,6 +19,8 @@ DEFAULT_WARMUP_STEPS = 100
 SELECTIONS = ("per_tensor", "per_bucket")
 THRESHOLDS = ("sampled", "exact")
 RESIDUAL_DTYPES = ("float32", "bfloat16", "int4")
+VALUE_BITS = (8, 4)
+"""``zen.dgc.value_bits``' values (zen_ext/core/lowbit.py)."""
 INT4_ROUNDINGS = ("nearest", "stochastic")
 HISTORY = "docs/results/dgc_history.md"
 """Where the measurements of the removed options are kept."""
@@ -95,10 +97,23 @@ class DGCConfig:
     or ``"stochastic"`` (up, with the probability of the fraction: unbiased, so a small gradient that
     keeps coming accumulates instead of being rounded away each step; at most ``(max − min)/15`` off;
     the draw hashes the element and the step, the same on every device)."""
+    value_bits: int | None = None
+    """Bits of each value on the wire: null (default) sends the gradient's dtype, as always; ``8`` or ``4``
+    send symmetric codes with one fp32 scale per block of 128 selected values (0.53 or 1.03 bytes a
+    value, scales included), with error feedback at both ends: what quantization loses stays in DGC's
+    residual (``residual = accumulated − dequantized(sent)``), and each ZEN owner keeps an owner residual
+    (fp32, about ``numel/n`` per bucket per rank, checkpointed) for its sums (``owner_error_feedback``).
+    Needs a scheme that carries low-bit values (``zen``, ``zen_coo``, or ``auto``, which then chooses
+    among them; under reduce-scatter ``zen``'s, or ``auto`` narrowed to it). Design:
+    zen_ext/core/lowbit.py; docs/sparsifiers.md."""
+    owner_error_feedback: bool = True
+    """With ``value_bits``: each owner adds its residual to its sum before quantizing it for the pull, and
+    keeps what that quantization lost (DoubleSqueeze's server-side memory). false: the owner's rounding is
+    dropped each step (for measuring what the owner residual buys; it then holds no state)."""
 
     def __post_init__(self) -> None:
         s = "dgc"
-        for name in ("enabled", "momentum_masking"):
+        for name in ("enabled", "momentum_masking", "owner_error_feedback"):
             check_bool(s, name, getattr(self, name))
         if self.momentum_correction is not None:  # null: resolved from the optimizer when attached
             check_bool(s, "momentum_correction", self.momentum_correction)
@@ -121,6 +136,9 @@ class DGCConfig:
             raise ValueError(f'zen.dgc.residual_dtype ("int4") must go with zen.dgc.clip_norm null, because local '
                              f'clipping ({self.clip_norm!r}) scales a full-size fp32 copy of the gradients the 4-bit '
                              f'residual avoids')
+        if self.value_bits is not None and (isinstance(self.value_bits, bool) or self.value_bits not in VALUE_BITS):
+            raise ValueError(f"zen.dgc.value_bits ({self.value_bits!r}) must be one of {list(VALUE_BITS)} or null "
+                             f"(the gradient's dtype)")
         if not 0 < self.density <= 1:
             raise ValueError(f"zen.dgc.density ({self.density!r}) must be in (0, 1]")
         if self.flush_fraction is not None and not 0 <= self.flush_fraction < 1:

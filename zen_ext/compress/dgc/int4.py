@@ -179,3 +179,44 @@ def convert_residuals(state, names, numels, to_int4: bool) -> None:
               and entry[CODES].numel() == entry[SCALES].numel() * INT4_BLOCK // 4):
             entry["residual"] = dequantize(entry.pop(CODES), entry.pop(SCALES), n)
             log.info("zen: DGC residual %r converted from a 4-bit checkpoint to float", name)
+
+
+def int4_add_at(state, lay, pos: torch.Tensor, err: torch.Tensor) -> None:
+    """Add ``err`` (fp32) to the 4-bit residual at the bucket's element positions ``pos`` (unique, or
+    duplicates whose errors add): ``zen.dgc.value_bits``' sender feedback on a 4-bit residual. Only the
+    blocks ``pos`` touches change: each is dequantized, added to and quantized anew between its new min
+    and max, rounded to nearest (as ``dgc_int4_requantize_`` without stochastic rounding). A constant
+    number of torch ops per bucket; the padding past a tensor's last element repeats a real value, so it
+    moves no block's min or max, and its codes stay 0."""
+    if not pos.numel():
+        return
+    device = pos.device
+    mem = Int4Memory(state, lay, device)
+    q = mem.q
+    B, half = INT4_BLOCK, INT4_BLOCK // 2
+    # Per touched block: its tensor, its first element and the tensor's end.
+    start_T = torch.cat([q.ends_T.new_zeros(1), q.ends_T[:-1]])
+    bstart_T = torch.cat([q.blocks_T.new_zeros(1), q.blocks_T[:-1]])
+    t_K = torch.searchsorted(q.ends_T, pos, right=True)
+    blk_K = bstart_T[t_K] + (pos - start_T[t_K]) // B
+    blocks, slot_K = torch.unique(blk_K, return_inverse=True)
+    t_B = torch.searchsorted(q.blocks_T, blocks, right=True)
+    first_B = start_T[t_B] + (blocks - bstart_T[t_B]) * B
+    elem = first_B[:, None] + torch.arange(B, device=device)
+    valid = elem < q.ends_T[t_B][:, None]
+    # Dequantize the touched blocks, add the errors.
+    c = mem.codes.view(-1, half).index_select(0, blocks)
+    codes = torch.stack((c & 15, c >> 4), 2).view(-1, B).to(torch.float32)
+    s = mem.scales.view(-1, 2).index_select(0, blocks)
+    lo, hi = s[:, :1], s[:, 1:]
+    x = lo + codes * _reference_dgc._step(lo, hi)
+    x.view(-1).index_add_(0, slot_K * B + (pos - first_B[slot_K]), err.to(torch.float32))
+    x = torch.where(valid, x, x[:, :1])
+    # Quantize them anew (``_reference_dgc.int4_quantize_into``'s rule, round to nearest).
+    nlo, nhi = x.amin(1), x.amax(1)
+    sc = torch.where(nhi > nlo, torch.full_like(nlo, 15.0).div(nhi - nlo).clamp(max=torch.finfo(torch.float32).max),
+                     torch.zeros_like(nlo))
+    qn = torch.round((x - nlo[:, None]) * sc[:, None]).clamp(0, 15).to(torch.uint8)
+    qn = torch.where(valid, qn, torch.zeros_like(qn))
+    mem.codes.view(-1, half).index_copy_(0, blocks, qn[:, 0::2] | (qn[:, 1::2] << 4))
+    mem.scales.view(-1, 2).index_copy_(0, blocks, torch.stack((nlo, nhi), 1))

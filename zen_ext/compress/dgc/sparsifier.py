@@ -70,17 +70,21 @@ from typing import Sequence
 import torch
 
 from ... import ops
+from ...core.lowbit import LowBitValues
 from ...core.types import AccumulatedGrad, FlushPositions, SparseGrad
 from ..base import NamedGrad, Sparsifier
 from ..registry import register_sparsifier
 from ..state import SparsifierState
 from .config import DGCConfig
 from .defaults import resolve_dgc_defaults
-from .int4 import compress_int4, convert_residuals, int4_applies
+from .int4 import compress_int4, convert_residuals, int4_add_at, int4_applies
 from .thresholds import sampled_thresholds
 from .units import _Layout, exact_thresholds, memory_dtype
 
 logger = logging.getLogger(__name__)
+
+OWNER_KEY = "[zen owner residual]"
+"""The state name prefix of an owner residual (``value_bits``): one entry per bucket, beside the parameters'."""
 
 _ONE_PASS_WIRE = (torch.float32, torch.bfloat16, torch.float16)
 """Gradient dtypes the one-pass op widens into fp32 memory (exactly, as torch's mixed add does)."""
@@ -152,6 +156,12 @@ class DGCSparsifier(Sparsifier):
         """id(flat residual) → [(memory, its copy at the step's first touch, whether a loss scale scales it)]."""
         self._discard = False
         self._hand_over = False
+        self._non_finite_sent = False
+
+    @property
+    def value_bits(self) -> int | None:
+        """``zen.dgc.value_bits`` (``Sparsifier.value_bits``)."""
+        return self.config.value_bits
 
     @property
     def hand_over(self) -> bool:
@@ -212,6 +222,53 @@ class DGCSparsifier(Sparsifier):
 
     # --- compression --------------------------------------------------------------------------------
     def compress(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad:
+        """Select what ``grads`` send this step and keep the rest in the residuals (``_compress``); with
+        ``value_bits``, the result carries ``SparseGrad.lowbit``: the scheme quantizes the values and hands
+        back what it sent (``_low_bit_values``)."""
+        self._non_finite_sent = False
+        sg = self._compress(grads, tp_comm)
+        if self.config.value_bits is None or isinstance(sg, AccumulatedGrad):
+            return sg
+        sg.lowbit = self._low_bit_values(grads, sg)
+        return sg
+
+    def _low_bit_values(self, grads: Sequence[NamedGrad], sg: SparseGrad) -> LowBitValues:
+        """``zen.dgc.value_bits``' two hooks (``core/lowbit.py``): the sender's error feedback, ``residual +=
+        sent − dequantized`` at the sent positions (so ``residual == accumulated − dequantized``; on the
+        4-bit residual through ``int4_add_at``), none when non-finite values were sent (the memory stays
+        untouched); and the owner residual of this bucket, kept in the state under a name of its own
+        (``OWNER_KEY``), journaled like the rest of the memory (a discarded step restores it)."""
+        cfg = self.config
+        names = tuple(g.name for g in grads)
+        numels = tuple(g.grad.numel() for g in grads)
+        wire, device = grads[0].grad.dtype, grads[0].grad.device
+        owner = None
+        if cfg.owner_error_feedback:
+            key = f"{OWNER_KEY} {names[0]} .. {names[-1]} ({len(names)})"
+
+            def owner(m: int, dev, key=key) -> torch.Tensor:
+                t = self.state.tensor(key, "owner_residual", m, torch.float32, dev)
+                self._snapshot(t, [(t, True)])
+                return t
+
+        if self._non_finite_sent:
+            return LowBitValues(cfg.value_bits, sender_feedback=None, owner_residual=owner)
+        pos_K, sent_K = sg.indices, sg.values
+
+        def feedback(order_K: torch.Tensor, deq_K: torch.Tensor) -> None:
+            idx = pos_K.index_select(0, order_K)
+            sent = sent_K.index_select(0, order_K)
+            if int4_applies(cfg.residual_dtype, wire):
+                lay = self._layout(names, numels, device)
+                int4_add_at(self.state, lay, idx, sent.to(torch.float32) - deq_K)
+            else:
+                mdt = memory_dtype(wire, cfg.residual_dtype)
+                R, _ = self.state.flat(names, numels, "residual", mdt, device)
+                R.index_add_(0, idx, sent.to(mdt) - deq_K.to(mdt))
+
+        return LowBitValues(cfg.value_bits, sender_feedback=feedback, owner_residual=owner)
+
+    def _compress(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad:
         """Select what ``grads`` send this step and keep the rest in the residuals.
 
         1. Guard: if any gradient is non-finite, send its non-finite entries and leave the memory alone.
@@ -333,6 +390,7 @@ class DGCSparsifier(Sparsifier):
         bad = (~torch.isfinite(cat)).nonzero().flatten()
         if not bad.numel():
             return None
+        self._non_finite_sent = True
         return SparseGrad(bad, cat[bad], total)
 
     def _finish(self, R, U, lay: "_Layout", thr_U, pos_K, wire, mdt, total: int, v_K, flush: int = 0) -> SparseGrad:

@@ -18,7 +18,7 @@ import torch
 
 from ... import ops
 from .config import DGCConfig
-from .units import _gather_units, _Layout, _sort_per_unit, sample_shift
+from .units import gather_units, Layout, sort_per_unit, sample_shift
 
 REFINE_PASSES = 4
 """Threshold refinement passes after the sampled estimate (each one count over the candidates)."""
@@ -27,7 +27,7 @@ FREE_HOST_READ_DEVICES = ("cpu",)
 and the candidates are sized exactly (elsewhere they go into a buffer of a capacity known before)."""
 
 
-def sampled_thresholds(R: torch.Tensor | None, lay: _Layout, density: float, tp_comm, tiny: float, cfg: DGCConfig,
+def sampled_thresholds(R: torch.Tensor | None, lay: Layout, density: float, tp_comm, tiny: float, cfg: DGCConfig,
                        step: int, pending: tuple | None = None,
                        int4=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """Per-unit thresholds keeping about ``density`` of each unit, the positions they select and
@@ -101,7 +101,7 @@ def sampled_thresholds(R: torch.Tensor | None, lay: _Layout, density: float, tp_
     return thr_U, pos_K[:n_keep], v_K[:n_keep]
 
 
-def _samples(R: torch.Tensor | None, lay: _Layout, density: float, pending, tp_comm, tiny: float, cfg: DGCConfig,
+def _samples(R: torch.Tensor | None, lay: Layout, density: float, pending, tp_comm, tiny: float, cfg: DGCConfig,
              step: int, read=None):
     """Steps 1-2 of ``sampled_thresholds`` with torch ops, and step 3's lower threshold:
     ``(sorted_S, t_low, consts, k_U)``. ``tp_comm`` pools the samples over a TP group (None: none);
@@ -121,15 +121,15 @@ def _samples(R: torch.Tensor | None, lay: _Layout, density: float, pending, tp_c
     numel_U = list(lay.unit_numels)
     # Step 2: pool and sort per unit.
     if tp_comm is not None:
-        samples, unit_S, ns_U, numel_U = _gather_units(samples, ns_U, numel_U, tp_comm)
+        samples, unit_S, ns_U, numel_U = gather_units(samples, ns_U, numel_U, tp_comm)
     k_U = [max(1, math.ceil(density * n)) for n in numel_U]
     consts = lay.search_constants(ns_U, k_U, numel_U, device)
-    sorted_S = _sort_per_unit(samples, unit_S if tp_comm is not None else consts.unit_S)
+    sorted_S = sort_per_unit(samples, unit_S if tp_comm is not None else consts.unit_S)
     t_low = sorted_S.index_select(0, consts.low_S).clamp(min=tiny)  # the sample at rank CANDIDATE_FACTOR·first
     return sorted_S, t_low, consts, k_U
 
 
-def _fused_samples(R: torch.Tensor, lay: _Layout, density: float, pending, tiny: float, cfg: DGCConfig, step: int):
+def _fused_samples(R: torch.Tensor, lay: Layout, density: float, pending, tiny: float, cfg: DGCConfig, step: int):
     """``_samples`` for fp32 memory with the velocity update pending, without TP, in two ops:
     ``dgc_sample_keys`` (positions, gathers, the update's value, the sort key: about fifteen torch
     ops) and ``dgc_sort_unkey`` (the sort over the keys' used bits, the sorted values and the lower
@@ -145,7 +145,7 @@ def _fused_samples(R: torch.Tensor, lay: _Layout, density: float, pending, tiny:
     return sorted_S, t_low, consts, k_U
 
 
-def candidates(R: torch.Tensor, lay: _Layout, t_low: torch.Tensor):
+def candidates(R: torch.Tensor, lay: Layout, t_low: torch.Tensor):
     """``|R| ≥ t_low`` of each unit: positions (one ``nonzero``), values and units."""
     pos_C = lay.select(R, t_low).view(-1).nonzero().flatten()
     return pos_C, R.index_select(0, pos_C), torch.searchsorted(lay.unit_ends_N, pos_C, right=True)

@@ -1,4 +1,4 @@
-"""DGC's selection units: what is fixed per bucket layout (``_Layout``: units, blocks, the sample grid,
+"""DGC's selection units: what is fixed per bucket layout (``Layout``: units, blocks, the sample grid,
 the search constants, the candidates' capacity), the per-unit sort of samples, and the pooling of
 samples over a TP group. ``sparsifier.py`` (``DGCSparsifier``) drives them; the threshold search itself
 is ``zen_ext.ops.dgc_threshold_search``.
@@ -33,7 +33,7 @@ MIN_KEPT_SAMPLES = 8
 a threshold from one or two values."""
 
 
-class _Layout:
+class Layout:
     """What is fixed for one bucket layout: units, blocks, and the index tensors of counting.
 
     Each unit (a tensor, or the whole bucket with ``per_bucket``) is a contiguous range of the flat
@@ -181,7 +181,12 @@ class _Layout:
         return grid_S + offset_U.index_select(0, unit_S), ns_U
 
 
-def _sort_per_unit(vals: torch.Tensor, unit_ids: torch.Tensor) -> torch.Tensor:
+_Layout = Layout
+"""The old private name, kept for compress/dgc/sparsifier.py's import until that file (edited by another
+change now) imports ``Layout``."""
+
+
+def sort_per_unit(vals: torch.Tensor, unit_ids: torch.Tensor) -> torch.Tensor:
     """``vals`` (≥ 0) sorted by unit (ascending), descending within each unit.
 
     Up to fp32, one sort of int64 keys ``unit·2³² + (2³¹ − 1 − bits(v))`` (the bits of a
@@ -202,7 +207,7 @@ def _sort_per_unit(vals: torch.Tensor, unit_ids: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _SearchConstants:
-    """Per-unit device tensors of the threshold search (``_Layout.search_constants``): first sample of
+    """Per-unit device tensors of the threshold search (``Layout.search_constants``): first sample of
     each unit, samples, elements to keep and first probe's rank per unit (float64), and the unit of
     every sample."""
 
@@ -233,8 +238,8 @@ def _low_index(first: list[float], ns_U: list[int]) -> list[int]:
     return out
 
 
-def _gather_units(vals: torch.Tensor, n_U: list[int], numel_U: list[int],
-                  tp_comm) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+def gather_units(vals: torch.Tensor, n_U: list[int], numel_U: list[int],
+                 tp_comm) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
     """All-gather every rank's per-unit values (samples, or all values) over the TP group in one message.
 
     Returns:
@@ -272,15 +277,15 @@ def memory_dtype(wire: torch.dtype, residual_dtype: str) -> torch.dtype:
     return acc_dtype(wire)
 
 
-def exact_thresholds(R: torch.Tensor, lay: "_Layout", density: float, tp_comm) -> torch.Tensor:
+def exact_thresholds(R: torch.Tensor, lay: "Layout", density: float, tp_comm) -> torch.Tensor:
     """The ``k``-th largest ``|v|`` of each unit (pooled over the TP group): one segmented sort."""
     vals = R.abs()
     numel_U = list(lay.unit_numels)
     if tp_comm is not None and tp_comm.size > 1:
-        vals, unit_N, _, numel_U = _gather_units(vals, numel_U, numel_U, tp_comm)
+        vals, unit_N, _, numel_U = gather_units(vals, numel_U, numel_U, tp_comm)
     else:
         unit_N = lay.unit_ids(R.device)
-    sorted_N = _sort_per_unit(vals, unit_N)
+    sorted_N = sort_per_unit(vals, unit_N)
     k_U = [max(1, math.ceil(density * n)) for n in numel_U]
     at = np.cumsum([0] + numel_U[:-1]) + np.array(k_U) - 1
     return sorted_N[torch.from_numpy(at).to(R.device, non_blocking=True)]

@@ -1,0 +1,191 @@
+"""Quality of zen.outer at equal inner steps: sparse outer sync vs dense DiLoCo vs a dense per-step sync.
+
+Fine-tuning on 2 replicas (SimWorld ranks) with the demo's tiny Llama: a model pretrained densely on the
+first half of the built-in text (``--pretrain_steps``, AdamW) is fine-tuned on the second half, each
+replica on its own shard, for ``--steps`` inner steps (AdamW lr ``--lr``, clip 1), in these variants:
+
+* ``dense``: the replicas' gradients averaged every step (what DDP's all-reduce computes: one model on
+  the concatenation of the replicas' micro-batches, equal sizes, mean loss);
+* ``diloco``: zen.outer with density 1, outer SGD lr 0.7, momentum 0.9, Nesterov (DiLoCo / torchft);
+* ``outer``: zen.outer with SparseLoCo's defaults (top-64 of 4,096, β 0.95, contributors, lr 1, no
+  momentum), summed by ZEN;
+* ``outer_mean``: the same with ``average: "mean"``.
+
+Every variant syncs every H = ``--every`` steps (``--steps`` a multiple of it), so the eval loss is that of
+θ_global, on the held-out blocks of the second half, every ``--eval_every`` outer steps. Reported per
+variant: final eval loss (median, min–max over seeds) and its gap to dense of the same seed (paired),
+and the bytes each replica sent per inner step (SimWorld's counters; dense: a ring all-reduce's).
+
+Usage: nice -n 10 python benchmarks/quality/bench_outer_quality.py --seeds 0 1 2 --out benchmarks/quality/results/outer_quality.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+
+from recipes.common import (build_model, build_tokenizer, load_texts, pack_tokens, select_texts,  # noqa: E402
+                            split_blocks, train_batches)
+from zen_ext.comm.simulated import SimWorld  # noqa: E402
+from zen_ext.outer import OuterSync  # noqa: E402
+
+VARIANTS = {
+    "dense": None,
+    "diloco": dict(density=1, lr=0.7, momentum=0.9, nesterov=True, average="mean"),
+    "outer": dict(),
+    "outer_mean": dict(average="mean"),
+}
+
+
+def _eval(model, blocks, mb: int = 8) -> float:
+    model.eval()
+    tot, n = 0.0, 0
+    with torch.no_grad():
+        for at in range(0, blocks.shape[0], mb):
+            x = blocks[at:at + mb]
+            tot += model(input_ids=x, labels=x).loss.item() * x.shape[0]
+            n += x.shape[0]
+    model.train()
+    return tot / n
+
+
+def _opt(model, lr):
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _step(model, opt, x):
+    model(input_ids=x, labels=x).loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad()
+
+
+def run_variant(name, args, start_sd, train, evalb, seed: int, R: int):
+    """Eval losses of θ_global (every ``eval_every`` outer steps) and bytes sent per inner step per replica."""
+    if VARIANTS[name] is None:  # dense per-step: the mean gradient over the replicas' micro-batches
+        model = build_model(args.model, vocab_size=args.vocab)
+        model.load_state_dict(start_sd)
+        opt = _opt(model, args.lr)
+        shards = [train_batches(train, args.micro_batch, r, R, seed=seed) for r in range(R)]
+        losses = []
+        for step in range(1, args.steps + 1):
+            _step(model, opt, torch.cat([next(s) for s in shards]))
+            if step % (args.every * args.eval_every) == 0 or step == args.steps:
+                losses.append(_eval(model, evalb))
+        numel = sum(p.numel() for p in model.parameters())
+        return losses, 2 * (R - 1) / R * numel * 4
+
+    cfg = dict(enabled=True, every=args.every, **VARIANTS[name])
+
+    def replica(comm):
+        model = build_model(args.model, vocab_size=args.vocab)
+        model.load_state_dict(start_sd)
+        opt = _opt(model, args.lr)
+        outer = OuterSync(model.named_parameters(), comm, cfg, scheme="zen")
+        batches = train_batches(train, args.micro_batch, comm.rank, R, seed=seed)
+        losses = []
+        for step in range(1, args.steps + 1):
+            _step(model, opt, next(batches))
+            outer.maybe_step(step)
+            if comm.rank == 0 and (step % (args.every * args.eval_every) == 0 or step == args.steps):
+                losses.append(_eval(model, evalb))  # right after an outer step: θ_global
+        return losses, outer.pop_stats()["bytes_sent"] / args.steps
+
+    res = SimWorld(R, max_active=2).run(replica)
+    return res[0][0], statistics.mean(r[1] for r in res)
+
+
+def _provenance() -> str:
+    """When, at which commit and where the run was made (the results files' rule, benchmarks/README.md)."""
+    import subprocess
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                                timeout=30).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    return (f"Run {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC at commit {commit} on a shared 2-core CPU "
+            f"machine (other jobs running)")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="configs/models/llama-tiny-untied.json")
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--pretrain_steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--every", type=int, default=15)
+    p.add_argument("--eval_every", type=int, default=2, help="outer steps between evaluations")
+    p.add_argument("--seq_len", type=int, default=64)
+    p.add_argument("--micro_batch", type=int, default=4)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    if args.steps % args.every:
+        raise SystemExit(f"--steps ({args.steps}) must be a multiple of --every ({args.every})")
+    torch.set_num_threads(1)
+    t0 = time.time()
+    texts = load_texts("pydoc")
+    tok = build_tokenizer("train", texts, os.path.join(ROOT, "runs", "outer_bytes_tok"), 1024)
+    args.vocab = len(tok)
+    first = pack_tokens(select_texts(texts, "first"), tok, args.seq_len)
+    second_train, second_eval = split_blocks(pack_tokens(select_texts(texts, "second"), tok, args.seq_len), 0.05)
+    R = args.replicas
+    results: dict[str, list] = {v: [] for v in args.variants}
+    for seed in args.seeds:
+        torch.manual_seed(seed)
+        model = build_model(args.model, seed=seed, vocab_size=args.vocab)
+        opt = _opt(model, args.lr)
+        pre = train_batches(first, args.micro_batch * R, 0, 1, seed=seed)
+        for _ in range(args.pretrain_steps):
+            _step(model, opt, next(pre))
+        start_sd = {k: v.clone() for k, v in model.state_dict().items()}
+        for v in args.variants:
+            losses, bps = run_variant(v, args, start_sd, second_train, second_eval, seed, R)
+            results[v].append((losses, bps))
+            print(f"seed {seed} {v}: eval {' '.join(f'{x:.4f}' for x in losses)}; {bps / 1e3:.1f} kB/step",
+                  flush=True)
+
+    def mmm(xs, f="{:.4f}"):
+        xs = sorted(xs)
+        return f"{f.format(statistics.median(xs))} ({f.format(xs[0])}–{f.format(xs[-1])})"
+    lines = ["# zen.outer: eval loss at equal inner steps (fine-tuning, 2 replicas)", "",
+             f"Command: `nice -n 10 python benchmarks/quality/bench_outer_quality.py --seeds "
+             f"{' '.join(map(str, args.seeds))} --steps {args.steps} --every {args.every} --pretrain_steps "
+             f"{args.pretrain_steps} --out {args.out}`", "",
+             f"Demo Llama ({os.path.basename(args.model)}), pretrained densely {args.pretrain_steps} steps on the first "
+             f"half of the pydoc text, fine-tuned {args.steps} inner steps on the second half by {R} replicas, each on "
+             f"its own shard (micro-batch {args.micro_batch} × seq {args.seq_len}, AdamW lr {args.lr}, betas (0.9, 0.95), "
+             f"wd 0.1, clip 1); outer sync every H = {args.every} steps; eval on held-out blocks of the second half. "
+             f"Median (min–max) over seeds {args.seeds}; gap: paired against dense of the same seed.", "",
+             "| variant | final eval loss | gap to dense | bytes per replica per inner step |",
+             "| --- | --- | --- | --- |"]
+    dense = [r[0][-1] for r in results.get("dense", [])]
+    for v, runs in results.items():
+        final = [r[0][-1] for r in runs]
+        gap = mmm([100 * (f / d - 1) for f, d in zip(final, dense)], "{:+.2f} %") if dense and v != "dense" else "—"
+        lines.append(f"| {v} | {mmm(final)} | {gap} | {mmm([r[1] for r in runs], '{:,.0f}')} B |")
+    lines += ["", "Eval loss of θ_global every " f"{args.every * args.eval_every} inner steps (seed {args.seeds[0]}):", "",
+              "| variant | " + " | ".join(str(args.every * args.eval_every * (i + 1)) for i in
+                                        range(len(results[args.variants[0]][0][0]))) + " |",
+              "| --- |" + " --- |" * len(results[args.variants[0]][0][0])]
+    for v, runs in results.items():
+        lines.append(f"| {v} | " + " | ".join(f"{x:.4f}" for x in runs[0][0]) + " |")
+    lines += ["", f"{_provenance()}; {time.time() - t0:.0f} s in total."]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,281 @@
+"""Train the time-to-quality benchmark's model on plain torch DDP with zen_ext or one of its peers.
+
+A recipe-like script (run under ``torchrun``) for ``benchmarks/quality/bench_peers.py``: the model, data,
+tokenizer, batches and evaluation come from ``recipes/common.py`` exactly as in the DeepSpeed recipe, and the
+optimizer settings from the same DeepSpeed config (``configs/demo_ds.json``: AdamW lr 3e-3, betas 0.9/0.95,
+weight decay 0.01, DeepSpeed's log warm-up over 10 steps step for step (``common.warmup_lr_factor``), global
+gradient-norm clip 1.0, micro-batch 8), so losses compare with the DeepSpeed runs at the same seed.
+
+Methods (``--method``):
+
+* ``dense``: DDP's own all-reduce.
+* ``zen``: ``zen_ext.engines.ddp.register_zen_hook`` with ``{"dgc": {"enabled": true, "density": d}}``
+  (``--zen_density``; ``--zen_residual_dtype int4`` for the 4-bit residual) and CatchUpAdamW, the
+  project's defaults under DGC.
+* ``powersgd``: torch's ``powerSGD_hook`` (``PowerSGDState``: ``--powersgd_rank``, ``--powersgd_start_iter``
+  — torch's docstring recommends 10 % of the steps and no less than the warm-up; warm start and error
+  feedback on, ``min_compression_rate`` 2, as torch's defaults).
+* ``diloco``: torchft 0.2.0's ``DiLoCo`` (``--sync_every`` H, outer SGD lr 0.7, momentum 0.9, Nesterov as
+  the DiLoCo paper) with an in-process lighthouse on rank 0 and one replica group per rank (gloo).
+* ``sparseloco``: ``benchmarks/quality/sparseloco.py`` at its published settings (H = 15 by default).
+
+For the DiLoCo family the eval loss at a step is the loss of the replicas' averaged parameters (an
+all-reduce for evaluation only, not counted in bytes): at a synchronization step the replicas are equal and
+this is the global model. ``train_log.jsonl`` records per step the loss, the cumulative ``bytes_sent`` by
+this rank (each method's actual messages: see ``bytes_per_step`` below), step seconds and eval losses;
+``summary.json`` as the other recipes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from recipes import common  # noqa: E402
+
+METHODS = ("dense", "zen", "powersgd", "diloco", "sparseloco")
+DILOCO_OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
+"""The DiLoCo paper's outer optimizer (arXiv 2311.08105; torchtitan's torchft experiment uses the same)."""
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    common.add_run_args(p, default_output_dir="runs/peers")
+    p.add_argument("--method", required=True, choices=METHODS)
+    p.add_argument("--ds_config", default=os.path.join(ROOT, "configs/demo_ds_dense.json"),
+                   help="the DeepSpeed config whose optimizer, warm-up, clip and micro-batch the run takes")
+    p.add_argument("--zen_density", type=float, default=0.05)
+    p.add_argument("--zen_residual_dtype", default="float32", choices=("float32", "int4"))
+    p.add_argument("--powersgd_rank", type=int, default=1)
+    p.add_argument("--powersgd_start_iter", type=int, default=None,
+                   help="default: 10 %% of --steps, at least the warm-up steps and 2 (torch's rule with warm start)")
+    p.add_argument("--sync_every", type=int, default=None, help="H (diloco: required; sparseloco: 15)")
+    return p.parse_args(argv)
+
+
+def optimizer_settings(path: str) -> dict:
+    """AdamW, warm-up, clip and micro-batch from a DeepSpeed config (only the types the demo uses)."""
+    with open(path) as f:
+        cfg = json.load(f)
+    opt, sched = cfg["optimizer"], cfg.get("scheduler") or {}
+    if opt["type"].lower() not in ("adamw", "adam") or (sched and sched["type"] != "WarmupLR"):
+        raise common.ConfigError(f"--ds_config ({path}) must use AdamW and WarmupLR (the demo's)")
+    p = opt["params"]
+    return {"lr": p["lr"], "betas": tuple(p["betas"]), "eps": p.get("eps", 1e-8), "weight_decay": p["weight_decay"],
+            "warmup_steps": (sched.get("params") or {}).get("warmup_num_steps", 0),
+            "warmup_type": (sched.get("params") or {}).get("warmup_type", "log"),
+            "clip": cfg.get("gradient_clipping", 0.0), "micro_batch": cfg["train_micro_batch_size_per_gpu"]}
+
+
+def ring_allreduce_bytes(elements: int, itemsize: int, world: int) -> int:
+    """What one rank sends in a ring all-reduce (reduce-scatter + all-gather)."""
+    return 2 * (world - 1) * elements * itemsize // world
+
+
+def powersgd_step_bytes(model, rank: int, world: int, min_compression_rate: float = 2.0) -> int:
+    """Bytes one rank sends in a PowerSGD step after ``start_powerSGD_iter``, from torch's own rule
+    (``powerSGD_hook._should_compress`` on each gradient viewed as ``shape[0] × rest``): the uncompressed
+    tensors' all-reduce and the P (n × r) and Q (m × r) all-reduces, fp32."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    dense = p_el = q_el = 0
+    for p in model.parameters():
+        if p.dim() <= 1:
+            dense += p.numel()
+            continue
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        r = min(n, m, rank)
+        if _should_compress(n, m, r, min_compression_rate)[0]:
+            p_el += n * r
+            q_el += m * r
+        else:
+            dense += p.numel()
+    return sum(ring_allreduce_bytes(e, 4, world) for e in (dense, p_el, q_el) if e)
+
+
+def averaged_eval(model, eval_blocks, micro: int, rank: int, world: int) -> float:
+    """Eval loss of the replicas' mean parameters (DiLoCo family), the local ones restored after."""
+    saved = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        for p in model.parameters():
+            dist.all_reduce(p.data)
+            p.data.div_(world)
+    loss = common.evaluate(model, eval_blocks, micro, rank, world, dist.group.WORLD)
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), saved):
+            p.copy_(s)
+    return loss
+
+
+def start_torchft(model, inner, sync_every: int, rank: int, world: int):
+    """torchft's DiLoCo: a lighthouse on rank 0 (in process, as torchft's CPU tests start it), one Manager per
+    rank (a replica group of one rank, its own TCPStore), the outer Nesterov SGD. Returns (manager, DiLoCo)."""
+    from datetime import timedelta
+
+    from torchft import Manager
+    from torchft.local_sgd import DiLoCo
+    from torchft.process_group import ProcessGroupGloo
+
+    lighthouse = None
+    addr = [None]
+    if rank == 0:
+        from torchft.coordination import LighthouseServer
+
+        lighthouse = LighthouseServer(bind="[::]:0", min_replicas=world)
+        addr = [lighthouse.address()]
+    dist.broadcast_object_list(addr, src=0)
+    store = dist.TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
+    outer = torch.optim.SGD(model.parameters(), **DILOCO_OUTER)
+    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=120)), min_replica_size=world,
+                      load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["optim"])),
+                      state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
+                      use_async_quorum=False, replica_id=f"peers_replica_{rank}", store_addr="localhost",
+                      store_port=store.port, rank=0, world_size=1, lighthouse_addr=addr[0],
+                      hostname="localhost", timeout=timedelta(seconds=120),
+                      quorum_timeout=timedelta(seconds=120))
+    diloco = DiLoCo(manager, [model], inner, outer, sync_every=sync_every)
+    return manager, diloco, (lighthouse, store)
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    # Step 1: settings, processes.
+    opt = optimizer_settings(args.ds_config)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.makedirs(args.output_dir, exist_ok=True)
+
+    # Step 2: data and model as the DeepSpeed recipe builds them; the method's wrapper and optimizer.
+    tokenizer, train_blocks, eval_blocks = common.prepare_data(args, rank)
+    vocab = len(tokenizer) if args.model.endswith(".json") else None
+    model = common.build_model(args.model, seed=args.seed, vocab_size=vocab)
+    n_params = sum(p.numel() for p in model.parameters())
+    kw = dict(lr=opt["lr"], betas=opt["betas"], eps=opt["eps"], weight_decay=opt["weight_decay"])
+    hook_state, diloco, sparseloco, keep = None, None, None, None
+    per_step_bytes = 0
+    train_model = model
+    if args.method in ("dense", "zen", "powersgd"):
+        from torch.nn.parallel import DistributedDataParallel
+
+        train_model = DistributedDataParallel(model)
+    if args.method == "zen":
+        from zen_ext.config import ZenConfig
+        from zen_ext.engines.ddp import register_zen_hook
+        from zen_ext.optim import CatchUpAdamW, catch_up_param_groups
+
+        zen_cfg = ZenConfig.from_dict({"dgc": {"enabled": True, "density": args.zen_density,
+                                               "residual_dtype": args.zen_residual_dtype},
+                                       "stats": {"summary": False}})
+        optimizer = CatchUpAdamW(catch_up_param_groups(model, zen_cfg), **kw)
+        hook_state = register_zen_hook(train_model, zen_cfg, optimizer=optimizer)
+        described = f"zen DDP hook (DGC {args.zen_density:g}, residual {args.zen_residual_dtype}, CatchUpAdamW)"
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), **kw)
+    if args.method == "dense":
+        per_step_bytes = ring_allreduce_bytes(n_params, 4, world)
+        described = "DDP all-reduce"
+    elif args.method == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+        start_iter = args.powersgd_start_iter or max(2, opt["warmup_steps"], args.steps // 10)
+        state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=args.powersgd_rank,
+                                       start_powerSGD_iter=start_iter, min_compression_rate=2,
+                                       use_error_feedback=True, warm_start=True, random_seed=0)
+        train_model.register_comm_hook(state, powersgd.powerSGD_hook)
+        compressed_bytes = powersgd_step_bytes(model, args.powersgd_rank, world)
+        described = (f"torch powerSGD_hook (rank {args.powersgd_rank}, start_powerSGD_iter {start_iter}, warm start, "
+                     f"error feedback)")
+    elif args.method == "diloco":
+        if not args.sync_every:
+            raise common.ConfigError("--sync_every must be set for diloco (H; the benchmark runs 10 and 50)")
+        manager, diloco, keep = start_torchft(model, optimizer, args.sync_every, rank, world)
+        diloco.__enter__()
+        outer_bytes = ring_allreduce_bytes(n_params, 4, world)  # torchft: one fp32 all-reduce per parameter
+        described = f"torchft DiLoCo (H {args.sync_every}, outer SGD {DILOCO_OUTER})"
+    elif args.method == "sparseloco":
+        from sparseloco import SparseLoCo
+
+        sparseloco = SparseLoCo(model, sync_every=args.sync_every or 15)
+        described = f"SparseLoCo (direct implementation, {sparseloco.s})"
+    peak_lrs = [g["lr"] for g in optimizer.param_groups]
+    if rank == 0:
+        print(f"peers recipe: {described} world={world} params={n_params} micro_batch={opt['micro_batch']} "
+              f"train_blocks={len(train_blocks)} eval_blocks={len(eval_blocks)}", flush=True)
+
+    # Step 3: train.
+    batches = common.train_batches(train_blocks, opt["micro_batch"], rank, world, seed=args.seed)
+    log_file = open(os.path.join(args.output_dir, "train_log.jsonl"), "w") if rank == 0 else None
+    progress = common.progress_bar(rank, 0, args.steps)
+    records: list[dict] = []
+    sent = 0
+    for step in range(1, args.steps + 1):
+        t0 = time.perf_counter()
+        batch = next(batches)
+        loss = train_model(input_ids=batch, labels=batch, use_cache=False).loss
+        loss.backward()
+        if opt["clip"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), opt["clip"])
+        factor = common.warmup_lr_factor(step, opt["warmup_steps"], opt["warmup_type"])
+        for group, peak in zip(optimizer.param_groups, peak_lrs):
+            group["lr"] = peak * factor
+        optimizer.step()  # DiLoCo's outer step runs in torchft's post-step hook
+        optimizer.zero_grad()
+        synced = None
+        if sparseloco is not None:
+            synced = sparseloco.after_inner_step()
+        step_s = time.perf_counter() - t0
+        # Bytes this rank sent in this step.
+        if args.method == "dense":
+            sent += per_step_bytes
+        elif args.method == "zen":
+            sent = hook_state.totals["bytes_sent"]
+        elif args.method == "powersgd":
+            # torch's hook all-reduces the whole bucket before start_powerSGD_iter (state.iter counts steps)
+            sent += ring_allreduce_bytes(n_params, 4, world) if step <= start_iter else compressed_bytes
+        elif args.method == "diloco":
+            sent += outer_bytes if step % args.sync_every == 0 else 0
+        else:
+            sent = sparseloco.bytes_sent
+        rec = {"step": step, "loss": common.all_reduce_mean(loss.item(), dist.group.WORLD), "step_s": step_s,
+               "tokens_per_s": opt["micro_batch"] * args.seq_len * world / step_s, "bytes_sent": sent,
+               "dense_bytes": step * ring_allreduce_bytes(n_params, 4, world)}
+        if synced is not None:
+            rec["synced"] = synced
+        if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
+            if args.method in ("diloco", "sparseloco"):
+                rec["eval_loss"] = averaged_eval(model, eval_blocks, opt["micro_batch"], rank, world)
+            else:
+                rec["eval_loss"] = common.evaluate(train_model, eval_blocks, opt["micro_batch"], rank, world,
+                                                   dist.group.WORLD)
+        common.log_step(rec, log_file, records, progress)
+
+    # Step 4: summary.
+    if diloco is not None:
+        diloco.__exit__(None, None, None)
+        manager.shutdown(wait=False)
+    if hook_state is not None:
+        hook_state.close()
+    peak = common.gather_peak_memory(world)
+    if rank == 0:
+        log_file.close()
+        common.write_outputs(args.output_dir, records, None, {"method": described, "memory": peak})
+    dist.barrier()
+    del keep
+    return records
+
+
+if __name__ == "__main__":
+    common.exit_on_config_error(main)
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,135 @@
+"""zen.outer on real gloo processes (3 and 4 ranks): the outer sum of the picks equals a dense
+all-reduce of them exactly (integer values), replicas are bitwise equal after each outer step and apart
+in between, and under DDP the inner steps reduce nothing (gradients are each replica's own)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multiproc.launch import run_workers
+
+
+def _lossless(rank, world, scheme, average):
+    import torch.distributed as dist
+
+    from zen_ext.comm.torch_dist import TorchCommunicator
+    from zen_ext.outer import OuterSync
+
+    picks = []
+
+    class Recording(OuterSync):
+        def _sparse_sum(self, i, b, idx_K, val_K):
+            out = super()._sparse_sum(i, b, idx_K, val_K)
+            picks.append((idx_K.clone(), val_K.clone(), b.numel, out[0].clone(),
+                          None if out[1] is None else out[1].clone()))
+            return out
+
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randint(-9, 10, s, generator=g).float() for s in [(70,), (3, 50), (1,)]]
+    named = [(f"p{i}", torch.nn.Parameter(p)) for i, p in enumerate(params)]
+    cfg = dict(enabled=True, every=1, density=3 / 32, chunk=32, error_decay=0.5, average=average)
+    outer = Recording(named, TorchCommunicator(), cfg, scheme=scheme, bucket_cap_mb=2e-4)
+    ok = []
+    for step in range(1, 4):
+        gr = torch.Generator().manual_seed(10 * step + rank)
+        with torch.no_grad():
+            for _, p in named:
+                p.sub_(torch.randint(-9, 10, p.shape, generator=gr).float())
+        outer.maybe_step(step)
+    for idx, val, numel, got, count in picks:
+        dense = torch.zeros(numel).index_add_(0, idx, val)
+        ones = torch.zeros(numel).index_add_(0, idx, torch.ones_like(val))
+        dist.all_reduce(dense)
+        dist.all_reduce(ones)
+        ok.append(torch.equal(got, dense) and (count is None or torch.equal(count, ones)))
+    return ok, len(outer.buckets)
+
+
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("scheme, average", [("zen", "contributors"), ("zen", "mean"), ("agsparse", "contributors"),
+                                             ("auto", "contributors")])
+def test_outer_sum_equals_dense_allreduce_of_picks(world, scheme, average):
+    out = run_workers(_lossless, world, scheme, average)
+    for ok, buckets in out:
+        assert buckets >= 2 and len(ok) == 3 * buckets and all(ok)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(6, 40)
+        self.b = torch.nn.Linear(40, 2)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x))).square().mean()
+
+
+def _ddp_replicas(rank, world):
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zen_ext.engines.ddp_outer import register_outer
+
+    alone = _Net()
+    ddp = DDP(copy.deepcopy(alone), broadcast_buffers=False)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-2)
+    outer = register_outer(ddp, {"scheme": "zen", "bucket_cap_mb": 1e-3,
+                                 "outer": {"enabled": True, "every": 3, "density": 0.1, "chunk": 64,
+                                           "lr": 0.7, "momentum": 0.9, "nesterov": True}}, optimizer=opt)
+    params, grads_equal = [], []
+    for step in range(1, 8):
+        x = torch.randn(5, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+        ddp(x).backward()
+        # the replica's own gradient: what the same module computes alone
+        alone.load_state_dict(ddp.module.state_dict())
+        alone.zero_grad()
+        alone(x).backward()
+        grads_equal.append(all(torch.equal(p.grad, q.grad) for p, q in zip(ddp.parameters(), alone.parameters())))
+        opt.step()
+        opt.zero_grad()
+        params.append(torch.cat([p.detach().reshape(-1).clone() for p in ddp.parameters()]))
+    return params, grads_equal, outer.outer_steps, outer.pop_stats()
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_ddp_inner_steps_local_outer_steps_equal(world):
+    out = run_workers(_ddp_replicas, world)
+    for params, grads_equal, outer_steps, stats in out:
+        assert all(grads_equal) and outer_steps == 2
+        assert stats["picks"] > 0 and 0 < stats["union"] <= world * stats["picks"] and stats["bytes_sent"] > 0
+    for step in (3, 6):  # after each outer step: bitwise equal
+        assert all(torch.equal(o[0][step - 1], out[0][0][step - 1]) for o in out)
+    for step in (1, 4, 7):  # after an inner step on each replica's own data: apart
+        assert not torch.equal(out[1][0][step - 1], out[0][0][step - 1])
+
+
+def _refusals(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from zen_ext.engines.ddp_outer import register_outer
+
+    net = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    msgs = []
+    for kwargs in ({}, {"broadcast_buffers": False, "find_unused_parameters": True}):
+        try:
+            register_outer(DDP(net, **kwargs), {"outer": {"enabled": True}})
+        except ValueError as exc:
+            msgs.append(str(exc))
+    try:
+        register_outer(DDP(net, broadcast_buffers=False), {"outer": {"enabled": False}})
+    except ValueError as exc:
+        msgs.append(str(exc))
+    return msgs
+
+
+def test_ddp_refuses_per_step_collectives():
+    (msgs, _) = run_workers(_refusals, 2)
+    assert msgs[0].startswith("DistributedDataParallel broadcast_buffers (True) must be False with zen.outer")
+    assert msgs[1].startswith("DistributedDataParallel find_unused_parameters (True) must be False with zen.outer")
+    assert msgs[2].startswith("zen.outer.enabled (False) must be true")

@@ -1,0 +1,80 @@
+"""The peers benchmark's arithmetic (``benchmarks/quality/``): PowerSGD's bytes from torch's own rule,
+SparseLoCo's message size, qgZ's installation point, and the paired report and time model."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks", "quality"))
+
+import bench_peers  # noqa: E402
+import peers_time  # noqa: E402
+import qgz_emulation  # noqa: E402
+import sparseloco  # noqa: E402
+from peers_ddp import powersgd_step_bytes, ring_allreduce_bytes  # noqa: E402
+
+
+def test_powersgd_bytes_follow_torch_rule():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.Linear(4, 4, bias=False))
+    # weight 128 × 64 compressed at rank 4: P 128·4 + Q 64·4; the 4 × 4 weight fails min_compression_rate 2
+    # ((4 + 4)·4·2 > 16) and goes with the 1-D bias into the uncompressed all-reduce.
+    want = ring_allreduce_bytes(128 + 16, 4, 8) + ring_allreduce_bytes(128 * 4, 4, 8) + ring_allreduce_bytes(64 * 4, 4, 8)
+    assert powersgd_step_bytes(model, 4, 8) == want
+    assert ring_allreduce_bytes(1000, 4, 2) == 4000 and ring_allreduce_bytes(1000, 4, 1) == 0
+
+
+def test_sparseloco_message_bytes():
+    layout = sparseloco.layout_of([torch.empty(128, 192), torch.empty(100)], 64, 64)
+    # 6 tiles of 4,096 × 64 picks; 100 = 2 chunks of 50 (its largest divisor up to 64; all 50 sent).
+    assert layout == [(6, 4096, 64), (2, 50, 50)]
+    assert sparseloco.message_bytes(layout) == (384 // 2 * 3 + 384 // 4 + 20) + (100 // 2 * 3 + 100 // 4 + 20)
+    with pytest.raises(ValueError, match="1-D or 2-D"):
+        sparseloco.to_chunks(torch.zeros(2, 2, 2), 64)
+
+
+def test_qgz_install_replaces_zero3_call():
+    import deepspeed.runtime.zero.stage3 as stage3
+
+    saved = stage3.all_to_all_quant_reduce
+    try:
+        qgz_emulation.install()
+        assert stage3.all_to_all_quant_reduce is qgz_emulation.all_to_all_quant_reduce
+    finally:
+        stage3.all_to_all_quant_reduce = saved
+
+
+def _result(variant, seed, evals, bytes_per_step=100.0, step_s=0.1):
+    return {"setting": "finetune", "variant": variant, "seed": seed, "steps": 200, "eval": evals,
+            "bytes_per_step": bytes_per_step, "dense_bytes_per_step": 1000.0, "step_s_med": step_s}
+
+
+def test_report_pairs_by_seed_and_counts_reach():
+    dense = [_result("ddp_dense", s, [[50, 4.0], [100, 3.5], [200, 3.0]], 1000.0) for s in (0, 1)]
+    good = [_result("ddp_zen_dgc5", s, [[50, 3.9], [100, 3.0], [200, 2.9]]) for s in (0, 1)]
+    bad = [_result("powersgd_r1", 0, [[50, 4.5], [100, 4.0], [200, 3.5]])]
+    text = bench_peers.report(dense + good + bad)
+    rows = {line.split(" |")[0].strip("| "): line for line in text.splitlines() if line.startswith("| ")}
+    assert "2/2; 98" in rows["ddp_zen_dgc5 (2 seeds)"]  # 3.03 reached between 50 (3.9) and 100 (3.0)
+    assert "-3.33" in rows["ddp_zen_dgc5 (2 seeds)"] and "0.1000×" in rows["ddp_zen_dgc5 (2 seeds)"]
+    assert "0/1" in rows["powersgd_r1 (1 seeds)"] and "+16.67" in rows["powersgd_r1 (1 seeds)"]
+    assert peers_time.steps_to([[50, 4.0], [100, 3.0]], 3.5) == 75.0 and peers_time.steps_to([[50, 4.0]], 3.0) is None
+
+
+def test_time_model_uses_bytes_over_rate_plus_compute():
+    dense = [_result("ddp_dense", 0, [[100, 3.5], [200, 3.0]], step_s=0.1)]
+    zen = [_result("ddp_zen_dgc5", 0, [[100, 3.0], [200, 2.9]], step_s=0.2)]
+    demo = [{"n": n, "dense": 3.125e6, "zen_dgc5": 0.3125e6} for n in (8, 16)]
+    big = [{"n": n, "dense": 31.25e6, "zen_dgc5": 3.125e6} for n in (8, 16)]
+    text = peers_time.report(dense + zen, demo, big, {"zen_dgc5": 2.0})
+    row = next(line for line in text.splitlines() if line.startswith("| ddp_zen_dgc5"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    # 8 hosts × 250 Mbit/s = 31.25 MB/s: zen 0.2 + 2·0.3125e6/31.25e6 = 0.22 s; dense 0.1 + 0.1 = 0.2 s.
+    # Steps to 3.03: zen 100, dense 194: time × dense = 100·0.22 / (197·0.2).
+    assert cells[2] == "0.220"
+    assert cells[3] == f"**{100 * 0.22 / (194 * 0.2):.2f}×**"
+    assert cells[4] == "0.10" and cells[5] == f"**{100 * 0.1 / (194 * 1.0):.3f}×**"

@@ -1,0 +1,55 @@
+"""The recipes' ``--outer_*`` flags land in ``zen.outer``; what does not serve zen.outer refuses it by name."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from recipes import common
+from zen_ext.comm.simulated import SimWorld
+from zen_ext.config import ZenConfig
+from zen_ext.reduction.attachment import OUTER_REFUSAL, assemble
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_deepspeed_recipe_flags_fill_zen_outer(tmp_path):
+    from recipes.finetune_llm import load_ds_config, parse_args
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zen": {"scheme": "zen"}}))
+    args = parse_args(["--deepspeed_config", str(cfg), "--outer_every", "5", "--outer_density", "1", "--outer_lr",
+                       "0.7", "--outer_momentum", "0.9", "--outer_nesterov", "--output_dir", str(tmp_path)])
+    outer = load_ds_config(args)["zen"]["outer"]
+    assert outer == {"enabled": True, "every": 5, "density": 1.0, "lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert ZenConfig.from_dict(load_ds_config(args)["zen"]).outer.nesterov is True
+    # no flag: the config as written
+    plain = parse_args(["--deepspeed_config", str(cfg), "--output_dir", str(tmp_path)])
+    assert "outer" not in load_ds_config(plain)["zen"]
+    bad = parse_args(["--deepspeed_config", str(cfg), "--outer_every", "0", "--output_dir", str(tmp_path)])
+    with pytest.raises(common.ConfigError, match=r"zen.outer.every \(0\) must be >= 1"):
+        load_ds_config(bad)
+
+
+def test_fsdp_recipe_refuses_outer_before_training():
+    from recipes.finetune_llm_fsdp import load_config, parse_args
+
+    path = os.path.join(ROOT, "configs", "fsdp2_zen_dgc5.json")
+    args = parse_args(["--config", path, "--outer_every", "4"])
+    with pytest.raises(common.ConfigError) as info:
+        load_config(path, args)
+    assert str(info.value) == OUTER_REFUSAL
+    assert load_config(path, parse_args(["--config", path]))[1] is not None  # without the flag: as before
+
+
+def test_per_step_attachments_refuse_outer():
+    cfg = ZenConfig.from_dict({"outer": {"enabled": True}})
+
+    def body(comm):
+        with pytest.raises(NotImplementedError) as info:
+            assemble(torch.nn.Linear(2, 2), cfg, sync_comm=comm, tp_comm=None, rank=0, dp_size=1, device="cpu")
+        return str(info.value)
+    (msg,) = SimWorld(1).run(body)
+    assert msg.startswith("zen.outer (enabled) is served by torch DDP (zen_ext.engines.ddp_outer.register_outer) "
+                          "and DeepSpeed ZeRO-0")

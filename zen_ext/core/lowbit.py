@@ -1,0 +1,121 @@
+"""Low-bit values on ZEN's wire (``zen.dgc.value_bits``: 8 or 4), with error feedback at both ends.
+
+DGC keeps 1-5 % of a bucket, and then most of ZEN's bytes are values (pushed COO, pulled after the
+bitmap). With ``value_bits`` every value travels as a symmetric code of 8 or 4 bits with one fp32 scale
+per block of ``VALUE_BLOCK`` values (``ops.quantize_blocks``; format in ``ops/_reference_lowbit.py``):
+
+1. **Push**: a rank groups its selected values by owner (h0, as ZEN does), quantizes each owner's
+   segment in blocks (a block never straddles two owners, so a message carries its own scales), and
+   hands what the owners will see back to DGC (``LowBitValues.sender_feedback``): DGC's residual becomes
+   ``accumulated − dequantized(sent)``, so the quantization error is delayed, not dropped.
+2. **Owner**: it dequantizes every contribution and sums in fp32, adds its **owner residual** (one fp32
+   per position of its index set 𝕀_i: ``|𝕀_i| ≈ numel/n``, kept in DGC's state, saved with it) at the
+   positions it carries, quantizes the sum for the pull, and keeps ``sum − applied`` as the new owner
+   residual (``applied``: what every rank will write, the gradient dtype's cast included). Positions not
+   touched this step keep their residual until they are touched again (so the pull carries the same
+   positions as without value_bits: the residual never densifies the message). A non-finite sum keeps
+   the old residual there (an overflowed step is skipped, and DGC's journal restores the rest).
+   DoubleSqueeze's server-side error feedback, over ZEN's balanced hash partition.
+3. **Pull**: ``[format, count | index part | scales | codes]``, the index part as without value_bits
+   (hash bitmap, COO positions, or none when dense: then every position of 𝕀_i travels, its residual
+   included), the format the cheapest for these value bytes. Every rank, the owner included, decodes the
+   same message with the same ops, so replicas stay bitwise identical.
+
+Message layouts: push ``[pos (index dtype) | scales (fp32, ceil(c/B)) | codes (ceil(c·bits/8))]`` per
+peer (empty when nothing goes there; its count follows from its size: ``push_count``); pull above, the
+bitmap padded to 8 bytes.
+
+Why ``VALUE_BLOCK`` = 128: a block's scale is its largest ``|x|``, and DGC's selected values are the
+tail of the distribution, so the largest of a block grows with the block; at 4 bits (±7 steps) a
+smaller block keeps the small selected values off zero. 128 costs 4/128 = 0.031 bytes a value in fp32
+scales (6 % on top of 4-bit codes, 3 % on 8-bit ones), where the index part costs 4 bytes (COO) or
+``1/(8·density)`` (bitmap) a value: halving it again would buy less than the scales would cost. fp32
+scales keep the block's exact ``amax/qmax`` (no second rounding); bf16 scales would save 0.016 bytes.
+
+Legend: ``_K`` values of a rank, ``_C`` positions a pull carries, ``_M`` one partition's index-set size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..ops._reference_lowbit import layout
+
+VALUE_BLOCK = 128
+"""Values per fp32 scale (module docstring: why 128)."""
+VALUE_BITS = (8, 4)
+"""``zen.dgc.value_bits``' values."""
+
+
+@dataclass
+class LowBitValues:
+    """What a SparseGrad carries when its values travel in low bits (``SparseGrad.lowbit``).
+
+    ``sender_feedback(order_K, deq_K)``: the values at ``order_K`` (indices into the SparseGrad's values)
+    reach their owners as ``deq_K`` (fp32); the sparsifier keeps ``sent − deq`` in its residual. None: the
+    memory is not to be touched (non-finite values, sent as they are).
+    ``owner_residual(m, device)``: this rank's owner residual for this bucket (fp32 ``[m]``, zeros at
+    first), None when owner-side error feedback is off.
+    """
+
+    bits: int
+    block: int = VALUE_BLOCK
+    sender_feedback: Callable[[torch.Tensor, torch.Tensor], None] | None = None
+    owner_residual: Callable[[int, torch.device], torch.Tensor] | None = None
+
+
+def value_bytes(count: int, bits: int, block: int = VALUE_BLOCK) -> int:
+    """Bytes of ``count`` values in one segment: the scales and the codes."""
+    return 4 * ((count + block - 1) // block) + (count * bits + 7) // 8
+
+
+def push_bytes(count: int, idx_bytes: int, bits: int, block: int = VALUE_BLOCK) -> int:
+    """Bytes of a push message of ``count`` values."""
+    return count * idx_bytes + value_bytes(count, bits, block)
+
+
+def push_count(size: int, idx_bytes: int, bits: int, block: int = VALUE_BLOCK) -> int:
+    """The count of a push message of ``size`` bytes (``push_bytes`` is strictly increasing)."""
+    lo, hi = 0, size // idx_bytes if idx_bytes else size * 8 // bits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if push_bytes(mid, idx_bytes, bits, block) <= size:
+            lo = mid
+        else:
+            hi = mid - 1
+    if push_bytes(lo, idx_bytes, bits, block) != size:
+        raise RuntimeError(f"zen: a low-bit push message of {size} bytes matches no count ({idx_bytes}-byte "
+                           f"indices, {bits}-bit values): the ranks disagree on zen.dgc.value_bits")
+    return lo
+
+
+def pull_costs(count: int, part_size: int, idx_bytes: int, bits: int, block: int = VALUE_BLOCK) -> dict[int, int]:
+    """Body bytes of each pull format (``zen_wire``'s codes) for ``count`` low-bit values of a partition."""
+    from .bitmap import bitmap_bytes
+    from .zen_wire import FMT_BITMAP, FMT_COO, FMT_DENSE
+
+    bm = bitmap_bytes(part_size)
+    return {
+        FMT_DENSE: value_bytes(part_size, bits, block),
+        FMT_BITMAP: bm + (-bm % 8) + value_bytes(count, bits, block),
+        FMT_COO: count * idx_bytes + value_bytes(count, bits, block),
+    }
+
+
+def cheapest_format(count: int, part_size: int, idx_bytes: int, bits: int, forced: str = "auto",
+                    block: int = VALUE_BLOCK) -> int:
+    """``zen_wire.cheapest_format`` for low-bit values."""
+    from .zen_wire import FMT_BY_NAME
+
+    if forced != "auto":
+        return FMT_BY_NAME[forced]
+    costs = pull_costs(count, part_size, idx_bytes, bits, block)
+    return min(costs, key=lambda f: (costs[f], -f))
+
+
+def segment_layout(seg_ends: list[int], bits: int, block: int = VALUE_BLOCK):
+    """Per segment: first element, first code byte, first scale (``ops/_reference_lowbit.layout``)."""
+    return layout(seg_ends, bits, block)

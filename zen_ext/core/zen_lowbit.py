@@ -1,0 +1,194 @@
+"""ZEN's all-reduce with low-bit values (``zen.dgc.value_bits``): ``ZenScheme._sync_group`` runs the
+gradients that carry ``SparseGrad.lowbit`` here. Design, formats and why: ``core/lowbit.py``.
+
+Host reads per group: the partition counts (as ZEN without value_bits), the owners' carried counts, and
+the pulled headers; none per peer (positions come from ``nonzero_static`` with counts already read). Ops per gradient are constant in the number of tensors; the push's
+payloads and the pull's parsing are views per peer (no kernel), and the bitmap of each pulled message
+is unpacked on its own (as ``decode_pull_`` runs per message).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from .. import ops
+from ..comm.base import Communicator
+from ..ops._reference import mask_to_words, words_to_mask
+from .lowbit import cheapest_format, push_count, segment_layout, value_bytes
+from .wire import pack, view_as
+from .zen_wire import FMT_BITMAP, FMT_COO, FMT_DENSE, FMT_NAMES, ZenCall
+
+
+def sync_group_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: str, outs: list,
+                      timings: list) -> list[torch.Tensor]:
+    """Synchronize ``calls`` (element form, ``sg.lowbit`` set) with quantized push and pull.
+
+    1. Partition by h0 (one host read of the group's partition counts).
+    2. Quantize each owner's segment (one op), give DGC the dequantized values (sender error feedback),
+       push ``[pos | scales | codes]`` to each owner.
+    3. Owner: dequantize every contribution (one op), sum in fp32 into its compact buffer, mark the
+       touched positions; one host read of the group's touched counts.
+    4. Owner: the carried positions (touched ones, or all when dense is cheapest), plus the owner
+       residual there, quantized (one op); the new owner residual is the sum minus what every rank will
+       apply; pull ``[format, count | index part | scales | codes]`` to every rank.
+    5. Every rank: one host read of the pulled headers, every message's positions mapped to indices,
+       one dequantize for all of them, one scatter into the result (mean's division before the cast).
+    """
+    n = comm.size
+    push_aggregate_lowbit(scheme, comm, calls, op)
+    carried = torch.cat([c.count_1 for c in calls]).tolist()
+
+    # Step 4: owner residual, quantize, pull.
+    pulls = []
+    for c, count in zip(calls, carried):
+        c.timer.start("pull_s")
+        lb = c.sg.lowbit
+        fmt = cheapest_format(count, c.m, c.isz, lb.bits, scheme.pull_format, lb.block)
+        if fmt == FMT_DENSE:
+            pos_C = torch.arange(c.m, device=c.device)
+        else:
+            pos_C = torch.nonzero_static(c.touched, size=count).flatten()  # the count is read: no sync here
+        codes, scales = quantize_owned(c, pos_C, [pos_C.numel()], n if op == "mean" else 1)
+        head = torch.tensor([fmt, pos_C.numel()], dtype=torch.int64, device=c.device)
+        if fmt == FMT_BITMAP:
+            index = mask_to_words(c.touched)
+        elif fmt == FMT_COO:
+            index = pos_C.to(c.idt)
+        else:
+            index = torch.empty(0, dtype=torch.uint8, device=c.device)
+        msg = pack(head, index, scales, codes)
+        del c.acc, c.touched
+        pulls.append((c, fmt, comm.all_gather_v(msg)))
+        c.timer.stop()
+
+    # Step 5: decode every owner's message into the result.
+    results = []
+    for (c, fmt, pulled), out, timing in zip(pulls, outs, timings):
+        c.timer.start("decode_s")
+        lb = c.sg.lowbit
+        heads = torch.stack([view_as(m, 0, 2, torch.int64) for m in pulled]).tolist()
+        idx, sc, cd, ends = [], [], [], []
+        for i, (msg, (f, k)) in enumerate(zip(pulled, heads)):
+            m_i = c.part.part_size(i)
+            at = 16
+            if f == FMT_BITMAP:
+                nw = (m_i + 63) // 64
+                p = torch.nonzero_static(words_to_mask(view_as(msg, at, nw, torch.int64), m_i), size=k).flatten()
+                at += 8 * nw
+            elif f == FMT_COO:
+                p = view_as(msg, at, k, c.idt).to(torch.int64)
+                at += k * c.isz
+            else:
+                p = torch.arange(m_i, device=c.device)
+            nb = (k + lb.block - 1) // lb.block
+            idx.append(c.part.indices_of(i, p))
+            sc.append(view_as(msg, at, nb, torch.float32))
+            cd.append(msg[at + 4 * nb: at + value_bytes(k, lb.bits, lb.block)])
+            ends.append((ends[-1] if ends else 0) + k)
+        vals = ops.dequantize_blocks(torch.cat(cd), torch.cat(sc), ends, lb.bits, lb.block)
+        if op == "mean":
+            vals = vals / n
+        res = out if out is not None else torch.empty(c.sg.numel, dtype=c.dtype, device=c.device)
+        res.zero_()
+        res.index_copy_(0, torch.cat(idx), vals.to(c.dtype))
+        c.timer.write_into(timing)
+        if timing is not None:
+            timing["pull_format"] = FMT_NAMES[fmt]
+        results.append(res)
+    return results
+
+
+def push_aggregate_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: str, exchange=None) -> None:
+    """Steps 1-3 of ``sync_group_lowbit`` (shared with the reduce-scatter, ``core/rs_zen.py``): leaves on each
+    call ``c.part``, ``c.m``, ``c.acc`` (fp32 ``[m]``: the sum of the dequantized contributions), ``c.touched``
+    (bool ``[m]``) and ``c.count_1`` (the touched count, on the device). ``exchange``: None pushes each
+    call in its own exchange under its signature; else a callable taking every call's per-peer payloads
+    and returning every call's received ones (``ZenScheme.push_aggregate``'s rule)."""
+    n, rank = comm.size, comm.rank
+    # Step 1: partition.
+    for c in calls:
+        c.timer.start("hash_s")
+        c.part = scheme.partitioner(c.sg.numel, n)
+        counts_P, order_K, pos_K, _ = c.part.partition(c.sg.indices)
+        c.counts_P, c.order_K, c.pos_K = counts_P.to(torch.int64), order_K, pos_K.to(c.idt)
+        c.timer.stop()
+    bounds_G = torch.stack([c.counts_P for c in calls]).cumsum(1).tolist()
+
+    # Step 2: quantize per owner, sender feedback, push.
+    sends = []
+    for c, bounds in zip(calls, bounds_G):
+        c.timer.start("push_s")
+        lb = c.sg.lowbit
+        codes, scales, deq = ops.quantize_blocks(c.sg.values.index_select(0, c.order_K), bounds, lb.bits, lb.block)
+        if lb.sender_feedback is not None:
+            lb.sender_feedback(c.order_K, deq)
+        elem, code_at, blk_at = segment_layout(bounds, lb.bits, lb.block)
+        send = []
+        for j in range(n):
+            s, e = elem[j], elem[j + 1]
+            if e == s:
+                send.append(torch.empty(0, dtype=torch.uint8, device=c.device))
+            else:
+                send.append(pack(c.pos_K[s:e], scales[blk_at[j]:blk_at[j + 1]], codes[code_at[j]:code_at[j + 1]]))
+        del c.pos_K, codes, scales, deq
+        if exchange is None:
+            with comm.signed(c.sg.dense_numel, c.dtype, op, where=f"scheme {scheme.name!r}.sync"):
+                c.recv = comm.exchange_v(send)
+        else:
+            sends.append(send)
+        c.timer.stop()
+    if exchange is not None:  # the caller's one exchange for the whole group (under its signature)
+        for c, recv in zip(calls, exchange(sends)):
+            c.recv = recv
+
+    # Step 3: owner aggregation in fp32.
+    for c in calls:
+        c.timer.start("aggregate_s")
+        lb = c.sg.lowbit
+        c.m = c.part.part_size(rank)
+        counts = [push_count(r.numel(), c.isz, lb.bits, lb.block) for r in c.recv]
+        pos, sc, cd = [], [], []
+        for r, k in zip(c.recv, counts):
+            if k:
+                nb = (k + lb.block - 1) // lb.block
+                pos.append(view_as(r, 0, k, c.idt))
+                sc.append(view_as(r, k * c.isz, nb, torch.float32))
+                cd.append(r[k * c.isz + 4 * nb:])
+        ends = list(itertools.accumulate(counts))
+        c.acc = torch.zeros(c.m, dtype=torch.float32, device=c.device)
+        c.touched = torch.zeros(c.m, dtype=torch.bool, device=c.device)
+        if pos:
+            pos_R = torch.cat(pos).to(torch.int64)
+            c.acc.index_add_(0, pos_R, ops.dequantize_blocks(torch.cat(cd), torch.cat(sc), ends, lb.bits, lb.block))
+            c.touched.index_fill_(0, pos_R, True)
+        c.count_1 = c.touched.sum().reshape(1)
+        del c.recv
+        c.timer.stop()
+
+
+def quantize_owned(c: ZenCall, pos_C: torch.Tensor, seg_ends: list[int], divisor: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The owner's step 4 (shared with the reduce-scatter): the sums at its unique compact positions
+    ``pos_C`` plus its owner residual there, quantized in segments ``seg_ends`` (one per receiver in the
+    reduce-scatter); the owner residual there becomes the sum minus what the receivers will apply (the
+    old one kept where that is not finite). Returns ``(codes, scales)``."""
+    lb = c.sg.lowbit
+    S_C = c.acc.index_select(0, pos_C)
+    R = lb.owner_residual(c.m, c.device) if lb.owner_residual is not None else None
+    if R is not None:
+        S_C = S_C + R.index_select(0, pos_C)
+    codes, scales, deq = ops.quantize_blocks(S_C, seg_ends, lb.bits, lb.block)
+    if R is not None:
+        new = S_C - _applied(deq, c.dtype, divisor)
+        R.index_copy_(0, pos_C, torch.where(torch.isfinite(new), new, R.index_select(0, pos_C)))
+    return codes, scales
+
+
+def _applied(deq: torch.Tensor, dtype: torch.dtype, divisor: int) -> torch.Tensor:
+    """The owner's sum as every rank applies it, back in sum units (fp32): ``deq / divisor`` cast to the
+    gradient's dtype, times ``divisor``, so the owner residual also keeps the cast's rounding."""
+    if divisor == 1:
+        return deq if dtype == torch.float32 else deq.to(dtype).to(torch.float32)
+    return (deq / divisor).to(dtype).to(torch.float32) * divisor

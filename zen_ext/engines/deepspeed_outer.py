@@ -1,0 +1,163 @@
+"""zen.outer on DeepSpeed: ZeRO-0 with fp32 weights, each data-parallel rank a replica.
+
+Inner steps reduce nothing: the engine's bucket all-reduce (``engine.allreduce_bucket``, the method ZEN's
+own ZeRO-0 adapter replaces, ``deepspeed_engine.py``) is replaced by one that returns the flat bucket
+unreduced, so each replica's gradients stay its own (DeepSpeed's gradient averaging happens inside that
+method, so nothing divides them either). The outer step runs after every ``every``-th optimizer step
+(``engine.step`` wrapped; at gradient-accumulation boundaries only). Each optimizer step checks that the
+replacement ran, so a DeepSpeed release that moved the reduction fails loudly instead of silently
+all-reducing every step.
+
+What is refused, before training (``NotImplementedError`` naming what is served):
+
+* ZeRO-1/2/3: their optimizers keep their own flat fp32 partitions of the weights, which restarting every
+  replica from θ_global would have to rewrite too; partitioning inside a replica group (DeepSpeed's
+  ``mpu``) is not built.
+* fp16 / bf16: the optimizer's fp32 master weights would likewise miss the restart.
+* AutoTP, pipeline parallelism, MoE.
+
+Checkpoints: DeepSpeed's ZeRO-0 checkpoint holds rank 0's weights and optimizer state only (it assumes
+equal replicas), but between outer steps each replica has its own. ``save_checkpoint`` /
+``load_checkpoint`` therefore also write and read, per rank, ``<dir>/<tag>/zen_ext/outer_rank<r>.pt``:
+the replica's own weights and inner optimizer state, and its ``OuterSync`` state (θ_global, its own
+error feedback, the outer momentum). A resumed run equals the uninterrupted one bitwise
+(tests/e2e/test_deepspeed_outer.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from ..comm.torch_dist import TorchCommunicator
+from ..config import ZenConfig
+from ..outer.sync import OuterSync
+
+log = logging.getLogger(__name__)
+
+SERVED = "zen.outer on DeepSpeed supports ZeRO-0 with fp32 weights, each data-parallel rank one replica"
+
+
+class OuterDeepSpeed:
+    """The outer synchronization attached to a DeepSpeed engine (``engine.zen`` when ``zen.outer`` is on).
+
+    Offers what the recipes read of an attachment: ``cfg``, ``annotate``, ``totals``, ``summary``, ``close``.
+
+    Raises:
+        NotImplementedError: an engine setting it cannot serve (see the module docstring).
+    """
+
+    def __init__(self, engine, cfg: ZenConfig) -> None:
+        import torch.distributed as dist
+
+        # Step 1: refuse what a restart from θ_global cannot reach.
+        stage = engine.zero_optimization_stage()
+        if stage != 0:
+            raise NotImplementedError(f"{SERVED}; got ZeRO-{stage} (its optimizer keeps flat fp32 partitions of the "
+                                      f"weights that the outer restart would miss; replica groups are not built)")
+        if engine.fp16_enabled() or engine.bfloat16_enabled():
+            raise NotImplementedError(f"{SERVED}; got {'fp16' if engine.fp16_enabled() else 'bf16'} (the "
+                                      f"optimizer's fp32 master weights would miss the outer restart)")
+        tp = engine.autotp_size() if hasattr(engine, "autotp_size") else 1
+        if (tp or 1) > 1 or getattr(engine, "pipeline_parallelism", False) or getattr(engine, "has_moe_layers", False):
+            raise NotImplementedError(f"{SERVED}; not AutoTP, pipeline parallelism or MoE")
+        self.engine, self.cfg = engine, cfg
+        self.rank = dist.get_rank()
+        # Step 2: the replicas and the outer sync (broadcasts rank 0's weights, compares the layout).
+        group = engine.seq_data_parallel_group
+        self.outer = OuterSync(engine.module.named_parameters(), TorchCommunicator(group, cfg.exchange_impl),
+                               cfg.outer, scheme=cfg.build_scheme(), bucket_cap_mb=cfg.bucket_cap_mb)
+        self.dp_size = dist.get_world_size(group)
+        self.totals = {"bytes_sent": 0, "dense_bytes": 0, "outer_steps": 0, "picks": 0, "numel": 0}
+        self._calls = self._calls_at_step = 0
+        # Step 3: the overrides.
+        self._orig_allreduce_bucket = engine.allreduce_bucket
+        engine.allreduce_bucket = self._local_bucket
+        self._orig_step = engine.step
+        engine.step = self._step
+        self._orig_save, self._orig_load = engine.save_checkpoint, engine.load_checkpoint
+        engine.save_checkpoint, engine.load_checkpoint = self._save_checkpoint, self._load_checkpoint
+        if self.rank == 0:
+            o = cfg.outer
+            print(f"zen_ext: zen.outer on DeepSpeed ZeRO-0 ({self.dp_size} replicas): every {o.every} steps, "
+                  f"density {o.density:g} per {o.chunk}-element chunk, error decay {o.error_decay:g}, outer SGD lr "
+                  f"{o.lr:g} momentum {o.momentum:g}{' nesterov' if o.nesterov else ''}, average {o.average}, "
+                  f"scheme {cfg.scheme}", flush=True)
+
+    def _local_bucket(self, bucket, dp_group, dp_world_size=None):
+        """The engine's ``allreduce_bucket`` contract (flatten, reduce, return the flat tensor), reducing
+        nothing: the replica's own gradients, undivided."""
+        self._calls += 1
+        return self.engine.flatten(bucket)
+
+    def _step(self, *args, **kwargs):
+        eng = self.engine
+        boundary = eng.is_gradient_accumulation_boundary()
+        out = self._orig_step(*args, **kwargs)
+        if boundary:
+            if self._calls == self._calls_at_step:
+                import deepspeed
+
+                raise RuntimeError(f"zen: DeepSpeed {deepspeed.__version__} did not call engine.allreduce_bucket "
+                                   f"during this optimizer step; the reduction moved, so the inner steps may have "
+                                   f"been all-reduced. {SERVED}")
+            self._calls_at_step = self._calls
+            if self.outer.step_done():
+                st = self.outer.pop_stats()
+                for k in ("bytes_sent", "outer_steps", "picks", "numel"):
+                    self.totals[k] += st[k]
+            n = self.dp_size
+            # what a per-step dense ring all-reduce would have sent for this step
+            self.totals["dense_bytes"] += 2 * (n - 1) * 4 * sum(b.numel for b in self.outer.buckets) // n
+        return out
+
+    # --- what the recipes read ------------------------------------------------------------------------------
+    def annotate(self, **_) -> None:
+        """Per-step fields of the per-step adapter's statistics records; the outer sync keeps totals only."""
+
+    def summary(self) -> str:
+        t = self.totals
+        ratio = t["bytes_sent"] / t["dense_bytes"] if t["dense_bytes"] else 0.0
+        return (f"zen.outer summary ({self.dp_size} replicas, {t['outer_steps']} outer steps): "
+                f"sent {t['bytes_sent']:,} "
+                f"bytes per rank, {ratio:.4f}x a per-step dense all-reduce's {t['dense_bytes']:,}; "
+                f"{t['picks']:,} of {t['numel']:,} entries picked")
+
+    def close(self) -> None:
+        """End of training: rank 0 prints ``summary()`` (``zen.stats.summary``), once."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        if self.rank == 0 and self.cfg.stats.summary:
+            print(self.summary(), flush=True)
+
+    # --- checkpoints ------------------------------------------------------------------------------------
+    def _path(self, root, tag) -> str:
+        return os.path.join(root, str(tag), "zen_ext", f"outer_rank{self.rank}.pt")
+
+    def _save_checkpoint(self, save_dir, tag=None, *args, **kwargs):
+        if tag is None:
+            tag = f"global_step{self.engine.global_steps}"
+        out = self._orig_save(save_dir, tag, *args, **kwargs)
+        path = self._path(save_dir, tag)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        torch.save({"outer": self.outer.state_dict(), "totals": dict(self.totals),
+                    "module": self.engine.module.state_dict(), "optimizer": self.engine.optimizer.state_dict()}, path)
+        return out
+
+    def _load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        load_path, client_state = self._orig_load(load_dir, tag, *args, **kwargs)
+        if load_path is None:
+            return load_path, client_state
+        if tag is None:
+            with open(os.path.join(load_dir, "latest")) as f:
+                tag = f.read().strip()
+        sd = torch.load(self._path(load_dir, tag), weights_only=False)
+        # This replica's own weights and inner optimizer state over DeepSpeed's (rank 0's) copy.
+        self.engine.module.load_state_dict(sd["module"])
+        self.engine.optimizer.load_state_dict(sd["optimizer"])
+        self.outer.load_state_dict(sd["outer"])
+        self.totals.update(sd["totals"])
+        return load_path, client_state

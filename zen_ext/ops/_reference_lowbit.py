@@ -1,0 +1,123 @@
+"""Pure-torch reference of the low-bit value ops (``zen_ext::quantize_blocks`` / ``dequantize_blocks``):
+what ``zen_ext.ops`` runs where a device has no kernel, and the oracle the kernels must equal bit for bit
+(tests/ops/test_lowbit_ops.py). Used by ``zen.dgc.value_bits`` (``core/lowbit.py``).
+
+The values are cut into segments (``seg_ends``: cumulative element ends, e.g. one segment per receiving
+peer), and each segment into blocks of ``block`` values; a block never straddles two segments, so a
+segment's codes and scales are contiguous slices a message can carry alone. Per block:
+
+* ``scale = amax / qmax`` in fp32 (``amax`` the block's largest ``|x|``, NaN if any ``x`` is NaN;
+  ``qmax`` 127 for 8 bits, 7 for 4 bits: symmetric, so 0 is exact and signs cost nothing);
+* ``q = rint(x / scale)`` clamped to ``[-qmax, qmax]`` (round to nearest, ties to even: deterministic,
+  the same on every device), ``q = 0`` where ``scale`` is not a finite number > 0 (an all-zero block, an
+  ``amax`` below ``qmax`` times the smallest subnormal, or a non-finite value);
+* ``x̂ = q · scale`` in fp32: exactly 0 for a zero block, NaN for a block holding inf or NaN (so an
+  overflow still reaches the engine as one).
+
+Layout: 8 bits, one int8 code a byte; 4 bits, ``q + 8`` in a nibble, two a byte, the even element of a
+pair in the low nibble, a segment's codes starting on a byte (``ceil(c/2)`` bytes; the last high nibble
+of an odd segment is 0). Segment ``s`` of ``c_s`` values takes ``ceil(c_s·bits/8)`` code bytes and
+``ceil(c_s/block)`` fp32 scales, the segments back to back in both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QMAX = {8: 127, 4: 7}
+"""The largest code magnitude for each supported width."""
+
+
+def check_args(bits: int, block: int, seg_ends: list[int], numel: int, op: str) -> None:
+    if bits not in QMAX:
+        raise RuntimeError(f"{op}: bits ({bits}) must be 8 or 4")
+    if block < 2 or block % 2 or block > 1024:
+        raise RuntimeError(f"{op}: block ({block}) must be even and in [2, 1024]")
+    prev = 0
+    for e in seg_ends:
+        if e < prev:
+            raise RuntimeError(f"{op}: seg_ends ({list(seg_ends)}) must be non-decreasing from 0")
+        prev = e
+    if prev != numel:
+        raise RuntimeError(f"{op}: seg_ends ({list(seg_ends)}) must end at the number of values ({numel})")
+
+
+def layout(seg_ends: list[int], bits: int, block: int) -> tuple[list[int], list[int], list[int]]:
+    """Per segment: its first element, its first code byte and its first block (each with a final total)."""
+    elem, code, blk = [0], [0], [0]
+    for e in seg_ends:
+        c = e - elem[-1]
+        elem.append(e)
+        code.append(code[-1] + (c * bits + 7) // 8)
+        blk.append(blk[-1] + (c + block - 1) // block)
+    return elem, code, blk
+
+
+def _block_index(seg_ends: list[int], block: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per element: its block (global) and its offset within its segment."""
+    elem, _, blk = layout(seg_ends, 8, block)
+    counts = torch.tensor([e - s for s, e in zip(elem[:-1], elem[1:])], dtype=torch.int64, device=device)
+    seg_K = torch.repeat_interleave(torch.arange(len(seg_ends), device=device), counts)
+    off_K = torch.arange(elem[-1], device=device) - torch.tensor(elem[:-1], dtype=torch.int64, device=device)[seg_K]
+    blk_K = torch.tensor(blk[:-1], dtype=torch.int64, device=device)[seg_K] + off_K // block
+    return blk_K, off_K
+
+
+def quantize_blocks(values: torch.Tensor, seg_ends: list[int], bits: int, block: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(codes uint8, scales fp32, dequantized fp32)`` of the 1-D float ``values`` (module docstring)."""
+    seg_ends = [int(e) for e in seg_ends]
+    if values.dim() != 1 or not values.is_floating_point():
+        raise RuntimeError("quantize_blocks: values must be a 1-D float tensor")
+    check_args(bits, block, seg_ends, values.numel(), "quantize_blocks")
+    device = values.device
+    _, code, blk = layout(seg_ends, bits, block)
+    x = values.to(torch.float32)
+    K, nb, qmax = x.numel(), blk[-1], QMAX[bits]
+    blk_K, off_K = _block_index(seg_ends, block, device)
+    # amax per block, NaN-propagating: a [blocks, block] matrix padded with zeros.
+    lane = off_K % block
+    mat = torch.zeros(nb, block, dtype=torch.float32, device=device)
+    mat[blk_K, lane] = x.abs()
+    scales = mat.amax(1) / qmax if nb else torch.zeros(0, dtype=torch.float32, device=device)
+    s_K = scales[blk_K]
+    ok = (s_K > 0) & torch.isfinite(s_K)
+    q = torch.where(ok, torch.round(x / torch.where(ok, s_K, torch.ones_like(s_K))), torch.zeros_like(x))
+    qi = q.clamp(-qmax, qmax).to(torch.int64)
+    deq = qi.to(torch.float32) * s_K  # through the integer: a code 0 gives +0.0 (x/s may round to -0.0)
+    codes = torch.zeros(code[-1], dtype=torch.uint8, device=device)
+    if bits == 8:
+        codes.copy_(qi.to(torch.int8).view(torch.uint8))
+    elif K:
+        elem, _, _ = layout(seg_ends, bits, block)
+        seg_code = torch.tensor(code[:-1], dtype=torch.int64, device=device)
+        counts = torch.tensor([e - s for s, e in zip(elem[:-1], elem[1:])], dtype=torch.int64, device=device)
+        byte_K = torch.repeat_interleave(seg_code, counts) + off_K // 2
+        nib = ((qi + 8) << ((off_K % 2) * 4)).to(torch.int64)
+        acc = torch.zeros(code[-1], dtype=torch.int64, device=device).index_add_(0, byte_K, nib)
+        codes.copy_(acc.to(torch.uint8))
+    return codes, scales, deq
+
+
+def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, seg_ends: list[int], bits: int, block: int
+                      ) -> torch.Tensor:
+    """The fp32 values ``q · scale`` of ``quantize_blocks``' codes and scales."""
+    seg_ends = [int(e) for e in seg_ends]
+    K = seg_ends[-1] if seg_ends else 0
+    check_args(bits, block, seg_ends, K, "dequantize_blocks")
+    _, code, blk = layout(seg_ends, bits, block)
+    if codes.dtype != torch.uint8 or codes.dim() != 1 or codes.numel() != code[-1]:
+        raise RuntimeError(f"dequantize_blocks: codes must be 1-D uint8 of {code[-1]} bytes")
+    if scales.dtype != torch.float32 or scales.dim() != 1 or scales.numel() != blk[-1]:
+        raise RuntimeError(f"dequantize_blocks: scales must be 1-D float32 of {blk[-1]} blocks")
+    device = codes.device
+    blk_K, off_K = _block_index(seg_ends, block, device)
+    if bits == 8:
+        q = codes.view(torch.int8).to(torch.float32)
+    else:
+        elem, _, _ = layout(seg_ends, bits, block)
+        counts = torch.tensor([e - s for s, e in zip(elem[:-1], elem[1:])], dtype=torch.int64, device=device)
+        byte_K = torch.repeat_interleave(torch.tensor(code[:-1], dtype=torch.int64, device=device), counts) + off_K // 2
+        b = codes.to(torch.int64)[byte_K] if K else torch.zeros(0, dtype=torch.int64, device=device)
+        q = (((b >> ((off_K % 2) * 4)) & 15) - 8).to(torch.float32)
+    return q * scales[blk_K]
