@@ -62,3 +62,12 @@ def test_deepspeed_snippet_runs_as_written(tmp_path):
     assert "zen_ext: zen.outer on DeepSpeed ZeRO-0 (2 replicas): every 4 steps" in proc.stdout, proc.stdout
     assert re.search(r"zen.outer summary \(2 replicas, 2 outer steps\): sent [\d,]+ bytes per rank, 0\.0\d+x",
                      proc.stdout), proc.stdout
+
+
+def test_readme_excerpt_is_lines_of_the_ddp_snippet():
+    """README.md's zen.outer excerpt is verbatim lines of the DDP block this file runs."""
+    (ddp,) = [t for n, run, lang, t in _blocks() if n == "ddp-outer"]
+    lines = open(os.path.join(ROOT, "README.md")).read().splitlines()
+    start = lines.index(next(x for x in lines if x.startswith("<!-- snippet: outer-excerpt"))) + 2
+    excerpt = lines[start:lines.index("```", start)]
+    assert excerpt and all(line in ddp.splitlines() for line in excerpt), excerpt

@@ -186,7 +186,6 @@ dist.destroy_process_group()
 PYTHON_HARNESS = {
     "deepspeed-initialize": (_DATA, _DS_POST),
     "ds-doc-training-script": (_DATA, _DS_POST),
-    "hf-trainer": (_DATA, _HF_POST),
     "ds-doc-hf-trainer": (_DATA, _HF_POST),
     "colossalai-build-booster": (_DATA, _CAI_TRAIN + _CAI_POST),
     "cai-doc-build-booster": (_DATA, _CAI_POST),
@@ -321,10 +320,9 @@ def test_deepspeed_initialize_block(name, tmp_path):
 
 @pytest.mark.slow
 def test_hf_trainer_block_with_scheme_auto(tmp_path):
-    """HF Trainer + enable() with exactly the README JSON: Accelerate leaves "scheme": "auto" alone."""
-    if BY_NAME["hf-trainer"].text != BY_NAME["ds-doc-hf-trainer"].text:
-        pytest.fail("README's and docs/deepspeed.md's HF Trainer blocks differ: run both")
-    results, out = _run_python("hf-trainer", tmp_path)
+    """HF Trainer + enable() (docs/deepspeed.md's block, which the README points to) with exactly the README
+    JSON: Accelerate leaves "scheme": "auto" alone."""
+    results, out = _run_python("ds-doc-hf-trainer", tmp_path)
     for r in results:
         assert r["zen"] and r["scheme"] == "auto" and r["steps"] == 20 and r["calls"] >= 20
         # ``auto`` minimizes measured time: where the probed link is fast (CI's loopback), dense may
