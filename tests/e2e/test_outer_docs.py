@@ -10,31 +10,20 @@ import sys
 
 import torch
 
+from tests.e2e.doc_blocks import blocks
 from tests.multiproc.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BIN = os.path.dirname(sys.executable)
-MARK = re.compile(r"^<!--\s*snippet:\s*([\w.-]+)\s*(\(not run[^)]*\))?\s*-->\s*$")
 
 
 def _blocks() -> list[tuple[str | None, bool, str, str]]:
-    """``(name, runnable, lang, text)`` of every fenced block of docs/outer.md."""
-    lines = open(os.path.join(ROOT, "docs", "outer.md")).read().splitlines()
-    out, i = [], 0
-    while i < len(lines):
-        if lines[i].startswith("```") and lines[i] != "```":
-            mark = MARK.match(lines[i - 1]) if i else None
-            end = lines.index("```", i + 1)
-            out.append((mark.group(1) if mark else None, bool(mark and not mark.group(2)), lines[i][3:],
-                        "\n".join(lines[i + 1 : end])))
-            i = end
-        i += 1
-    return out
+    return blocks("docs/outer.md")
 
 
 def test_every_block_is_marked():
-    blocks = _blocks()
-    assert blocks and all(name for name, *_ in blocks), [b[3][:60] for b in blocks if not b[0]]
+    found = _blocks()
+    assert found and all(name for name, *_ in found), [b[3][:60] for b in found if not b[0]]
 
 
 def _run(tmp_path, name: str, script: str = "train.py"):

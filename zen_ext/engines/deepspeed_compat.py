@@ -248,3 +248,18 @@ def hook_mismatch(engine, zero_reduces: bool) -> str | None:
                     f"({', '.join(p for p in have if p != 'self')}): no {', '.join(lacking)}; supported: "
                     f"{served_text()}")
     return None
+
+
+def checkpoint_tag(engine, tag: str | None) -> str:
+    """The tag ``engine.save_checkpoint(dir, tag)`` writes: DeepSpeed's default (``global_step<N>``),
+    resolved before the save increments anything, when ``tag`` is None."""
+    return tag if tag is not None else f"global_step{engine.global_steps}"
+
+
+def loaded_tag(load_dir: str, tag: str | None) -> str:
+    """The tag ``engine.load_checkpoint(dir, tag)`` read: the ``latest`` file's when ``tag`` is None."""
+    if tag is not None:
+        return tag
+    with open(os.path.join(load_dir, "latest")) as f:
+        return f.read().strip()
+

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 
 import torch
@@ -21,8 +20,8 @@ from ..config import ZenConfig, check_deepspeed_settings
 from ..reduction import NodeShardedReduce, locate_slices, maybe_node_sharding
 from ..reduction.attachment import ZenAttachment, assemble
 from ..reduction.stats import startup_line
-from .deepspeed_compat import (TESTED_DEEPSPEED, hook_mismatch, late_bf16_refusal, managed_gradient_accumulation,
-                               served_text)
+from .deepspeed_compat import (TESTED_DEEPSPEED, checkpoint_tag, hook_mismatch, late_bf16_refusal, loaded_tag,
+                               managed_gradient_accumulation, served_text)
 from .deepspeed_ipg import AsyncIPG, async_ipg_off_reason
 from .deepspeed_zero3 import ShardedReduce, sharded_refusals
 
@@ -317,8 +316,7 @@ class ZenDeepSpeed(ZenAttachment):
 
     # --- checkpoints: zen_ext's per-rank files inside DeepSpeed's tag folder ------------------------------
     def _save_checkpoint(self, save_dir, tag=None, *args, **kwargs):
-        if tag is None:  # DeepSpeed's default tag, resolved before it increments anything
-            tag = f"global_step{self.engine.global_steps}"
+        tag = checkpoint_tag(self.engine, tag)
         out = self._orig_save(save_dir, tag, *args, **kwargs)
         self.save_rank_state(save_dir, tag)
         return out
@@ -327,9 +325,7 @@ class ZenDeepSpeed(ZenAttachment):
         load_path, client_state = self._orig_load(load_dir, tag, *args, **kwargs)
         if load_path is None:
             return load_path, client_state
-        if tag is None:
-            with open(os.path.join(load_dir, "latest")) as f:
-                tag = f.read().strip()
+        tag = loaded_tag(load_dir, tag)
         self.load_rank_state(load_dir, tag)
         return load_path, client_state
 

@@ -34,6 +34,7 @@ import torch
 from ..comm.torch_dist import TorchCommunicator
 from ..config import ZenConfig
 from ..outer.sync import OuterSync
+from .deepspeed_compat import checkpoint_tag, loaded_tag
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +139,7 @@ class OuterDeepSpeed:
         return os.path.join(root, str(tag), "zen_ext", f"outer_rank{self.rank}.pt")
 
     def _save_checkpoint(self, save_dir, tag=None, *args, **kwargs):
-        if tag is None:
-            tag = f"global_step{self.engine.global_steps}"
+        tag = checkpoint_tag(self.engine, tag)
         out = self._orig_save(save_dir, tag, *args, **kwargs)
         path = self._path(save_dir, tag)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -151,9 +151,7 @@ class OuterDeepSpeed:
         load_path, client_state = self._orig_load(load_dir, tag, *args, **kwargs)
         if load_path is None:
             return load_path, client_state
-        if tag is None:
-            with open(os.path.join(load_dir, "latest")) as f:
-                tag = f.read().strip()
+        tag = loaded_tag(load_dir, tag)
         sd = torch.load(self._path(load_dir, tag), weights_only=False)
         # This replica's own weights and inner optimizer state over DeepSpeed's (rank 0's) copy.
         self.engine.module.load_state_dict(sd["module"])
