@@ -34,6 +34,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from quality_report import steps_to  # noqa: E402  (the interpolation every quality report shares)
 
 MODEL = "configs/models/llama-tiny-untied.json"
 RUN_TIMEOUT_S = 1200
@@ -131,19 +132,6 @@ def run_one(runs: str, setting: str, variant: str, seed: int, steps: int, eval_e
     with open(path, "w") as f:
         json.dump(result, f)
     return result
-
-
-def steps_to(evals, target: float):
-    """The first step where the eval loss reaches ``target`` (linear between evaluations); None: never."""
-    prev = None
-    for step, loss in evals:
-        if loss <= target:
-            if prev is None or prev[1] == loss:
-                return float(step)
-            s0, l0 = prev
-            return s0 + (step - s0) * (l0 - target) / (l0 - loss)
-        prev = (step, loss)
-    return None
 
 
 def _rng(values, fmt: str) -> str:

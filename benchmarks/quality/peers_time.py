@@ -26,6 +26,8 @@ import json
 import os
 import statistics
 
+from quality_report import steps_to  # the one interpolation the time-to-quality reports share
+
 LABS = {"8 hosts × 250 Mbit/s": (8, 250e6 / 8), "16 hosts × 100 Mbit/s": (16, 100e6 / 8)}
 """Lab name → (hosts, bytes per second of each host's link)."""
 BYTES_KEY = {"ddp_dense": "dense", "ddp_zen_dgc5": "zen_dgc5", "ddp_zen_dgc1": "zen_dgc1",
@@ -36,18 +38,6 @@ EXTRA_ROWS = {"zero3_2x2_qgz": [("qgz_zero3", "zero3_2x2_qgz + ZeRO-3 fp32 param
                                 ("qgz_qwz", "zero3_2x2_qgz + qwZ int8 parameter all-gathers")]}
 """Further rows for a variant: the same steps with other bytes (qgZ runs only under ZeRO-3, which all-gathers
 the parameters twice per step)."""
-
-
-def steps_to(evals, target: float):
-    prev = None
-    for step, loss in evals:
-        if loss <= target:
-            if prev is None or prev[1] == loss:
-                return float(step)
-            s0, l0 = prev
-            return s0 + (step - s0) * (l0 - target) / (l0 - loss)
-        prev = (step, loss)
-    return None
 
 
 def calibration(cluster_jsonl: str) -> list[str]:
