@@ -133,8 +133,9 @@ def run_replicas(args, model, start_flat, blocks, R: int) -> tuple[list[list[dic
     return rows, start_flat.numel()
 
 
-def _provenance() -> str:
-    """When, at which commit and where the run was made (the results files' rule, benchmarks/README.md)."""
+def provenance(note: str = "bytes are counted, not timed") -> str:
+    """When, at which commit and where the run was made (the results files' rule, benchmarks/README.md);
+    also the outer-sync quality benchmark's (``benchmarks/quality/bench_outer_quality.py``)."""
     import subprocess
 
     try:
@@ -143,7 +144,7 @@ def _provenance() -> str:
     except OSError:
         commit = "unknown"
     return (f"Run {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC at commit {commit} on a shared 2-core CPU "
-            f"machine (other jobs running; bytes are counted, not timed)")
+            f"machine (other jobs running{'; ' + note if note else ''})")
 
 
 def main() -> None:
@@ -224,8 +225,8 @@ def main() -> None:
                      f"{mmm([a / b for a, b in zip(zm, ag)], '{:.2f}')} | {mmm([a / b for a, b in zip(zc, ag)], '{:.2f}')} | "
                      f"{dense:.3f} |")
         print(lines[-1], f"({time.time() - t:.0f} s)", flush=True)
-        _write(args.out, lines + ["", f"{_provenance()}; {time.time() - t0:.0f} s so far."])
-    _write(args.out, lines + ["", f"{_provenance()}; {time.time() - t0:.0f} s in total."])
+        _write(args.out, lines + ["", f"{provenance()}; {time.time() - t0:.0f} s so far."])
+    _write(args.out, lines + ["", f"{provenance()}; {time.time() - t0:.0f} s in total."])
 
 
 def _write(path: str, lines: list[str]) -> None:

@@ -31,6 +31,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+from benchmarks.comm.bench_outer_bytes import provenance  # noqa: E402  (one provenance line for both)
 
 from recipes.common import (build_model, build_tokenizer, load_texts, pack_tokens, select_texts,  # noqa: E402
                             split_blocks, train_batches)
@@ -103,19 +104,6 @@ def run_variant(name, args, start_sd, train, evalb, seed: int, R: int):
     return res[0][0], statistics.mean(r[1] for r in res)
 
 
-def _provenance() -> str:
-    """When, at which commit and where the run was made (the results files' rule, benchmarks/README.md)."""
-    import subprocess
-
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                                timeout=30).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
-    return (f"Run {time.strftime('%Y-%m-%d %H:%M', time.gmtime())} UTC at commit {commit} on a shared 2-core CPU "
-            f"machine (other jobs running)")
-
-
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="configs/models/llama-tiny-untied.json")
@@ -181,7 +169,7 @@ def main() -> None:
               "| --- |" + " --- |" * len(results[args.variants[0]][0][0])]
     for v, runs in results.items():
         lines.append(f"| {v} | " + " | ".join(f"{x:.4f}" for x in runs[0][0]) + " |")
-    lines += ["", f"{_provenance()}; {time.time() - t0:.0f} s in total."]
+    lines += ["", f"{provenance('')}; {time.time() - t0:.0f} s in total."]
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
