@@ -54,10 +54,11 @@ INTERNALS = {
         "FSDPParamGroup": ("_reduce_scatter_comm",),
         "FSDPMeshInfo": ("shard_process_group",),
     },
-    "HSDP": {  # engines/fsdp_hsdp.py: FSDP's reduce-scatter, ZEN's all-reduce hook over the replicate group
+    "HSDP": {  # engines/fsdp_hsdp.py: FSDP's reduce-scatter, ZEN's all-reduce hook over the replicate group;
+        # engines/fsdp_outer.py (zen.outer): the replicate group and is_sharded
         "FSDPModule": ("set_all_reduce_hook",),
         "FSDPParamGroup": ("_all_reduce_hook", "gradient_divide_factor", "force_sum_reduction_for_comms",
-                           "mp_policy", "device"),
+                           "mp_policy", "device", "is_sharded"),
         "HSDPMeshInfo": ("replicate_process_group", "replicate_mesh_size", "shard_mesh_size", "shard_mesh_rank"),
     },
 }

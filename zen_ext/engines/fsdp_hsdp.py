@@ -289,6 +289,9 @@ def _check_groups(found: list) -> tuple[object, tuple[int, int]]:
             raise NotImplementedError(f"zen_ext.fsdp: the HSDP mesh of FSDP module {where} holds {mesh.size()} of "
                                       f"{dist.get_world_size()} ranks; supported: {SUPPORTED}")
         check_shard0(pg, where)
+        if pg.mesh_info.replicate_process_group.size() != pg.mesh_info.replicate_mesh_size:
+            raise NotImplementedError(f"zen_ext.fsdp: FSDP module {where}'s cross-replica all-reduce is already "
+                                      f"replaced (zen_ext.fsdp.attach or zen.outer's register_outer ran); use one, once")
         if pg._all_reduce_hook is not None:
             raise NotImplementedError(f"zen_ext.fsdp: FSDP module {where} already has an all-reduce hook "
                                       f"({type(pg._all_reduce_hook).__name__}); attach once, to a model without one")

@@ -114,6 +114,12 @@ class OuterSync:
         self._start_equal()
 
     # --- construction -------------------------------------------------------------------------------
+    def local(self, p: torch.Tensor) -> torch.Tensor:
+        """The tensor this replica synchronizes for parameter ``p``: ``p`` itself. A sharded engine returns
+        the rank's shard (``engines/fsdp_outer.py``: the DTensor's local tensor, looked up at each call
+        because FSDP may re-pad and replace it)."""
+        return p
+
     def _state_device(self, p: torch.Tensor) -> torch.device:
         return torch.device("cpu") if self.cfg.state_device == "cpu" else p.device
 
@@ -122,16 +128,17 @@ class OuterSync:
         groups: list[list[tuple[str, torch.Tensor]]] = [[]]
         size = 0
         for n, p in named:  # whole parameters, in order; a parameter larger than the cap is a bucket alone
-            if groups[-1] and size + p.numel() > cap:
+            numel = self.local(p).numel()
+            if groups[-1] and size + numel > cap:
                 groups.append([])
                 size = 0
             groups[-1].append((n, p))
-            size += p.numel()
+            size += numel
         out = []
         for g in groups:
             params = [p for _, p in g]
-            dev = self._state_device(params[0])
-            theta = torch.cat([p.detach().reshape(-1) for p in params]).to(dev, STATE_DTYPE)
+            dev = self._state_device(self.local(params[0]))
+            theta = torch.cat([self.local(p).detach().reshape(-1) for p in params]).to(dev, STATE_DTYPE)
             numel = theta.numel()
             err = None if self.cfg.dense else torch.zeros_like(theta)
             mom = torch.zeros_like(theta) if self.cfg.momentum > 0 else None
@@ -141,7 +148,8 @@ class OuterSync:
 
     def layout(self) -> list[tuple[str, tuple[int, ...], str]]:
         """Every parameter's name, shape and dtype, bucket by bucket (what replicas must share)."""
-        return [(n, tuple(p.shape), str(p.dtype)) for b in self.buckets for n, p in zip(b.names, b.params)]
+        return [(n, tuple(t.shape), str(t.dtype)) for b in self.buckets for n, p in zip(b.names, b.params)
+                for t in (self.local(p),)]
 
     def _agree(self, named) -> None:
         """Compare what shapes the collectives (config, scheme, layout, bucket sizes) across ranks."""
@@ -187,7 +195,8 @@ class OuterSync:
         union = []
         for i, b in enumerate(self.buckets):
             # Step 1: pseudo-gradient, in fp32 on the state device.
-            local_N = torch.cat([p.detach().reshape(-1) for p in b.params]).to(b.theta_N.device, STATE_DTYPE)
+            local_N = torch.cat([self.local(p).detach().reshape(-1) for p in b.params]).to(b.theta_N.device,
+                                                                                          STATE_DTYPE)
             delta_N = torch.sub(b.theta_N, local_N, out=local_N)
             # Steps 2-4: what is sent, summed and averaged.
             if b.err_N is None:
@@ -247,12 +256,13 @@ class OuterSync:
 
     def _restart_from(self, b: _Bucket) -> None:
         """Copy θ_global into the bucket's parameters (one copy to their device, one fused copy into them)."""
-        theta = b.theta_N.to(b.params[0].device)
+        locals_ = [self.local(p) for p in b.params]
+        theta = b.theta_N.to(locals_[0].device)
         views, at = [], 0
-        for p in b.params:
-            views.append(theta[at : at + p.numel()].view_as(p))
-            at += p.numel()
-        torch._foreach_copy_([p.data for p in b.params], views)
+        for t in locals_:
+            views.append(theta[at : at + t.numel()].view_as(t))
+            at += t.numel()
+        torch._foreach_copy_([t.data for t in locals_], views)
 
     # --- statistics ---------------------------------------------------------------------------------
     @staticmethod
