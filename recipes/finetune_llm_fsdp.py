@@ -6,7 +6,10 @@ Accelerate find them), the input embedding and the whole model are ``fully_shard
 parameters are shared with a module outside it (a tied input embedding and LM head) stays in the root
 unit, so the tie holds. With a ``"zen"`` section in the config, ``zen_ext.fsdp.attach`` sets ZEN's
 reduce-scatter on every FSDP module (docs/fsdp.md); without one the run is plain FSDP2 (the dense
-baseline). Launch::
+baseline). ``--replicas R`` shards over a 2-D ``(replicate, shard)`` mesh of R replica groups (HSDP). With
+``zen.outer`` on (``--outer_every`` and friends) each replica group trains alone and the outer
+synchronization runs across the replicas on each rank's shard (``zen_ext.engines.fsdp_outer``,
+docs/outer.md); without ``--replicas`` every rank is a replica of its own. Launch::
 
     OMP_NUM_THREADS=1 torchrun --nproc_per_node 2 recipes/finetune_llm_fsdp.py \\
         --config configs/fsdp2_zen_dgc5.json --output_dir runs/fsdp
@@ -32,7 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from recipes import common, fsdp_checkpoint  # noqa: E402
+from recipes import common, fsdp_checkpoint, fsdp_outer  # noqa: E402
 
 FSDP_DEFAULTS = {"micro_batch": 8, "lr": 3e-3, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.01,
                  "grad_clip": 1.0, "param_dtype": "fp32", "blocks": None, "warmup_steps": 0, "warmup_type": "log"}
@@ -53,7 +56,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--config", required=True, help="JSON with an \"fsdp\" section and optionally a \"zen\" section")
     common.add_run_args(p, default_output_dir="runs/fsdp")
     common.add_optimizer_args(p)
-    common.add_outer_args(p)  # refused in load_config: FSDP2 does not serve zen.outer
+    common.add_outer_args(p)  # zen.outer: FSDP2 HSDP, each replica group trains alone (--replicas)
+    p.add_argument("--replicas", type=int, default=None,
+                   help="HSDP: shard over a 2-D (replicate, shard) mesh of this many replica groups of world/R ranks "
+                   "(default: a 1-D mesh; with zen.outer: every rank a replica)")
     p.add_argument("--mixed_precision", default="fp32", choices=sorted(MIXED_PRECISION),
                    help="FSDP2's MixedPrecisionPolicy: bf16 = bf16 forward/backward, fp32 gradient reduction and "
                    "fp32 weights; bf16-reduce-bf16 = the reduction in bf16 too; fp32 = no policy")
@@ -68,12 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def load_config(path: str, args=None) -> tuple[dict, dict | None]:
     """The ``"fsdp"`` settings (defaults filled in) and the ``"zen"`` section (None: plain FSDP2),
     validated before any process group, data or model exists; ``args``' ``--outer_*`` flags go into
-    ``zen.outer``, which FSDP2 does not serve (refused here)."""
+    ``zen.outer`` (served on an HSDP mesh by ``zen_ext.engines.fsdp_outer``, see ``mesh_shape``)."""
     import copy
 
     from zen_ext.config import ZenConfig, load_json_config
-    from zen_ext.reduction.attachment import OUTER_REFUSAL
-
     cfg = copy.deepcopy(load_json_config(path))
     if args is not None:
         common.apply_outer_args(args, cfg)
@@ -103,9 +107,31 @@ def load_config(path: str, args=None) -> tuple[dict, dict | None]:
             zen = None
     except (ValueError, TypeError, NotImplementedError) as exc:
         raise common.ConfigError(str(exc)) from exc
-    if zen is not None and parsed.outer.enabled:
-        raise common.ConfigError(OUTER_REFUSAL)
     return fsdp, zen
+
+
+def outer_enabled(zen_section: dict | None) -> bool:
+    """Whether the ``"zen"`` section turns ``zen.outer`` on (the outer form instead of a per-step sync)."""
+    from zen_ext.config import ZenConfig
+
+    return zen_section is not None and ZenConfig.from_json_section(zen_section).outer.enabled
+
+
+def mesh_shape(replicas: int | None, world: int, outer: bool) -> tuple[int, ...] | None:
+    """The device mesh's shape: None (FSDP's default 1-D mesh), or ``(replicas, world / replicas)``; with
+    ``zen.outer`` and no ``--replicas``, ``(world, 1)`` (every rank a replica of its own).
+
+    Raises:
+        common.ConfigError: ``replicas`` does not divide ``world``, or is < 2 with ``zen.outer``.
+    """
+    if replicas is None:
+        return (world, 1) if outer else None
+    if replicas < 1 or world % replicas:
+        raise common.ConfigError(f"--replicas ({replicas}) must divide the world size ({world})")
+    if outer and replicas < 2:
+        raise common.ConfigError(f"--replicas ({replicas}) must be >= 2 with zen.outer (the outer sync runs across "
+                                 f"replicas)")
+    return (replicas, world // replicas)
 
 
 # --- sharding -------------------------------------------------------------------------------------------
@@ -147,14 +173,14 @@ def _shared_outside(unit: torch.nn.Module, model: torch.nn.Module) -> bool:
 
 
 def shard(model, *, mixed_precision: str = "fp32", cpu_offload: bool = False,
-          blocks: list[str] | None = None) -> tuple[int, str]:
+          blocks: list[str] | None = None, mesh=None) -> tuple[int, str]:
     """``fully_shard`` each block, the input embedding (its rows are naturally sparse: a bucket of their
     own) and then the model, under one ``MixedPrecisionPolicy`` and offload policy.
 
     1. Find the blocks (``find_blocks``); add the input embedding.
     2. Leave in the root unit every candidate whose parameters a module outside it shares: a tied input
        embedding goes with the LM head (two FSDP units cannot hold one parameter).
-    3. ``fully_shard`` the units innermost first, then the root.
+    3. ``fully_shard`` the units innermost first, then the root (on ``mesh``, None: FSDP's 1-D default).
 
     Returns:
         ``(number of FSDP modules, what was sharded, for the start line)``.
@@ -174,6 +200,8 @@ def shard(model, *, mixed_precision: str = "fp32", cpu_offload: bool = False,
           else MixedPrecisionPolicy(),
           "offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload  # pinning needs one
           else OffloadPolicy()}
+    if mesh is not None:
+        kw["mesh"] = mesh
     order = {id(m): i for i, m in enumerate(model.modules())}
     for unit in sorted(units, key=lambda u: -order[id(u)]):  # children before their parents
         fully_shard(unit, **kw)
@@ -191,11 +219,16 @@ def build_optimizer(args, fsdp: dict, zen_section: dict | None, model) -> tuple[
 
     zen = ZenConfig.from_json_section(zen_section) if zen_section is not None else ZenConfig.from_dict(
         {"enabled": False})
-    kind, why = common.optimizer_choice(args, zen.enabled and zen.dgc.enabled, adam=True)
+    kind, why = common.optimizer_choice(args, zen.enabled and zen.dgc.enabled and not zen.outer.enabled, adam=True)
     kw = dict(lr=fsdp["lr"], betas=tuple(fsdp["betas"]), eps=fsdp["eps"], weight_decay=fsdp["weight_decay"])
     if kind == "catch_up":
         return CatchUpAdamW(catch_up_param_groups(model, zen), **kw), "CatchUpAdamW", why
     return torch.optim.AdamW(model.parameters(), **kw), "AdamW", why
+
+
+def mesh_device_type(device) -> str:
+    """The device mesh's device type: the GPU's, else ``cpu``."""
+    return device.type if device is not None else "cpu"
 
 
 def _flag_for(saved: str) -> str:
@@ -228,16 +261,30 @@ def main(argv=None) -> list[dict]:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if device is not None:
         model.to(device)
+    outer = outer_enabled(zen_section)
+    shape = mesh_shape(args.replicas, world, outer)
+    mesh = None
+    if shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(mesh_device_type(device), shape, mesh_dim_names=("replicate", "shard"))
     units, sharded = shard(model, mixed_precision=args.mixed_precision, cpu_offload=args.cpu_offload,
-                           blocks=fsdp["blocks"])
+                           blocks=fsdp["blocks"], mesh=mesh)
+    if shape is not None:
+        sharded += f"; HSDP mesh replicate={shape[0]} x shard={shape[1]}"
     optimizer, optimizer_name, optimizer_why = build_optimizer(args, fsdp, zen_section, model)
     peak_lrs = [group["lr"] for group in optimizer.param_groups]  # before a resume loads a warm-up's rate
-    zen = zen_ext.fsdp.attach(model, zen_section, optimizer=optimizer) if zen_section is not None else None
+    if outer:  # each replica group trains alone; the outer sync across the replicas (docs/outer.md)
+        zen = fsdp_outer.OuterRun(model, zen_section, optimizer)
+        checkpoints = fsdp_outer
+    else:
+        zen = zen_ext.fsdp.attach(model, zen_section, optimizer=optimizer) if zen_section is not None else None
+        checkpoints = fsdp_checkpoint
     ckpt_dir = os.path.join(args.output_dir, "checkpoints")
     start, resume_from = 0, fsdp_checkpoint.latest(ckpt_dir) if args.resume else None
     if resume_from is not None:
         common.check_optimizer_name(resume_from, optimizer_name, _flag_for, optimizer_why)
-        start = fsdp_checkpoint.load(resume_from, model, optimizer, zen)
+        start = checkpoints.load(resume_from, model, optimizer, zen)
     rss_start = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     batch_device = device or torch.device("cpu")  # under CPU offload the parameters live on the CPU
     if rank == 0:
@@ -277,7 +324,7 @@ def main(argv=None) -> list[dict]:
                                                device=batch_device)
         log.log(rec)
         if (args.save_every and step % args.save_every == 0) or step == args.steps:
-            fsdp_checkpoint.save(ckpt_dir, step, model, optimizer, zen, optimizer_name)
+            checkpoints.save(ckpt_dir, step, model, optimizer, zen, optimizer_name)
 
     # Step 4: summary and each rank's peak memory (resident set: CPU tensors live there; KiB on Linux).
     text = zen.summary() if zen is not None else None

@@ -9,7 +9,7 @@ import torch
 from recipes import common
 from zen_ext.comm.simulated import SimWorld
 from zen_ext.config import ZenConfig
-from zen_ext.reduction.attachment import OUTER_REFUSAL, assemble
+from zen_ext.reduction.attachment import assemble
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,15 +32,26 @@ def test_deepspeed_recipe_flags_fill_zen_outer(tmp_path):
         load_ds_config(bad)
 
 
-def test_fsdp_recipe_refuses_outer_before_training():
-    from recipes.finetune_llm_fsdp import load_config, parse_args
+def test_fsdp_recipe_flags_fill_zen_outer_and_choose_the_hsdp_mesh():
+    from recipes.finetune_llm_fsdp import build_optimizer, load_config, mesh_shape, outer_enabled, parse_args
 
     path = os.path.join(ROOT, "configs", "fsdp2_zen_dgc5.json")
-    args = parse_args(["--config", path, "--outer_every", "4"])
-    with pytest.raises(common.ConfigError) as info:
-        load_config(path, args)
-    assert str(info.value) == OUTER_REFUSAL
-    assert load_config(path, parse_args(["--config", path]))[1] is not None  # without the flag: as before
+    args = parse_args(["--config", path, "--outer_every", "4", "--outer_density", "1", "--replicas", "2"])
+    fsdp, zen = load_config(path, args)
+    assert zen["outer"] == {"enabled": True, "every": 4, "density": 1.0} and outer_enabled(zen)
+    assert not outer_enabled(load_config(path, parse_args(["--config", path]))[1])  # without the flag: as before
+    assert mesh_shape(2, 4, True) == (2, 2) and mesh_shape(None, 4, True) == (4, 1)
+    assert mesh_shape(None, 4, False) is None
+    assert mesh_shape(2, 4, False) == (2, 2)  # HSDP for the per-step adapter too
+    with pytest.raises(common.ConfigError, match=r"--replicas \(3\) must divide the world size \(4\)"):
+        mesh_shape(3, 4, True)
+    with pytest.raises(common.ConfigError, match=r"--replicas \(1\) must be >= 2 with zen.outer"):
+        mesh_shape(1, 4, True)
+    bad = parse_args(["--config", path, "--outer_every", "0"])
+    with pytest.raises(common.ConfigError, match=r"zen.outer.every \(0\) must be >= 1"):
+        load_config(path, bad)
+    # the outer form trains with plain AdamW, though the config's zen.dgc is on (DGC does not run under it)
+    assert build_optimizer(args, fsdp, zen, torch.nn.Linear(2, 2))[1] == "AdamW"
 
 
 def test_per_step_attachments_refuse_outer():

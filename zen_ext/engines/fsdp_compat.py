@@ -63,7 +63,7 @@ INTERNALS = {
     },
 }
 """Every private torch name the adapters read, by path, then by where it lives (``_fsdp_modules`` and
-``attach`` in engines/fsdp.py; ``hsdp_param_groups``, ``_check_groups``, ``ZenAllReduceHook``,
+``attach`` in engines/fsdp.py; ``hsdp_param_groups``, ``check_hsdp_groups``, ``ZenAllReduceHook``,
 ``ZenHSDP.all_reduce`` and ``attach`` in engines/fsdp_hsdp.py; ``mesh_info.spmd_mesh`` is read only where
 present). ``FSDPMeshInfo`` names are checked on every parameter group's mesh info, ``HSDPMeshInfo`` names on
 those of a 2-D (HSDP) mesh."""

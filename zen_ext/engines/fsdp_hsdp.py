@@ -51,7 +51,8 @@ from .fsdp_steps import AccumulationWatch, FSDPSteps
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ZenAllReduceHook", "ZenHSDP", "attach", "hsdp_param_groups", "shard_layout"]
+__all__ = ["ZenAllReduceHook", "ZenHSDP", "agree_hsdp", "attach", "check_hsdp_groups", "hsdp_param_groups",
+           "shard_layout"]
 
 
 def shard_layout(params: list[tuple[str, tuple[int, ...]]], shard_size: int, shard_rank: int
@@ -265,7 +266,7 @@ class ZenHSDP(ZenAttachment):
         super().load_state_dict(sd, why)
 
 
-def _check_groups(found: list) -> tuple[object, tuple[int, int]]:
+def check_hsdp_groups(found: list) -> tuple[object, tuple[int, int]]:
     """Refuse what ``attach`` does not serve; returns the mesh and its ``(replicate, shard)`` sizes."""
     for name, module, pg in found:
         where, mesh = name or "<root>", pg.mesh_info.mesh
@@ -289,12 +290,12 @@ def _check_groups(found: list) -> tuple[object, tuple[int, int]]:
             raise NotImplementedError(f"zen_ext.fsdp: the HSDP mesh of FSDP module {where} holds {mesh.size()} of "
                                       f"{dist.get_world_size()} ranks; supported: {SUPPORTED}")
         check_shard0(pg, where)
-        if pg.mesh_info.replicate_process_group.size() != pg.mesh_info.replicate_mesh_size:
-            raise NotImplementedError(f"zen_ext.fsdp: FSDP module {where}'s cross-replica all-reduce is already "
-                                      f"replaced (zen_ext.fsdp.attach or zen.outer's register_outer ran); use one, once")
         if pg._all_reduce_hook is not None:
             raise NotImplementedError(f"zen_ext.fsdp: FSDP module {where} already has an all-reduce hook "
                                       f"({type(pg._all_reduce_hook).__name__}); attach once, to a model without one")
+        if pg.mesh_info.replicate_process_group.size() != pg.mesh_info.replicate_mesh_size:
+            raise NotImplementedError(f"zen_ext.fsdp: FSDP module {where}'s cross-replica all-reduce is already "
+                                      f"replaced (zen.outer's register_outer ran); use one, once")
     meshes = {(tuple(pg.mesh_info.mesh.mesh.flatten().tolist()), pg.mesh_info.mesh.shape) for _, _, pg in found}
     if len(meshes) > 1:
         raise NotImplementedError(f"zen_ext.fsdp: the FSDP modules are sharded over different meshes "
@@ -303,7 +304,7 @@ def _check_groups(found: list) -> tuple[object, tuple[int, int]]:
     return mesh, (mesh.size(0), mesh.size(1))
 
 
-def _agree(mesh, cfg: ZenConfig, signature: list) -> None:
+def agree_hsdp(mesh, cfg: ZenConfig, signature: list) -> None:
     """Check that every rank attaches alike (one gather over the world, before any group is changed), so a
     mismatch raises on every rank instead of hanging in a later collective; warn when a shard group spans
     several hosts (the dense reduce-scatter then crosses the slow links)."""
@@ -360,11 +361,11 @@ def attach(model: torch.nn.Module, config=None, *, optimizer=None, guard_nonfini
         raise NotImplementedError(f"zen_ext.engines.fsdp_hsdp.attach needs FSDP modules on a 2-D (\"replicate\", "
                                   f"\"shard\") mesh ({type(model).__name__} has none); zen_ext.fsdp.attach serves "
                                   f"both kinds; supported: {SUPPORTED}")
-    mesh, shape = _check_groups(found)
+    mesh, shape = check_hsdp_groups(found)
     names = {id(p): n for n, p in model.named_parameters()}
     per_module = [(name, module, pg, [(names[id(fp.sharded_param)], tuple(fp._orig_size)) for fp in pg.fsdp_params
                                       if fp.sharded_param.requires_grad]) for name, module, pg in found]
-    _agree(mesh, cfg, [(name, params) for name, _, _, params in per_module])
+    agree_hsdp(mesh, cfg, [(name, params) for name, _, _, params in per_module])
     rank = dist.get_rank()
     cfg, dgc_note = cfg.resolve_defaults(optimizer, quiet=rank != 0)
     # Step 2: routing and the Synchronizer over the replicate group.

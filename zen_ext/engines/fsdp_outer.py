@@ -31,7 +31,7 @@ from ..comm.torch_dist import TorchCommunicator
 from ..config import ZenConfig
 from ..outer.sync import OuterSync
 from .fsdp_compat import check_fsdp_internals
-from .fsdp_hsdp import _agree, _check_groups, hsdp_param_groups
+from .fsdp_hsdp import agree_hsdp, check_hsdp_groups, hsdp_param_groups
 
 __all__ = ["FSDPOuterSync", "SERVED", "load_local_state_dict", "local_state_dict", "register_outer"]
 
@@ -129,13 +129,13 @@ def register_outer(model: torch.nn.Module, cfg: "ZenConfig | dict", optimizer=No
     if not found:
         raise NotImplementedError(f"{SERVED}; {type(model).__name__} has no FSDP module on a 2-D mesh (a 1-D mesh "
                                   f"has no replicas: there, zen_ext.engines.ddp_outer serves plain data parallelism)")
-    mesh, shape = _check_groups(found)
+    mesh, shape = check_hsdp_groups(found)
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     plain = [n for n, p in named if not isinstance(p, torch.distributed.tensor.DTensor)]
     if plain:
         raise NotImplementedError(f"{SERVED}; parameters {plain[:4]} are not sharded by fully_shard")
     names = {id(p): n for n, p in named}
-    _agree(mesh, cfg, [(name, [names.get(id(fp.sharded_param)) for fp in pg.fsdp_params]) for name, _, pg in found])
+    agree_hsdp(mesh, cfg, [(name, [names.get(id(fp.sharded_param)) for fp in pg.fsdp_params]) for name, _, pg in found])
     # Step 2: FSDP's all-reduce over one rank.
     rank = dist.get_rank()
     replicate = found[0][2].mesh_info.replicate_process_group
