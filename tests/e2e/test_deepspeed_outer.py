@@ -106,8 +106,88 @@ def test_resume_from_mid_round_checkpoint_is_bitwise(run):
 def test_unserved_settings_refused(run):
     z1, bf16 = run[0]["refusals"]
     assert z1.startswith("zen.outer on DeepSpeed supports ZeRO-0 with fp32 weights, each data-parallel rank one "
-                         "replica; got ZeRO-1")
+                         "replica, or ZeRO-1/2 with fp32 weights inside replica groups")
+    assert "got ZeRO-1 over a data-parallel group of all 3 ranks (one replica): pass deepspeed.initialize an mpu" in z1
     assert bf16.startswith("zen.outer on DeepSpeed supports ZeRO-0 with fp32 weights") and "got bf16" in bf16
+
+
+class _ReplicaMPU:
+    """What DeepSpeed asks an ``mpu``: the data-parallel group is the rank's replica group (ZeRO partitions and
+    reduces inside it); no model parallelism (one-rank groups)."""
+
+    def __init__(self, dp, alone):
+        self.dp, self.alone = dp, alone
+
+    def get_data_parallel_group(self):
+        return self.dp
+
+    def get_data_parallel_world_size(self):
+        return torch.distributed.get_world_size(self.dp)
+
+    def get_data_parallel_rank(self):
+        return torch.distributed.get_rank(self.dp)
+
+    def get_model_parallel_group(self):
+        return self.alone
+
+    def get_model_parallel_world_size(self):
+        return 1
+
+    def get_model_parallel_rank(self):
+        return 0
+
+
+def _zero_groups_worker(rank, world, stage):
+    """4 ranks as 2 replica groups of 2 ({0, 1}, {2, 3}), ZeRO-``stage`` inside each."""
+    import logging
+
+    import torch.distributed as dist
+
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    import zen_ext.deepspeed as zds
+    from recipes.common import build_model
+    from zen_ext.outer.sync import state_bytes_per_param
+
+    dps = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    alone = [dist.new_group([r]) for r in range(world)]
+    engine, *_ = zds.initialize(model=build_model(MODEL, seed=0), config=_cfg(stage),
+                                mpu=_ReplicaMPU(dps[rank // 2], alone[rank]))
+    params, parts = [], []
+    for step in range(1, 8):
+        x = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(100 * step + rank))
+        engine.backward(engine(input_ids=x, labels=x).loss)
+        engine.step()
+        params.append(_flat(engine.module))
+        parts.append(torch.cat([t.detach().clone() for t in engine.optimizer.single_partition_of_fp32_groups]))
+    outer = engine.zen.outer
+    refused = None
+    try:
+        engine.save_checkpoint("/nonexistent", tag="x")
+    except NotImplementedError as exc:
+        refused = str(exc)
+    return {"params": params, "parts": parts, "state": outer.state_bytes(),
+            "formula": state_bytes_per_param(outer.cfg) * sum(b.numel for b in outer.buckets),
+            "part_numel": parts[-1].numel(), "p": params[-1].numel(), "totals": dict(engine.zen.totals),
+            "refused": refused}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_inside_replica_groups(stage):
+    """ZeRO-1/2 confined to each replica group by an mpu: inside a group the weights are equal after every
+    step (ZeRO's all-gather), across the groups apart between outer steps and bitwise equal after each; the
+    outer state is that of the rank's fp32 partition (about P/2 elements); checkpoints refused by name."""
+    run = run_workers(_zero_groups_worker, 4, stage, timeout_s=600)
+    for i in range(7):
+        assert torch.equal(run[0]["params"][i], run[1]["params"][i])
+        assert torch.equal(run[2]["params"][i], run[3]["params"][i])
+        outer_step = (i + 1) % 3 == 0
+        assert torch.equal(run[0]["params"][i], run[2]["params"][i]) == outer_step, i
+        assert torch.equal(run[1]["parts"][i], run[3]["parts"][i]) == outer_step, i
+    for r in run:
+        assert r["state"] == r["formula"] == 12 * r["part_numel"]  # θ_global, e, momentum (fp32)
+        assert r["p"] / 2 <= r["part_numel"] < r["p"] / 2 + 64  # a partition: half the weights, padded
+        assert r["totals"]["outer_steps"] == 2 and 0 < r["totals"]["bytes_sent"]
+        assert r["refused"].startswith(f"zen.outer on DeepSpeed ZeRO-{stage} inside replica groups: save_checkpoint")
 
 
 def test_recipe_runs_with_outer_flags(tmp_path):

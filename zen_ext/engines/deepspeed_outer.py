@@ -1,4 +1,5 @@
-"""zen.outer on DeepSpeed: ZeRO-0 with fp32 weights, each data-parallel rank a replica.
+"""zen.outer on DeepSpeed: ZeRO-0 with fp32 weights, each data-parallel rank a replica; or ZeRO-1/2 with
+fp32 weights partitioned inside replica groups.
 
 Inner steps reduce nothing: the engine's bucket all-reduce (``engine.allreduce_bucket``, the method ZEN's
 own ZeRO-0 adapter replaces, ``deepspeed_engine.py``) is replaced by one that returns the flat bucket
@@ -8,15 +9,26 @@ method, so nothing divides them either). The outer step runs after every ``every
 replacement ran, so a DeepSpeed release that moved the reduction fails loudly instead of silently
 all-reducing every step.
 
+ZeRO-1/2 inside replica groups: ``deepspeed.initialize(..., mpu=...)`` takes the data-parallel group from
+``mpu.get_data_parallel_group()``, and ZeRO partitions the optimizer state and the flat fp32 weights over
+it and reduces the gradients inside it (``stage_1_and_2.py``, ``dp_process_group``); so an ``mpu`` whose
+data-parallel group is the rank's replica group confines ZeRO to it (checked: the replicas train apart).
+The engine's reduction is then left as it is. The outer sync runs across the replica groups on each
+rank's flat fp32 partitions (``single_partition_of_fp32_groups``: the optimizer's master weights, so
+θ_global and e are shard-sized, padding included), over the group of the ranks with the same index in
+every replica group; after each outer step the optimizer copies the partitions into the model's weights
+and all-gathers them inside the replica group (``update_lp_params``, what its own step ends with).
+
 What is refused, before training (``NotImplementedError`` naming what is served):
 
-* ZeRO-1/2/3: their optimizers keep their own flat fp32 partitions of the weights, which restarting every
-  replica from θ_global would have to rewrite too; partitioning inside a replica group (DeepSpeed's
-  ``mpu``) is not built.
-* fp16 / bf16: the optimizer's fp32 master weights would likewise miss the restart.
+* ZeRO-3: its parameters are partitioned too (not built).
+* ZeRO-1/2 whose data-parallel group spans every rank (no ``mpu``): there is a single replica.
+* fp16 / bf16: tested with fp32 weights only (under ZeRO-0 the fp32 master weights would miss the restart).
 * AutoTP, pipeline parallelism, MoE.
 
-Checkpoints: DeepSpeed's ZeRO-0 checkpoint holds rank 0's weights and optimizer state only (it assumes
+Checkpoints (ZeRO-0; under ZeRO-1/2 ``save_checkpoint`` is refused: DeepSpeed names the partition files by
+data-parallel rank and lets data-parallel rank 0 write the model, so the replica groups' files would
+overwrite each other): DeepSpeed's ZeRO-0 checkpoint holds rank 0's weights and optimizer state only (it assumes
 equal replicas), but between outer steps each replica has its own. ``save_checkpoint`` /
 ``load_checkpoint`` therefore also write and read, per rank, ``<dir>/<tag>/zen_ext/outer_rank<r>.pt``:
 the replica's own weights and inner optimizer state, and its ``OuterSync`` state (θ_global, its own
@@ -38,7 +50,8 @@ from .deepspeed_compat import checkpoint_tag, loaded_tag
 
 log = logging.getLogger(__name__)
 
-SERVED = "zen.outer on DeepSpeed supports ZeRO-0 with fp32 weights, each data-parallel rank one replica"
+SERVED = ("zen.outer on DeepSpeed supports ZeRO-0 with fp32 weights, each data-parallel rank one replica, or ZeRO-1/2 "
+          "with fp32 weights inside replica groups (an mpu whose data-parallel group is the rank's replica group)")
 
 
 class OuterDeepSpeed:
@@ -55,34 +68,42 @@ class OuterDeepSpeed:
 
         # Step 1: refuse what a restart from θ_global cannot reach.
         stage = engine.zero_optimization_stage()
-        if stage != 0:
-            raise NotImplementedError(f"{SERVED}; got ZeRO-{stage} (its optimizer keeps flat fp32 partitions of the "
-                                      f"weights that the outer restart would miss; replica groups are not built)")
+        if stage not in (0, 1, 2):
+            raise NotImplementedError(f"{SERVED}; got ZeRO-{stage} (its parameters are partitioned too; not built)")
         if engine.fp16_enabled() or engine.bfloat16_enabled():
             raise NotImplementedError(f"{SERVED}; got {'fp16' if engine.fp16_enabled() else 'bf16'} (the "
                                       f"optimizer's fp32 master weights would miss the outer restart)")
         tp = engine.autotp_size() if hasattr(engine, "autotp_size") else 1
         if (tp or 1) > 1 or getattr(engine, "pipeline_parallelism", False) or getattr(engine, "has_moe_layers", False):
             raise NotImplementedError(f"{SERVED}; not AutoTP, pipeline parallelism or MoE")
-        self.engine, self.cfg = engine, cfg
+        self.engine, self.cfg, self.stage = engine, cfg, stage
         self.rank = dist.get_rank()
         # Step 2: the replicas and the outer sync (broadcasts rank 0's weights, compares the layout).
         group = engine.seq_data_parallel_group
-        self.outer = OuterSync(engine.module.named_parameters(), TorchCommunicator(group, cfg.exchange_impl),
+        if stage == 0:
+            named = engine.module.named_parameters()
+        else:  # the optimizer's flat fp32 partitions, across the ranks holding the same ones
+            named = [(f"fp32_partition{i}", t) for i, t in enumerate(engine.optimizer.single_partition_of_fp32_groups)]
+            group = replicate_group(group, stage)
+        self.outer = OuterSync(named, TorchCommunicator(group, cfg.exchange_impl),
                                cfg.outer, scheme=cfg.build_scheme(), bucket_cap_mb=cfg.bucket_cap_mb)
+        if stage:
+            engine.optimizer.update_lp_params()  # the broadcast start into the weights, inside the replica group
         self.dp_size = dist.get_world_size(group)
         self.totals = {"bytes_sent": 0, "dense_bytes": 0, "outer_steps": 0, "picks": 0, "numel": 0}
         self._calls = self._calls_at_step = 0
         # Step 3: the overrides.
-        self._orig_allreduce_bucket = engine.allreduce_bucket
-        engine.allreduce_bucket = self._local_bucket
+        if stage == 0:  # ZeRO-1/2 reduce inside the replica group: left as they are
+            self._orig_allreduce_bucket = engine.allreduce_bucket
+            engine.allreduce_bucket = self._local_bucket
         self._orig_step = engine.step
         engine.step = self._step
         self._orig_save, self._orig_load = engine.save_checkpoint, engine.load_checkpoint
         engine.save_checkpoint, engine.load_checkpoint = self._save_checkpoint, self._load_checkpoint
         if self.rank == 0:
             o = cfg.outer
-            print(f"zen_ext: zen.outer on DeepSpeed ZeRO-0 ({self.dp_size} replicas): every {o.every} steps, "
+            where = f"ZeRO-{stage} inside groups of {engine.seq_dp_world_size} ranks, " if stage else "ZeRO-0 ("
+            print(f"zen_ext: zen.outer on DeepSpeed {where}{self.dp_size} replicas): every {o.every} steps, "
                   f"density {o.density:g} per {o.chunk}-element chunk, error decay {o.error_decay:g}, outer SGD lr "
                   f"{o.lr:g} momentum {o.momentum:g}{' nesterov' if o.nesterov else ''}, average {o.average}, "
                   f"scheme {cfg.scheme}", flush=True)
@@ -98,7 +119,7 @@ class OuterDeepSpeed:
         boundary = eng.is_gradient_accumulation_boundary()
         out = self._orig_step(*args, **kwargs)
         if boundary:
-            if self._calls == self._calls_at_step:
+            if self.stage == 0 and self._calls == self._calls_at_step:
                 import deepspeed
 
                 raise RuntimeError(f"zen: DeepSpeed {deepspeed.__version__} did not call engine.allreduce_bucket "
@@ -106,6 +127,8 @@ class OuterDeepSpeed:
                                    f"been all-reduced. {SERVED}")
             self._calls_at_step = self._calls
             if self.outer.step_done():
+                if self.stage:  # the partitions into the weights, all-gathered inside the replica group
+                    eng.optimizer.update_lp_params()
                 st = self.outer.pop_stats()
                 for k in ("bytes_sent", "outer_steps", "picks", "numel"):
                     self.totals[k] += st[k]
@@ -139,6 +162,11 @@ class OuterDeepSpeed:
         return os.path.join(root, str(tag), "zen_ext", f"outer_rank{self.rank}.pt")
 
     def _save_checkpoint(self, save_dir, tag=None, *args, **kwargs):
+        if self.stage:
+            raise NotImplementedError(f"zen.outer on DeepSpeed ZeRO-{self.stage} inside replica groups: save_checkpoint is "
+                                      f"not served: DeepSpeed names the partition files by data-parallel rank and lets "
+                                      f"data-parallel rank 0 write the model, so the replica groups would overwrite each "
+                                      f"other's files; ZeRO-0 checkpoints are served")
         tag = checkpoint_tag(self.engine, tag)
         out = self._orig_save(save_dir, tag, *args, **kwargs)
         path = self._path(save_dir, tag)
@@ -148,6 +176,10 @@ class OuterDeepSpeed:
         return out
 
     def _load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        if self.stage:
+            raise NotImplementedError(f"zen.outer on DeepSpeed ZeRO-{self.stage} inside replica groups: load_checkpoint is "
+                                      f"not served (nor save_checkpoint: DeepSpeed's per-data-parallel-rank files "
+                                      f"would collide across the replica groups)")
         load_path, client_state = self._orig_load(load_dir, tag, *args, **kwargs)
         if load_path is None:
             return load_path, client_state
@@ -159,3 +191,33 @@ class OuterDeepSpeed:
         self.outer.load_state_dict(sd["outer"])
         self.totals.update(sd["totals"])
         return load_path, client_state
+
+
+def replicate_group(dp_group, stage: int):
+    """The group of the ranks holding the same ZeRO partitions as this one: index ``j`` of every replica
+    group (the data-parallel groups of all ranks, gathered once; every rank creates every group, in order).
+
+    Raises:
+        NotImplementedError: one data-parallel group spanning every rank, or groups that do not split the
+            world into equal parts.
+    """
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    every = [None] * world
+    dist.all_gather_object(every, list(dist.get_process_group_ranks(dp_group)))
+    groups = sorted({tuple(g) for g in every})
+    if len(groups) < 2:
+        raise NotImplementedError(f"{SERVED}; got ZeRO-{stage} over a data-parallel group of all {world} ranks (one "
+                                  f"replica): pass deepspeed.initialize an mpu whose get_data_parallel_group() is "
+                                  f"the rank's replica group")
+    if len({len(g) for g in groups}) != 1 or sorted(r for g in groups for r in g) != list(range(world)):
+        raise NotImplementedError(f"{SERVED}; the data-parallel groups {groups} must split the {world} ranks into "
+                                  f"equal replica groups")
+    mine = None
+    for j in range(len(groups[0])):
+        ranks = [g[j] for g in groups]
+        pg = dist.new_group(ranks)
+        if dist.get_rank() in ranks:
+            mine = pg
+    return mine

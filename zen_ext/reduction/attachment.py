@@ -43,8 +43,8 @@ class Assembled:
 
 OUTER_REFUSAL = (
     "zen.outer (enabled) is served by torch DDP (zen_ext.engines.ddp_outer.register_outer) and DeepSpeed ZeRO-0 "
-    "with fp32 weights (zen_ext.deepspeed.initialize), and on FSDP2 HSDP by zen_ext.engines.fsdp_outer.register_outer; "
-    "not by the per-step attachments (zen_ext.fsdp.attach, ColossalAI, the DDP hook register_zen_hook): set "
+    "with fp32 weights (zen_ext.deepspeed.initialize; ZeRO-1/2 inside replica groups given by an mpu), and on "
+    "FSDP2 HSDP by zen_ext.engines.fsdp_outer.register_outer; not by the per-step attachments (zen_ext.fsdp.attach, ColossalAI, the DDP hook register_zen_hook): set "
     "zen.outer.enabled false there")
 
 
