@@ -36,7 +36,7 @@ if os.environ.get("ZEN_DISABLE_CPP_OP", "0") != "1":
 
 __all__ = [
     "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
-    "aggregate_push", "aggregate_push_into", "read_aggregate_count", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
+    "aggregate_push", "aggregate_push_into", "read_aggregate_count", "encode_pull", "decode_pull_", "decode_pulls_lowbit_", "has_dgc_select_op", "dgc_accumulate_select_",
     "has_dgc_search_op", "dgc_threshold_search", "has_dgc_gather_kept_op", "dgc_gather_kept", "has_dgc_sample_op", "dgc_sample_keys", "dgc_sort_unkey", "dgc_all_finite",
     "gather_list", "emulate_cuda_layout", "has_dgc_int4_op", "dgc_int4_select", "dgc_int4_requantize_", "dgc_int4_gather",
     "INT4_BLOCK", "force_reference", "catch_up_adamw_", "quantize_blocks", "dequantize_blocks", "has_lowbit_op",
@@ -264,6 +264,19 @@ def decode_pull_(
     """Write server ``part``'s pull message into ``out`` (``numel`` rows) at ``P⁻¹(p·n + part)``: bitmap
     words scanned with popcount/ctz, no bool array, no ``nonzero``; the header is read by the op."""
     _dispatch("decode_pull_", out, _reference.decode_pull_)(out, msg, part, num_parts, keys_R, idx_bytes)
+
+
+def decode_pulls_lowbit_(out: torch.Tensor, msgs: list[torch.Tensor], keys_R: torch.Tensor, idx_bytes: int,
+                         bits: int, block: int, divisor: int) -> None:
+    """``zen.dgc.value_bits``' pull: every owner's low-bit message (``msgs[i]`` from owner ``i``) written into
+    ``out`` (1-D, zeroed by the caller), ``q · scale / divisor`` cast to ``out``'s dtype at ``P⁻¹(p·n + i)``;
+    one op per bucket, the headers read by the op. CPU only: elsewhere its oracle composes the device's
+    ``permute`` and ``dequantize_blocks`` kernels (``_reference_lowbit.decode_pulls_lowbit_``: one host read)."""
+    args = (out, list(msgs), keys_R, int(idx_bytes), int(bits), int(block), int(divisor))
+    if _has_kernel("decode_pulls_lowbit_", out):
+        torch.ops.zen_ext.decode_pulls_lowbit_(*args)
+    else:
+        _reference_lowbit.decode_pulls_lowbit_(*args, permute=permute, dequantize=dequantize_blocks)
 
 
 def zero_(t: torch.Tensor) -> torch.Tensor:
