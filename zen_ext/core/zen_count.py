@@ -38,14 +38,18 @@ CONTRIBUTORS = "contributors"
 
 def sender_counts(pos_by_sender: list[torch.Tensor | None], m: int, device) -> torch.Tensor:
     """Step 2's count: ``pos_by_sender[r]`` the compact positions rank ``r``'s push carried (None or
-    empty: it sent none). Returns fp32 ``[m]``, the distinct senders per position (exact: at most n)."""
-    cnt_M = torch.zeros(m, dtype=torch.float32, device=device)
-    keys = [p.to(torch.int64) + r * m for r, p in enumerate(pos_by_sender) if p is not None and p.numel()]
-    if keys:
-        # A sender's duplicates count once: unique over (sender, position) keys.
-        keys_E = torch.unique(torch.cat(keys))
-        cnt_M.index_add_(0, keys_E.remainder_(m), torch.ones(keys_E.numel(), dtype=cnt_M.dtype, device=device))
-    return cnt_M
+    empty: it sent none). Returns fp32 ``[m]``, the distinct senders per position (exact: at most n).
+
+    A sender's duplicates count once: one bool per (sender, position) (about the bucket's element count
+    in bytes, a quarter of the fp32 bucket), set in one scatter and summed over senders; no host read
+    (a ``unique`` would read its size back) and a constant number of ops whatever the number of ranks."""
+    live = [p for p in pos_by_sender if p is not None and p.numel()]
+    if not live:
+        return torch.zeros(m, dtype=torch.float32, device=device)
+    keys_E = torch.cat([p.to(torch.int64) + r * m for r, p in enumerate(live)])
+    seen = torch.zeros(len(live) * m, dtype=torch.bool, device=device)
+    seen.index_fill_(0, keys_E, True)
+    return seen.view(len(live), m).sum(0, dtype=torch.float32)
 
 
 def aggregate_counted(c, recv: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
