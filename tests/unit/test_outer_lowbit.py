@@ -133,3 +133,26 @@ def test_value_bits_config_errors(section, text):
     with pytest.raises(ValueError) as info:
         ZenConfig.from_dict({"outer": section})
     assert str(info.value).startswith(text)
+
+
+def test_recipe_flag_fills_value_bits(tmp_path):
+    import json
+
+    from recipes.common import ConfigError
+    from recipes.finetune_llm import load_ds_config, parse_args
+
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zen": {"scheme": "zen"}}))
+    args = parse_args(["--deepspeed_config", str(cfg), "--outer_every", "5", "--outer_value_bits", "4",
+                       "--output_dir", str(tmp_path)])
+    assert load_ds_config(args)["zen"]["outer"] == {"enabled": True, "every": 5, "value_bits": 4}
+    bad = parse_args(["--deepspeed_config", str(cfg), "--outer_every", "5", "--outer_value_bits", "2",
+                      "--output_dir", str(tmp_path)])
+    with pytest.raises(ConfigError, match=r"zen.outer.value_bits \(2\) must be one of \[8, 4\] or unset"):
+        load_ds_config(bad)
+
+
+def test_value_bits_with_another_scheme_refused_by_the_config():
+    with pytest.raises(ValueError, match=r"zen.outer.value_bits \(8\) must be unset with zen.scheme \('agsparse'\)"):
+        ZenConfig.from_dict({"scheme": "agsparse", "outer": {"enabled": True, "value_bits": 8}})
+    assert ZenConfig.from_dict({"scheme": "zen", "outer": {"enabled": True, "value_bits": 8}}).outer.value_bits == 8
