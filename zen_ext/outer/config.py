@@ -19,8 +19,9 @@ from .._keys import unknown_keys_message
 
 AVERAGES = ("mean", "contributors")
 STATE_DEVICES = ("cpu", "device")
-DELAYS = (0,)
-"""Supported ``delay`` values. Streaming-DiLoCo's overlap (``delay: 1``) is not built: refused by name."""
+DELAYS = (0, 1)
+"""Supported ``delay`` values: 0 (the outer update applied at once) or 1 (Streaming DiLoCo's overlap: the
+sum of round t runs while round t + 1 trains and is applied at the next outer step, ``outer/sync.py``)."""
 
 _PATH = "zen.outer"
 
@@ -57,8 +58,10 @@ class OuterConfig:
     """Where θ_global, the error feedback and the outer momentum live: ``"cpu"`` (as SparseLoCo keeps
     them) or ``"device"`` (the parameters' device). Default cpu."""
     delay: int = 0
-    """Rounds the outer update is applied late: 0 (applied at once). 1 (Streaming DiLoCo's overlap) is
-    not supported. Default 0."""
+    """Rounds the outer update is applied late: 0 (applied at once, every replica restarts from θ_global)
+    or 1 (Streaming DiLoCo's overlap: the sum of round t runs on a communication thread while round t + 1
+    trains and is merged into each replica at the next outer step; call ``finish()`` at the end of
+    training). Default 0."""
 
     def __post_init__(self) -> None:
         for name in ("enabled", "nesterov"):
@@ -96,12 +99,8 @@ class OuterConfig:
             raise ValueError(f"{_PATH}.average ({self.average!r}) must be one of {list(AVERAGES)}")
         if self.state_device not in STATE_DEVICES:
             raise ValueError(f"{_PATH}.state_device ({self.state_device!r}) must be one of {list(STATE_DEVICES)}")
-        if self.delay == 1:
-            raise NotImplementedError(
-                f"{_PATH}.delay ({self.delay!r}) must be 0: the Streaming-DiLoCo overlap (the outer sync of round "
-                f"t applied during round t+1) is not built; zen.outer serves delay 0 (applied at once)")
         if self.delay not in DELAYS:
-            raise ValueError(f"{_PATH}.delay ({self.delay!r}) must be one of {list(DELAYS)}")
+            raise ValueError(f"{_PATH}.delay ({self.delay!r}) must be 0 or 1")
         for name in ("density", "error_decay", "lr", "momentum"):  # ints accepted in JSON, floats kept
             setattr(self, name, float(getattr(self, name)))
 
