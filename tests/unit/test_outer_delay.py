@@ -277,3 +277,12 @@ def test_finish_is_nothing_at_delay_0():
         outer.close()
         return all(torch.equal(a, p) for a, (_, p) in zip(before, named))
     assert SimWorld(1).run(body) == [True]
+
+
+def test_replicas_disagreeing_on_delay_fail_before_any_group_is_built():
+    overlap = SimWorld(2).communicators()
+
+    def body(comm, cfg):
+        OuterSync(_named(0), comm, cfg, overlap_comm=overlap[comm.rank] if cfg.get("delay") else None)
+    with pytest.raises(RuntimeError, match=r"replicas disagree on the zen.outer config.*'delay': 0"):
+        SimWorld(2).run(body, [SMALL, dict(SMALL, delay=1)])

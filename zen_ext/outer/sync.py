@@ -141,19 +141,18 @@ class OuterSync:
         self._stats = self._empty_stats()
         self.buckets = self._build_buckets(named, bucket_cap_mb)
         self.sum_comm, self._worker = comm, None  # where steps 4-6 run: here (delay 0) or on the thread
+        self._agree(named)  # first: ranks that disagree on delay must fail here, not hang building a group
         if self.cfg.delay:
+            from ..reduction.worker import CommWorker
+
             self.sum_comm = overlap_comm if overlap_comm is not None else private_communicator(comm)
             if self.sum_comm is comm or (self.sum_comm.rank, self.sum_comm.size) != (comm.rank, comm.size):
                 raise ValueError(f"OuterSync overlap_comm (rank {self.sum_comm.rank} of {self.sum_comm.size}) must "
                                  f"be another communicator over the same ranks as comm (rank {comm.rank} of "
                                  f"{comm.size})")
-        self._agree(named)
-        self._start_equal()
-        if self.cfg.delay:
-            from ..reduction.worker import CommWorker
-
             self.scheme.check_agreement(self.sum_comm)
             self._worker = CommWorker(self.sum_comm.device, name="zen-outer")
+        self._start_equal()
 
     # --- construction -------------------------------------------------------------------------------
     def _state_device(self, p: torch.Tensor) -> torch.device:
