@@ -12,7 +12,9 @@ replica on its own shard, for ``--steps`` inner steps (AdamW lr ``--lr``, clip 1
 * ``outer_mean``: the same with ``average: "mean"``;
 * ``diloco_delay1``, ``outer_delay1``: ``diloco`` and ``outer`` with ``delay: 1`` (the sum of round t
   runs while round t + 1 trains and is merged one round late; each replica's communication thread
-  drives a second SimWorld's ranks).
+  drives a second SimWorld's ranks);
+* ``average``, ``average_delay1``: density 1, outer SGD lr 1 without momentum (the replicas' parameters
+  averaged: local SGD), at delay 0 and 1: what the delay costs without DiLoCo's outer momentum.
 
 Every variant syncs every H = ``--every`` steps (``--steps`` a multiple of it), so the eval loss is that of
 θ_global, on the held-out blocks of the second half, every ``--eval_every`` outer steps. At ``delay: 1``
@@ -53,6 +55,8 @@ VARIANTS = {
     "outer_mean": dict(average="mean"),
     "diloco_delay1": dict(density=1, lr=0.7, momentum=0.9, nesterov=True, average="mean", delay=1),
     "outer_delay1": dict(delay=1),
+    "average": dict(density=1, lr=1.0, average="mean"),
+    "average_delay1": dict(density=1, lr=1.0, average="mean", delay=1),
 }
 
 
