@@ -16,6 +16,11 @@ What is refused, before training (``NotImplementedError`` naming what is served)
 * fp16 / bf16: the optimizer's fp32 master weights would likewise miss the restart.
 * AutoTP, pipeline parallelism, MoE.
 
+``zen.outer.delay: 1`` (the sum of round t on a communication thread over a process group of its own while
+round t + 1 trains, ``outer/sync.py``): ``finish()`` applies the last round; ``close()`` calls it, and
+``recipes/finetune_llm.py`` calls it before its final evaluation. A checkpoint holds the round in flight
+(its sum waited for, the merge still due), so resuming stays bitwise.
+
 Checkpoints: DeepSpeed's ZeRO-0 checkpoint holds rank 0's weights and optimizer state only (it assumes
 equal replicas), but between outer steps each replica has its own. ``save_checkpoint`` /
 ``load_checkpoint`` therefore also write and read, per rank, ``<dir>/<tag>/zen_ext/outer_rank<r>.pt``:
@@ -85,7 +90,7 @@ class OuterDeepSpeed:
             print(f"zen_ext: zen.outer on DeepSpeed ZeRO-0 ({self.dp_size} replicas): every {o.every} steps, "
                   f"density {o.density:g} per {o.chunk}-element chunk, error decay {o.error_decay:g}, outer SGD lr "
                   f"{o.lr:g} momentum {o.momentum:g}{' nesterov' if o.nesterov else ''}, average {o.average}, "
-                  f"scheme {cfg.scheme}", flush=True)
+                  f"scheme {cfg.scheme}{', delay 1 (overlapped)' if o.delay else ''}", flush=True)
 
     def _local_bucket(self, bucket, dp_group, dp_world_size=None):
         """The engine's ``allreduce_bucket`` contract (flatten, reduce, return the flat tensor), reducing
@@ -106,13 +111,22 @@ class OuterDeepSpeed:
                                    f"been all-reduced. {SERVED}")
             self._calls_at_step = self._calls
             if self.outer.step_done():
-                st = self.outer.pop_stats()
-                for k in ("bytes_sent", "outer_steps", "picks", "numel"):
-                    self.totals[k] += st[k]
+                self._count()
             n = self.dp_size
             # what a per-step dense ring all-reduce would have sent for this step
             self.totals["dense_bytes"] += 2 * (n - 1) * 4 * sum(b.numel for b in self.outer.buckets) // n
         return out
+
+    def _count(self) -> None:
+        st = self.outer.pop_stats()
+        for k in ("bytes_sent", "outer_steps", "picks", "numel"):
+            self.totals[k] += st[k]
+
+    def finish(self) -> None:
+        """Apply the outer round still in flight (``zen.outer.delay: 1``; nothing at delay 0): call it on every
+        rank at the end of training, before evaluating or saving the final model (``OuterSync.finish``)."""
+        self.outer.finish()
+        self._count()
 
     # --- what the recipes read ------------------------------------------------------------------------------
     def annotate(self, **_) -> None:
@@ -127,10 +141,13 @@ class OuterDeepSpeed:
                 f"{t['picks']:,} of {t['numel']:,} entries picked")
 
     def close(self) -> None:
-        """End of training: rank 0 prints ``summary()`` (``zen.stats.summary``), once."""
+        """End of training: ``finish()``, the communication thread stopped (``delay: 1``), rank 0 prints
+        ``summary()`` (``zen.stats.summary``); once."""
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        self.outer.close()
+        self._count()
         if self.rank == 0 and self.cfg.stats.summary:
             print(self.summary(), flush=True)
 
