@@ -281,18 +281,24 @@ class DGCSparsifier(Sparsifier):
             return LowBitValues(cfg.value_bits, sender_feedback=None, owner_residual=owner)
         pos_K, sent_K = sg.indices, sg.values
 
+        int4 = int4_applies(cfg.residual_dtype, wire)
+        mdt = memory_dtype(wire, cfg.residual_dtype)
+
         def feedback(order_K: torch.Tensor, deq_K: torch.Tensor) -> None:
             idx = pos_K.index_select(0, order_K)
             sent = sent_K.index_select(0, order_K)
-            if int4_applies(cfg.residual_dtype, wire):
+            if int4:
                 lay = self._layout(names, numels, device)
                 int4_add_at(self.state, lay, idx, sent.to(torch.float32) - deq_K)
             else:
-                mdt = memory_dtype(wire, cfg.residual_dtype)
                 R, _ = self.state.flat(names, numels, "residual", mdt, device)
                 R.index_add_(0, idx, sent.to(mdt) - deq_K.to(mdt))
 
-        return LowBitValues(cfg.value_bits, sender_feedback=feedback, owner_residual=owner)
+        def fused() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # the fp32 residual: one buffer
+            return self.state.flat(names, numels, "residual", mdt, device)[0], pos_K, sent_K
+
+        return LowBitValues(cfg.value_bits, sender_feedback=feedback, owner_residual=owner,
+                            sender_residual=fused if not int4 and mdt == torch.float32 else None)
 
     def _compress(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad:
         """Select what ``grads`` send this step and keep the rest in the residuals.
