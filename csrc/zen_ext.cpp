@@ -32,6 +32,10 @@ TORCH_LIBRARY(zen_ext, m) {
       "-> Tensor");
   // Write server part's pulled message into out (numel rows) at the global indices P^-1(p*n + part).
   m.def("decode_pull_(Tensor(a!) out, Tensor msg, int part, int num_parts, Tensor keys, int idx_bytes) -> ()");
+  // zen.dgc.value_bits: every owner's low-bit pull message (msgs[i] from owner i) written into out (1-D, zeroed
+  // by the caller): values q * scale / divisor cast to out's dtype at P^-1(p*n + i). One op per bucket.
+  m.def("decode_pulls_lowbit_(Tensor(a!) out, Tensor[] msgs, Tensor keys, int idx_bytes, int bits, int block, "
+        "int divisor) -> ()");
   // Zero a contiguous tensor with the C library's memset (CPU only): for buffers larger than the cache
   // it writes with streaming stores, without reading the lines first as torch's vectorized fill does.
   m.def("zero_(Tensor(a!) t) -> ()");

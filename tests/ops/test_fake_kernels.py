@@ -91,7 +91,18 @@ def _cases():
         ("quantize_owned_", (torch.randn(10, generator=g), torch.tensor([4, 1, 7]), torch.zeros(10), [2, 3], 4, 128,
                              torch.bfloat16, 3)),
         ("quantize_owned_", (torch.randn(10, generator=g), torch.tensor([4]), None, [1], 8, 128, torch.float32, 1)),
+        ("decode_pulls_lowbit_", (torch.zeros(10, dtype=torch.bfloat16), _lowbit_pulls(), KEYS, 4, 4, 128, 2)),
     ]
+
+
+def _lowbit_pulls():
+    """Two owners' low-bit pull messages over 10 elements: owner 0 COO positions 0 and 4, owner 1 a bitmap."""
+    from zen_ext.core.wire import pack
+
+    codes, scales, _ = torch.ops.zen_ext.quantize_blocks(torch.tensor([1.5, -2.0]), [2], 4, 128)
+    coo = pack(torch.tensor([0, 2], dtype=torch.int64), torch.tensor([0, 4], dtype=torch.int32), scales, codes)
+    bitmap = pack(torch.tensor([1, 2], dtype=torch.int64), torch.tensor([0b10001], dtype=torch.int64), scales, codes)
+    return [coo, bitmap]
 
 
 def _library_ops() -> set[str]:

@@ -1,10 +1,11 @@
 """ZEN's all-reduce with low-bit values (``zen.dgc.value_bits``): ``ZenScheme._sync_group`` runs the
 gradients that carry ``SparseGrad.lowbit`` here. Design, formats and why: ``core/lowbit.py``.
 
-Host reads per group: the partition counts (as ZEN without value_bits), the owners' carried counts, and
-the pulled headers; none per peer (positions come from ``nonzero_static`` with counts already read). Ops per gradient are constant in the number of tensors; the push's
-payloads and the pull's parsing are views per peer (no kernel), and the bitmap of each pulled message
-is unpacked on its own (as ``decode_pull_`` runs per message).
+Host reads per group: the partition counts (as ZEN without value_bits) and the owners' carried counts;
+none per peer (positions come from ``nonzero_static`` with counts already read; the pull's headers are
+read by ``ops.decode_pulls_lowbit_``, once for all owners where it has no kernel). Ops per gradient are
+constant in the number of tensors; the push's payloads are views per peer (no kernel), and one op decodes
+every pulled message.
 """
 
 from __future__ import annotations
@@ -33,8 +34,8 @@ def sync_group_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: str,
     4. Owner: the carried positions (touched ones, or all when dense is cheapest), plus the owner
        residual there, quantized, and the new owner residual (the sum minus what every rank will
        apply), in one op (``quantize_owned``); pull ``[format, count | index part | scales | codes]``.
-    5. Every rank: one host read of the pulled headers, every message's positions mapped to indices,
-       one dequantize for all of them, one scatter into the result (mean's division before the cast).
+    5. Every rank: one op writes every owner's message into the result (``ops.decode_pulls_lowbit_``:
+       positions to indices, dequantize, mean's division before the cast, scatter; headers read by the op).
     """
     n = comm.size
     push_aggregate_lowbit(scheme, comm, calls, op)
@@ -63,36 +64,16 @@ def sync_group_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: str,
         pulls.append((c, fmt, comm.all_gather_v(msg)))
         c.timer.stop()
 
-    # Step 5: decode every owner's message into the result.
+    # Step 5: every owner's message decoded into the result by one op (it reads the headers itself; the
+    # oracle's one host read of them on devices without the kernel).
     results = []
     for (c, fmt, pulled), out, timing in zip(pulls, outs, timings):
         c.timer.start("decode_s")
         lb = c.sg.lowbit
-        heads = torch.stack([view_as(m, 0, 2, torch.int64) for m in pulled]).tolist()
-        idx, sc, cd, ends = [], [], [], []
-        for i, (msg, (f, k)) in enumerate(zip(pulled, heads)):
-            m_i = c.part.part_size(i)
-            at = 16
-            if f == FMT_BITMAP:
-                nw = (m_i + 63) // 64
-                p = torch.nonzero_static(words_to_mask(view_as(msg, at, nw, torch.int64), m_i), size=k).flatten()
-                at += 8 * nw
-            elif f == FMT_COO:
-                p = view_as(msg, at, k, c.idt).to(torch.int64)
-                at += k * c.isz
-            else:
-                p = torch.arange(m_i, device=c.device)
-            nb = (k + lb.block - 1) // lb.block
-            idx.append(c.part.indices_of(i, p))
-            sc.append(view_as(msg, at, nb, torch.float32))
-            cd.append(msg[at + 4 * nb: at + value_bytes(k, lb.bits, lb.block)])
-            ends.append((ends[-1] if ends else 0) + k)
-        vals = ops.dequantize_blocks(torch.cat(cd), torch.cat(sc), ends, lb.bits, lb.block)
-        if op == "mean":
-            vals = vals / n
         res = out if out is not None else torch.empty(c.sg.numel, dtype=c.dtype, device=c.device)
-        res.zero_()
-        res.index_copy_(0, torch.cat(idx), vals.to(c.dtype))
+        ops.zero_(res)
+        ops.decode_pulls_lowbit_(res, pulled, c.part.keys_on(c.device), c.isz, lb.bits, lb.block,
+                                 n if op == "mean" else 1)
         c.timer.write_into(timing)
         if timing is not None:
             timing["pull_format"] = FMT_NAMES[fmt]

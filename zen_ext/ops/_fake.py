@@ -51,6 +51,11 @@ def _decode_pull(out, msg, part, num_parts, keys, idx_bytes):
     return None
 
 
+@_register("zen_ext::decode_pulls_lowbit_")
+def _decode_pulls_lowbit(out, msgs, keys, idx_bytes, bits, block, divisor):
+    return None
+
+
 @_register("zen_ext::zero_")
 def _zero(t):
     return None

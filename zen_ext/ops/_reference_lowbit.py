@@ -204,3 +204,52 @@ def quantize_owned_(acc: torch.Tensor, pos: torch.Tensor, residual: torch.Tensor
         new = S - applied(deq, applied_dtype, divisor)
         residual.index_copy_(0, p, torch.where(torch.isfinite(new), new, residual.index_select(0, p)))
     return codes, scales
+
+
+def decode_pulls_lowbit_(out: torch.Tensor, msgs: list[torch.Tensor], keys_R: torch.Tensor, idx_bytes: int,
+                         bits: int, block: int, divisor: int, *, permute=None, dequantize=None) -> None:
+    """Every owner's low-bit pull message written into ``out`` (1-D, ``numel``; zeroed by the caller).
+
+    ``msgs[i]`` is owner ``i``'s message of ``n = len(msgs)``: ``[format, count | index part | scales |
+    codes]`` (``core/lowbit.py``; index part as ``decode_pull_``'s: COO positions, hash bitmap, or none when
+    dense, then ``count`` is the partition's size). Its values ``q · scale / divisor`` (fp32), cast to
+    ``out``'s dtype, land at ``P⁻¹(p·n + i)`` of their positions ``p``. One host read of the headers.
+    ``permute`` / ``dequantize``: the pure-torch ones by default (the oracle); ``ops`` passes its
+    dispatching ones where the fused op has no kernel (CUDA), so the pieces run as kernels there.
+    """
+    from . import _reference as R
+
+    permute = permute or R.permute
+    dequantize = dequantize or dequantize_blocks
+    n, numel = len(msgs), out.shape[0]
+    present = [i for i, m in enumerate(msgs) if m.numel()]
+    if not present:
+        return
+    heads = torch.stack([R._bytes_as(msgs[i], 0, 2, torch.int64) for i in present]).tolist()
+    idx, codes, scales, ends = [], [], [], [0]
+    for i, (f, k) in zip(present, heads):
+        msg, m_i, at = msgs[i], R.part_size(numel, i, n), R.HEADER_BYTES
+        if f == R.FMT_BITMAP:
+            nw = R.num_words(m_i)
+            p = torch.nonzero_static(R.words_to_mask(R._bytes_as(msg, at, nw, torch.int64), m_i), size=k).flatten()
+            at += 8 * nw
+        elif f == R.FMT_COO:
+            p = R._bytes_as(msg, at, k, torch.int32 if idx_bytes == 4 else torch.int64).to(torch.int64)
+            at += k * idx_bytes
+        elif f == R.FMT_DENSE and k == m_i:
+            p = torch.arange(m_i, device=out.device)
+        else:
+            raise ValueError(f"decode_pulls_lowbit_: bad format {f} with count {k} of a partition of {m_i}")
+        nb = (k + block - 1) // block
+        nc = (k * bits + 7) // 8
+        if msg.numel() != at + 4 * nb + nc:
+            raise ValueError(f"decode_pulls_lowbit_: message {i} of {msg.numel()} bytes does not match format {f} "
+                             f"with count {k}")
+        idx.append(permute(p * n + i, numel, keys_R, inverse=True))
+        scales.append(R._bytes_as(msg, at, nb, torch.float32))
+        codes.append(msg[at + 4 * nb:])
+        ends.append(ends[-1] + k)
+    vals = dequantize(torch.cat(codes), torch.cat(scales), ends[1:], bits, block)
+    if divisor != 1:
+        vals = vals / divisor
+    out.index_copy_(0, torch.cat(idx), vals.to(out.dtype))
