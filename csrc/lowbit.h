@@ -1,6 +1,7 @@
-// Low-bit value blocks (zen.dgc.value_bits): the argument checks and the segment layout shared by the CPU
-// op (csrc/cpu/lowbit.cpp) and the CUDA op (csrc/cuda/lowbit.cu); the arithmetic, host and device alike.
-// Format and rules: zen_ext/ops/_reference_lowbit.py (the oracle both equal bit for bit).
+// Low-bit value blocks (zen.dgc.value_bits): the argument checks, the segment layout and the arithmetic shared
+// by the CPU ops (csrc/cpu/lowbit.cpp, csrc/cpu/lowbit_fused.cpp: quantize_host is their block loop) and the
+// CUDA ops (csrc/cuda/lowbit.cu, csrc/cuda/lowbit_fused.cu, through csrc/cuda/lowbit.cuh), host and device
+// alike. Format and rules: zen_ext/ops/_reference_lowbit.py (the oracle they equal bit for bit).
 #pragma once
 #include <ATen/core/Tensor.h>
 
