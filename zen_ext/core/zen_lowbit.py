@@ -16,8 +16,8 @@ import torch
 
 from .. import ops
 from ..comm.base import Communicator
-from ..ops._reference import mask_to_words, words_to_mask
-from .lowbit import cheapest_format, push_count, segment_layout, value_bytes
+from ..ops._reference import mask_to_words
+from .lowbit import cheapest_format, push_count, segment_layout
 from .wire import pack, view_as
 from .zen_wire import FMT_BITMAP, FMT_COO, FMT_DENSE, FMT_NAMES, ZenCall
 
