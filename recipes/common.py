@@ -246,9 +246,11 @@ def add_outer_args(p) -> None:
                             ("average", str, "'contributors' or 'mean'"), ("state_device", str, "'cpu' or 'device'")):
         p.add_argument(f"--outer_{name}", type=typ, default=None, help=f"zen.outer.{name}: {what}")
     p.add_argument("--outer_nesterov", action=argparse.BooleanOptionalAction, default=None, help="zen.outer.nesterov")
+    p.add_argument("--outer_value_bits", type=int, default=None, help="zen.outer.value_bits: 8 or 4 (ZEN schemes)")
 
 
-OUTER_FLAGS = ("every", "density", "error_decay", "chunk", "lr", "momentum", "average", "state_device", "nesterov")
+OUTER_FLAGS = ("every", "density", "error_decay", "chunk", "lr", "momentum", "average", "state_device", "nesterov",
+               "value_bits")
 
 
 def apply_outer_args(args, config: dict) -> None:

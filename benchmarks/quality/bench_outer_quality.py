@@ -9,7 +9,9 @@ replica on its own shard, for ``--steps`` inner steps (AdamW lr ``--lr``, clip 1
 * ``diloco``: zen.outer with density 1, outer SGD lr 0.7, momentum 0.9, Nesterov (DiLoCo / torchft);
 * ``outer``: zen.outer with SparseLoCo's defaults (top-64 of 4,096, β 0.95, contributors, lr 1, no
   momentum), summed by ZEN;
-* ``outer_mean``: the same with ``average: "mean"``.
+* ``outer_mean``: the same with ``average: "mean"``;
+* ``outer_8bit``, ``outer_4bit``: ``outer`` with ``value_bits`` 8 or 4 (the picks block-quantized, what
+  quantization loses kept in the error feedback).
 
 Every variant syncs every H = ``--every`` steps (``--steps`` a multiple of it), so the eval loss is that of
 θ_global, on the held-out blocks of the second half, every ``--eval_every`` outer steps. Reported per
@@ -43,6 +45,8 @@ VARIANTS = {
     "diloco": dict(density=1, lr=0.7, momentum=0.9, nesterov=True, average="mean"),
     "outer": dict(),
     "outer_mean": dict(average="mean"),
+    "outer_8bit": dict(value_bits=8),
+    "outer_4bit": dict(value_bits=4),
 }
 
 
@@ -150,7 +154,9 @@ def main() -> None:
     lines = ["# zen.outer: eval loss at equal inner steps (fine-tuning, 2 replicas)", "",
              f"Command: `nice -n 10 python benchmarks/quality/bench_outer_quality.py --seeds "
              f"{' '.join(map(str, args.seeds))} --steps {args.steps} --every {args.every} --pretrain_steps "
-             f"{args.pretrain_steps} --out {args.out}`", "",
+             f"{args.pretrain_steps}"
+             f"{'' if args.variants == list(VARIANTS) else ' --variants ' + ' '.join(args.variants)} --out {args.out}`",
+             "",
              f"Demo Llama ({os.path.basename(args.model)}), pretrained densely {args.pretrain_steps} steps on the first "
              f"half of the pydoc text, fine-tuned {args.steps} inner steps on the second half by {R} replicas, each on "
              f"its own shard (micro-batch {args.micro_batch} × seq {args.seq_len}, AdamW lr {args.lr}, betas (0.9, 0.95), "

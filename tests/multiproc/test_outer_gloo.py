@@ -1,5 +1,5 @@
-"""zen.outer on real gloo processes (3 and 4 ranks): the outer sum of the picks equals a dense
-all-reduce of them exactly (integer values), replicas are bitwise equal after each outer step and apart
+"""zen.outer on real gloo processes (3 and 4 ranks): the outer average of the picks equals a dense
+all-reduce of them, averaged, exactly (integer values; contributors counted at ZEN's owners), replicas are bitwise equal after each outer step and apart
 in between, and under DDP the inner steps reduce nothing (gradients are each replica's own)."""
 
 from __future__ import annotations
@@ -42,7 +42,10 @@ def _lossless(rank, world, scheme, average):
         ones = torch.zeros(numel).index_add_(0, idx, torch.ones_like(val))
         dist.all_reduce(dense)
         dist.all_reduce(ones)
-        ok.append(torch.equal(got, dense) and (count is None or torch.equal(count, ones)))
+        # the average, exact on integer picks: per index over its senders (at ZEN's owners), or over R
+        expect = dense / ones.clamp(min=1) if average == "contributors" else dense / world
+        union = (expect.ne(0) if outer.form == "counted" else ones.gt(0)).sum()
+        ok.append(torch.equal(got, expect) and (count is None or int(count) == int(union)))
     return ok, len(outer.buckets)
 
 
@@ -133,3 +136,61 @@ def test_ddp_refuses_per_step_collectives():
     assert msgs[0].startswith("DistributedDataParallel broadcast_buffers (True) must be False with zen.outer")
     assert msgs[1].startswith("DistributedDataParallel find_unused_parameters (True) must be False with zen.outer")
     assert msgs[2].startswith("zen.outer.enabled (False) must be true")
+
+
+def _counted_adversarial(rank, world):
+    """op="contributors" on gloo: rank 1 sends nothing, index 0 and the last from some ranks, one index
+    from every rank, a duplicate within a rank; returns the result and every rank's input."""
+    from zen_ext.comm.torch_dist import TorchCommunicator
+    from zen_ext.core.registry import build_scheme
+    from zen_ext.core.types import SparseGrad
+
+    numel = 61
+    g = torch.Generator().manual_seed(rank)
+    if rank == 1:
+        idx = torch.empty(0, dtype=torch.int64)
+    else:
+        idx = torch.cat([torch.tensor([0, numel - 1, 30, 30][rank % 2:], dtype=torch.int64),
+                         torch.randint(1, numel - 1, (9,), generator=g)])
+    vals = torch.randint(-5, 6, (idx.numel(),), generator=g).float()
+    out = build_scheme("zen").sync(TorchCommunicator(), SparseGrad(idx, vals, numel), "contributors")
+    return out, idx, vals
+
+
+@pytest.mark.parametrize("world", [3, 4])
+def test_contributors_counted_at_owners_on_gloo(world):
+    out = run_workers(_counted_adversarial, world)
+    total, count = torch.zeros(61), torch.zeros(61)
+    for _, idx, vals in out:
+        total.index_add_(0, idx, vals)
+        count[idx.unique()] += 1
+    expect = total / count.clamp(min=1)
+    assert all(torch.equal(res, expect) for res, _, _ in out)
+
+
+def _lowbit_replicas(rank, world, bits):
+    from zen_ext.comm.torch_dist import TorchCommunicator
+    from zen_ext.outer import OuterSync
+
+    g = torch.Generator().manual_seed(0)
+    named = [(f"p{i}", torch.nn.Parameter(torch.randn(s, generator=g))) for i, s in enumerate([(70,), (3, 50), (1,)])]
+    cfg = dict(enabled=True, every=1, density=3 / 32, chunk=32, value_bits=bits, momentum=0.9, nesterov=True, lr=0.7)
+    outer = OuterSync(named, TorchCommunicator(), cfg, scheme="zen", bucket_cap_mb=2e-4)
+    after = []
+    for step in range(1, 4):
+        gr = torch.Generator().manual_seed(10 * step + rank)
+        with torch.no_grad():
+            for _, p in named:
+                p.add_(torch.randn(p.shape, generator=gr) * 0.1)
+        outer.maybe_step(step)
+        after.append(torch.cat([p.detach().reshape(-1).clone() for _, p in named]))
+    return after, outer.form
+
+
+@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_low_bit_outer_replicas_bitwise_equal_on_gloo(world, bits):
+    out = run_workers(_lowbit_replicas, world, bits)
+    assert all(form == "counted" for _, form in out)
+    for step in range(3):
+        assert all(torch.equal(after[step], out[0][0][step]) for after, _ in out[1:])

@@ -19,6 +19,7 @@ from ..comm.base import Communicator
 from ..ops._reference import mask_to_words
 from .lowbit import cheapest_format, push_count, segment_layout
 from .wire import pack, view_as
+from .zen_count import CONTRIBUTORS, divide_by_senders_, sender_counts
 from .zen_wire import FMT_BITMAP, FMT_COO, FMT_DENSE, FMT_NAMES, ZenCall
 
 
@@ -36,8 +37,14 @@ def sync_group_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: str,
        apply), in one op (``quantize_owned``); pull ``[format, count | index part | scales | codes]``.
     5. Every rank: one op writes every owner's message into the result (``ops.decode_pulls_lowbit_``:
        positions to indices, dequantize, mean's division before the cast, scatter; headers read by the op).
+    With ``op="contributors"`` the owner divides each position's sum by its senders at the end of step 3
+    (``core/zen_count.py``), so step 4 quantizes the averages.
     """
     n = comm.size
+    if op == CONTRIBUTORS and any(c.sg.lowbit.owner_residual is not None for c in calls):
+        raise ValueError("zen: op 'contributors' with low-bit values takes no owner residual (LowBitValues."
+                         "owner_residual must be None): the residual of an average over a varying number of "
+                         "senders has no meaning in the next step's sum")
     push_aggregate_lowbit(scheme, comm, calls, op)
     carried = torch.cat([c.count_1 for c in calls]).tolist()
 
@@ -141,6 +148,8 @@ def push_aggregate_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: 
         if pos:  # dequantize, sum in sender order, mark: one op
             ops.dequantize_add_blocks_(c.acc, c.touched, torch.cat(pos), torch.cat(cd), torch.cat(sc), ends, lb.bits,
                                        lb.block)
+        if op == CONTRIBUTORS:  # each position divided by its senders before the pull quantizes it
+            divide_by_senders_(c.acc, sender_counts(pos, c.m, c.device))
         c.count_1 = c.touched.sum().reshape(1)
         del c.recv
         c.timer.stop()

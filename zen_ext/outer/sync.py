@@ -9,9 +9,10 @@ inner step, per bucket of the flat parameter vector (``zen.bucket_cap_mb``):
    ``e`` (``outer/select.py``). Density 1: ``Δ`` itself, no ``e``.
 3. Sum across replicas: the picks as a ``SparseGrad`` through the scheme (``scheme.sync_group``, the call the
    Synchronizer makes per bucket), or a dense all-reduce at density 1. With ``average: "contributors"``
-   each pick travels as a row ``(value, 1)`` (row form, one index for both), so the sum also counts,
-   per index, the replicas that sent it; the sum stays a lossless sum of what was sent.
-4. Average: ``/R`` (``"mean"``) or ``/count`` where ``count > 0`` (``"contributors"``).
+   ZEN's owners count the replicas that sent each index (``op="contributors"``); other schemes get each
+   pick as a row ``(value, 1)``, so the sum also counts them. With ``value_bits`` the picks travel in 8
+   or 4 bits and what quantization loses stays in ``e`` (``outer/average.py``).
+4. Average: ``/R`` (``"mean"``) or ``/count`` where ``count > 0`` (``"contributors"``; at ZEN's owners).
 5. Outer SGD on θ_global (torch.optim.SGD's formula: ``buf ← μ·buf + g``; Nesterov ``g + μ·buf``).
 6. Every replica restarts from θ_global (copied into its parameters).
 
@@ -24,7 +25,7 @@ Bytes each replica sends per bucket and outer step: the scheme's for K = ``picks
 density 1 a ring all-reduce's ``2·(R−1)/R·N·4``. State per parameter on ``state_device``: 4 B θ_global,
 +4 B error feedback (density < 1), +4 B momentum (momentum > 0); ``state_bytes()`` measures it.
 
-Legend: ``_N`` elements of a bucket, ``_K`` picks, ``_K2`` picks as (value, 1) rows.
+Legend: ``_N`` elements of a bucket, ``_K`` picks.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ import torch
 from ..comm.base import Communicator
 from ..core.registry import build_scheme
 from ..core.scheme import SyncScheme
-from ..core.types import SparseGrad
+from .average import plan, sum_average
 from .config import OuterConfig
 from .select import picks_per_bucket, select_
 
@@ -102,6 +103,7 @@ class OuterSync:
         if not self.scheme.lossless:
             raise ValueError(f"zen.scheme ({self.scheme.name!r}) must be a lossless scheme with zen.outer (the "
                              f"outer sum must equal a dense sum of the picks): e.g. zen, agsparse, sparcml, auto")
+        self.form = plan(self.cfg, self.scheme)  # how the picks travel and are averaged (outer/average.py)
         named = [(n, p) for n, p in named_params if p.requires_grad]
         if not named:
             raise ValueError("OuterSync named_params must hold at least one parameter that requires grad")
@@ -196,12 +198,9 @@ class OuterSync:
             else:
                 b.err_N.mul_(self.cfg.error_decay).add_(delta_N)
                 idx_K, val_K = select_(b.err_N, self.cfg)
-                avg_N, count_N = self._sparse_sum(i, b, idx_K, val_K)
-                if count_N is not None:
-                    union.append(count_N.gt(0).sum())
-                    avg_N.div_(count_N.clamp(min=1))
-                else:
-                    avg_N.div_(self.comm.size)
+                avg_N, union_1 = self._sparse_sum(i, b, idx_K, val_K)
+                if union_1 is not None:
+                    union.append(union_1)
             st["picks"] += b.picks
             st["numel"] += b.numel
             # Step 5: outer SGD on θ_global (torch.optim.SGD's single-tensor formula, dampening 0).
@@ -228,22 +227,14 @@ class OuterSync:
         return buf.to(delta_N.device)
 
     def _sparse_sum(self, i: int, b: _Bucket, idx_K: torch.Tensor, val_K: torch.Tensor):
-        """The picks of every replica summed by the scheme; with ``"contributors"`` also the count per index.
+        """The picks of every replica summed by the scheme and averaged (``outer/average.py``).
 
         Returns:
-            ``(sum_N, count_N or None)`` on the state device.
+            ``(avg_N, union_1 or None)``, ``avg_N`` on the state device.
         """
-        dev, home = self.comm.device, b.theta_N.device
-        contributors = self.cfg.average == "contributors"
-        vals = torch.stack([val_K, torch.ones_like(val_K)], dim=1) if contributors else val_K
-        grad = SparseGrad(idx_K.to(dev), vals.to(dev), b.numel, in_range=True)
-        with self.comm.slot(("outer", i)):
-            (res,) = self.scheme.sync_group(self.comm, [grad], "sum", keys=[f"outer/{i}"])
-        res = res.to(home)
-        if not contributors:
-            return res, None
-        res_N2 = res.view(b.numel, 2)
-        return res_N2[:, 0].clone(), res_N2[:, 1]
+        avg, union_1 = sum_average(self.comm, self.scheme, self.form, str(i), b.numel, idx_K, val_K, b.err_N,
+                                   self.cfg.value_bits)
+        return avg.to(b.theta_N.device), union_1
 
     def _restart_from(self, b: _Bucket) -> None:
         """Copy θ_global into the bucket's parameters (one copy to their device, one fused copy into them)."""
@@ -263,7 +254,7 @@ class OuterSync:
     def pop_stats(self) -> dict:
         """Totals since the last call, then reset: ``outer_steps``; ``bytes_sent``/``bytes_recv`` over the
         replicas (this rank); ``picks``: entries this replica sent; ``union``: indices at least one replica
-        sent (``"contributors"`` only, else 0); ``numel``: elements synchronized; ``outer_s``: seconds."""
+        sent (``"contributors"`` only, else 0; counted at ZEN's owners: the non-zero averages); ``numel``: elements synchronized; ``outer_s``: seconds."""
         st, self._stats = self._stats, self._empty_stats()
         return st
 
