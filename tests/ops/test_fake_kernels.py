@@ -83,6 +83,14 @@ def _cases():
         ("quantize_blocks", (torch.randn(300, generator=g), [0, 7, 300], 4, 128)),
         ("quantize_blocks", (torch.randn(9, generator=g).half(), [9], 8, 128)),
         ("dequantize_blocks", (torch.zeros(151, dtype=torch.uint8), torch.ones(4), [0, 7, 300], 4, 128)),
+        ("quantize_sent_", (torch.randn(10, generator=g).bfloat16(), torch.tensor([9, 0, 3]), torch.zeros(40),
+                            torch.arange(10) * 4, [1, 3], 4, 128)),
+        ("quantize_sent_", (torch.randn(10, generator=g), torch.tensor([2, 5]), None, None, [2], 8, 128)),
+        ("dequantize_add_blocks_", (torch.zeros(10), torch.zeros(10, dtype=torch.bool), torch.tensor([3, 0, 3]),
+                                    torch.zeros(2, dtype=torch.uint8), torch.ones(2), [1, 3], 4, 128)),
+        ("quantize_owned_", (torch.randn(10, generator=g), torch.tensor([4, 1, 7]), torch.zeros(10), [2, 3], 4, 128,
+                             torch.bfloat16, 3)),
+        ("quantize_owned_", (torch.randn(10, generator=g), torch.tensor([4]), None, [1], 8, 128, torch.float32, 1)),
         ("decode_pulls_lowbit_", (torch.zeros(10, dtype=torch.bfloat16), _lowbit_pulls(), KEYS, 4, 4, 128, 2)),
     ]
 
