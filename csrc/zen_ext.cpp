@@ -32,6 +32,10 @@ TORCH_LIBRARY(zen_ext, m) {
       "-> Tensor");
   // Write server part's pulled message into out (numel rows) at the global indices P^-1(p*n + part).
   m.def("decode_pull_(Tensor(a!) out, Tensor msg, int part, int num_parts, Tensor keys, int idx_bytes) -> ()");
+  // zen.dgc.value_bits: every owner's low-bit pull message (msgs[i] from owner i) written into out (1-D, zeroed
+  // by the caller): values q * scale / divisor cast to out's dtype at P^-1(p*n + i). One op per bucket.
+  m.def("decode_pulls_lowbit_(Tensor(a!) out, Tensor[] msgs, Tensor keys, int idx_bytes, int bits, int block, "
+        "int divisor) -> ()");
   // Zero a contiguous tensor with the C library's memset (CPU only): for buffers larger than the cache
   // it writes with streaming stores, without reading the lines first as torch's vectorized fill does.
   m.def("zero_(Tensor(a!) t) -> ()");
@@ -92,6 +96,18 @@ TORCH_LIBRARY(zen_ext, m) {
   m.def("quantize_blocks(Tensor values, int[] seg_ends, int bits, int block) -> (Tensor, Tensor, Tensor)");
   // quantize_blocks' inverse: the float32 values q * scale.
   m.def("dequantize_blocks(Tensor codes, Tensor scales, int[] seg_ends, int bits, int block) -> Tensor");
+  // The fused forms (one pass each; oracle zen_ext/ops/_reference_lowbit.py). The sender's: quantize_blocks of
+  // values[order], and with residual (float32) residual[res_pos[order]] += x - x̂ (its error feedback);
+  // returns what quantize_blocks does.
+  m.def("quantize_sent_(Tensor values, Tensor order, Tensor(a!)? residual, Tensor? res_pos, int[] seg_ends, int bits, "
+        "int block) -> (Tensor, Tensor, Tensor)");
+  // The owner's aggregation: acc[pos[i]] += x̂_i in the order of i (float32), touched[pos[i]] = true.
+  m.def("dequantize_add_blocks_(Tensor(a!) acc, Tensor(b!) touched, Tensor pos, Tensor codes, Tensor scales, "
+        "int[] seg_ends, int bits, int block) -> ()");
+  // The owner's pull: (codes, scales) of s = acc[pos] (+ residual[pos]); residual[pos] = s - applied(x̂) where
+  // finite, applied(x̂) = x̂ / divisor cast to applied_dtype and back, times divisor. pos unique.
+  m.def("quantize_owned_(Tensor acc, Tensor pos, Tensor(a!)? residual, int[] seg_ends, int bits, int block, "
+        "ScalarType applied_dtype, int divisor) -> (Tensor, Tensor)");
   // Values of the concatenation of g_T at int64 positions pos, without the concatenation.
   m.def("gather_list(Tensor[] g_T, Tensor pos) -> Tensor");
 }

@@ -243,12 +243,15 @@ def add_outer_args(p) -> None:
     for name, typ, what in (("density", float, "fraction of each chunk sent (1: dense DiLoCo)"),
                             ("error_decay", float, "error feedback decay β"), ("chunk", int, "elements per top-k chunk"),
                             ("lr", float, "outer SGD learning rate"), ("momentum", float, "outer SGD momentum"),
-                            ("average", str, "'contributors' or 'mean'"), ("state_device", str, "'cpu' or 'device'")):
+                            ("average", str, "'contributors' or 'mean'"), ("state_device", str, "'cpu' or 'device'"),
+                            ("delay", int, "1: overlap the outer sum with the next round's inner steps")):
         p.add_argument(f"--outer_{name}", type=typ, default=None, help=f"zen.outer.{name}: {what}")
     p.add_argument("--outer_nesterov", action=argparse.BooleanOptionalAction, default=None, help="zen.outer.nesterov")
+    p.add_argument("--outer_value_bits", type=int, default=None, help="zen.outer.value_bits: 8 or 4 (ZEN schemes)")
 
 
-OUTER_FLAGS = ("every", "density", "error_decay", "chunk", "lr", "momentum", "average", "state_device", "nesterov")
+OUTER_FLAGS = ("every", "density", "error_decay", "chunk", "lr", "momentum", "average", "state_device", "nesterov",
+               "value_bits", "delay")
 
 
 def apply_outer_args(args, config: dict) -> None:

@@ -226,6 +226,8 @@ def main(argv=None) -> list[dict]:
             engine.backward(loss)
             engine.step()
         step_s = time.perf_counter() - t0  # the step alone: evaluation and checkpoints come after
+        if step == args.steps and zen is not None and hasattr(zen, "finish"):
+            zen.finish()  # zen.outer.delay 1: the last round's sum is applied before the final eval and save
         rec = {"step": step, "loss": common.all_reduce_mean(loss_sum / accum, dp_group), "step_s": step_s,
                "tokens_per_s": accum * micro * args.seq_len * dp_size / step_s}
         if zen is not None:

@@ -453,6 +453,11 @@ def _rules_zen(c: ZenConfig, p: str) -> None:
 
         if not scheme_class(c.scheme).lossless:  # the outer sum must equal a dense sum of the picks
             raise _range_error(f"{p}.scheme", c.scheme, "be a lossless scheme when zen.outer is enabled")
+        cls = scheme_class(c.scheme)
+        if c.outer.value_bits is not None and not (cls.carries_low_bits and (
+                cls.counts_contributors or c.outer.average == "mean")):  # the same rule as outer/average.plan
+            raise _range_error(f"{p}.outer.value_bits", c.outer.value_bits, f"be unset with zen.scheme ({c.scheme!r}): "
+                               f"only ZEN schemes carry the outer picks in low bits (zen, zen_coo)")
     # Every registered kind's section, in the registry's order: an absent one is its defaults, and one
     # built in code (a dict) becomes its config class.
     given = dict(c.sparsifier_sections)

@@ -49,6 +49,11 @@ if TYPE_CHECKING:
     from zen_ext.analysis.traces import TraceStep
 
 SCHEMES = ("dense", "agsparse", "sparcml", "omnireduce", "sparse_ps", "zen", "zen_coo")
+#: ZEN with ``zen.dgc.value_bits`` (``core/lowbit.py``): the recorded values quantized in the push and the
+#: owners' sums in the pull, with the owner residual kept per slice across repeats, as training keeps it
+#: (the sender's feedback goes to DGC, which a replay has not: values alone are timed). Lossy by design:
+#: the warm-up check reports its error against dense instead of zero.
+LOW_BIT = {"zen_v8": 8, "zen_v4": 4}
 #: Measured too: the planner, calibrated in the lab (link probe, compute micro-benchmark) and profiled
 #: on the warm-up round (``profile_steps`` 1), then refined by every timed sync as in training.
 AUTO = "auto"
@@ -130,11 +135,13 @@ def _predictions(step, n: int, schemes: list[str], net, first_call: bool = False
     from zen_ext.planner.network import modeled_time_s
     from zen_ext.planner.profile import profile_from_grads
 
-    out = {s: dict(predicted_s=0.0, predicted_max_sent=0) for s in schemes if s in cm.modeled_schemes()}
+    out = {s: dict(predicted_s=0.0, predicted_max_sent=0) for s in schemes
+           if s in cm.modeled_schemes() or s in LOW_BIT}
     for grads in step.slices.values():
         prof = profile_from_grads(grads[:n])
         for s in out:
-            stats = cm.predict_stats(s, prof, first_call=first_call)
+            stats = (cm.predict_stats("zen", prof, {"value_bits": LOW_BIT[s]}, first_call=first_call) if s in LOW_BIT
+                     else cm.predict_stats(s, prof, first_call=first_call))
             out[s]["predicted_s"] += modeled_time_s(stats, net) if net else float("nan")
             out[s]["predicted_max_sent"] += max(x.bytes_sent for x in stats)
     return out
@@ -174,8 +181,22 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
     # The dense baseline all-reduces the gradient a training step already holds in dense form, so it
     # gets it densified before any timing (its all-reduce still copies it, as DeepSpeed's flatten does).
     mine_dense = {key: g.to_dense() for key, g in mine.items()} if "dense" in a.schemes else {}
-    schemes = {name: build_scheme(name, profile_steps=1) if name == AUTO else build_scheme(name)
-               for name in a.schemes}
+    schemes = {name: build_scheme(name, profile_steps=1) if name == AUTO else
+               build_scheme("zen") if name in LOW_BIT else build_scheme(name) for name in a.schemes}
+    owner_res: dict = {}  # (low-bit variant, slice) → this rank's owner residual, zeros at first
+
+    def low_bit(name: str, key: str, g):
+        """The slice as DGC hands it over with ``value_bits``: ``g`` with its ``LowBitValues``."""
+        import dataclasses
+
+        from zen_ext.core.lowbit import LowBitValues
+
+        def residual(m, device, slot=(name, key)):
+            if slot not in owner_res:
+                owner_res[slot] = torch.zeros(m, dtype=torch.float32, device=device)
+            return owner_res[slot]
+
+        return dataclasses.replace(g, lowbit=LowBitValues(LOW_BIT[name], owner_residual=residual))
     net = Network(bandwidth_gbps=lab.goodput * 8 / 1e9, latency_us=a.latency_us) if lab.goodput else None
     preds = _predictions(step, n, list(schemes), net, a.count_round) if rank == 0 else {}
 
@@ -185,13 +206,15 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
     outs_buf = {} if a.fresh_result else {
         key: torch.empty(g.dense_numel, dtype=g.values.dtype) for key, g in mine.items()}
 
-    def sync_all(scheme, timings: dict | None = None) -> list[torch.Tensor]:
-        outs = []
+    def sync_all(name: str, timings: dict | None = None) -> list[torch.Tensor]:
+        scheme, outs = schemes[name], []
         for key, g in (mine_dense if scheme.name == "dense" else mine).items():
             t: dict = {}
+            if name in LOW_BIT:
+                g = low_bit(name, key, g)
             # One slot per scheme and slice, as a Synchronizer's bucket: exchanges carry their counts in
             # the payload from the second call on (comm/base.py); --count-round measures the old form.
-            with (nullcontext() if a.count_round else comm.slot((scheme.name, key))):
+            with (nullcontext() if a.count_round else comm.slot((name, key))):
                 res = scheme.sync(comm, g, key=key, timings=t, out=outs_buf.get(key))
             # The warm-up round (no timings) compares the results afterwards: keep copies.
             outs.append(res.clone() if outs_buf and timings is None else res)
@@ -204,10 +227,10 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
         return outs
 
     # Step 2: warm-up round: connections, partitioner caches; every result checked against dense.
-    ref = sync_all(schemes["dense"]) if "dense" in schemes else None
+    ref = sync_all("dense") if "dense" in schemes else None
     check = {}
-    for name, s in schemes.items():
-        outs = sync_all(s)
+    for name in schemes:
+        outs = sync_all(name)
         err = max((float((o.double() - r.double()).abs().max()) if o.numel() else 0.0 for o, r in zip(outs, ref)),
                   default=0.0) if ref is not None else float("nan")
         errs = [0.0] * n
@@ -221,7 +244,7 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
         for _ in range((1 + MEASURED_RUNS) * len(schemes[AUTO].candidates) + 1):
             if all(schemes[AUTO].settled(k) for k in mine):
                 break
-            sync_all(schemes[AUTO])
+            sync_all(AUTO)
     del ref
 
     # Step 3: interleaved repeats, after waiting (bounded) for an idle machine.
@@ -237,7 +260,7 @@ def run_workload(a, lab: Lab, label: str, path: str, step, comm, rank: int, n: i
             ag_before = ag.snapshot()
             timings: dict = {}
             probe = SpanProbe(lab)
-            sync_all(schemes[name], timings)
+            sync_all(name, timings)
             d = comm.stats - before
             dag = comm.op_stats["all_gather_v"] - ag_before
             rec = probe.finish(extra=[d.bytes_sent, d.bytes_recv, d.msgs_sent, d.msgs_recv, d.rounds,
@@ -342,7 +365,8 @@ def main(argv=None) -> int:
     ps.add_argument("--out", default=None, help="append JSON lines here")
     pr = sub.add_parser("run", help="measure (one process per host, under launch/netlab/launch.sh)")
     pr.add_argument("--workload", action="append", required=True, help="label=path[@step]; repeatable")
-    pr.add_argument("--schemes", type=lambda s: s.split(","), default=[*SCHEMES, AUTO])
+    pr.add_argument("--schemes", type=lambda s: s.split(","), default=[*SCHEMES, AUTO],
+                    help=f"of {', '.join([*SCHEMES, AUTO, *LOW_BIT])} (zen_v8/zen_v4: ZEN with zen.dgc.value_bits)")
     pr.add_argument("--reps", type=int, default=5)
     pr.add_argument("--latency-us", type=float, default=50.0, help="α of the modeled time (cost model default)")
     pr.add_argument("--quiet-wait", type=float, default=0.0, metavar="S",

@@ -14,6 +14,7 @@ fused step), and dense on the config's AdamW: each as a user gets it. DGC's dens
 * ``dense``: no section, DeepSpeed's own gradient all-reduce;
 * ``zen_dgc1`` / ``zen_dgc5``: ``{"scheme": "zen", "dgc": {"enabled": true, "density": 0.01 / 0.05}}``
   (DGC on every parameter of ≥ ``dgc.min_numel`` elements, the embedding included);
+  ``zen_dgc1_v8`` / ``zen_dgc1_v4``: DGC 1 % with ``value_bits`` 8 / 4 (not in the default list);
 * ``zen_natural``: ``{"scheme": "zen"}`` with natural sparsity only: the untied embedding's non-zero
   rows go through ZEN, everything else through the dense all-reduce (lossless: same losses as dense);
 * ``dense_z3`` / ``zen_dgc1_z3`` / ``zen_dgc5_z3`` / ``zen_natural_z3``: ZeRO-3 as
@@ -77,6 +78,11 @@ CONFIGS = {
                                                   "natural": {"enabled": False}}),
     "zen_dgc5": dict(describe="zen, DGC 5 %", zen={"scheme": "zen", "dgc": {"enabled": True, "density": 0.05},
                                                   "natural": {"enabled": False}}),
+    # zen.dgc.value_bits (core/lowbit.py): DGC 1 %'s values and the owners' sums in 8 / 4 bits.
+    "zen_dgc1_v8": dict(describe="zen, DGC 1 %, 8-bit values", zen={
+        "scheme": "zen", "dgc": {"enabled": True, "density": 0.01, "value_bits": 8}, "natural": {"enabled": False}}),
+    "zen_dgc1_v4": dict(describe="zen, DGC 1 %, 4-bit values", zen={
+        "scheme": "zen", "dgc": {"enabled": True, "density": 0.01, "value_bits": 4}, "natural": {"enabled": False}}),
     # Higher densities, for time to quality (benchmarks/quality/bench_quality.py: 20 % keeps fine-tuning within
     # 1 % of dense): not in the default list.
     "zen_dgc10": dict(describe="zen, DGC 10 %", zen={"scheme": "zen", "dgc": {"enabled": True, "density": 0.10},

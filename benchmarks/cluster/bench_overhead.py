@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_comm import load_workload  # noqa: E402
+from bench_comm import LOW_BIT, load_workload  # noqa: E402
 from cluster_common import append_jsonl, mmm, portable_path, read_jsonl  # noqa: E402
 
 from zen_ext import SimWorld, build_scheme  # noqa: E402
@@ -104,15 +104,33 @@ def rank_inputs(step, n: int) -> list[dict]:
     return [{k: step.slices[k][r % step.world_size] for k in keys} for r in range(n)]
 
 
+def with_low_bits(inputs: list[dict], bits: int) -> list[dict]:
+    """Every rank's slices as DGC hands them over with ``zen.dgc.value_bits`` = ``bits``: each with its
+    ``LowBitValues`` and its own owner residual (zeros at first, kept across calls as training keeps it)."""
+    import dataclasses
+
+    from zen_ext.core.lowbit import LowBitValues
+
+    out = []
+    for mine in inputs:
+        res: dict = {}
+        out.append({k: dataclasses.replace(g, lowbit=LowBitValues(bits, owner_residual=(
+            lambda m, device, k=k, res=res: res.setdefault(k, torch.zeros(m, device=device))))) for k, g in mine.items()})
+    return out
+
+
 def measure(scheme_name: str, step, n: int, reps: int, use_out: bool = False) -> dict:
-    """Per-phase compute seconds of ``scheme_name`` on every slice of ``step`` (see the module docstring).
+    """Per-phase compute seconds of ``scheme_name`` on every slice of ``step`` (see the module docstring);
+    ``zen_v8`` / ``zen_v4``: ZEN with ``zen.dgc.value_bits`` (``bench_comm.LOW_BIT``).
 
     With ``use_out`` the result goes into a preallocated buffer per slice (``sync(..., out=)``), as an
     engine passes its bucket; ``cpu_total_s`` is the thread's CPU time (less sensitive to foreign load).
     """
-    scheme = build_scheme(scheme_name)
+    scheme = build_scheme("zen" if scheme_name in LOW_BIT else scheme_name)
     keys = list(step.slices)
     inputs = rank_inputs(step, n)
+    if scheme_name in LOW_BIT:
+        inputs = with_low_bits(inputs, LOW_BIT[scheme_name])
 
     # Step 1: record what every rank receives.
     def record(comm, mine):

@@ -6,10 +6,13 @@ one model, so memory holds one model, not R); at the end of each round, in SimWo
 (chunked top-k with error feedback, ``zen_ext/outer/``) sums the picks. On the same picks, in the
 same outer step, this script also sums them with:
 
-* ``zen`` with one value per pick (``average: "mean"``: index + 1 value), and with ``(value, 1)`` rows
-  (``average: "contributors"``: the count of senders per index rides along);
-* ``agsparse``: the all-gather SparseLoCo runs (each replica receives (R−1)·k entries), measured;
-  its formula ``(R−1)·K·(4 + 4)`` bytes (int32 index, fp32 value) is printed next to it.
+* ``zen`` with contributors counted at its owners (``op="contributors"``, what zen.outer sends by
+  default), with fp32 values and with 8- and 4-bit values (``zen.outer.value_bits``); with one value
+  per pick averaged over R (``average: "mean"``); and with ``(value, 1)`` rows (the form schemes that
+  cannot count use; its count column gives the exact union of the picks);
+* ``agsparse``: the all-gather SparseLoCo runs (each replica receives (R−1)·k entries), measured at
+  fp32; at 8 and 4 bits, and SparseLoCo's own 2-bit/12-bit wire, by formula (the results file states
+  each).
 
 Bytes are what each rank sends (SimWorld's counters), mean over ranks, per outer step, averaged over
 rounds 2.. (round 1's error feedback is empty). ``union`` = |∪ picks| / (R·K): the overlap of the
@@ -33,30 +36,39 @@ sys.path.insert(0, ROOT)
 
 from recipes.common import build_model, build_tokenizer, load_texts, pack_tokens, train_batches  # noqa: E402
 from zen_ext.comm.simulated import SimWorld  # noqa: E402
+from zen_ext.core.lowbit import value_bytes  # noqa: E402
+from zen_ext.core.lowbit import LowBitValues  # noqa: E402
 from zen_ext.core.registry import build_scheme  # noqa: E402
 from zen_ext.core.types import SparseGrad  # noqa: E402
 from zen_ext.outer import OuterSync  # noqa: E402
 
 
 class _Measured(OuterSync):
-    """zen.outer whose outer step also sums the same picks with the compared schemes (bytes only)."""
+    """zen.outer whose outer step also sums the same picks with the compared forms (bytes only).
+
+    ``compare``: ``(label, scheme name, form, value bits)``; form ``"mean"`` (one value per pick, op
+    sum), ``"rows"`` (``(value, 1)`` rows, op sum: its count column gives the exact union) or
+    ``"counted"`` (op contributors: the owners count the senders); bits None (fp32), 8 or 4."""
 
     def __init__(self, *a, compare=(), **k):
-        self.compare = [(label, build_scheme(s), w) for label, s, w in compare]
+        self.compare = [(label, build_scheme(s), form, bits) for label, s, form, bits in compare]
         self.rows = []
         super().__init__(*a, **k)
 
     def _sparse_sum(self, i, b, idx_K, val_K):
         comm = self.comm
         got = {}
-        for label, scheme, width in self.compare:
-            vals = torch.stack([val_K, torch.ones_like(val_K)], 1) if width == 2 else val_K
+        for label, scheme, form, bits in self.compare:
+            vals = torch.stack([val_K, torch.ones_like(val_K)], 1) if form == "rows" else val_K
+            lowbit = LowBitValues(bits=bits) if bits else None
             before = comm.stats.snapshot()
             with comm.slot(("cmp", label, i)):
-                scheme.sync_group(comm, [SparseGrad(idx_K, vals, b.numel, in_range=True)], "sum", keys=[label])
+                (res,) = scheme.sync_group(comm, [SparseGrad(idx_K, vals, b.numel, in_range=True, lowbit=lowbit)],
+                                           "contributors" if form == "counted" else "sum", keys=[label])
             got[label] = (comm.stats - before).bytes_sent
+            if form == "rows":
+                got["union"] = int(res.view(b.numel, 2)[:, 1].gt(0).sum())
         out = super()._sparse_sum(i, b, idx_K, val_K)
-        got["union"] = int(out[1].gt(0).sum())
         got["picks"] = idx_K.numel()
         self.rows.append(got)
         return out
@@ -95,7 +107,9 @@ def run_replicas(args, model, start_flat, blocks, R: int) -> tuple[list[list[dic
     opt_states = [None] * R
     outers: list = [None] * R
     cfg = dict(enabled=True, every=args.every, density=args.density, chunk=4096, error_decay=0.95)
-    compare = [("zen_mean", "zen", 1), ("zen_contrib", "zen", 2), ("agsparse", "agsparse", 1)]
+    compare = [("zen_mean", "zen", "mean", None), ("zen_rows", "zen", "rows", None),
+               ("zen_cnt32", "zen", "counted", None), ("zen_cnt8", "zen", "counted", 8),
+               ("zen_cnt4", "zen", "counted", 4), ("agsparse", "agsparse", "mean", None)]
 
     def outer_step(comm):
         if outers[comm.rank] is None:
@@ -193,13 +207,26 @@ def main() -> None:
              f"H = {args.every} steps per round, {args.rounds} rounds; zen.outer with SparseLoCo's defaults (top-"
              f"{round(args.density * 4096)} of 4,096 per chunk, β 0.95, contributors, lr 1). Bytes each replica sends "
              f"per outer step (SimWorld's counters; mean over replicas, min/median/max over rounds 2..{args.rounds}; "
-             f"round 1's error feedback starts empty). fp32 values everywhere; all-gather formula: (R−1)·K·(4 + 4) "
-             f"(int32 index + fp32 value); SparseLoCo's own wire (2-bit values, 12-bit indices) would be "
-             f"(R−1)·K·1.75 B.", "",
-             "| R | K picks / replica | union / (R·K) | ZEN mean (1 value) MB | ZEN contributors (value, 1) MB | "
-             "AGsparse all-gather MB (measured) | all-gather formula MB | ZEN mean / all-gather | "
-             "ZEN contributors / all-gather | dense ring all-reduce MB |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"round 1's error feedback starts empty); every form sums the same picks, in the same outer step.", "",
+             "Wire per picked entry. ZEN: push = int32 position + value; pull = its partition of the union with "
+             "the cheapest index part (hash bitmap: |𝕀_i|/8 bytes, or int32 positions) + value; values fp32, or "
+             "8/4-bit codes + one fp32 scale per 128 values (+0.25 bit a value); contributors counted at the "
+             "owners (one value per entry, as mean). All-gather: each replica receives (R−1)·K entries of "
+             "index + value: measured at fp32 (AGsparse, int32 index, 64 bits an entry); at 8/4 bits the "
+             "formula (R−1)·(K·(32 + b)/8 + 4·⌈K/128⌉) with int32 indices, and with SparseLoCo's 12-bit "
+             "indices (R−1)·(K·(12 + b)/8 + 4·⌈K/128⌉); SparseLoCo's own wire (2-bit values, 12-bit indices, "
+             "a per-tensor table) (R−1)·K·14/8.", "",
+             "Bytes each replica sends per outer step, MB (min/median/max over rounds):", "",
+             "| R | K picks / replica | union / (R·K) | ZEN fp32 (counted) | ZEN 8-bit | ZEN 4-bit | ZEN (value, 1) "
+             "rows, fp32 | ZEN mean, fp32 | all-gather fp32 (measured) | all-gather 8-bit | all-gather 4-bit | "
+             "SparseLoCo wire (2-bit) | dense ring all-reduce |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    ratios = ["", "Ratios (min/median/max over rounds); all-gather with int32 indices, [with SparseLoCo's 12-bit "
+              "indices]:", "",
+              "| R | ZEN fp32 / all-gather fp32 | ZEN 8 / all-gather 8 [12-bit] | ZEN 4 / all-gather 4 [12-bit] | "
+              "ZEN 4 / SparseLoCo's 2-bit wire | counted / mean (fp32) | counted / (value, 1) rows (fp32) | "
+              "ZEN bits per own pick: fp32 / 8 / 4 | all-gather bits per own pick: fp32 / 8 / 4 [12-bit 4] |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     MB = 1e6
     for R in args.replicas:
         t = time.time()
@@ -212,21 +239,31 @@ def main() -> None:
         unions = [rows[0][r]["union"] / (R * K) for r in rounds]
         print(f"R={R} union per round: {[round(rows[0][r]['union'] / (R * K), 3) for r in range(args.rounds)]}",
               flush=True)
-        zm = [per("zen_mean", r) / MB for r in rounds]
-        zc = [per("zen_contrib", r) / MB for r in rounds]
-        ag = [per("agsparse", r) / MB for r in rounds]
-        formula = (R - 1) * K * 8 / MB
+        z = {k: [per(k, r) / MB for r in rounds] for k in ("zen_cnt32", "zen_cnt8", "zen_cnt4", "zen_rows", "zen_mean",
+                                                           "agsparse")}
+        ag = {8: (R - 1) * (K * 4 + value_bytes(K, 8)) / MB, 4: (R - 1) * (K * 4 + value_bytes(K, 4)) / MB}
+        ag12 = {b: (R - 1) * (K * (12 + b) / 8 + 4 * -(-K // 128)) / MB for b in (8, 4)}
+        sparseloco = (R - 1) * K * 14 / 8 / MB
         dense = 2 * (R - 1) / R * numel * 4 / MB
 
         def mmm(v, f="{:.3f}"):
             v = sorted(v)
             return "/".join(f.format(x) for x in (v[0], statistics.median(v), v[-1]))
-        lines.append(f"| {R} | {K:,} | {mmm(unions)} | {mmm(zm)} | {mmm(zc)} | {mmm(ag)} | {formula:.3f} | "
-                     f"{mmm([a / b for a, b in zip(zm, ag)], '{:.2f}')} | {mmm([a / b for a, b in zip(zc, ag)], '{:.2f}')} | "
-                     f"{dense:.3f} |")
-        print(lines[-1], f"({time.time() - t:.0f} s)", flush=True)
-        _write(args.out, lines + ["", f"{provenance()}; {time.time() - t0:.0f} s so far."])
-    _write(args.out, lines + ["", f"{provenance()}; {time.time() - t0:.0f} s in total."])
+
+        def ratio(a, b, f="{:.2f}"):
+            return mmm([x / y for x, y in zip(a, b)] if isinstance(b, list) else [x / b for x in a], f)
+        lines.append(f"| {R} | {K:,} | {mmm(unions)} | {mmm(z['zen_cnt32'])} | {mmm(z['zen_cnt8'])} | "
+                     f"{mmm(z['zen_cnt4'])} | {mmm(z['zen_rows'])} | {mmm(z['zen_mean'])} | {mmm(z['agsparse'])} | "
+                     f"{ag[8]:.3f} | {ag[4]:.3f} | {sparseloco:.3f} | {dense:.3f} |")
+        bits = "/".join(f"{statistics.median(z[k]) * MB * 8 / K:.1f}" for k in ("zen_cnt32", "zen_cnt8", "zen_cnt4"))
+        ag_bits = "/".join(f"{(R - 1) * (32 + b + (32 / 128 if b < 32 else 0)):.0f}" for b in (32, 8, 4))
+        ratios.append(f"| {R} | {ratio(z['zen_cnt32'], z['agsparse'])} | {ratio(z['zen_cnt8'], ag[8])} "
+                      f"[{ratio(z['zen_cnt8'], ag12[8])}] | {ratio(z['zen_cnt4'], ag[4])} [{ratio(z['zen_cnt4'], ag12[4])}] | "
+                      f"{ratio(z['zen_cnt4'], sparseloco)} | {ratio(z['zen_cnt32'], z['zen_mean'], '{:.3f}')} | "
+                      f"{ratio(z['zen_cnt32'], z['zen_rows'])} | {bits} | {ag_bits} [{(R - 1) * (16 + 0.25):.0f}] |")
+        print(lines[-1], ratios[-1], f"({time.time() - t:.0f} s)", sep="\n", flush=True)
+        _write(args.out, lines + ratios + ["", f"{provenance()}; {time.time() - t0:.0f} s so far."])
+    _write(args.out, lines + ratios + ["", f"{provenance()}; {time.time() - t0:.0f} s in total."])
 
 
 def _write(path: str, lines: list[str]) -> None:

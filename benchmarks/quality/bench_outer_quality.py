@@ -9,14 +9,26 @@ replica on its own shard, for ``--steps`` inner steps (AdamW lr ``--lr``, clip 1
 * ``diloco``: zen.outer with density 1, outer SGD lr 0.7, momentum 0.9, Nesterov (DiLoCo / torchft);
 * ``outer``: zen.outer with SparseLoCo's defaults (top-64 of 4,096, β 0.95, contributors, lr 1, no
   momentum), summed by ZEN;
-* ``outer_mean``: the same with ``average: "mean"``.
+* ``outer_mean``: the same with ``average: "mean"``;
+* ``outer_8bit``, ``outer_4bit``: ``outer`` with ``value_bits`` 8 or 4 (the picks block-quantized, what
+  quantization loses kept in the error feedback).
+* ``diloco_delay1``, ``outer_delay1``: ``diloco`` and ``outer`` with ``delay: 1`` (the sum of round t
+  runs while round t + 1 trains and is merged one round late; each replica's communication thread
+  drives a second SimWorld's ranks);
+* ``average``, ``average_delay1``: density 1, outer SGD lr 1 without momentum (the replicas' parameters
+  averaged: local SGD), at delay 0 and 1: what the delay costs without DiLoCo's outer momentum.
 
 Every variant syncs every H = ``--every`` steps (``--steps`` a multiple of it), so the eval loss is that of
-θ_global, on the held-out blocks of the second half, every ``--eval_every`` outer steps. Reported per
+θ_global, on the held-out blocks of the second half, every ``--eval_every`` outer steps. At ``delay: 1``
+θ_global is read from ``state_dict()`` (which waits for the round's sum: θ_global then holds every round
+started, what ``finish()`` would leave there) into a copy of the model, so evaluating changes nothing in the
+run; at the end ``finish()`` flushes the last round and the model itself is evaluated (it is θ_global). Reported per
 variant: final eval loss (median, min–max over seeds) and its gap to dense of the same seed (paired),
 and the bytes each replica sent per inner step (SimWorld's counters; dense: a ring all-reduce's).
 
 Usage: nice -n 10 python benchmarks/quality/bench_outer_quality.py --seeds 0 1 2 --out benchmarks/quality/results/outer_quality.md
+(``--variants dense diloco diloco_delay1 outer outer_delay1 --out benchmarks/quality/results/outer_delay_quality.md``
+for the overlap's cost)
 """
 
 from __future__ import annotations
@@ -43,6 +55,12 @@ VARIANTS = {
     "diloco": dict(density=1, lr=0.7, momentum=0.9, nesterov=True, average="mean"),
     "outer": dict(),
     "outer_mean": dict(average="mean"),
+    "outer_8bit": dict(value_bits=8),
+    "outer_4bit": dict(value_bits=4),
+    "diloco_delay1": dict(density=1, lr=0.7, momentum=0.9, nesterov=True, average="mean", delay=1),
+    "outer_delay1": dict(delay=1),
+    "average": dict(density=1, lr=1.0, average="mean"),
+    "average_delay1": dict(density=1, lr=1.0, average="mean", delay=1),
 }
 
 
@@ -56,6 +74,24 @@ def _eval(model, blocks, mb: int = 8) -> float:
             n += x.shape[0]
     model.train()
     return tot / n
+
+
+def _global_model(model, outer):
+    """A copy of ``model`` holding θ_global (``delay: 1``: ``state_dict`` waits for the round in flight)."""
+    import copy
+
+    theta = {}
+    for b, saved in zip(outer.buckets, outer.state_dict()["buckets"]):
+        at = 0
+        for n, p in zip(b.names, b.params):
+            theta[n] = saved["theta"][at:at + p.numel()].view_as(p)
+            at += p.numel()
+    g = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in g.named_parameters():
+            if n in theta:
+                p.copy_(theta[n])
+    return g
 
 
 def _opt(model, lr):
@@ -85,29 +121,38 @@ def run_variant(name, args, start_sd, train, evalb, seed: int, R: int):
         return losses, 2 * (R - 1) / R * numel * 4
 
     cfg = dict(enabled=True, every=args.every, **VARIANTS[name])
+    delayed = cfg.get("delay", 0) == 1
+    overlap = SimWorld(R).communicators() if delayed else [None] * R
 
     def replica(comm):
         model = build_model(args.model, vocab_size=args.vocab)
         model.load_state_dict(start_sd)
         opt = _opt(model, args.lr)
-        outer = OuterSync(model.named_parameters(), comm, cfg, scheme="zen")
+        outer = OuterSync(model.named_parameters(), comm, cfg, scheme="zen", overlap_comm=overlap[comm.rank])
         batches = train_batches(train, args.micro_batch, comm.rank, R, seed=seed)
         losses = []
         for step in range(1, args.steps + 1):
             _step(model, opt, next(batches))
             outer.maybe_step(step)
+            if step == args.steps:
+                outer.finish()  # delay 1: the last round's sum merged (nothing at delay 0)
             if comm.rank == 0 and (step % (args.every * args.eval_every) == 0 or step == args.steps):
-                losses.append(_eval(model, evalb))  # right after an outer step: θ_global
-        return losses, outer.pop_stats()["bytes_sent"] / args.steps
+                if delayed and step < args.steps:
+                    losses.append(_eval(_global_model(model, outer), evalb))
+                else:
+                    losses.append(_eval(model, evalb))  # right after an outer step (and finish): θ_global
+        stats = outer.pop_stats()
+        outer.close()
+        return losses, stats["bytes_sent"] / args.steps
 
-    res = SimWorld(R, max_active=2).run(replica)
+    res = SimWorld(R, max_active=R if delayed else 2).run(replica)
     return res[0][0], statistics.mean(r[1] for r in res)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--model", default="configs/models/llama-tiny-untied.json")
-    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=["dense", "diloco", "outer", "outer_mean"], choices=list(VARIANTS))
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--pretrain_steps", type=int, default=300)
@@ -150,7 +195,7 @@ def main() -> None:
     lines = ["# zen.outer: eval loss at equal inner steps (fine-tuning, 2 replicas)", "",
              f"Command: `nice -n 10 python benchmarks/quality/bench_outer_quality.py --seeds "
              f"{' '.join(map(str, args.seeds))} --steps {args.steps} --every {args.every} --pretrain_steps "
-             f"{args.pretrain_steps} --out {args.out}`", "",
+             f"{args.pretrain_steps} --variants {' '.join(args.variants)} --out {args.out}`", "",
              f"Demo Llama ({os.path.basename(args.model)}), pretrained densely {args.pretrain_steps} steps on the first "
              f"half of the pydoc text, fine-tuned {args.steps} inner steps on the second half by {R} replicas, each on "
              f"its own shard (micro-batch {args.micro_batch} × seq {args.seq_len}, AdamW lr {args.lr}, betas (0.9, 0.95), "

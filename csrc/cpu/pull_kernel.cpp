@@ -227,38 +227,14 @@ at::Tensor encode_pull_cpu(const at::Tensor& acc, const at::Tensor& words, int64
   return msg;
 }
 
-// Worker side, step 5: one pulled message of server `part` written into out (numel rows of width
-// values, dtype of the values) at the global indices P⁻¹(p·n + part) of its positions p. Positions
-// come from the bitmap words by popcount/count-trailing-zeros (no bool array, no nonzero).
-void decode_pull_cpu(const at::Tensor& out, const at::Tensor& msg, int64_t part, int64_t num_parts,
-                     const at::Tensor& keys, int64_t idx_bytes) {
-  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() >= 1 && out.dim() <= 2,
-              "decode_pull_: out must be a contiguous 1-D or 2-D CPU tensor, got shape ", out.sizes());
-  check_bytes(msg, "decode_pull_: msg");
-  TORCH_CHECK(num_parts >= 1 && part >= 0 && part < num_parts, "decode_pull_: part (", part,
-              ") must be in [0, num_parts = ", num_parts, ")");
-  TORCH_CHECK(idx_bytes == 4 || idx_bytes == 8, "decode_pull_: idx_bytes (", idx_bytes, ") must be 4 or 8");
-  const int64_t numel = out.size(0), width = out.dim() == 2 ? out.size(1) : 1;
-  TORCH_CHECK(uint64_t(numel) <= kMaxNumel, "decode_pull_: numel must be <= 2^62, got ", numel);
-  const int64_t m = part_size(numel, part, num_parts), nw = num_words(m);
-  const int64_t nbytes = msg.numel();
-  if (nbytes == 0) return;
-  TORCH_CHECK(nbytes >= kHeaderBytes, "decode_pull_: message of ", nbytes, " bytes has no header");
-  const uint8_t* p = msg.data_ptr<uint8_t>();
-  const int64_t fmt = load<int64_t>(p), count = load<int64_t>(p + 8);
-  TORCH_CHECK(fmt == kFmtCoo || fmt == kFmtBitmap || fmt == kFmtDense, "decode_pull_: bad format ", fmt);
-  TORCH_CHECK(count >= 0 && count <= m, "decode_pull_: count (", count, ") must be in [0, ", m, "]");
-  const int64_t esz = out.element_size(), vsz = esz * width;
-  const int64_t ib = index_bytes(fmt, count, m, idx_bytes);
-  TORCH_CHECK(nbytes == kHeaderBytes + ib + value_rows(fmt, count, m) * vsz, "decode_pull_: message of ", nbytes,
-              " bytes does not match format ", fmt, " with count ", count, " of a partition of ", m);
-  const uint8_t* idx_in = p + kHeaderBytes;
-  const uint8_t* val_in = idx_in + ib;
-  uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr());
-  const FeistelKeys k = read_keys(keys);
-  const int bits = domain_bits(uint64_t(numel));
-  // A row is copied byte for byte: the values are already in out's dtype (scaled by the server).
-  const RowWriter write{dst, val_in, vsz, part, num_parts, uint64_t(numel), k, bits};
+// Calls write(pos, c, row0) for batches of the positions of one pulled message's index part, in row
+// order (format dense: every position of the partition of m; COO: the count positions, all checked
+// before the first write, so a rejected message leaves out untouched; bitmap: the set bits, checked
+// against count), in parallel over the rows. Shared by decode_pull_ and decode_pulls_lowbit_.
+template <class Write>
+void for_each_position(int64_t fmt, int64_t count, int64_t m, const uint8_t* idx_in, int64_t idx_bytes,
+                       const char* op, const Write& write) {
+  const int64_t nw = num_words(m);
   if (fmt == kFmtDense) {
     at::parallel_for(0, m, kBatch * 16, [&](int64_t b, int64_t e) {
       int64_t pos[kBatch];
@@ -272,7 +248,7 @@ void decode_pull_cpu(const at::Tensor& out, const at::Tensor& msg, int64_t part,
     // Check every position before the first write: a rejected message leaves out untouched.
     for (int64_t r = 0; r < count; ++r) {
       const int64_t pos = load_pos(idx_in + r * idx_bytes, idx_bytes);
-      TORCH_CHECK(pos >= 0 && pos < m, "decode_pull_: COO position ", pos, " lies outside [0, ", m, ")");
+      TORCH_CHECK(pos >= 0 && pos < m, op, ": COO position ", pos, " lies outside [0, ", m, ")");
     }
     at::parallel_for(0, count, kBatch * 16, [&](int64_t b, int64_t e) {
       int64_t pos[kBatch];
@@ -293,9 +269,9 @@ void decode_pull_cpu(const at::Tensor& out, const at::Tensor& msg, int64_t part,
       for (int64_t w = c * grain, e = std::min(nw, w + grain); w < e; ++w) s += popcount64(load<uint64_t>(idx_in + 8 * w));
       first[c + 1] = first[c] + s;
     }
-    TORCH_CHECK(first[chunks] == count, "decode_pull_: bitmap has ", first[chunks], " bits set, header says ", count);
+    TORCH_CHECK(first[chunks] == count, op, ": bitmap has ", first[chunks], " bits set, header says ", count);
     if (m % 64) {
-      TORCH_CHECK((load<uint64_t>(idx_in + 8 * (nw - 1)) >> (m % 64)) == 0, "decode_pull_: bitmap bits past ", m);
+      TORCH_CHECK((load<uint64_t>(idx_in + 8 * (nw - 1)) >> (m % 64)) == 0, op, ": bitmap bits past ", m);
     }
     at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
       int64_t pos[kBatch];
@@ -316,6 +292,116 @@ void decode_pull_cpu(const at::Tensor& out, const at::Tensor& msg, int64_t part,
   }
 }
 
+// Worker side, step 5: one pulled message of server `part` written into out (numel rows of width
+// values, dtype of the values) at the global indices P⁻¹(p·n + part) of its positions p. Positions
+// come from the bitmap words by popcount/count-trailing-zeros (no bool array, no nonzero).
+void decode_pull_cpu(const at::Tensor& out, const at::Tensor& msg, int64_t part, int64_t num_parts,
+                     const at::Tensor& keys, int64_t idx_bytes) {
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() >= 1 && out.dim() <= 2,
+              "decode_pull_: out must be a contiguous 1-D or 2-D CPU tensor, got shape ", out.sizes());
+  check_bytes(msg, "decode_pull_: msg");
+  TORCH_CHECK(num_parts >= 1 && part >= 0 && part < num_parts, "decode_pull_: part (", part,
+              ") must be in [0, num_parts = ", num_parts, ")");
+  TORCH_CHECK(idx_bytes == 4 || idx_bytes == 8, "decode_pull_: idx_bytes (", idx_bytes, ") must be 4 or 8");
+  const int64_t numel = out.size(0), width = out.dim() == 2 ? out.size(1) : 1;
+  TORCH_CHECK(uint64_t(numel) <= kMaxNumel, "decode_pull_: numel must be <= 2^62, got ", numel);
+  const int64_t m = part_size(numel, part, num_parts);
+  const int64_t nbytes = msg.numel();
+  if (nbytes == 0) return;
+  TORCH_CHECK(nbytes >= kHeaderBytes, "decode_pull_: message of ", nbytes, " bytes has no header");
+  const uint8_t* p = msg.data_ptr<uint8_t>();
+  const int64_t fmt = load<int64_t>(p), count = load<int64_t>(p + 8);
+  TORCH_CHECK(fmt == kFmtCoo || fmt == kFmtBitmap || fmt == kFmtDense, "decode_pull_: bad format ", fmt);
+  TORCH_CHECK(count >= 0 && count <= m, "decode_pull_: count (", count, ") must be in [0, ", m, "]");
+  const int64_t esz = out.element_size(), vsz = esz * width;
+  const int64_t ib = index_bytes(fmt, count, m, idx_bytes);
+  TORCH_CHECK(nbytes == kHeaderBytes + ib + value_rows(fmt, count, m) * vsz, "decode_pull_: message of ", nbytes,
+              " bytes does not match format ", fmt, " with count ", count, " of a partition of ", m);
+  const uint8_t* idx_in = p + kHeaderBytes;
+  const uint8_t* val_in = idx_in + ib;
+  uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr());
+  const FeistelKeys k = read_keys(keys);
+  const int bits = domain_bits(uint64_t(numel));
+  // A row is copied byte for byte: the values are already in out's dtype (scaled by the server).
+  for_each_position(fmt, count, m, idx_in, idx_bytes, "decode_pull_",
+                    RowWriter{dst, val_in, vsz, part, num_parts, uint64_t(numel), k, bits});
+}
+// zen.dgc.value_bits, worker side (core/zen_lowbit.py, step 5): the value of row r of a low-bit pull is
+// q_r · scale[r / block] (fp32; 8 bits: an int8 code, 4 bits: the nibble r % 2 of byte r / 2, offset 8,
+// as csrc/cpu/lowbit.cpp's dequantize_blocks), divided by divisor in fp32, cast to out's dtype, stored at
+// the global index of its position.
+template <typename scalar_t>
+struct LowBitRowWriter {
+  scalar_t* dst;
+  const float* scales;
+  const uint8_t* codes;
+  int64_t bits, block;
+  float divisor;
+  int64_t part, n;
+  uint64_t numel;
+  FeistelKeys keys;
+  int dbits;
+
+  void operator()(const int64_t* pos, int64_t count, int64_t row0) const {
+    int64_t g[kBatch];
+    uint32_t scratch[kBatch];
+    global_indices(pos, count, part, n, numel, keys, dbits, g, scratch);
+    for (int64_t j = 0; j < count; ++j) {
+      if (j + kPrefetch < count) __builtin_prefetch(dst + g[j + kPrefetch], 1, 1);
+      const int64_t r = row0 + j;
+      const int q = bits == 8 ? int(int8_t(codes[r])) : int((codes[r / 2] >> ((r & 1) * 4)) & 15) - 8;
+      float v = float(q) * scales[r / block];
+      if (divisor != 1.0f) v = v / divisor;
+      dst[g[j]] = static_cast<scalar_t>(v);
+    }
+  }
+};
+
+// Every owner's low-bit pull message (msgs[i] from owner i of n = msgs.size()) written into out (1-D,
+// numel, zeroed by the caller): [format, count | index part | scales (fp32, ceil(count / block)) | codes
+// (ceil(count · bits / 8))], the index part as decode_pull_'s (dense: count is the partition's size). One
+// op per bucket, no host read, the header read by the op: the oracle is
+// zen_ext/ops/_reference_lowbit.py's decode_pulls_lowbit_.
+void decode_pulls_lowbit_cpu(const at::Tensor& out, at::TensorList msgs, const at::Tensor& keys, int64_t idx_bytes,
+                             int64_t bits, int64_t block, int64_t divisor) {
+  const char* op = "decode_pulls_lowbit_";
+  TORCH_CHECK(out.device().is_cpu() && out.is_contiguous() && out.dim() == 1, op,
+              ": out must be a contiguous 1-D CPU tensor, got shape ", out.sizes());
+  TORCH_CHECK(idx_bytes == 4 || idx_bytes == 8, op, ": idx_bytes (", idx_bytes, ") must be 4 or 8");
+  TORCH_CHECK(bits == 8 || bits == 4, op, ": bits (", bits, ") must be 8 or 4");
+  TORCH_CHECK(block >= 2 && block % 2 == 0, op, ": block (", block, ") must be even and >= 2");
+  TORCH_CHECK(divisor >= 1, op, ": divisor (", divisor, ") must be >= 1");
+  const int64_t numel = out.size(0), n = int64_t(msgs.size());
+  TORCH_CHECK(uint64_t(numel) <= kMaxNumel, op, ": numel must be <= 2^62, got ", numel);
+  const FeistelKeys k = read_keys(keys);
+  const int dbits = domain_bits(uint64_t(numel));
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& msg = msgs[i];
+    check_bytes(msg, "decode_pulls_lowbit_: msg");
+    const int64_t nbytes = msg.numel(), m = part_size(numel, i, n);
+    if (nbytes == 0) continue;
+    TORCH_CHECK(nbytes >= kHeaderBytes, op, ": message ", i, " of ", nbytes, " bytes has no header");
+    const uint8_t* p = msg.data_ptr<uint8_t>();
+    const int64_t fmt = load<int64_t>(p), count = load<int64_t>(p + 8);
+    TORCH_CHECK(fmt == kFmtCoo || fmt == kFmtBitmap || (fmt == kFmtDense && count == m), op, ": bad format ", fmt,
+                " with count ", count, " of a partition of ", m);
+    TORCH_CHECK(count >= 0 && count <= m, op, ": count (", count, ") must be in [0, ", m, "]");
+    const int64_t ib = index_bytes(fmt, count, m, idx_bytes), nb = (count + block - 1) / block;
+    TORCH_CHECK(nbytes == kHeaderBytes + ib + 4 * nb + (count * bits + 7) / 8, op, ": message ", i, " of ", nbytes,
+                " bytes does not match format ", fmt, " with count ", count);
+    const uint8_t* idx_in = p + kHeaderBytes;
+    // The scales are copied out (the message's fp32 run may be unaligned for a float load).
+    std::vector<float> scales(static_cast<size_t>(nb));
+    if (nb) std::memcpy(scales.data(), idx_in + ib, size_t(4 * nb));
+    const uint8_t* codes = idx_in + ib + 4 * nb;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "decode_pulls_lowbit_", [&] {
+      for_each_position(fmt, count, m, idx_in, idx_bytes, op,
+                        LowBitRowWriter<scalar_t>{out.data_ptr<scalar_t>(), scales.data(), codes, bits, block,
+                                                  float(divisor), i, n, uint64_t(numel), k, dbits});
+    });
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(zen_ext, CPU, m) {
@@ -323,6 +409,7 @@ TORCH_LIBRARY_IMPL(zen_ext, CPU, m) {
   m.impl("aggregate_push_into", &aggregate_push_into_cpu);
   m.impl("encode_pull", &encode_pull_cpu);
   m.impl("decode_pull_", &decode_pull_cpu);
+  m.impl("decode_pulls_lowbit_", &decode_pulls_lowbit_cpu);
   m.impl("zero_", [](const at::Tensor& t) {
     TORCH_CHECK(t.device().is_cpu(), "zero_: t must be a CPU tensor, got ", t.device());
     zero_cpu(t);

@@ -1,7 +1,8 @@
 """zen.outer on real DeepSpeed engines (ZeRO-0, fp32, 3 gloo processes, tiny untied Llama): inner steps keep
 each replica's own gradients, replicas are bitwise equal after each outer step and apart in between, a
-run resumed from a mid-round DeepSpeed checkpoint equals the uninterrupted one bitwise, and what cannot
-be served is refused by name. One process launch serves every test (module fixture)."""
+run resumed from a mid-round DeepSpeed checkpoint equals the uninterrupted one bitwise (delay 0 and 1),
+delay 1 keeps θ_global bitwise equal and flushes its last round, and what cannot be served is refused by
+name. One process launch serves every test (module fixture)."""
 
 import os
 
@@ -16,11 +17,11 @@ VOCAB, MICRO, SEQ = 1000, 2, 16
 OUTER = {"enabled": True, "every": 3, "density": 0.05, "lr": 0.7, "momentum": 0.9, "nesterov": True}
 
 
-def _cfg(stage=0, dtype="fp32"):
+def _cfg(stage=0, dtype="fp32", delay=0):
     cfg = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "torch_adam": True}},
            "zero_optimization": {"stage": stage}, "steps_per_print": 10**6,
-           "zen": {"scheme": "zen", "bucket_cap_mb": 0.2, "outer": OUTER}}
+           "zen": {"scheme": "zen", "bucket_cap_mb": 0.2, "outer": dict(OUTER, delay=delay)}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -77,7 +78,37 @@ def _worker(rank, world, ckpt_dir):
         except NotImplementedError as exc:
             refusals.append(str(exc))
     out["refusals"] = refusals
+    out["delayed"] = _delayed(rank, os.path.join(ckpt_dir, "delayed"))
     return out
+
+
+def _delayed(rank, ckpt_dir):
+    """zen.outer.delay 1: 9 steps (outer steps at 3, 6, 9), θ_global after each round's sum, a checkpoint at
+    step 4 (round 1 in flight) resumed to step 9, and ``finish`` at the end."""
+
+    def steps(engine, first, last, save=False):
+        params, thetas = [], {}
+        for step in range(first, last + 1):
+            x = torch.randint(0, VOCAB, (MICRO, SEQ), generator=torch.Generator().manual_seed(100 * step + rank))
+            engine.backward(engine(input_ids=x, labels=x).loss)
+            engine.step()
+            params.append(_flat(engine.module))
+            if step % 3 == 0:  # state_dict waits for the round's sum (θ_global holds it), merges nothing
+                thetas[step] = torch.cat([b["theta"] for b in engine.zen.outer.state_dict()["buckets"]])
+            if save and step == 4:
+                engine.save_checkpoint(ckpt_dir, tag="step4")
+        engine.zen.finish()
+        return params, thetas, _flat(engine.module), torch.cat([b.theta_N for b in engine.zen.outer.buckets])
+
+    engine = _engine(_cfg(delay=1))
+    full = steps(engine, 1, 9, save=True)
+    totals = dict(engine.zen.totals)
+    engine.zen.close()
+    resumed_engine = _engine(_cfg(delay=1))
+    resumed_engine.load_checkpoint(ckpt_dir, tag="step4")
+    resumed = steps(resumed_engine, 5, 9)
+    resumed_engine.zen.close()
+    return {"full": full, "resumed": resumed, "totals": totals}
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +132,23 @@ def test_replicas_equal_after_each_outer_step_and_apart_between(run):
 
 def test_resume_from_mid_round_checkpoint_is_bitwise(run):
     assert all(torch.equal(r["resumed"], r["params"][-1]) for r in run)
+
+
+def test_delay_1_theta_equal_flushed_and_resumed_bitwise(run):
+    """delay 1: θ_global bitwise equal on every replica after each round's sum, parameters apart (each carries
+    its own round in flight), ``finish`` at an outer step leaves every replica at θ_global, and the run
+    resumed from the step-4 checkpoint (round 1 in flight) equals the uninterrupted one bitwise."""
+    ref = run[0]["delayed"]["full"]
+    for r in run:
+        params, thetas, final, theta = r["delayed"]["full"]
+        r_params, r_thetas, r_final, r_theta = r["delayed"]["resumed"]
+        assert sorted(thetas) == [3, 6, 9] and all(torch.equal(thetas[s], ref[1][s]) for s in (3, 6, 9))
+        assert torch.equal(final, theta) and torch.equal(theta, ref[3])
+        assert torch.equal(r_final, final) and all(torch.equal(a, b) for a, b in zip(r_params, params[4:]))
+        assert all(torch.equal(r_thetas[s], thetas[s]) for s in (6, 9))
+        assert r["delayed"]["totals"]["outer_steps"] == 3 and r["delayed"]["totals"]["bytes_sent"] > 0
+    for s in (3, 6):
+        assert not torch.equal(run[1]["delayed"]["full"][0][s - 1], ref[0][s - 1])
 
 
 def test_unserved_settings_refused(run):
@@ -191,8 +239,9 @@ def test_zero_inside_replica_groups(stage):
 
 
 def test_recipe_runs_with_outer_flags(tmp_path):
-    """recipes/finetune_llm.py under torchrun with configs/demo_ds_outer.json and --outer_every 3: the start
-    line names zen.outer, the run ends with its summary, and eval losses are logged."""
+    """recipes/finetune_llm.py under torchrun with configs/demo_ds_outer.json, --outer_every 3 and --outer_delay 1:
+    the start line names zen.outer and the overlap, the run ends with its summary (the last round flushed
+    before the final eval), and eval losses are logged."""
     import json
     import subprocess
     import sys
@@ -205,10 +254,11 @@ def test_recipe_runs_with_outer_flags(tmp_path):
            str(free_port()), os.path.join(ROOT, "recipes", "finetune_llm.py"), "--deepspeed_config",
            os.path.join(ROOT, "configs", "demo_ds_outer.json"), "--data", "pydoc", "--max_docs", "25",
            "--vocab_size", "512", "--seq_len", "64", "--steps", "6", "--eval_every", "3", "--output_dir", out,
-           "--outer_every", "3", "--outer_density", "0.05"]
+           "--outer_every", "3", "--outer_density", "0.05", "--outer_delay", "1"]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "zen.outer on DeepSpeed ZeRO-0 (2 replicas): every 3 steps, density 0.05" in proc.stdout
+    assert "scheme zen, delay 1 (overlapped)" in proc.stdout
     assert "zen.outer summary (2 replicas, 2 outer steps)" in proc.stdout
     with open(os.path.join(out, "train_log.jsonl")) as f:
         log = [json.loads(line) for line in f]

@@ -48,6 +48,7 @@ KEPT_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_kept.cu")
 CATCH_UP_CU = os.path.join(ROOT, "csrc", "cuda", "catch_up_adamw.cu")
 INT4_CU = os.path.join(ROOT, "csrc", "cuda", "dgc_int4.cu")
 LOWBIT_CU = os.path.join(ROOT, "csrc", "cuda", "lowbit.cu")
+LOWBIT_FUSED_CU = os.path.join(ROOT, "csrc", "cuda", "lowbit_fused.cu")
 HARNESS_CU = os.path.join(ROOT, "tests", "ops", "hash_kernel_harness.cu")
 # One architecture keeps the check quick; sm_80 (A100) is the oldest the paper-class GPUs need.
 GENCODE = ["-gencode", "arch=compute_80,code=sm_80"]
@@ -132,7 +133,7 @@ def _check_object_links(obj) -> None:
 # take half the time of compiling one file after the other. Each test waits for its own source only.
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
 _BUILDS: dict[str, concurrent.futures.Future] = {}
-KEEP_PTX = (PULL_CU, SELECT_CU, SAMPLE_CU, INT4_CU)  # the tests that read their PTX
+KEEP_PTX = (PULL_CU, SELECT_CU, SAMPLE_CU, INT4_CU, LOWBIT_FUSED_CU)  # the tests that read their PTX
 # A successful compile is kept, as ccache would, under a key of everything that shapes it: nvcc's
 # version, the command line, torch's version and every file under csrc/ and tests/ops/*.cu. Any change
 # to them compiles again (and can fail); an unchanged tree reuses the object, ptxas's report and the
@@ -199,7 +200,8 @@ def _start_builds(build_dir) -> None:
     _POOL = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1))
     flags = _torch_nvcc_flags()
     digest = _inputs_digest()
-    for cu in (KERNEL_CU, PULL_CU, SEARCH_CU, SELECT_CU, SAMPLE_CU, KEPT_CU, CATCH_UP_CU, INT4_CU, LOWBIT_CU):
+    for cu in (KERNEL_CU, PULL_CU, SEARCH_CU, SELECT_CU, SAMPLE_CU, KEPT_CU, CATCH_UP_CU, INT4_CU, LOWBIT_CU,
+               LOWBIT_FUSED_CU):
         obj = build_dir / (os.path.basename(cu) + ".o")
         keep = build_dir / (os.path.basename(cu) + ".keep")
         extra = ["-keep", "-keep-dir", str(keep)] if cu in KEEP_PTX else []
@@ -330,6 +332,12 @@ def test_dgc_sample_kernels_compile(build_dir):
     assert len(bodies) == 3 and not any(re.search(r"\bfma\.", b) for b in bodies), "the update must not fuse"
 
 
+def _instantiated(entries: str, kernel: str, arg: str) -> bool:
+    """Whether ptxas compiled ``kernel`` templated on ``arg`` (a struct of an anonymous namespace, whose
+    mangled name carries a per-file hash between the two)."""
+    return any(kernel in e and arg in e for e in entries.split())
+
+
 @pytest.mark.timeout(1200)
 def test_lowbit_kernels_compile(build_dir):
     """``csrc/cuda/lowbit.cu`` (quantize_blocks, dequantize_blocks: zen.dgc.value_bits) compiles and links, the
@@ -337,7 +345,23 @@ def test_lowbit_kernels_compile(build_dir):
     entries = _compile_and_link(LOWBIT_CU, build_dir)
     assert "dequantize_kernel" in entries, entries
     for tag in ("IfE", "IdE", "IN3c108BFloat16EE", "IN3c104HalfEE"):
-        assert f"quantize_kernel{tag}" in entries, f"quantize_kernel not instantiated for {tag}: {entries}"
+        assert _instantiated(entries, "quantize_kernel", f"PlainSrc{tag}"), f"no quantize_kernel for {tag}: {entries}"
+
+
+@pytest.mark.timeout(1200)
+def test_lowbit_fused_kernels_compile(build_dir):
+    """``csrc/cuda/lowbit_fused.cu`` (quantize_sent_, dequantize_add_blocks_, quantize_owned_) compiles and links:
+    the sender's quantize kernel for every value dtype, the owner's for both index dtypes, the aggregation for
+    both; the sums and differences stay single roundings (no fused multiply-add in the PTX), as in torch."""
+    entries = _compile_and_link(LOWBIT_FUSED_CU, build_dir)
+    for tag in ("IfE", "IdE", "IN3c108BFloat16EE", "IN3c104HalfEE"):
+        assert _instantiated(entries, "quantize_kernel", f"SentSrc{tag}"), f"no sender kernel for {tag}: {entries}"
+    for tag in ("IiE", "IlE"):
+        assert _instantiated(entries, "quantize_kernel", f"OwnedSrc{tag}"), f"no owner kernel for {tag}: {entries}"
+        assert f"dequantize_add_kernel{tag}" in entries, f"no aggregation kernel for {tag}: {entries}"
+    ptx = _kept_ptx(LOWBIT_FUSED_CU, build_dir)
+    assert "dequantize_add_kernel" in ptx, "nvcc -keep left no PTX"
+    assert not re.search(r"\bfma\.", ptx), "a sum or difference was fused into a multiply-add"
 
 
 @pytest.mark.timeout(1200)

@@ -83,7 +83,26 @@ def _cases():
         ("quantize_blocks", (torch.randn(300, generator=g), [0, 7, 300], 4, 128)),
         ("quantize_blocks", (torch.randn(9, generator=g).half(), [9], 8, 128)),
         ("dequantize_blocks", (torch.zeros(151, dtype=torch.uint8), torch.ones(4), [0, 7, 300], 4, 128)),
+        ("quantize_sent_", (torch.randn(10, generator=g).bfloat16(), torch.tensor([9, 0, 3]), torch.zeros(40),
+                            torch.arange(10) * 4, [1, 3], 4, 128)),
+        ("quantize_sent_", (torch.randn(10, generator=g), torch.tensor([2, 5]), None, None, [2], 8, 128)),
+        ("dequantize_add_blocks_", (torch.zeros(10), torch.zeros(10, dtype=torch.bool), torch.tensor([3, 0, 3]),
+                                    torch.zeros(2, dtype=torch.uint8), torch.ones(2), [1, 3], 4, 128)),
+        ("quantize_owned_", (torch.randn(10, generator=g), torch.tensor([4, 1, 7]), torch.zeros(10), [2, 3], 4, 128,
+                             torch.bfloat16, 3)),
+        ("quantize_owned_", (torch.randn(10, generator=g), torch.tensor([4]), None, [1], 8, 128, torch.float32, 1)),
+        ("decode_pulls_lowbit_", (torch.zeros(10, dtype=torch.bfloat16), _lowbit_pulls(), KEYS, 4, 4, 128, 2)),
     ]
+
+
+def _lowbit_pulls():
+    """Two owners' low-bit pull messages over 10 elements: owner 0 COO positions 0 and 4, owner 1 a bitmap."""
+    from zen_ext.core.wire import pack
+
+    codes, scales, _ = torch.ops.zen_ext.quantize_blocks(torch.tensor([1.5, -2.0]), [2], 4, 128)
+    coo = pack(torch.tensor([0, 2], dtype=torch.int64), torch.tensor([0, 4], dtype=torch.int32), scales, codes)
+    bitmap = pack(torch.tensor([1, 2], dtype=torch.int64), torch.tensor([0b10001], dtype=torch.int64), scales, codes)
+    return [coo, bitmap]
 
 
 def _library_ops() -> set[str]:

@@ -29,10 +29,17 @@ from zen_ext.reduction.scatter import reduce_scatter_flat
 DGC_SLICES = [s for s in SLICES if KINDS[s.name] == "dgc"]
 
 
+def _inputs(n, steps, seed, dtype, jitter):
+    """``bucket_inputs`` per step; ``jitter`` > 0 makes them non-integer (fp32 sums then round)."""
+    out = [bucket_inputs(n, seed=seed + s, dtype=torch.float32) for s in range(steps)]
+    g = torch.Generator().manual_seed(seed + 99)
+    return [[(x * (1 + jitter * torch.randn(x.shape, generator=g))).to(dtype) for x in xs] for xs in out]
+
+
 def _run(n, steps, op="mean", bits=4, owner=True, dtype=torch.float32, scheme="zen", dgc=None, state=None,
-         seed=0):
+         seed=0, jitter=0.0):
     cfg = dict(dgc or DGC, value_bits=bits, owner_error_feedback=owner)
-    inputs = [bucket_inputs(n, seed=seed + s, dtype=dtype) for s in range(steps)]
+    inputs = _inputs(n, steps, seed, dtype, jitter)
 
     def fn(comm):
         sync = Synchronizer(dp_comm=comm, scheme=build_scheme(scheme), param_kinds=KINDS, dgc=cfg, natural={})
@@ -85,13 +92,24 @@ def test_sender_residual_is_accumulated_minus_dequantized_sent(residual_dtype, d
     g = torch.Generator().manual_seed(bits)
     grads = [NamedGrad("a", (torch.randn(3000, generator=g) * 3).to(dtype)),
              NamedGrad("b", torch.randn(700, generator=g).to(dtype))]
+    sp2 = DGCSparsifier(cfg, dp_size=2)
     sg = sp.compress(grads)
+    sg2 = sp2.compress(grads)
     assert sg.lowbit.bits == bits and sg.lowbit.sender_feedback is not None
     # What a scheme does: quantize (here two owner segments), hand the dequantized values back.
     order = torch.randperm(sg.nnz, generator=g)
     cut = sg.nnz // 3
     _, _, deq = ops.quantize_blocks(sg.values[order], [cut, sg.nnz], bits, 128)
     sg.lowbit.sender_feedback(order, deq)
+    # Or, where DGC's memory is one fp32 buffer, in the quantizing pass (ops.quantize_sent_): the same bits.
+    fused = sg2.lowbit.sender_residual
+    assert (fused is not None) == (residual_dtype == "float32")
+    if fused is not None:
+        R2, pos2, vals2 = fused()
+        assert vals2 is sg2.values
+        ops.quantize_sent_(sg2.values, order, R2, pos2, [cut, sg.nnz], bits, 128)
+        for k in ("a", "b"):
+            assert torch.equal(sp.state.params[k]["residual"], sp2.state.params[k]["residual"])
     acc = torch.cat([x.grad.float() for x in grads])  # step 0 without momentum correction: v = g
     sent = torch.zeros(3700)
     sent[sg.indices[order]] = deq
@@ -244,12 +262,36 @@ def test_bytes_fall_with_the_bits():
     assert sent[8] < 0.6 * sent[None] and sent[4] < 0.9 * sent[8], sent
 
 
+@pytest.mark.skipif(not ops.has_lowbit_op(torch.zeros(1)), reason="needs the zen_ext C++ op")
+@pytest.mark.parametrize("path", ["all_reduce", "reduce_scatter"])
+@pytest.mark.parametrize("dtype, op", [(torch.float32, "mean"), (torch.bfloat16, "sum")])
+def test_fused_ops_leave_every_result_and_residual_bitwise_as_the_unfused_sequence(path, dtype, op):
+    """The fused ops' oracles are the torch sequences the schemes ran before (gather, quantize, index_add_;
+    dequantize, index_add_, index_fill_; index_select, add, quantize, cast, where, index_copy_): outputs and
+    both residuals equal bit for bit with the compiled ops and with the oracles, at 4 ranks."""
+    def run():
+        res = (_run(4, 3, op, 4, True, dtype, jitter=0.3) if path == "all_reduce"
+               else _run_rs(4, 3, op, 4, True, dtype=dtype, jitter=0.3))
+        return [([o.view(torch.uint8) for o in outs], {k: {kk: t.view(torch.uint8) for kk, t in e.items()}
+                                                         for k, e in sync.state.params.items()})
+                for outs, sync in res[0]]
+
+    fused = run()
+    with ops.force_reference(*ops.FUSED_LOWBIT_OPS):
+        unfused = run()
+    assert len(fused) == 4
+    for (o1, s1), (o2, s2) in zip(fused, unfused):
+        assert all(torch.equal(a, b) for a, b in zip(o1, o2))
+        assert s1.keys() == s2.keys() and any(k.startswith(OWNER_KEY) for k in s1)
+        assert all(torch.equal(s1[k][kk], s2[k][kk]) for k in s1 for kk in s1[k])
+
+
 # --- the reduce-scatter (ZeRO-2 reduce_scatter, ZeRO-3, FSDP2): core/rs_zen.py ------------------------------
-def _run_rs(n, steps, op="sum", bits=4, owner=True, rs=None, seed=0):
+def _run_rs(n, steps, op="sum", bits=4, owner=True, rs=None, seed=0, dtype=torch.float32, jitter=0.0):
     from zen_ext.core.rs_base import even_ranges
 
     cfg = dict(DGC, value_bits=bits, owner_error_feedback=owner)
-    inputs = [bucket_inputs(n, seed=seed + s) for s in range(steps)]
+    inputs = _inputs(n, steps, seed, dtype, jitter)
     ranges = even_ranges(NUMEL, n)
 
     def fn(comm):

@@ -71,7 +71,7 @@ def _run_rounds(world: SimWorld, cfg: dict, rounds: int, scheme: str = "zen", in
 @pytest.mark.parametrize("scheme", ["zen", "agsparse", "sparcml", "auto"])
 @pytest.mark.parametrize("n", [1, 3, 4])
 @pytest.mark.parametrize("average", ["contributors", "mean"])
-def test_outer_sum_equals_dense_sum_of_picks(scheme, n, average):
+def test_outer_average_equals_dense_sum_of_picks_averaged(scheme, n, average):
     cfg = dict(SMALL, average=average, error_decay=0.5)
     res = _run_rounds(SimWorld(n), cfg, rounds=3, scheme=scheme, cls=_Recording)
     logs = [o.log for o, _ in res]
@@ -84,12 +84,16 @@ def test_outer_sum_equals_dense_sum_of_picks(scheme, n, average):
             assert idx.unique().numel() == idx.numel()  # distinct picks
             dense.index_add_(0, idx, val)
             count.index_add_(0, idx, torch.ones_like(val))
-        for _, _, _, got, got_count, _ in entries:
-            assert torch.equal(got, dense)  # exact: integer-valued picks
-            if average == "contributors":
-                assert torch.equal(got_count, count)
-            else:
-                assert got_count is None
+        # exact: integer-valued picks, one correctly rounded division each
+        expect = dense / count.clamp(min=1) if average == "contributors" else dense / n
+        counted = average == "contributors" and scheme == "zen"  # ZEN's owners count; others send rows
+        assert res[0][0].form == ("counted" if counted else "rows" if average == "contributors" else "mean")
+        for _, _, _, got, got_union, _ in entries:
+            assert torch.equal(got, expect)
+            if average == "mean":
+                assert got_union is None
+            else:  # rows: the senders counted; counted: the non-zero averages
+                assert int(got_union) == int((expect.ne(0) if counted else count.gt(0)).sum())
 
 
 def test_error_feedback_conserves_every_value():
@@ -347,8 +351,9 @@ def test_lossy_scheme_refused():
     ({"nesterov": True}, ValueError, "zen.outer.nesterov (True) must be false when zen.outer.momentum is 0"),
     ({"average": "median"}, ValueError, "zen.outer.average ('median') must be one of ['mean', 'contributors']"),
     ({"state_device": "gpu"}, ValueError, "zen.outer.state_device ('gpu') must be one of ['cpu', 'device']"),
-    ({"delay": 1}, NotImplementedError, "zen.outer.delay (1) must be 0: the Streaming-DiLoCo overlap"),
-    ({"delay": 2}, ValueError, "zen.outer.delay (2) must be one of [0]"),
+    ({"delay": 2}, ValueError, "zen.outer.delay (2) must be 0 or 1"),
+    ({"delay": -1}, ValueError, "zen.outer.delay (-1) must be 0 or 1"),
+    ({"delay": True}, TypeError, "zen.outer.delay (True) must be an integer"),
     ({"lr": float("nan")}, ValueError, "zen.outer.lr (nan) must be a finite number"),
     ({"enabled": 1}, TypeError, "zen.outer.enabled (1) must be a bool (true or false)"),
     ({"typo": 1}, ValueError, "zen.outer got unknown key(s) ['typo']"),

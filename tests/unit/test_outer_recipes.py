@@ -20,9 +20,11 @@ def test_deepspeed_recipe_flags_fill_zen_outer(tmp_path):
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "zen": {"scheme": "zen"}}))
     args = parse_args(["--deepspeed_config", str(cfg), "--outer_every", "5", "--outer_density", "1", "--outer_lr",
-                       "0.7", "--outer_momentum", "0.9", "--outer_nesterov", "--output_dir", str(tmp_path)])
+                       "0.7", "--outer_momentum", "0.9", "--outer_nesterov", "--outer_delay", "1", "--output_dir",
+                       str(tmp_path)])
     outer = load_ds_config(args)["zen"]["outer"]
-    assert outer == {"enabled": True, "every": 5, "density": 1.0, "lr": 0.7, "momentum": 0.9, "nesterov": True}
+    assert outer == {"enabled": True, "every": 5, "density": 1.0, "lr": 0.7, "momentum": 0.9, "nesterov": True,
+                     "delay": 1}
     assert ZenConfig.from_dict(load_ds_config(args)["zen"]).outer.nesterov is True
     # no flag: the config as written
     plain = parse_args(["--deepspeed_config", str(cfg), "--output_dir", str(tmp_path)])

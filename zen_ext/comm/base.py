@@ -66,7 +66,7 @@ from . import gather
 from .inline import COUNT_BYTES as _COUNT_BYTES, counted_bytes, next_capacity
 _SIG_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
                torch.uint8, torch.int8, torch.int16, torch.bool)
-_SIG_OPS = ("sum", "mean")
+_SIG_OPS = ("sum", "mean", "contributors")
 
 
 def encode_signature(numel: int, dtype: torch.dtype, op: str) -> int:

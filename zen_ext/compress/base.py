@@ -124,6 +124,11 @@ class Sparsifier(abc.ABC):
     def end_step(self) -> None:
         """Called once per optimizer step, after every bucket of the step was synchronized."""
 
+    def resumed(self, saved_config: dict | None, restored: bool) -> None:
+        """Called after a checkpoint's state was loaded: ``saved_config`` is this kind's config as saved
+        (``dataclasses.asdict``; None when the checkpoint had none), ``restored`` whether this rank's memory
+        was restored (False on a resize). A sparsifier whose memory depends on its settings reconciles it here."""
+
 
 C = TypeVar("C")
 

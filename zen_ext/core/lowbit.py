@@ -59,12 +59,17 @@ class LowBitValues:
     memory is not to be touched (non-finite values, sent as they are).
     ``owner_residual(m, device)``: this rank's owner residual for this bucket (fp32 ``[m]``, zeros at
     first), None when owner-side error feedback is off.
+    ``sender_residual()``: where the sender's memory is one fp32 buffer, ``(R, pos_K, values)``: the buffer,
+    the SparseGrad's positions in it and the values the feedback is of; the scheme then writes the feedback
+    in its quantizing pass (``ops.quantize_sent_``: ``R[pos_K[order_K]] += sent − deq``, what
+    ``sender_feedback`` does) when those values are the ones it quantizes. None: ``sender_feedback`` only.
     """
 
     bits: int
     block: int = VALUE_BLOCK
     sender_feedback: Callable[[torch.Tensor, torch.Tensor], None] | None = None
     owner_residual: Callable[[int, torch.device], torch.Tensor] | None = None
+    sender_residual: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
 def value_bytes(count: int, bits: int, block: int = VALUE_BLOCK) -> int:

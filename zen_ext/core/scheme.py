@@ -21,6 +21,7 @@ import torch
 from ..comm.base import Communicator
 from .cost import BLOCK_SIZE, ProfileView, Traffic, WorkCounts
 from .types import AccumulatedGrad, SparseGrad
+from .zen_count import CONTRIBUTORS
 
 REDUCE_OPS = ("sum", "mean")
 PartitionFn = Callable[[torch.Tensor], torch.Tensor]
@@ -45,6 +46,10 @@ class SyncScheme(abc.ABC):
     #: Whether it carries low-bit values (``zen.dgc.value_bits``: ``SparseGrad.lowbit``, ``core/lowbit.py``):
     #: quantized push and pull with the owner's error feedback. Every other scheme refuses such a gradient.
     carries_low_bits: ClassVar[bool] = False
+    #: Whether it takes ``op="contributors"``: each index of the sum divided by the number of ranks that sent
+    #: it, counted where the sum is made (``zen``'s owners: ``core/zen_count.py``). Every other scheme
+    #: refuses that op (the outer sync then sends ``(value, 1)`` rows through a plain sum instead).
+    counts_contributors: ClassVar[bool] = False
 
     def require_low_bits(self, bits: int, carriers: "list[str] | None" = None) -> None:
         """Called before the first step when ``zen.dgc.value_bits`` is set: raise unless this scheme carries
@@ -133,7 +138,16 @@ class SyncScheme(abc.ABC):
 
     def _validate(self, grad: SparseGrad | torch.Tensor, op: str, out: torch.Tensor | None):
         """``op``, every index inside ``[0, numel)``, ``out``; returns ``(dense numel, dtype, device)``."""
-        check_op(op)
+        if op == CONTRIBUTORS:
+            if not self.counts_contributors:
+                raise ValueError(f"op ({op!r}) must go with a scheme that counts the senders of each index "
+                                 f"(zen, zen_coo), not scheme {self.name!r}; send (value, 1) rows with op 'sum' "
+                                 f"instead")
+            if isinstance(grad, torch.Tensor):
+                raise ValueError(f"op ({op!r}) must be given a SparseGrad (a dense tensor does not say which "
+                                 f"indices a rank sent)")
+        else:
+            check_op(op)
         refuse_accumulated(self, grad, "scheme")
         if isinstance(grad, SparseGrad) and grad.lowbit is not None and not self.carries_low_bits:
             raise ValueError(low_bits_error(grad.lowbit.bits, f"scheme {self.name!r}"))

@@ -34,6 +34,7 @@ from .scheme import PartitionFn, SyncScheme
 from .types import SparseGrad, acc_dtype, as_sparse
 from .wire import pack
 from . import lowbit
+from .zen_count import CONTRIBUTORS, aggregate_counted
 from .zen_lowbit import sync_group_lowbit
 from .zen_wire import FMT_BY_NAME, FMT_NAMES, HEADER_BYTES, PULL_FORMATS, ZenCall, cheapest_format, pull_costs
 
@@ -67,6 +68,7 @@ class ZenScheme(SyncScheme):
     name = "zen"
     reduce_scatter_form = "zen"
     carries_low_bits = True  # zen.dgc.value_bits: core/zen_lowbit.py
+    counts_contributors = True  # op="contributors": the owners count the senders (core/zen_count.py)
     wire_phases = ("push_s", "pull_s")
 
     def __init__(
@@ -134,9 +136,10 @@ class ZenScheme(SyncScheme):
                 m_j = c.part.part_size(j)
                 if e == s:
                     send.append(torch.empty(0, dtype=torch.uint8, device=c.device))
-                elif (e - s) * (c.isz + c.vsz) >= m_j * c.vsz:
+                elif op != CONTRIBUTORS and (e - s) * (c.isz + c.vsz) >= m_j * c.vsz:
                     # Denser than the partition itself: send it dense (pre-summed), exactly m_j·vsz bytes,
-                    # which a COO payload (strictly smaller by this rule) can never be.
+                    # which a COO payload (strictly smaller by this rule) can never be. Not when the owner
+                    # counts senders (core/zen_count.py): a dense payload hides which positions were sent.
                     local = torch.zeros((m_j,) + c.row_shape, dtype=acc_dtype(c.dtype), device=c.device)
                     local.index_add_(0, c.pos_K[s:e].to(torch.int64), c.vals_K[s:e].to(local.dtype))
                     send.append(pack(local.to(c.dtype)))
@@ -162,9 +165,12 @@ class ZenScheme(SyncScheme):
         for i, c in enumerate(calls):
             c.timer.start("aggregate_s")
             c.m = c.part.part_size(rank)
-            c.acc, c.words, c.count_1 = ops.aggregate_push(
-                c.recv, c.m, c.width, c.dtype, c.isz, workspace=lambda c=c, i=i: self._workspace(
-                    c.m, c.width, c.dtype, c.device, slot=i))
+            if op == CONTRIBUTORS:  # the sum divided per position by its senders (core/zen_count.py)
+                c.acc, c.words, c.count_1 = aggregate_counted(c, c.recv)
+            else:
+                c.acc, c.words, c.count_1 = ops.aggregate_push(
+                    c.recv, c.m, c.width, c.dtype, c.isz, workspace=lambda c=c, i=i: self._workspace(
+                        c.m, c.width, c.dtype, c.device, slot=i))
             del c.recv
             c.timer.stop()
 

@@ -1,10 +1,11 @@
 """ZEN's all-reduce with low-bit values (``zen.dgc.value_bits``): ``ZenScheme._sync_group`` runs the
 gradients that carry ``SparseGrad.lowbit`` here. Design, formats and why: ``core/lowbit.py``.
 
-Host reads per group: the partition counts (as ZEN without value_bits), the owners' carried counts, and
-the pulled headers; none per peer (positions come from ``nonzero_static`` with counts already read). Ops per gradient are constant in the number of tensors; the push's
-payloads and the pull's parsing are views per peer (no kernel), and the bitmap of each pulled message
-is unpacked on its own (as ``decode_pull_`` runs per message).
+Host reads per group: the partition counts (as ZEN without value_bits) and the owners' carried counts;
+none per peer (positions come from ``nonzero_static`` with counts already read; the pull's headers are
+read by ``ops.decode_pulls_lowbit_``, once for all owners where it has no kernel). Ops per gradient are
+constant in the number of tensors; the push's payloads are views per peer (no kernel), and one op decodes
+every pulled message.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import torch
 
 from .. import ops
 from ..comm.base import Communicator
-from ..ops._reference import mask_to_words, words_to_mask
-from .lowbit import cheapest_format, push_count, segment_layout, value_bytes
+from ..ops._reference import mask_to_words
+from .lowbit import cheapest_format, push_count, segment_layout
 from .wire import pack, view_as
+from .zen_count import CONTRIBUTORS, divide_by_senders_, sender_counts
 from .zen_wire import FMT_BITMAP, FMT_COO, FMT_DENSE, FMT_NAMES, ZenCall
 
 
@@ -26,17 +28,23 @@ def sync_group_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: str,
     """Synchronize ``calls`` (element form, ``sg.lowbit`` set) with quantized push and pull.
 
     1. Partition by h0 (one host read of the group's partition counts).
-    2. Quantize each owner's segment (one op), give DGC the dequantized values (sender error feedback),
-       push ``[pos | scales | codes]`` to each owner.
-    3. Owner: dequantize every contribution (one op), sum in fp32 into its compact buffer, mark the
-       touched positions; one host read of the group's touched counts.
+    2. Gather and quantize each owner's segment, with DGC's sender error feedback, in one op
+       (``_quantize_sent``); push ``[pos | scales | codes]`` to each owner.
+    3. Owner: dequantize every contribution, sum in fp32 into its compact buffer and mark the touched
+       positions, in one op (``ops.dequantize_add_blocks_``); one host read of the group's touched counts.
     4. Owner: the carried positions (touched ones, or all when dense is cheapest), plus the owner
-       residual there, quantized (one op); the new owner residual is the sum minus what every rank will
-       apply; pull ``[format, count | index part | scales | codes]`` to every rank.
-    5. Every rank: one host read of the pulled headers, every message's positions mapped to indices,
-       one dequantize for all of them, one scatter into the result (mean's division before the cast).
+       residual there, quantized, and the new owner residual (the sum minus what every rank will
+       apply), in one op (``quantize_owned``); pull ``[format, count | index part | scales | codes]``.
+    5. Every rank: one op writes every owner's message into the result (``ops.decode_pulls_lowbit_``:
+       positions to indices, dequantize, mean's division before the cast, scatter; headers read by the op).
+    With ``op="contributors"`` the owner divides each position's sum by its senders at the end of step 3
+    (``core/zen_count.py``), so step 4 quantizes the averages.
     """
     n = comm.size
+    if op == CONTRIBUTORS and any(c.sg.lowbit.owner_residual is not None for c in calls):
+        raise ValueError("zen: op 'contributors' with low-bit values takes no owner residual (LowBitValues."
+                         "owner_residual must be None): the residual of an average over a varying number of "
+                         "senders has no meaning in the next step's sum")
     push_aggregate_lowbit(scheme, comm, calls, op)
     carried = torch.cat([c.count_1 for c in calls]).tolist()
 
@@ -63,36 +71,16 @@ def sync_group_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: str,
         pulls.append((c, fmt, comm.all_gather_v(msg)))
         c.timer.stop()
 
-    # Step 5: decode every owner's message into the result.
+    # Step 5: every owner's message decoded into the result by one op (it reads the headers itself; the
+    # oracle's one host read of them on devices without the kernel).
     results = []
     for (c, fmt, pulled), out, timing in zip(pulls, outs, timings):
         c.timer.start("decode_s")
         lb = c.sg.lowbit
-        heads = torch.stack([view_as(m, 0, 2, torch.int64) for m in pulled]).tolist()
-        idx, sc, cd, ends = [], [], [], []
-        for i, (msg, (f, k)) in enumerate(zip(pulled, heads)):
-            m_i = c.part.part_size(i)
-            at = 16
-            if f == FMT_BITMAP:
-                nw = (m_i + 63) // 64
-                p = torch.nonzero_static(words_to_mask(view_as(msg, at, nw, torch.int64), m_i), size=k).flatten()
-                at += 8 * nw
-            elif f == FMT_COO:
-                p = view_as(msg, at, k, c.idt).to(torch.int64)
-                at += k * c.isz
-            else:
-                p = torch.arange(m_i, device=c.device)
-            nb = (k + lb.block - 1) // lb.block
-            idx.append(c.part.indices_of(i, p))
-            sc.append(view_as(msg, at, nb, torch.float32))
-            cd.append(msg[at + 4 * nb: at + value_bytes(k, lb.bits, lb.block)])
-            ends.append((ends[-1] if ends else 0) + k)
-        vals = ops.dequantize_blocks(torch.cat(cd), torch.cat(sc), ends, lb.bits, lb.block)
-        if op == "mean":
-            vals = vals / n
         res = out if out is not None else torch.empty(c.sg.numel, dtype=c.dtype, device=c.device)
-        res.zero_()
-        res.index_copy_(0, torch.cat(idx), vals.to(c.dtype))
+        ops.zero_(res)
+        ops.decode_pulls_lowbit_(res, pulled, c.part.keys_on(c.device), c.isz, lb.bits, lb.block,
+                                 n if op == "mean" else 1)
         c.timer.write_into(timing)
         if timing is not None:
             timing["pull_format"] = FMT_NAMES[fmt]
@@ -121,9 +109,7 @@ def push_aggregate_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: 
     for c, bounds in zip(calls, bounds_G):
         c.timer.start("push_s")
         lb = c.sg.lowbit
-        codes, scales, deq = ops.quantize_blocks(c.sg.values.index_select(0, c.order_K), bounds, lb.bits, lb.block)
-        if lb.sender_feedback is not None:
-            lb.sender_feedback(c.order_K, deq)
+        codes, scales = _quantize_sent(c, bounds)
         elem, code_at, blk_at = segment_layout(bounds, lb.bits, lb.block)
         send = []
         for j in range(n):
@@ -132,7 +118,7 @@ def push_aggregate_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: 
                 send.append(torch.empty(0, dtype=torch.uint8, device=c.device))
             else:
                 send.append(pack(c.pos_K[s:e], scales[blk_at[j]:blk_at[j + 1]], codes[code_at[j]:code_at[j + 1]]))
-        del c.pos_K, codes, scales, deq
+        del c.pos_K, codes, scales
         if exchange is None:
             with comm.signed(c.sg.dense_numel, c.dtype, op, where=f"scheme {scheme.name!r}.sync"):
                 c.recv = comm.exchange_v(send)
@@ -159,13 +145,29 @@ def push_aggregate_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: 
         ends = list(itertools.accumulate(counts))
         c.acc = torch.zeros(c.m, dtype=torch.float32, device=c.device)
         c.touched = torch.zeros(c.m, dtype=torch.bool, device=c.device)
-        if pos:
-            pos_R = torch.cat(pos).to(torch.int64)
-            c.acc.index_add_(0, pos_R, ops.dequantize_blocks(torch.cat(cd), torch.cat(sc), ends, lb.bits, lb.block))
-            c.touched.index_fill_(0, pos_R, True)
+        if pos:  # dequantize, sum in sender order, mark: one op
+            ops.dequantize_add_blocks_(c.acc, c.touched, torch.cat(pos), torch.cat(cd), torch.cat(sc), ends, lb.bits,
+                                       lb.block)
+        if op == CONTRIBUTORS:  # each position divided by its senders before the pull quantizes it
+            divide_by_senders_(c.acc, sender_counts(pos, c.m, c.device))
         c.count_1 = c.touched.sum().reshape(1)
         del c.recv
         c.timer.stop()
+
+
+def _quantize_sent(c: ZenCall, bounds: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sender's step 2 for one call: its values in ``order_K`` (grouped by owner) quantized with a
+    segment per owner, and DGC's error feedback: written in the same pass where DGC's memory is one fp32
+    buffer of these very values (``LowBitValues.sender_residual``), else handed the dequantized values."""
+    lb = c.sg.lowbit
+    fused = lb.sender_residual() if lb.sender_residual is not None else None
+    if fused is not None and fused[2] is c.sg.values:
+        codes, scales, _ = ops.quantize_sent_(c.sg.values, c.order_K, fused[0], fused[1], bounds, lb.bits, lb.block)
+        return codes, scales
+    codes, scales, deq = ops.quantize_sent_(c.sg.values, c.order_K, None, None, bounds, lb.bits, lb.block)
+    if lb.sender_feedback is not None:
+        lb.sender_feedback(c.order_K, deq)
+    return codes, scales
 
 
 def quantize_owned(c: ZenCall, pos_C: torch.Tensor, seg_ends: list[int], divisor: int
@@ -173,22 +175,7 @@ def quantize_owned(c: ZenCall, pos_C: torch.Tensor, seg_ends: list[int], divisor
     """The owner's step 4 (shared with the reduce-scatter): the sums at its unique compact positions
     ``pos_C`` plus its owner residual there, quantized in segments ``seg_ends`` (one per receiver in the
     reduce-scatter); the owner residual there becomes the sum minus what the receivers will apply (the
-    old one kept where that is not finite). Returns ``(codes, scales)``."""
+    old one kept where that is not finite): one op (``ops.quantize_owned_``). Returns ``(codes, scales)``."""
     lb = c.sg.lowbit
-    S_C = c.acc.index_select(0, pos_C)
     R = lb.owner_residual(c.m, c.device) if lb.owner_residual is not None else None
-    if R is not None:
-        S_C = S_C + R.index_select(0, pos_C)
-    codes, scales, deq = ops.quantize_blocks(S_C, seg_ends, lb.bits, lb.block)
-    if R is not None:
-        new = S_C - _applied(deq, c.dtype, divisor)
-        R.index_copy_(0, pos_C, torch.where(torch.isfinite(new), new, R.index_select(0, pos_C)))
-    return codes, scales
-
-
-def _applied(deq: torch.Tensor, dtype: torch.dtype, divisor: int) -> torch.Tensor:
-    """The owner's sum as every rank applies it, back in sum units (fp32): ``deq / divisor`` cast to the
-    gradient's dtype, times ``divisor``, so the owner residual also keeps the cast's rounding."""
-    if divisor == 1:
-        return deq if dtype == torch.float32 else deq.to(dtype).to(torch.float32)
-    return (deq / divisor).to(dtype).to(torch.float32) * divisor
+    return ops.quantize_owned_(c.acc, pos_C, R, seg_ends, lb.bits, lb.block, c.dtype, divisor)

@@ -7,6 +7,10 @@ replica's gradients are bitwise those of the replica alone, and DDP keeps its re
 outer step runs from a post-step hook on the inner optimizer (``optimizer.register_step_post_hook``),
 so the loop needs no call of its own either.
 
+With ``zen.outer.delay: 1`` the outer sum runs on a communication thread over a process group of its own
+(built from DDP's group's members when the OuterSync is made): call ``outer.finish()`` at the end of
+training to apply the round still in flight.
+
 Per-step collectives DDP would still run are refused before training: ``broadcast_buffers`` with
 buffers (rank 0's buffers broadcast at every forward) and ``find_unused_parameters`` (the used-parameter
 map all-reduced at every backward).
@@ -45,7 +49,7 @@ def register_outer(ddp_model, cfg: "ZenConfig | dict", optimizer=None) -> OuterS
             ``optimizer.step()`` (a post-step hook). Without it, call ``outer.maybe_step(step)`` yourself.
 
     Returns:
-        The ``OuterSync`` (``state_dict`` for checkpoints, ``pop_stats``).
+        The ``OuterSync`` (``state_dict`` for checkpoints, ``pop_stats``, ``finish`` at the end of training).
 
     Raises:
         TypeError: not a DistributedDataParallel.

@@ -26,8 +26,14 @@ What is refused, before training (``NotImplementedError`` naming what is served)
 * fp16 / bf16: tested with fp32 weights only (under ZeRO-0 the fp32 master weights would miss the restart).
 * AutoTP, pipeline parallelism, MoE.
 
-Checkpoints (ZeRO-0; under ZeRO-1/2 ``save_checkpoint`` is refused: DeepSpeed names the partition files by
-data-parallel rank and lets data-parallel rank 0 write the model, so the replica groups' files would
+``zen.outer.delay: 1`` (the sum of round t on a communication thread over a process group of its own while
+round t + 1 trains, ``outer/sync.py``): ``finish()`` applies the last round; ``close()`` calls it, and
+``recipes/finetune_llm.py`` calls it before its final evaluation. A checkpoint holds the round in flight
+(its sum waited for, the merge still due), so resuming stays bitwise. ZeRO-0 only: under ZeRO-1/2 the
+merge would also have to reach the weights (refused).
+
+Checkpoints (ZeRO-0; under ZeRO-1/2 ``save_checkpoint`` is refused: DeepSpeed names the partition files
+by data-parallel rank and lets data-parallel rank 0 write the model, so the replica groups' files would
 overwrite each other): DeepSpeed's ZeRO-0 checkpoint holds rank 0's weights and optimizer state only (it assumes
 equal replicas), but between outer steps each replica has its own. ``save_checkpoint`` /
 ``load_checkpoint`` therefore also write and read, per rank, ``<dir>/<tag>/zen_ext/outer_rank<r>.pt``:
@@ -73,6 +79,10 @@ class OuterDeepSpeed:
         if engine.fp16_enabled() or engine.bfloat16_enabled():
             raise NotImplementedError(f"{SERVED}; got {'fp16' if engine.fp16_enabled() else 'bf16'} (the "
                                       f"optimizer's fp32 master weights would miss the outer restart)")
+        if stage and cfg.outer.delay:
+            raise NotImplementedError(f"{SERVED}; zen.outer.delay ({cfg.outer.delay}) must be 0 under ZeRO-{stage}: "
+                                      f"the round merged late would also have to reach the weights (update_lp_params), "
+                                      f"not built; delay 1 is served under ZeRO-0")
         tp = engine.autotp_size() if hasattr(engine, "autotp_size") else 1
         if (tp or 1) > 1 or getattr(engine, "pipeline_parallelism", False) or getattr(engine, "has_moe_layers", False):
             raise NotImplementedError(f"{SERVED}; not AutoTP, pipeline parallelism or MoE")
@@ -83,7 +93,8 @@ class OuterDeepSpeed:
         if stage == 0:
             named = engine.module.named_parameters()
         else:  # the optimizer's flat fp32 partitions, across the ranks holding the same ones
-            named = [(f"fp32_partition{i}", t) for i, t in enumerate(engine.optimizer.single_partition_of_fp32_groups)]
+            parts = engine.optimizer.single_partition_of_fp32_groups
+            named = [(f"fp32_partition{i}", t) for i, t in enumerate(parts)]
             group = replicate_group(group, stage)
         self.outer = OuterSync(named, TorchCommunicator(group, cfg.exchange_impl),
                                cfg.outer, scheme=cfg.build_scheme(), bucket_cap_mb=cfg.bucket_cap_mb)
@@ -106,7 +117,7 @@ class OuterDeepSpeed:
             print(f"zen_ext: zen.outer on DeepSpeed {where}{self.dp_size} replicas): every {o.every} steps, "
                   f"density {o.density:g} per {o.chunk}-element chunk, error decay {o.error_decay:g}, outer SGD lr "
                   f"{o.lr:g} momentum {o.momentum:g}{' nesterov' if o.nesterov else ''}, average {o.average}, "
-                  f"scheme {cfg.scheme}", flush=True)
+                  f"scheme {cfg.scheme}{', delay 1 (overlapped)' if o.delay else ''}", flush=True)
 
     def _local_bucket(self, bucket, dp_group, dp_world_size=None):
         """The engine's ``allreduce_bucket`` contract (flatten, reduce, return the flat tensor), reducing
@@ -129,13 +140,22 @@ class OuterDeepSpeed:
             if self.outer.step_done():
                 if self.stage:  # the partitions into the weights, all-gathered inside the replica group
                     eng.optimizer.update_lp_params()
-                st = self.outer.pop_stats()
-                for k in ("bytes_sent", "outer_steps", "picks", "numel"):
-                    self.totals[k] += st[k]
+                self._count()
             n = self.dp_size
             # what a per-step dense ring all-reduce would have sent for this step
             self.totals["dense_bytes"] += 2 * (n - 1) * 4 * sum(b.numel for b in self.outer.buckets) // n
         return out
+
+    def _count(self) -> None:
+        st = self.outer.pop_stats()
+        for k in ("bytes_sent", "outer_steps", "picks", "numel"):
+            self.totals[k] += st[k]
+
+    def finish(self) -> None:
+        """Apply the outer round still in flight (``zen.outer.delay: 1``; nothing at delay 0): call it on every
+        rank at the end of training, before evaluating or saving the final model (``OuterSync.finish``)."""
+        self.outer.finish()
+        self._count()
 
     # --- what the recipes read ------------------------------------------------------------------------------
     def annotate(self, **_) -> None:
@@ -150,10 +170,13 @@ class OuterDeepSpeed:
                 f"{t['picks']:,} of {t['numel']:,} entries picked")
 
     def close(self) -> None:
-        """End of training: rank 0 prints ``summary()`` (``zen.stats.summary``), once."""
+        """End of training: ``finish()``, the communication thread stopped (``delay: 1``), rank 0 prints
+        ``summary()`` (``zen.stats.summary``); once."""
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        self.outer.close()
+        self._count()
         if self.rank == 0 and self.cfg.stats.summary:
             print(self.summary(), flush=True)
 
@@ -163,10 +186,11 @@ class OuterDeepSpeed:
 
     def _save_checkpoint(self, save_dir, tag=None, *args, **kwargs):
         if self.stage:
-            raise NotImplementedError(f"zen.outer on DeepSpeed ZeRO-{self.stage} inside replica groups: save_checkpoint is "
-                                      f"not served: DeepSpeed names the partition files by data-parallel rank and lets "
-                                      f"data-parallel rank 0 write the model, so the replica groups would overwrite each "
-                                      f"other's files; ZeRO-0 checkpoints are served")
+            raise NotImplementedError(f"zen.outer on DeepSpeed ZeRO-{self.stage} inside replica groups: "
+                                      f"save_checkpoint is not served: DeepSpeed names the partition files by "
+                                      f"data-parallel rank and lets data-parallel rank 0 write the model, so the "
+                                      f"replica groups would overwrite each other's files; ZeRO-0 checkpoints are "
+                                      f"served")
         tag = checkpoint_tag(self.engine, tag)
         out = self._orig_save(save_dir, tag, *args, **kwargs)
         path = self._path(save_dir, tag)
@@ -177,9 +201,9 @@ class OuterDeepSpeed:
 
     def _load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
         if self.stage:
-            raise NotImplementedError(f"zen.outer on DeepSpeed ZeRO-{self.stage} inside replica groups: load_checkpoint is "
-                                      f"not served (nor save_checkpoint: DeepSpeed's per-data-parallel-rank files "
-                                      f"would collide across the replica groups)")
+            raise NotImplementedError(f"zen.outer on DeepSpeed ZeRO-{self.stage} inside replica groups: "
+                                      f"load_checkpoint is not served (nor save_checkpoint: DeepSpeed's "
+                                      f"per-data-parallel-rank files would collide across the replica groups)")
         load_path, client_state = self._orig_load(load_dir, tag, *args, **kwargs)
         if load_path is None:
             return load_path, client_state

@@ -71,7 +71,9 @@ class FSDPOuterSync(OuterSync):
         super().outer_step()
 
     def close(self) -> None:
-        """FSDP's own cross-replica all-reduce is back (each parameter group's replicate group). Idempotent."""
+        """``OuterSync.close``, then FSDP's own cross-replica all-reduce is back (each parameter group's
+        replicate group). Idempotent."""
+        super().close()
         for info, native in self._native:
             info.replicate_process_group = native
         self._native = []
@@ -124,6 +126,10 @@ def register_outer(model: torch.nn.Module, cfg: "ZenConfig | dict", optimizer=No
     cfg = cfg if isinstance(cfg, ZenConfig) else ZenConfig.from_dict(cfg)
     if not (cfg.enabled and cfg.outer.enabled):
         raise ValueError("zen.outer.enabled (False) must be true to register the outer synchronization")
+    if cfg.outer.delay:
+        raise NotImplementedError(f"{SERVED}; zen.outer.delay ({cfg.outer.delay}) must be 0 on FSDP2 HSDP: the "
+                                  f"overlapped round (delay 1) is served by DDP and DeepSpeed ZeRO-0, not built for "
+                                  f"the shards")
     check_fsdp_internals(model, path="HSDP")
     found = hsdp_param_groups(model)
     if not found:

@@ -21,6 +21,9 @@ import torch
 
 from . import _reference, _reference_dgc, _reference_lowbit
 from ._reference_dgc import INT4_BLOCK
+from ._reference_lowbit import FUSED_LOWBIT_OPS
+from .counts import read_aggregate_count, read_aggregate_counts
+from .views import concat_view
 from ._reference import MAX_NUMEL, NUM_ROUNDS, derive_keys, domain_bits
 
 log = logging.getLogger(__name__)
@@ -36,10 +39,11 @@ if os.environ.get("ZEN_DISABLE_CPP_OP", "0") != "1":
 
 __all__ = [
     "HAVE_CPP_OP", "MAX_NUMEL", "NUM_ROUNDS", "derive_keys", "domain_bits", "permute", "hash_partition",
-    "aggregate_push", "aggregate_push_into", "read_aggregate_count", "encode_pull", "decode_pull_", "has_dgc_select_op", "dgc_accumulate_select_",
+    "aggregate_push", "aggregate_push_into", "read_aggregate_count", "encode_pull", "decode_pull_", "decode_pulls_lowbit_", "has_dgc_select_op", "dgc_accumulate_select_",
     "has_dgc_search_op", "dgc_threshold_search", "has_dgc_gather_kept_op", "dgc_gather_kept", "has_dgc_sample_op", "dgc_sample_keys", "dgc_sort_unkey", "dgc_all_finite",
     "gather_list", "emulate_cuda_layout", "has_dgc_int4_op", "dgc_int4_select", "dgc_int4_requantize_", "dgc_int4_gather",
     "INT4_BLOCK", "force_reference", "catch_up_adamw_", "quantize_blocks", "dequantize_blocks", "has_lowbit_op",
+    "quantize_sent_", "dequantize_add_blocks_", "quantize_owned_", "FUSED_LOWBIT_OPS",
 ]
 
 if HAVE_CPP_OP:
@@ -214,28 +218,6 @@ def aggregate_push(
     return acc, words, count
 
 
-def read_aggregate_count(count: torch.Tensor) -> int:
-    """The aggregated count from ``aggregate_push``'s or ``aggregate_push_into``'s count tensor, in one
-    host read; raises where the CUDA op skipped pushed positions outside the partition (a payload
-    that does not match this server's layout), as the CPU op does when it meets one."""
-    return read_aggregate_counts([count])[0]
-
-
-def read_aggregate_counts(counts: list[torch.Tensor]) -> list[int]:
-    """``read_aggregate_count`` of several count tensors (of one device) in one host read."""
-    sizes = [c.numel() for c in counts]
-    flat = (counts[0] if len(counts) == 1 else torch.cat([c.reshape(-1) for c in counts])).tolist()
-    got, at = [], 0
-    for size in sizes:
-        words = flat[at : at + size]
-        at += size
-        if len(words) > 1 and words[1]:
-            raise RuntimeError(f"aggregate_push: {words[1]} pushed position(s) lie outside this server's partition "
-                               "(a payload that does not match the agreed layout)")
-        got.append(int(words[0]))
-    return got
-
-
 def aggregate_push_into(
     acc: torch.Tensor, words: torch.Tensor, payloads: list[torch.Tensor], width: int, dtype: torch.dtype,
     idx_bytes: int,
@@ -264,6 +246,19 @@ def decode_pull_(
     """Write server ``part``'s pull message into ``out`` (``numel`` rows) at ``P⁻¹(p·n + part)``: bitmap
     words scanned with popcount/ctz, no bool array, no ``nonzero``; the header is read by the op."""
     _dispatch("decode_pull_", out, _reference.decode_pull_)(out, msg, part, num_parts, keys_R, idx_bytes)
+
+
+def decode_pulls_lowbit_(out: torch.Tensor, msgs: list[torch.Tensor], keys_R: torch.Tensor, idx_bytes: int,
+                         bits: int, block: int, divisor: int) -> None:
+    """``zen.dgc.value_bits``' pull: every owner's low-bit message (``msgs[i]`` from owner ``i``) written into
+    ``out`` (1-D, zeroed by the caller), ``q · scale / divisor`` cast to ``out``'s dtype at ``P⁻¹(p·n + i)``;
+    one op per bucket, the headers read by the op. CPU only: elsewhere its oracle composes the device's
+    ``permute`` and ``dequantize_blocks`` kernels (``_reference_lowbit.decode_pulls_lowbit_``: one host read)."""
+    args = (out, list(msgs), keys_R, int(idx_bytes), int(bits), int(block), int(divisor))
+    if _has_kernel("decode_pulls_lowbit_", out):
+        torch.ops.zen_ext.decode_pulls_lowbit_(*args)
+    else:
+        _reference_lowbit.decode_pulls_lowbit_(*args, permute=permute, dequantize=dequantize_blocks)
 
 
 def zero_(t: torch.Tensor) -> torch.Tensor:
@@ -434,8 +429,8 @@ def dgc_int4_gather(codes: torch.Tensor, scales: torch.Tensor, ends_T: torch.Ten
     return _reference_dgc.dgc_int4_gather(codes, scales, ends_T, blocks_T, pos)
 
 
-def has_lowbit_op(t: torch.Tensor) -> bool:  # tests: whether both low-bit ops have kernels for t's device
-    return _has_kernel("quantize_blocks", t) and _has_kernel("dequantize_blocks", t)
+def has_lowbit_op(t: torch.Tensor) -> bool:  # tests: whether every low-bit op has a kernel for t's device
+    return all(_has_kernel(op, t) for op in ("quantize_blocks", "dequantize_blocks", *FUSED_LOWBIT_OPS))
 
 
 def quantize_blocks(values: torch.Tensor, seg_ends: list[int], bits: int, block: int):
@@ -451,28 +446,28 @@ def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, seg_ends: list[
         codes, scales, [int(e) for e in seg_ends], int(bits), int(block))
 
 
+def quantize_sent_(values, order, residual, res_pos, seg_ends: list[int], bits: int, block: int):
+    """The sender's pass: ``quantize_blocks(values[order])``, with ``residual`` its error feedback too."""
+    return _dispatch("quantize_sent_", values, _reference_lowbit.quantize_sent_)(
+        values, order, residual, res_pos, [int(e) for e in seg_ends], int(bits), int(block))
+
+
+def dequantize_add_blocks_(acc, touched, pos, codes, scales, seg_ends: list[int], bits: int, block: int) -> None:
+    """The owner's aggregation pass: ``acc[pos[i]] += x̂_i`` in order (fp32), ``touched[pos] = True``."""
+    _dispatch("dequantize_add_blocks_", acc, _reference_lowbit.dequantize_add_blocks_)(
+        acc, touched, pos, codes, scales, [int(e) for e in seg_ends], int(bits), int(block))
+
+
+def quantize_owned_(acc, pos, residual, seg_ends: list[int], bits: int, block: int, applied_dtype, divisor: int):
+    """The owner's pull pass: ``s = acc[pos] (+ residual[pos])`` quantized, the residual updated."""
+    return _dispatch("quantize_owned_", acc, _reference_lowbit.quantize_owned_)(
+        acc, pos, residual, [int(e) for e in seg_ends], int(bits), int(block), applied_dtype, int(divisor))
+
+
 def gather_list(g_T: list[torch.Tensor], pos: torch.Tensor) -> torch.Tensor:
     """Values of the concatenation of the contiguous tensors ``g_T`` at int64 positions ``pos`` (the
     C++ op on the CPU; elsewhere one gather from ``concat_view``)."""
     return _dispatch("gather_list", g_T[0], lambda g_T, pos: concat_view(g_T).index_select(0, pos))(g_T, pos)
-
-
-def concat_view(g_T: list[torch.Tensor]) -> torch.Tensor:
-    """The concatenation of the contiguous 1-D tensors ``g_T``: a view when they lie back to back in one
-    storage (an engine bucket's slices), else a copy."""
-    first = g_T[0]
-    if len(g_T) == 1:
-        return first
-    esz, ptr = first.element_size(), first.data_ptr()
-    total, adjacent = 0, True
-    for g in g_T:
-        if g.numel() and (g.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()
-                          or g.data_ptr() != ptr + total * esz or not g.is_contiguous()):
-            adjacent = False
-        total += g.numel()
-    if adjacent:
-        return first.as_strided((total,), (1,))
-    return torch.cat(g_T)
 
 
 # --- CatchUpAdamW's step --------------------------------------------------------------------------------------

@@ -51,6 +51,11 @@ def _decode_pull(out, msg, part, num_parts, keys, idx_bytes):
     return None
 
 
+@_register("zen_ext::decode_pulls_lowbit_")
+def _decode_pulls_lowbit(out, msgs, keys, idx_bytes, bits, block, divisor):
+    return None
+
+
 @_register("zen_ext::zero_")
 def _zero(t):
     return None
@@ -121,3 +126,21 @@ def _quantize_blocks(values, seg_ends, bits, block):
 @_register("zen_ext::dequantize_blocks")
 def _dequantize_blocks(codes, scales, seg_ends, bits, block):
     return scales.new_empty(seg_ends[-1] if len(seg_ends) else 0)
+
+
+@_register("zen_ext::quantize_sent_")
+def _quantize_sent(values, order, residual, res_pos, seg_ends, bits, block):
+    _, code, blk = _reference_lowbit.layout(list(seg_ends), bits, block)
+    return (values.new_empty(code[-1], dtype=torch.uint8), values.new_empty(blk[-1], dtype=torch.float32),
+            values.new_empty(order.shape[0], dtype=torch.float32))
+
+
+@_register("zen_ext::dequantize_add_blocks_")
+def _dequantize_add_blocks(acc, touched, pos, codes, scales, seg_ends, bits, block):
+    return None
+
+
+@_register("zen_ext::quantize_owned_")
+def _quantize_owned(acc, pos, residual, seg_ends, bits, block, applied_dtype, divisor):
+    _, code, blk = _reference_lowbit.layout(list(seg_ends), bits, block)
+    return acc.new_empty(code[-1], dtype=torch.uint8), acc.new_empty(blk[-1], dtype=torch.float32)

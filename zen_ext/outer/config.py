@@ -19,8 +19,11 @@ from .._keys import unknown_keys_message
 
 AVERAGES = ("mean", "contributors")
 STATE_DEVICES = ("cpu", "device")
-DELAYS = (0,)
-"""Supported ``delay`` values. Streaming-DiLoCo's overlap (``delay: 1``) is not built: refused by name."""
+VALUE_BITS = (8, 4)
+"""``value_bits``' values (``core/lowbit.py``'s: ZEN's low-bit wire)."""
+DELAYS = (0, 1)
+"""Supported ``delay`` values: 0 (the outer update applied at once) or 1 (Streaming DiLoCo's overlap: the
+sum of round t runs while round t + 1 trains and is applied at the next outer step, ``outer/sync.py``)."""
 
 _PATH = "zen.outer"
 
@@ -57,8 +60,14 @@ class OuterConfig:
     """Where θ_global, the error feedback and the outer momentum live: ``"cpu"`` (as SparseLoCo keeps
     them) or ``"device"`` (the parameters' device). Default cpu."""
     delay: int = 0
-    """Rounds the outer update is applied late: 0 (applied at once). 1 (Streaming DiLoCo's overlap) is
-    not supported. Default 0."""
+    """Rounds the outer update is applied late: 0 (applied at once, every replica restarts from θ_global)
+    or 1 (Streaming DiLoCo's overlap: the sum of round t runs on a communication thread while round t + 1
+    trains and is merged into each replica at the next outer step; call ``finish()`` at the end of
+    training). Default 0."""
+    value_bits: int | None = None
+    """Bits per picked value on the wire: 8 or 4 (block-quantized, an fp32 scale per 128 values; what
+    quantization loses stays in the error feedback), or unset: fp32. ZEN schemes only (``zen``,
+    ``zen_coo``), density < 1. Default unset (SparseLoCo sends 2-bit values)."""
 
     def __post_init__(self) -> None:
         for name in ("enabled", "nesterov"):
@@ -96,12 +105,14 @@ class OuterConfig:
             raise ValueError(f"{_PATH}.average ({self.average!r}) must be one of {list(AVERAGES)}")
         if self.state_device not in STATE_DEVICES:
             raise ValueError(f"{_PATH}.state_device ({self.state_device!r}) must be one of {list(STATE_DEVICES)}")
-        if self.delay == 1:
-            raise NotImplementedError(
-                f"{_PATH}.delay ({self.delay!r}) must be 0: the Streaming-DiLoCo overlap (the outer sync of round "
-                f"t applied during round t+1) is not built; zen.outer serves delay 0 (applied at once)")
         if self.delay not in DELAYS:
-            raise ValueError(f"{_PATH}.delay ({self.delay!r}) must be one of {list(DELAYS)}")
+            raise ValueError(f"{_PATH}.delay ({self.delay!r}) must be 0 or 1")
+        if self.value_bits is not None:
+            if isinstance(self.value_bits, bool) or self.value_bits not in VALUE_BITS:
+                raise ValueError(f"{_PATH}.value_bits ({self.value_bits!r}) must be one of {list(VALUE_BITS)} or unset")
+            if self.dense:
+                raise ValueError(f"{_PATH}.value_bits ({self.value_bits!r}) must be unset with {_PATH}.density 1 "
+                                 f"(the dense all-reduce carries fp32 values)")
         for name in ("density", "error_decay", "lr", "momentum"):  # ints accepted in JSON, floats kept
             setattr(self, name, float(getattr(self, name)))
 

@@ -71,7 +71,7 @@ from ..core.types import SparseGrad, as_sparse
 from . import cost_model as cm
 from .calibration import Calibration, calibrate
 from .candidates import candidate_schemes, candidates_text, candidates_text_of, mean_predictions, priority
-from .low_bits import low_bit_options, narrow_to_low_bits
+from .low_bits import low_bit_options, narrow_to_low_bits, replan_for_value_bits
 from .network import Network, modeled_time_s
 from .profile import SparsityProfile, local_profile, nonzero_blocks, sample_parts_for
 from .refinement import Refinement, Wire
@@ -228,18 +228,21 @@ class AutoScheme(SyncScheme):
         return {"version": _STATE_VERSION, "options": self.options(), "slices": slices,
                 "calibration": {r: c.state() for r, c in self._calib.items()},
                 "refinement": {r: ref.state() for r, ref in self._refine.items()},
-                "runs": {r: dict(v) for r, v in self._runs.items()}}
+                "runs": {r: dict(v) for r, v in self._runs.items()}, "low_bits": dict(self._low_bits)}
 
     def load_state_dict(self, sd: dict) -> None:
         """Restore ``state_dict()``: the next syncs continue where the saved run was.
 
         Raises:
             ValueError: a state of another version, or saved with other planner options (a different
-                candidate set or model would make the saved choices meaningless).
+                candidate set or model would make the saved choices meaningless); one that differs only
+                by ``zen.dgc.value_bits`` keeps its calibration and re-plans (``replan_for_value_bits``).
         """
         if not isinstance(sd, dict) or sd.get("version") != _STATE_VERSION:
             raise ValueError(f"auto state_dict version ({sd.get('version') if isinstance(sd, dict) else sd!r}) "
                              f"must be {_STATE_VERSION}")
+        if replan_for_value_bits(self, sd):  # zen.dgc.value_bits changed: the calibration only
+            return
         if sd.get("options") != self.options():
             raise ValueError(f"auto state_dict options ({sd.get('options')}) must equal this planner's "
                              f"({self.options()}); resume with the same zen.planner settings")

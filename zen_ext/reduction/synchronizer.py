@@ -386,6 +386,8 @@ class Synchronizer:
                 log.warning("zen: resuming with a different %s config: saved %s, now %s", kind, cfg, now)
         sparsifiers = sd["sparsifiers"] if per_rank else {**sd["sparsifiers"], "params": {}}
         self.state.load_state_dict(sparsifiers)
+        for kind, sp in self.sparsifiers.items():  # e.g. DGC's owner residuals under other value_bits
+            sp.resumed(sd.get("configs", {}).get(kind), per_rank)
         if "scheme" in sd and hasattr(self.scheme, "load_state_dict"):
             self.scheme.load_state_dict(sd["scheme"])
 

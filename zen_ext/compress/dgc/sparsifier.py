@@ -220,6 +220,32 @@ class DGCSparsifier(Sparsifier):
                     t.copy_(old)
         self._journal, self._discard = {}, False
 
+    def resumed(self, saved_config: dict | None, restored: bool) -> None:
+        """Reconcile the owner residuals (``value_bits``) with a checkpoint saved under other settings:
+
+        1. value_bits (or owner_error_feedback) now off: drop the saved owner residuals, with a log line
+           (they hold sums not applied yet; no later step reads them, and they would be saved forever).
+        2. Now on, saved off: the owner residuals start at zero (``state.tensor`` on first use), with a
+           log line; the sender residuals restored are exact either way (DGC's residual is the same memory
+           with or without value_bits).
+        """
+        owners = [k for k in self.state.params if k.startswith(OWNER_KEY)]
+        on = self.config.value_bits is not None and self.config.owner_error_feedback
+        # Step 1: off now.
+        if owners and not on:
+            numel = sum(int(t.numel()) for k in owners for t in self.state.params[k].values())
+            for k in owners:
+                del self.state.params[k]
+            logger.info("zen: dropping the owner residuals of %d bucket(s) (%d elements) from the checkpoint: "
+                        "zen.dgc.value_bits is %s and owner_error_feedback %s in this run",
+                        len(owners), numel, self.config.value_bits, self.config.owner_error_feedback)
+        # Step 2: on now, off when saved.
+        was_on = bool(saved_config) and saved_config.get("value_bits") is not None and bool(
+            saved_config.get("owner_error_feedback", True))
+        if on and restored and not was_on:
+            logger.info("zen: the owner residuals start at zero: the checkpoint was saved without zen.dgc.value_bits "
+                        "(or without owner_error_feedback); this run quantizes in %d bits", self.config.value_bits)
+
     # --- compression --------------------------------------------------------------------------------
     def compress(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad:
         """Select what ``grads`` send this step and keep the rest in the residuals (``_compress``); with
@@ -255,18 +281,24 @@ class DGCSparsifier(Sparsifier):
             return LowBitValues(cfg.value_bits, sender_feedback=None, owner_residual=owner)
         pos_K, sent_K = sg.indices, sg.values
 
+        int4 = int4_applies(cfg.residual_dtype, wire)
+        mdt = memory_dtype(wire, cfg.residual_dtype)
+
         def feedback(order_K: torch.Tensor, deq_K: torch.Tensor) -> None:
             idx = pos_K.index_select(0, order_K)
             sent = sent_K.index_select(0, order_K)
-            if int4_applies(cfg.residual_dtype, wire):
+            if int4:
                 lay = self._layout(names, numels, device)
                 int4_add_at(self.state, lay, idx, sent.to(torch.float32) - deq_K)
             else:
-                mdt = memory_dtype(wire, cfg.residual_dtype)
                 R, _ = self.state.flat(names, numels, "residual", mdt, device)
                 R.index_add_(0, idx, sent.to(mdt) - deq_K.to(mdt))
 
-        return LowBitValues(cfg.value_bits, sender_feedback=feedback, owner_residual=owner)
+        def fused() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # the fp32 residual: one buffer
+            return self.state.flat(names, numels, "residual", mdt, device)[0], pos_K, sent_K
+
+        return LowBitValues(cfg.value_bits, sender_feedback=feedback, owner_residual=owner,
+                            sender_residual=fused if not int4 and mdt == torch.float32 else None)
 
     def _compress(self, grads: Sequence[NamedGrad], tp_comm=None) -> SparseGrad:
         """Select what ``grads`` send this step and keep the rest in the residuals.
