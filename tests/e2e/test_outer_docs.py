@@ -71,3 +71,12 @@ def test_readme_excerpt_is_lines_of_the_ddp_snippet():
     start = lines.index(next(x for x in lines if x.startswith("<!-- snippet: outer-excerpt"))) + 2
     excerpt = lines[start:lines.index("```", start)]
     assert excerpt and all(line in ddp.splitlines() for line in excerpt), excerpt
+
+
+def test_readme_fsdp_excerpt_is_lines_of_the_hsdp_snippet():
+    """README.md's FSDP2 HSDP excerpt is verbatim lines of the HSDP block this file runs on 4 ranks."""
+    (hsdp,) = [t for n, run, lang, t in _blocks() if n == "fsdp-hsdp-outer"]
+    lines = open(os.path.join(ROOT, "README.md")).read().splitlines()
+    start = lines.index(next(x for x in lines if x.startswith("<!-- snippet: outer-fsdp-excerpt"))) + 2
+    excerpt = lines[start:lines.index("```", start)]
+    assert len(excerpt) == 3 and all(line in hsdp.splitlines() for line in excerpt), excerpt
