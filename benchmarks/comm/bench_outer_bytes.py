@@ -116,7 +116,7 @@ def run_replicas(args, model, start_flat, blocks, R: int) -> tuple[list[list[dic
             outers[comm.rank] = _Measured(views[comm.rank], comm, cfg, scheme="zen", compare=compare,
                                           bucket_cap_mb=args.bucket_cap_mb)
         o = outers[comm.rank]
-        o.comm = comm  # this round's SimWorld communicator
+        o.comm = o.sum_comm = comm  # this round's SimWorld communicator (the sum runs on sum_comm since delay 1)
         o.outer_step()
 
     world = SimWorld(R, max_active=args.max_active)
