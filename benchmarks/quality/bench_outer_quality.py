@@ -17,8 +17,14 @@ replica on its own shard, for ``--steps`` inner steps (AdamW lr ``--lr``, clip 1
   drives a second SimWorld's ranks);
 * ``average``, ``average_delay1``: density 1, outer SGD lr 1 without momentum (the replicas' parameters
   averaged: local SGD), at delay 0 and 1: what the delay costs without DiLoCo's outer momentum.
+* ``outer_d0625``, ``outer_d25``, ``outer_h5``, ``outer_d0625_h5``, ``outer_d25_h5``: ``outer`` denser
+  (top-256 or top-1,024 of 4,096) and / or synced every 5 steps (H = 5 whatever ``--every`` is; ``--every``
+  must then be a multiple of 5): the settings between SparseLoCo's defaults and dense DiLoCo, for time to
+  quality; ``outer_d25_4bit``, ``outer_d0625_h5_4bit``, ``outer_d25_h5_4bit`` with ``value_bits: 4``; ``outer_nesterov``,
+  ``outer_d0625_nesterov``, ``outer_d25_nesterov``: DiLoCo's outer optimizer (lr 0.7, momentum 0.9, Nesterov)
+  on the sparse sums.
 
-Every variant syncs every H = ``--every`` steps (``--steps`` a multiple of it), so the eval loss is that of
+Every variant but the ``_h5`` ones syncs every H = ``--every`` steps (``--steps`` a multiple of it), so the eval loss is that of
 θ_global, on the held-out blocks of the second half, every ``--eval_every`` outer steps. At ``delay: 1``
 θ_global is read from ``state_dict()`` (which waits for the round's sum: θ_global then holds every round
 started, what ``finish()`` would leave there) into a copy of the model, so evaluating changes nothing in the
@@ -34,6 +40,7 @@ for the overlap's cost)
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -61,6 +68,17 @@ VARIANTS = {
     "outer_delay1": dict(delay=1),
     "average": dict(density=1, lr=1.0, average="mean"),
     "average_delay1": dict(density=1, lr=1.0, average="mean", delay=1),
+    "outer_d0625": dict(density=0.0625),
+    "outer_d25": dict(density=0.25),
+    "outer_h5": dict(every=5),
+    "outer_d0625_h5": dict(density=0.0625, every=5),
+    "outer_d25_h5": dict(density=0.25, every=5),
+    "outer_nesterov": dict(lr=0.7, momentum=0.9, nesterov=True),
+    "outer_d0625_nesterov": dict(density=0.0625, lr=0.7, momentum=0.9, nesterov=True),
+    "outer_d25_nesterov": dict(density=0.25, lr=0.7, momentum=0.9, nesterov=True),
+    "outer_d25_4bit": dict(density=0.25, value_bits=4),
+    "outer_d0625_h5_4bit": dict(density=0.0625, every=5, value_bits=4),
+    "outer_d25_h5_4bit": dict(density=0.25, every=5, value_bits=4),
 }
 
 
@@ -112,15 +130,18 @@ def run_variant(name, args, start_sd, train, evalb, seed: int, R: int):
         model.load_state_dict(start_sd)
         opt = _opt(model, args.lr)
         shards = [train_batches(train, args.micro_batch, r, R, seed=seed) for r in range(R)]
-        losses = []
+        losses, step_s = [], []
         for step in range(1, args.steps + 1):
+            t0 = time.perf_counter()
             _step(model, opt, torch.cat([next(s) for s in shards]))
+            step_s.append(time.perf_counter() - t0)
             if step % (args.every * args.eval_every) == 0 or step == args.steps:
                 losses.append(_eval(model, evalb))
         numel = sum(p.numel() for p in model.parameters())
-        return losses, 2 * (R - 1) / R * numel * 4
+        # one process steps on all R micro-batches: a replica's share of the compute is 1/R of it
+        return losses, 2 * (R - 1) / R * numel * 4, _timing([t / R for t in step_s], [], 1)
 
-    cfg = dict(enabled=True, every=args.every, **VARIANTS[name])
+    cfg = {"enabled": True, "every": args.every, **VARIANTS[name]}  # a variant may set its own H
     delayed = cfg.get("delay", 0) == 1
     overlap = SimWorld(R).communicators() if delayed else [None] * R
 
@@ -130,10 +151,15 @@ def run_variant(name, args, start_sd, train, evalb, seed: int, R: int):
         opt = _opt(model, args.lr)
         outer = OuterSync(model.named_parameters(), comm, cfg, scheme="zen", overlap_comm=overlap[comm.rank])
         batches = train_batches(train, args.micro_batch, comm.rank, R, seed=seed)
-        losses = []
+        losses, inner_s, outer_s = [], [], []
         for step in range(1, args.steps + 1):
+            t0 = time.perf_counter()
             _step(model, opt, next(batches))
+            t1 = time.perf_counter()
             outer.maybe_step(step)
+            inner_s.append(t1 - t0)
+            if step % cfg["every"] == 0:
+                outer_s.append(time.perf_counter() - t1)
             if step == args.steps:
                 outer.finish()  # delay 1: the last round's sum merged (nothing at delay 0)
             if comm.rank == 0 and (step % (args.every * args.eval_every) == 0 or step == args.steps):
@@ -143,10 +169,18 @@ def run_variant(name, args, start_sd, train, evalb, seed: int, R: int):
                     losses.append(_eval(model, evalb))  # right after an outer step (and finish): θ_global
         stats = outer.pop_stats()
         outer.close()
-        return losses, stats["bytes_sent"] / args.steps
+        return losses, stats["bytes_sent"] / args.steps, _timing(inner_s, outer_s, cfg["every"])
 
     res = SimWorld(R, max_active=R if delayed else 2).run(replica)
-    return res[0][0], statistics.mean(r[1] for r in res)
+    return res[0][0], statistics.mean(r[1] for r in res), res[0][2]
+
+
+def _timing(inner_s: list, outer_s: list, every: int) -> dict:
+    """Rank 0's seconds: median inner step (forward, backward, AdamW), median outer step (pseudo-gradient, error
+    feedback, top-k, the SimWorld sum, the outer optimizer; at delay 1 only what the training thread waits for),
+    and the outer step spread over its H inner steps."""
+    outer = statistics.median(outer_s) if outer_s else 0.0
+    return {"inner_s_med": statistics.median(inner_s), "outer_s_med": outer, "outer_s_per_step": outer / every}
 
 
 def main() -> None:
@@ -163,9 +197,19 @@ def main() -> None:
     p.add_argument("--micro_batch", type=int, default=4)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--out", required=True)
+    p.add_argument("--jsonl", help="also append one record per (variant, seed): eval curve (inner step, loss), "
+                   "bytes and seconds per step (for outer_time.py)")
+    p.add_argument("--setting", default="finetune", choices=["finetune", "scratch"],
+                   help="scratch: no dense pretraining, the replicas train the second half from random weights")
     args = p.parse_args()
     if args.steps % args.every:
         raise SystemExit(f"--steps ({args.steps}) must be a multiple of --every ({args.every})")
+    for v in args.variants:
+        h = (VARIANTS[v] or {}).get("every", args.every)
+        if args.every % h:
+            raise SystemExit(f"--every ({args.every}) must be a multiple of {v}'s H ({h}): evaluations follow --every")
+    if args.setting == "scratch":
+        args.pretrain_steps = 0
     torch.set_num_threads(1)
     t0 = time.time()
     texts = load_texts("pydoc")
@@ -184,18 +228,27 @@ def main() -> None:
             _step(model, opt, next(pre))
         start_sd = {k: v.clone() for k, v in model.state_dict().items()}
         for v in args.variants:
-            losses, bps = run_variant(v, args, start_sd, second_train, second_eval, seed, R)
+            losses, bps, timing = run_variant(v, args, start_sd, second_train, second_eval, seed, R)
             results[v].append((losses, bps))
+            if args.jsonl:
+                at = [s for s in range(1, args.steps + 1) if s % (args.every * args.eval_every) == 0 or s == args.steps]
+                with open(args.jsonl, "a") as f:
+                    f.write(json.dumps({"setting": args.setting, "variant": v, "seed": seed, "steps": args.steps,
+                                        "every": (VARIANTS[v] or {}).get("every", args.every),
+                                        "eval": [[s, x] for s, x in zip(at, losses)], "bytes_per_step": bps,
+                                        **timing}) + "\n")
             print(f"seed {seed} {v}: eval {' '.join(f'{x:.4f}' for x in losses)}; {bps / 1e3:.1f} kB/step",
                   flush=True)
 
     def mmm(xs, f="{:.4f}"):
         xs = sorted(xs)
         return f"{f.format(statistics.median(xs))} ({f.format(xs[0])}–{f.format(xs[-1])})"
-    lines = ["# zen.outer: eval loss at equal inner steps (fine-tuning, 2 replicas)", "",
+    title = "fine-tuning" if args.setting == "finetune" else "from scratch"
+    lines = [f"# zen.outer: eval loss at equal inner steps ({title}, 2 replicas)", "",
              f"Command: `nice -n 10 python benchmarks/quality/bench_outer_quality.py --seeds "
              f"{' '.join(map(str, args.seeds))} --steps {args.steps} --every {args.every} --pretrain_steps "
-             f"{args.pretrain_steps} --variants {' '.join(args.variants)} --out {args.out}`", "",
+             f"{args.pretrain_steps} --eval_every {args.eval_every} --setting {args.setting} --variants "
+             f"{' '.join(args.variants)} --out {args.out}`", "",
              f"Demo Llama ({os.path.basename(args.model)}), pretrained densely {args.pretrain_steps} steps on the first "
              f"half of the pydoc text, fine-tuned {args.steps} inner steps on the second half by {R} replicas, each on "
              f"its own shard (micro-batch {args.micro_batch} × seq {args.seq_len}, AdamW lr {args.lr}, betas (0.9, 0.95), "
