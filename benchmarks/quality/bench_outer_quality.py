@@ -249,8 +249,10 @@ def main() -> None:
              f"{' '.join(map(str, args.seeds))} --steps {args.steps} --every {args.every} --pretrain_steps "
              f"{args.pretrain_steps} --eval_every {args.eval_every} --setting {args.setting} --variants "
              f"{' '.join(args.variants)} --out {args.out}`", "",
-             f"Demo Llama ({os.path.basename(args.model)}), pretrained densely {args.pretrain_steps} steps on the first "
-             f"half of the pydoc text, fine-tuned {args.steps} inner steps on the second half by {R} replicas, each on "
+             f"Demo Llama ({os.path.basename(args.model)}), " + (
+                 f"pretrained densely {args.pretrain_steps} steps on the first half of the pydoc text, fine-tuned "
+                 if args.setting == "finetune" else "from random weights (no pretraining), trained ") +
+             f"{args.steps} inner steps on the second half by {R} replicas, each on "
              f"its own shard (micro-batch {args.micro_batch} × seq {args.seq_len}, AdamW lr {args.lr}, betas (0.9, 0.95), "
              f"wd 0.1, clip 1); outer sync every H = {args.every} steps; eval on held-out blocks of the second half. "
              f"Median (min–max) over seeds {args.seeds}; gap: paired against dense of the same seed.", "",

@@ -47,7 +47,8 @@ DEMO_P = 213_312
 BIG_P = 58_209_024
 """Parameters of the 58 M Llama (``configs/models/llama-h768-l8.json``)."""
 BYTES_MD = {(0.015625, 15): "outer_bytes.md", (0.0625, 15): "outer_bytes_d0625.md",
-            (0.25, 15): "outer_bytes_d25.md", (0.0625, 5): "outer_bytes_d0625_h5.md", (0.25, 5): "outer_bytes_d25_h5.md"}
+            (0.25, 15): "outer_bytes_d25.md", (0.0625, 5): "outer_bytes_d0625_h5.md",
+            (0.25, 5): "outer_bytes_d25_h5.md"}
 """(density, H) → ``benchmarks/comm/results`` file with ZEN's bits per own pick at 8 and 16 replicas."""
 METHODS = [  # (label, variant whose steps count, bytes: kind and arguments)
     ("dense DDP (ring all-reduce every step)", "dense", ("dense",)),
@@ -80,21 +81,22 @@ measured here; per-step time = compute + bytes / link rate (`benchmarks/quality/
 `peers_time.py`'s model). "× dense": time to the target over dense DDP's time to it, median over the seeds that
 reach it. Demo: the compute-bound form (CPU compute); 58 M: the communication-bound limit (compute 0).
 
-Commands:
+Commands (`Q` = `OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/quality/bench_outer_quality.py
+--seeds 0 1 2 3 4 --eval_every 1 --jsonl benchmarks/quality/results/outer_time_runs.jsonl`, `B` = `OMP_NUM_THREADS=1 nice -n 10
+.venv/bin/python benchmarks/comm/bench_outer_bytes.py --replicas 8 16 --rounds 4 --shared_steps 30`):
 
 ```
 V="dense diloco outer outer_4bit outer_d0625 outer_d25 outer_d25_4bit outer_d0625_h5 outer_d0625_h5_4bit \\
-  outer_d25_h5 outer_d25_h5_4bit"
-for s in finetune scratch; do OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/quality/bench_outer_quality.py \\
-  --seeds 0 1 2 3 4 --eval_every 1 --setting $s --variants $V \\
-  --out benchmarks/quality/results/outer_time_quality_$s.md --jsonl benchmarks/quality/results/outer_time_runs.jsonl; done
-for s in finetune scratch; do OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/quality/bench_outer_quality.py \\
-  --seeds 0 1 2 3 4 --eval_every 1 --steps 300 --setting $s --variants dense diloco outer outer_4bit outer_d25 \\
-  outer_d25_4bit outer_d0625_h5_4bit outer_d25_h5_4bit --out benchmarks/quality/results/outer_time_quality_${s}_300.md \\
-  --jsonl benchmarks/quality/results/outer_time_runs.jsonl; done
-for a in "0.0625 15 d0625" "0.25 15 d25" "0.0625 5 d0625_h5" "0.25 5 d25_h5"; do set -- $a; OMP_NUM_THREADS=1 nice -n 10 \\
-  .venv/bin/python benchmarks/comm/bench_outer_bytes.py --replicas 8 16 --every $2 --rounds 4 --shared_steps 30 \\
-  --density $1 --out benchmarks/comm/results/outer_bytes_$3.md; done
+   outer_d25_h5 outer_d25_h5_4bit"
+W="dense diloco outer outer_4bit outer_d25 outer_d25_4bit outer_d0625_h5_4bit outer_d25_h5_4bit"
+$Q --setting finetune --variants $V --out benchmarks/quality/results/outer_time_quality_finetune.md
+$Q --setting scratch --variants $V --out benchmarks/quality/results/outer_time_quality_scratch.md
+$Q --setting finetune --steps 300 --variants $W --out benchmarks/quality/results/outer_time_quality_finetune_300.md
+$Q --setting scratch --steps 300 --variants $W --out benchmarks/quality/results/outer_time_quality_scratch_300.md
+$B --every 15 --density 0.0625 --out benchmarks/comm/results/outer_bytes_d0625.md
+$B --every 15 --density 0.25 --out benchmarks/comm/results/outer_bytes_d25.md
+$B --every 5 --density 0.0625 --out benchmarks/comm/results/outer_bytes_d0625_h5.md
+$B --every 5 --density 0.25 --out benchmarks/comm/results/outer_bytes_d25_h5.md
 .venv/bin/python benchmarks/quality/outer_time.py --out benchmarks/quality/results/outer_time_to_quality.md
 ```
 
@@ -219,7 +221,8 @@ def targets(setting: str, x: dict) -> list[str]:
            "Here the median is over every seed, a seed that does not reach the target within the run counted as "
            "beyond it (the table above, as `peers_time.py`, takes the median over the seeds that reach it).", "",
            "| zen.outer setting | seeds reaching | " + " | ".join(
-               f"{lab}: demo × dense / 58 M × dense | ≤ 0.25× (demo / 58 M) | vs DiLoCo (demo / 58 M) | vs SparseLoCo"
+               f"{lab}: demo × dense / 58 M × dense | ≤ 0.25× (demo / 58 M) | vs DiLoCo (demo / 58 M) | "
+               "vs SparseLoCo"
                for lab in LABS) + " |", "|---|---|" + "---|---|---|---|" * len(LABS)]
     for lab, (k, n, t) in x.items():
         if not lab.startswith("zen.outer"):
@@ -234,7 +237,8 @@ def targets(setting: str, x: dict) -> list[str]:
             sl = x[base["SparseLoCo"]][2][lname]
             cells += [f"{d:.3f}× / {b:.4f}×", f"{'yes' if d <= 0.25 else 'no'} / {'yes' if b <= 0.25 else 'no'}",
                       f"{d / dl[0]:.2f}× / {b / dl[1]:.2f}× DiLoCo's" if dl else "DiLoCo not reached",
-                      "ahead (SparseLoCo does not reach it)" if sl is None else f"{d / sl[0]:.2f}× / {b / sl[1]:.2f}×"]
+                      "ahead (SparseLoCo does not reach it)" if sl is None
+                      else f"{d / sl[0]:.2f}× / {b / sl[1]:.2f}×"]
         out.append("| " + " | ".join(cells) + " |")
     return out
 
@@ -252,6 +256,10 @@ def main() -> None:
     lines = [HEADER, ""] + report(load_runs(args.runs), bits, big_scale)
     lines.append(f"58 M bits per own pick / the demo's at 8 replicas (SparseLoCo's density): fp32 {big_scale[32]:.3f}, "
                  f"4-bit {big_scale[4]:.3f} (applied to every 58 M zen.outer row).")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
+    from benchmarks.comm.bench_outer_bytes import provenance  # the results files' one provenance line
+
+    lines += ["", provenance("the report reads the runs above; compute was timed in them") + "."]
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
