@@ -32,6 +32,9 @@ run; at the end ``finish()`` flushes the last round and the model itself is eval
 variant: final eval loss (median, min–max over seeds) and its gap to dense of the same seed (paired),
 and the bytes each replica sent per inner step (SimWorld's counters; dense: a ring all-reduce's).
 
+``--setting scratch`` trains from random weights instead (no pretraining); ``--jsonl`` appends each run's eval
+curve, bytes and step seconds for ``outer_time.py`` (the modelled time to dense + 1 %).
+
 Usage: nice -n 10 python benchmarks/quality/bench_outer_quality.py --seeds 0 1 2 --out benchmarks/quality/results/outer_quality.md
 (``--variants dense diloco diloco_delay1 outer outer_delay1 --out benchmarks/quality/results/outer_delay_quality.md``
 for the overlap's cost)
