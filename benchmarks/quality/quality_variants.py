@@ -162,6 +162,15 @@ VARIANTS: dict[str, dict | None] = {
                             "_hierarchical": True},
     "dgc5_zero3_2x2_node_int4": {"_dgc_defaults": True, "_recipe_default": True, "_zero3": True, "_nodes": 2,
                                  "_hierarchical": True, "residual_dtype": "int4"},
+    # zen.dgc.value_bits on the node-level path: the node's sums across nodes in 8 or 4 bits, error feedback
+    # at the sending node (DGC's residual) and at the owning node (owner residual; _noowner: off).
+    "dgc5_zero3_2x2_node_v8": {"_dgc_defaults": True, "_recipe_default": True, "_zero3": True, "_nodes": 2,
+                               "_hierarchical": True, "value_bits": 8},
+    "dgc5_zero3_2x2_node_v4": {"_dgc_defaults": True, "_recipe_default": True, "_zero3": True, "_nodes": 2,
+                               "_hierarchical": True, "value_bits": 4},
+    "dgc5_zero3_2x2_node_v4_noowner": {"_dgc_defaults": True, "_recipe_default": True, "_zero3": True,
+                                       "_nodes": 2, "_hierarchical": True, "value_bits": 4,
+                                       "owner_error_feedback": False},
     # SparDL (docs/spardl.md) in place of ZEN at the project's defaults: the same DGC section (its density,
     # ramp, CatchUpAdamW and flush), scheme spardl selecting k/P per block itself, with the seed's global
     # residual or only the local one (zen.spardl.residual); measured against dense of the same seed.

@@ -282,6 +282,31 @@ def test_run_one_launches_the_fsdp_recipe_with_its_config_and_flags(tmp_path, mo
     assert len(calls) == 4
 
 
+def test_value_bits_variants_pair_with_todays_dgc_of_the_same_path(tmp_path):
+    import value_bits_report as vbr
+
+    node_v4 = qv.ds_config("dgc5_zero3_2x2_node_v4")
+    assert node_v4["zen"]["dgc"]["value_bits"] == 4 and node_v4["zen"]["hierarchical"] is True
+    assert node_v4["zero_optimization"]["stage"] == 3
+    assert qv.ds_config("dgc5_zero3_2x2_node_v4_noowner")["zen"]["dgc"]["owner_error_feedback"] is False
+    assert qv.baseline_of("dgc5_zero3_2x2_node_v4") == "dense_zero3_2x2"  # the dense run of the same nodes
+    # Today's DGC on the same path, not the first DGC variant of the name's prefix.
+    assert vbr.baseline_of("dgc5_zero3_2x2_node_v4") == "dgc5_zero3_2x2_node"
+    assert vbr.baseline_of("dgc5_zero3_2x2_node_v8") == "dgc5_zero3_2x2_node"
+    assert vbr.baseline_of("dgc1_v4_noowner") == "dgc1" and vbr.baseline_of("dgc5_v8") == "dgc5"
+    # The gap pairs by seed (seed 2 has no baseline: left out) and judges the median against the target.
+    for variant, seed, last in [("dgc1", 0, 3.0), ("dgc1", 1, 3.0), ("dgc1_v4", 0, 3.003), ("dgc1_v4", 1, 3.009),
+                                ("dgc1_v4", 2, 9.0), ("dgc1_v8", 0, 3.009)]:
+        d = tmp_path / "scratch" / variant / f"seed{seed}"
+        d.mkdir(parents=True)
+        (d / "result.json").write_text(json.dumps(_run("scratch", variant, seed, [[25, 4.0], [50, last]])))
+    v4, v8 = vbr.gap_rows(str(tmp_path), ["scratch", "finetune"], ["dgc1_v4", "dgc1_v8"])
+    assert "| dgc1_v4 | dgc1 | 2 (0, 1) | +0.200% [+0.100% – +0.300%] | +0.100% [+0.050% – +0.150%] |" in v4
+    assert v4.endswith("| met (+0.200% ≤ 0.3%) | met (+0.100% ≤ 0.3%) |")
+    assert "| 1 (0) | +0.300% [+0.300% – +0.300%]" in v8  # 8 bits: 0.1 %
+    assert v8.endswith("| **not met** (+0.200% over) | **not met** (+0.050% over) |")
+
+
 def test_the_modules_depend_one_way():
     """Variants ← runs, report ← bytes ← the CLI: no module imports the CLI (``bench_quality.py``), so
     importing any one loads no cycle; the CLI imports them all."""
