@@ -66,12 +66,40 @@ def compute_alone(specs: list[str], sizes: list[int], reps: int) -> dict:
     return out
 
 
+def e2e_lines(recs: list[dict]) -> list[str]:
+    """End to end: the fine-tuning recipe's tokens/s on the lab (``bench_e2e.py``), 4-bit values against fp32."""
+    recs = [r for r in recs if r.get("bench") == "e2e"]
+    if not recs:
+        return []
+    r0 = recs[0]
+    by = {r["config"]: r for r in recs}
+    out = [f"## End to end: the DeepSpeed recipe on {r0['n']} hosts × {r0['rate']}", "",
+           f"`benchmarks/cluster/bench_e2e.py --hosts {r0['n']} --rate {r0['rate']} --model "
+           f"{r0['model']} --configs {','.join(by)} --reps {r0['reps']} --steps {r0['steps']}` (ZeRO-0, DGC 1 % "
+           "without warm-up, one rank per host, all of them on this machine's 2 cores: the ranks' forward, "
+           "backward and optimizer queue on the cores, so the step is compute-bound here and the sync's "
+           "share of it small).", "",
+           "| configuration | tokens/s (min/median/max of runs) | × dense | × fp32 values | sync s per step (median) | "
+           "bytes sent per step | CPU busy / others |", "|---|---|---|---|---|---|---|"]
+    dense, fp32 = by.get("dense"), by.get("zen_dgc1")
+    for name, r in by.items():
+        x_d = r["tokens_per_s_med"] / dense["tokens_per_s_med"] if dense else float("nan")
+        x_f = r["tokens_per_s_med"] / fp32["tokens_per_s_med"] if fp32 else float("nan")
+        sent = r.get("bytes_sent_per_step") or r.get("dense_bytes_per_step") or 0
+        out.append(f"| {r['describe']} | {r['tokens_per_s_min']:.0f} / {r['tokens_per_s_med']:.0f} / "
+                   f"{r['tokens_per_s_max']:.0f} | {x_d:.2f} | {x_f:.2f} | "
+                   f"{r['sync_s_med'] if 'sync_s_med' in r else float('nan'):.3f} | {sent / 1e6:.3f} MB | "
+                   f"{statistics.median(r['cpu_all_runs']):.2f} / {statistics.median(r['foreign_runs']):.2f} |")
+    return out + [""]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--comm", required=True, help="bench_comm JSON lines with dense, zen, zen_v8, zen_v4")
     p.add_argument("--workload", action="append", required=True, help="label=path[@step], as the lab replayed")
     p.add_argument("--reps", type=int, default=5, help="repeats of the compute replay")
     p.add_argument("--tag", default="value_bits", help="the lab records' tag")
+    p.add_argument("--e2e", default=None, help="bench_e2e JSON lines with zen_dgc1 and zen_dgc1_v4 (and dense)")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     torch.set_num_threads(1)
@@ -129,6 +157,8 @@ def main(argv=None) -> int:
         lines.append(f"| {n} × {rate} | `{label}` | {lab:.2f} | {bound:.2f} | {host:.2f} |")
     med = statistics.median(h for *_, h in summary) if summary else float("nan")
     lines += ["", f"Median per-host ratio over the rows: {med:.2f}×.", ""]
+    if a.e2e:
+        lines += e2e_lines(read_jsonl(a.e2e))
     text = "\n".join(lines)
     print(text)
     if a.out:
