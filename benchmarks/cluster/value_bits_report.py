@@ -8,10 +8,15 @@ Usage (root: the lab; the traces as ``run_cluster_report.sh``'s ``traces`` stage
         --workload synth_dgc1=$WORK/workloads16/synth_dgc1 --schemes dense,zen,zen_v8,zen_v4 --reps 7 \\
         --tag value_bits --out benchmarks/cluster/results/cluster_value_bits.jsonl
     launch/netlab/launch.sh -n 8 -r 250mbit -- ...   # the same at 8 hosts
-    # 2. the report: every rank's compute replayed alone, then the table
+    # 2. end to end (optional): the recipe's tokens/s, fp32 against 4-bit values
+    .venv/bin/python benchmarks/cluster/bench_e2e.py --hosts 8 --rate 250mbit \
+        --model benchmarks/cluster/configs/llama-lab16.json --configs dense,zen_dgc1,zen_dgc1_v4 --reps 3 --steps 8 \
+        --out benchmarks/cluster/results/cluster_value_bits_e2e.jsonl
+    # 3. the report (``--e2e`` adds step 2's table): every rank's compute replayed alone, then the tables
     .venv/bin/python benchmarks/cluster/value_bits_report.py --comm benchmarks/cluster/results/cluster_value_bits.jsonl \\
         --workload trace_dgc1=$WORK/traces16/dgc1 --workload trace_dgc5=$WORK/traces16/dgc5 \\
-        --workload synth_dgc1=$WORK/workloads16/synth_dgc1 --out benchmarks/cluster/results/value_bits_time.md
+        --workload synth_dgc1=$WORK/workloads16/synth_dgc1 --e2e benchmarks/cluster/results/cluster_value_bits_e2e.jsonl \
+        --out benchmarks/cluster/results/value_bits_time.md
 
 The lab puts 8–16 ranks on this machine's 2 cores, so a lab sync also waits for the other ranks'
 compute: the 4-bit variant's quantize and decode run on shared cores. Three figures per row, so that
