@@ -326,40 +326,26 @@ void decode_pull_cpu(const at::Tensor& out, const at::Tensor& msg, int64_t part,
   for_each_position(fmt, count, m, idx_in, idx_bytes, "decode_pull_",
                     RowWriter{dst, val_in, vsz, part, num_parts, uint64_t(numel), k, bits});
 }
-// zen.dgc.value_bits, worker side (core/zen_lowbit.py, step 5): the value of row r of a low-bit pull is
-// q_r · scale[r / block] (fp32; 8 bits: an int8 code, 4 bits: the nibble r % 2 of byte r / 2, offset 8,
-// as csrc/cpu/lowbit.cpp's dequantize_blocks), divided by divisor in fp32, cast to out's dtype, stored at
-// the global index of its position.
-template <typename scalar_t>
-struct LowBitRowWriter {
-  scalar_t* dst;
-  const float* scales;
-  const uint8_t* codes;
-  int64_t bits, block;
-  float divisor;
+// zen.dgc.value_bits, worker side (core/zen_lowbit.py, step 5): the global indices of a pulled message's
+// positions, stored at their rows; the message's values follow those indices in ascending order (the owner
+// quantizes its sums in that order), so the decode sorts them before it writes.
+struct GlobalIndexWriter {
+  int64_t* g;
   int64_t part, n;
   uint64_t numel;
   FeistelKeys keys;
   int dbits;
 
   void operator()(const int64_t* pos, int64_t count, int64_t row0) const {
-    int64_t g[kBatch];
     uint32_t scratch[kBatch];
-    global_indices(pos, count, part, n, numel, keys, dbits, g, scratch);
-    for (int64_t j = 0; j < count; ++j) {
-      if (j + kPrefetch < count) __builtin_prefetch(dst + g[j + kPrefetch], 1, 1);
-      const int64_t r = row0 + j;
-      const int q = bits == 8 ? int(int8_t(codes[r])) : int((codes[r / 2] >> ((r & 1) * 4)) & 15) - 8;
-      float v = float(q) * scales[r / block];
-      if (divisor != 1.0f) v = v / divisor;
-      dst[g[j]] = static_cast<scalar_t>(v);
-    }
+    global_indices(pos, count, part, n, numel, keys, dbits, g + row0, scratch);
   }
 };
 
 // Every owner's low-bit pull message (msgs[i] from owner i of n = msgs.size()) written into out (1-D,
 // numel, zeroed by the caller): [format, count | index part | scales (fp32, ceil(count / block)) | codes
-// (ceil(count · bits / 8))], the index part as decode_pull_'s (dense: count is the partition's size). One
+// (ceil(count · bits / 8))], the index part as decode_pull_'s (dense: count is the partition's size), the
+// values in ascending order of their positions' global indices. One
 // op per bucket, no host read, the header read by the op: the oracle is
 // zen_ext/ops/_reference_lowbit.py's decode_pulls_lowbit_.
 void decode_pulls_lowbit_cpu(const at::Tensor& out, at::TensorList msgs, const at::Tensor& keys, int64_t idx_bytes,
@@ -394,10 +380,24 @@ void decode_pulls_lowbit_cpu(const at::Tensor& out, at::TensorList msgs, const a
     std::vector<float> scales(static_cast<size_t>(nb));
     if (nb) std::memcpy(scales.data(), idx_in + ib, size_t(4 * nb));
     const uint8_t* codes = idx_in + ib + 4 * nb;
+    // Value j lands at the j-th smallest global index of the message's positions.
+    std::vector<int64_t> g(static_cast<size_t>(count));
+    for_each_position(fmt, count, m, idx_in, idx_bytes, op, GlobalIndexWriter{g.data(), i, n, uint64_t(numel), k, dbits});
+    std::sort(g.begin(), g.end());
+    // Row j's value: q_j · scale[j / block] (fp32; 8 bits an int8 code, 4 bits the nibble j % 2 of byte j / 2,
+    // offset 8, as csrc/cpu/lowbit.cpp's dequantize_blocks), divided by divisor in fp32, cast on store.
+    const float div = float(divisor);
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(), "decode_pulls_lowbit_", [&] {
-      for_each_position(fmt, count, m, idx_in, idx_bytes, op,
-                        LowBitRowWriter<scalar_t>{out.data_ptr<scalar_t>(), scales.data(), codes, bits, block,
-                                                  float(divisor), i, n, uint64_t(numel), k, dbits});
+      scalar_t* dst = out.data_ptr<scalar_t>();
+      at::parallel_for(0, count, kBatch * 16, [&](int64_t b, int64_t e) {
+        for (int64_t j = b; j < e; ++j) {
+          if (j + kPrefetch < e) __builtin_prefetch(dst + g[j + kPrefetch], 1, 1);
+          const int q = bits == 8 ? int(int8_t(codes[j])) : int((codes[j / 2] >> ((j & 1) * 4)) & 15) - 8;
+          float v = float(q) * scales[j / block];
+          if (div != 1.0f) v = v / div;
+          dst[g[j]] = static_cast<scalar_t>(v);
+        }
+      });
     });
   }
 }

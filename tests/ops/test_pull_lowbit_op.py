@@ -1,6 +1,7 @@
 """``zen_ext::decode_pulls_lowbit_`` (zen.dgc.value_bits' pull, ``core/zen_lowbit.py`` step 5): the CPU op
 against its pure-torch oracle (``ops/_reference_lowbit.py``) bit for bit, and the oracle against a direct
-computation (each carried value ``q · scale / divisor``, cast, at ``P⁻¹(p·n + i)``): every format (COO in
+computation (each carried value ``q · scale / divisor``, cast, at ``P⁻¹(p·n + i)``, the values in ascending
+order of those indices): every format (COO in
 int32 and int64 positions, hash bitmap, dense), 8 and 4 bits, partial and several blocks, owners that carry
 nothing, empty messages, index 0 and the last, non-power-of-two and size-1 worlds, unaligned messages,
 fp32/bf16/fp16 results, a divisor (mean), and malformed messages refused before anything is written."""
@@ -38,6 +39,8 @@ def _messages(numel, n, bits, block, fmt_of, idt, seed, density=0.3):
                 if y % n == i:
                     keep[y // n] = True
             pos = keep.nonzero().flatten()
+        # The owner sends its sums in ascending global-index order (core/zen_lowbit.py, step 4).
+        pos = pos[torch.argsort(ops.permute(pos * n + i, numel, KEYS, inverse=True))]
         k = pos.numel()
         vals = torch.randn(k, generator=g) * 3
         codes, scales, deq = ref.quantize_blocks(vals, [k], bits, block)

@@ -18,7 +18,10 @@ per block of ``VALUE_BLOCK`` values (``ops.quantize_blocks``; format in ``ops/_r
    DoubleSqueeze's server-side error feedback, over ZEN's balanced hash partition.
 3. **Pull**: ``[format, count | index part | scales | codes]``, the index part as without value_bits
    (hash bitmap, COO positions, or none when dense: then every position of 𝕀_i travels, its residual
-   included), the format the cheapest for these value bytes. Every rank, the owner included, decodes the
+   included), the format the cheapest for these value bytes. The values follow their positions' global
+   indices in ascending order, not the owner's hash order, so a block holds one tensor's sums where it can
+   (in hash order every block mixes all the bucket's tensors, and a large tensor's scale coded a small one's
+   sums as 0: ``benchmarks/comm/results/value_bits_zeros.md``). Every rank, the owner included, decodes the
    same message with the same ops, so replicas stay bitwise identical.
 
 Message layouts: push ``[pos (index dtype) | scales (fp32, ceil(c/B)) | codes (ceil(c·bits/8))]`` per

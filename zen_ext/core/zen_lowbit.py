@@ -58,6 +58,10 @@ def sync_group_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: str,
             pos_C = torch.arange(c.m, device=c.device)
         else:
             pos_C = torch.nonzero_static(c.touched, size=count).flatten()  # the count is read: no sync here
+        # Quantized in ascending global-index order (the bucket's tensors one after another), not in hash order:
+        # a block then mostly holds one tensor's sums, so a large tensor's scale does not code a small one's as 0
+        # (benchmarks/comm/results/value_bits_zeros.md). Every rank derives the order from the positions.
+        pos_C = pos_C[torch.argsort(c.part.indices_of(comm.rank, pos_C))]
         codes, scales = quantize_owned(c, pos_C, [pos_C.numel()], n if op == "mean" else 1)
         head = torch.tensor([fmt, pos_C.numel()], dtype=torch.int64, device=c.device)
         if fmt == FMT_BITMAP:

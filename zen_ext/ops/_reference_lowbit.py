@@ -213,7 +213,8 @@ def decode_pulls_lowbit_(out: torch.Tensor, msgs: list[torch.Tensor], keys_R: to
     ``msgs[i]`` is owner ``i``'s message of ``n = len(msgs)``: ``[format, count | index part | scales |
     codes]`` (``core/lowbit.py``; index part as ``decode_pull_``'s: COO positions, hash bitmap, or none when
     dense, then ``count`` is the partition's size). Its values ``q · scale / divisor`` (fp32), cast to
-    ``out``'s dtype, land at ``P⁻¹(p·n + i)`` of their positions ``p``. One host read of the headers.
+    ``out``'s dtype, land at the global indices ``P⁻¹(p·n + i)`` of its positions ``p`` in ascending order
+    (value j at the j-th smallest: the owner quantized its sums in that order). One host read of the headers.
     ``permute`` / ``dequantize``: the pure-torch ones by default (the oracle); ``ops`` passes its
     dispatching ones where the fused op has no kernel (CUDA), so the pieces run as kernels there.
     """
@@ -245,7 +246,7 @@ def decode_pulls_lowbit_(out: torch.Tensor, msgs: list[torch.Tensor], keys_R: to
         if msg.numel() != at + 4 * nb + nc:
             raise ValueError(f"decode_pulls_lowbit_: message {i} of {msg.numel()} bytes does not match format {f} "
                              f"with count {k}")
-        idx.append(permute(p * n + i, numel, keys_R, inverse=True))
+        idx.append(permute(p * n + i, numel, keys_R, inverse=True).sort().values)  # values follow ascending indices
         scales.append(R._bytes_as(msg, at, nb, torch.float32))
         codes.append(msg[at + 4 * nb:])
         ends.append(ends[-1] + k)
