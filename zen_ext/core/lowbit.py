@@ -2,7 +2,7 @@
 
 DGC keeps 1-5 % of a bucket, and then most of ZEN's bytes are values (pushed COO, pulled after the
 bitmap). With ``value_bits`` every value travels as a symmetric code of 8 or 4 bits with one fp32 scale
-per block of ``VALUE_BLOCK`` values (``ops.quantize_blocks``; format in ``ops/_reference_lowbit.py``):
+per block of ``VALUE_BLOCK[bits]`` values (``ops.quantize_blocks``; format in ``ops/_reference_lowbit.py``):
 
 1. **Push**: a rank groups its selected values by owner (h0, as ZEN does), quantizes each owner's
    segment in blocks (a block never straddles two owners, so a message carries its own scales), and
@@ -28,12 +28,16 @@ Message layouts: push ``[pos (index dtype) | scales (fp32, ceil(c/B)) | codes (c
 peer (empty when nothing goes there; its count follows from its size: ``push_count``); pull above, the
 bitmap padded to 8 bytes.
 
-Why ``VALUE_BLOCK`` = 128: a block's scale is its largest ``|x|``, and DGC's selected values are the
-tail of the distribution, so the largest of a block grows with the block; at 4 bits (±7 steps) a
-smaller block keeps the small selected values off zero. 128 costs 4/128 = 0.031 bytes a value in fp32
-scales (6 % on top of 4-bit codes, 3 % on 8-bit ones), where the index part costs 4 bytes (COO) or
-``1/(8·density)`` (bitmap) a value: halving it again would buy less than the scales would cost. fp32
-scales keep the block's exact ``amax/qmax`` (no second rounding); bf16 scales would save 0.016 bytes.
+Why ``VALUE_BLOCK`` is 128 at 8 bits and 32 at 4: a block's scale is its largest ``|x|``, and DGC's selected
+values are the tail of the distribution, so the largest of a block grows with the block and a coarse grid
+loses the small ones. At 8 bits (±127 steps) 128 values lose little (relative L2 error 0.009 on the recorded
+DGC traces) for 4/128 = 0.031 bytes a value of fp32 scales. At 4 bits (±7 steps) blocks of 128 coded 45 % of
+the pushed values 0 from random weights (relative L2 error 0.13) and trained from scratch 1.1 % behind DGC in
+the gradient's dtype; blocks of 32 halve the zeros (L2 0.09-0.10) and cost 4/32 = 0.125 bytes a value, 3.0×
+fewer bytes than fp32 at DGC 1 % instead of 3.2× (``benchmarks/comm/results/value_bits_zeros.md``,
+``benchmarks/comm/results/value_bits_bytes.md``; quality in ``docs/sparsifiers.md``). A non-uniform code
+kept more values off zero at the same bytes but not the L2 error (powers of two: 3.7 % zeros, L2 0.18;
+FP4 E2M1: 39 %, 0.11), and powers of two trained no better than blocks of 128 (one seed, +1.1 %). fp32 scales keep the block's exact ``amax/qmax`` (no second rounding).
 
 Legend: ``_K`` values of a rank, ``_C`` positions a pull carries, ``_M`` one partition's index-set size.
 """
@@ -47,8 +51,8 @@ import torch
 
 from ..ops._reference_lowbit import layout
 
-VALUE_BLOCK = 128
-"""Values per fp32 scale (module docstring: why 128)."""
+VALUE_BLOCK = {8: 128, 4: 32}
+"""Values per fp32 scale at each width (module docstring: why 128 and 32)."""
 VALUE_BITS = (8, 4)
 """``zen.dgc.value_bits``' values."""
 
@@ -69,23 +73,27 @@ class LowBitValues:
     """
 
     bits: int
-    block: int = VALUE_BLOCK
+    block: int = 0
     sender_feedback: Callable[[torch.Tensor, torch.Tensor], None] | None = None
     owner_residual: Callable[[int, torch.device], torch.Tensor] | None = None
     sender_residual: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
+    def __post_init__(self):
+        self.block = self.block or VALUE_BLOCK[self.bits]  # 0: the width's own block
 
-def value_bytes(count: int, bits: int, block: int = VALUE_BLOCK) -> int:
-    """Bytes of ``count`` values in one segment: the scales and the codes."""
+
+def value_bytes(count: int, bits: int, block: int | None = None) -> int:
+    """Bytes of ``count`` values in one segment: the scales and the codes (``block`` None: the width's own)."""
+    block = block or VALUE_BLOCK[bits]
     return 4 * ((count + block - 1) // block) + (count * bits + 7) // 8
 
 
-def push_bytes(count: int, idx_bytes: int, bits: int, block: int = VALUE_BLOCK) -> int:
+def push_bytes(count: int, idx_bytes: int, bits: int, block: int | None = None) -> int:
     """Bytes of a push message of ``count`` values."""
     return count * idx_bytes + value_bytes(count, bits, block)
 
 
-def push_count(size: int, idx_bytes: int, bits: int, block: int = VALUE_BLOCK) -> int:
+def push_count(size: int, idx_bytes: int, bits: int, block: int | None = None) -> int:
     """The count of a push message of ``size`` bytes (``push_bytes`` is strictly increasing)."""
     lo, hi = 0, size // idx_bytes if idx_bytes else size * 8 // bits
     while lo < hi:
@@ -100,7 +108,7 @@ def push_count(size: int, idx_bytes: int, bits: int, block: int = VALUE_BLOCK) -
     return lo
 
 
-def pull_costs(count: int, part_size: int, idx_bytes: int, bits: int, block: int = VALUE_BLOCK) -> dict[int, int]:
+def pull_costs(count: int, part_size: int, idx_bytes: int, bits: int, block: int | None = None) -> dict[int, int]:
     """Body bytes of each pull format (``zen_wire``'s codes) for ``count`` low-bit values of a partition."""
     from .bitmap import bitmap_bytes
     from .zen_wire import FMT_BITMAP, FMT_COO, FMT_DENSE
@@ -114,7 +122,7 @@ def pull_costs(count: int, part_size: int, idx_bytes: int, bits: int, block: int
 
 
 def cheapest_format(count: int, part_size: int, idx_bytes: int, bits: int, forced: str = "auto",
-                    block: int = VALUE_BLOCK) -> int:
+                    block: int | None = None) -> int:
     """``zen_wire.cheapest_format`` for low-bit values."""
     from .zen_wire import FMT_BY_NAME
 
@@ -124,6 +132,6 @@ def cheapest_format(count: int, part_size: int, idx_bytes: int, bits: int, force
     return min(costs, key=lambda f: (costs[f], -f))
 
 
-def segment_layout(seg_ends: list[int], bits: int, block: int = VALUE_BLOCK):
+def segment_layout(seg_ends: list[int], bits: int, block: int | None = None):
     """Per segment: first element, first code byte, first scale (``ops/_reference_lowbit.layout``)."""
-    return layout(seg_ends, bits, block)
+    return layout(seg_ends, bits, block or VALUE_BLOCK[bits])

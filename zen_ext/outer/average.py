@@ -12,7 +12,10 @@ scheme are compared across replicas before any outer step):
   through a plain sum, which also counts the senders; twice the values on the wire. Logged once.
 
 With ``value_bits`` (8 or 4; ZEN schemes only) the picks travel as block-quantized codes
-(``core/lowbit.py``: symmetric, an fp32 scale per 128 values). What the owners receive is the dequantized
+(``core/lowbit.py``: symmetric, an fp32 scale per ``OUTER_VALUE_BLOCK`` = 128 values at both widths, where
+the per-step DGC path uses 32 at 4 bits: 128 is the block the outer's bytes and quality were measured with,
+and 32 was chosen on per-step DGC values from random weights, not measured on pseudo-gradients). What the
+owners receive is the dequantized
 pick; the difference goes back into the replica's outer error feedback (``LowBitValues.sender_feedback``),
 so quantization delays a value to a later outer step, never drops it (SparseLoCo's rule for its 2-bit
 values). No owner residual: an owner's pull quantizes the averaged sum once more, and that error is
@@ -39,6 +42,8 @@ from .config import OuterConfig
 
 log = logging.getLogger(__name__)
 
+OUTER_VALUE_BLOCK = 128
+"""Values per fp32 scale of the outer's low-bit picks, at 8 and 4 bits (module docstring: why not 32)."""
 FORMS = ("mean", "counted", "rows")
 
 
@@ -93,7 +98,7 @@ def sum_average(comm: Communicator, scheme: SyncScheme, form: str, key: str, num
             lost = val_K.to(dev).index_select(0, order_K) - deq_K.to(val_K.dtype)
             err_N.index_add_(0, at.to(err_N.device), lost.to(err_N.device))
 
-        lowbit = LowBitValues(bits=value_bits, sender_feedback=feedback)
+        lowbit = LowBitValues(bits=value_bits, block=OUTER_VALUE_BLOCK, sender_feedback=feedback)
     grad = SparseGrad(idx_K.to(dev), vals.to(dev), numel, in_range=True, lowbit=lowbit)
     # Step 2: the sum.
     with comm.slot(("outer", key)):
