@@ -1,12 +1,15 @@
-"""Where 4-bit values lose the small ones: the share of non-zero values that quantize to 0, push and pull.
+"""Where 4-bit values lose the small ones: the share of non-zero values that quantize to 0, push, pull and
+the reduce-scatter's reply.
 
 Usage (the traces as ``benchmarks/cluster/run_cluster_report.sh``'s ``traces`` stage records them: the first
 steps of training the randomly initialized ``llama-lab16.json`` on 16 SimWorld ranks)::
 
     .venv/bin/python benchmarks/cluster/record_traces.py --out $WORK/traces16 --ranks 16 \\
         --model benchmarks/cluster/configs/llama-lab16.json
+    .venv/bin/python benchmarks/cluster/bench_comm.py prepare --work $WORK/workloads --ranks 16
     .venv/bin/python benchmarks/comm/bench_value_bits_zeros.py --workload trace_dgc5=$WORK/traces16/dgc5 \\
-        --workload trace_dgc1=$WORK/traces16/dgc1 --out benchmarks/comm/results/value_bits_zeros.md
+        --workload trace_dgc1=$WORK/traces16/dgc1 --workload synth_dgc1=$WORK/workloads/synth_dgc1 \\
+        --out benchmarks/comm/results/value_bits_zeros.md
 
 A block of ``VALUE_BLOCK`` (128) values shares the scale ``amax/7``, so a value below ``amax/14`` travels as 0
 (error feedback keeps it, to be sent later). Per workload (one recorded step, every rank's selected values):
@@ -17,10 +20,14 @@ A block of ``VALUE_BLOCK`` (128) values shares the scale ``amax/7``, so a value 
    positions, which mix every tensor of the bucket in each block: how ZEN quantized them until 2026-12-06),
    against ascending global index (each block then mostly one tensor: how ZEN quantizes them now,
    ``core/zen_lowbit.py`` step 4).
+3. **Reduce-scatter reply** (ZeRO-2/3, FSDP2: ``core/rs_zen.py``): each hash owner's sums, a segment per range
+   owner (``even_ranges``: FSDP's chunks, ZeRO's partitions alike), its touched positions only (the bitmap and
+   COO formats DGC's densities pick), in the server's position order within a segment (how the reply went
+   until 2026-12-06) against ascending global index (how it goes now: ``_Layout``'s ``index_order``).
 
 Reported: the share of non-zero values whose code is 0, and the relative L2 error of the dequantized values.
-The gap between the two pull orders is what mixing tensors in a block cost; the synthetic workload (i.i.d.
-values, no tensors) is the control, where the order cannot matter.
+The gap between the two orders of the pull (and of the reply) is what mixing tensors in a block cost; the
+synthetic workload (i.i.d. values, no tensors) is the control, where the order cannot matter.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from bench_comm import load_workload  # noqa: E402
 from zen_ext import ops  # noqa: E402
 from zen_ext.core.lowbit import VALUE_BLOCK  # noqa: E402
 from zen_ext.core.registry import build_scheme  # noqa: E402
+from zen_ext.core.rs_base import even_ranges  # noqa: E402
 
 
 def zero_share(v: torch.Tensor, ends: list[int], bits: int) -> tuple[int, int, float, float]:
@@ -49,11 +57,12 @@ def zero_share(v: torch.Tensor, ends: list[int], bits: int) -> tuple[int, int, f
 
 
 def measure(step, bits: int) -> dict:
-    """Steps 1-2 of the module docstring on one recorded step (its single slice)."""
+    """Steps 1-3 of the module docstring on one recorded step (its single slice)."""
     (grads,) = step.slices.values()
     n, numel = len(grads), grads[0].numel
     part = build_scheme("zen").partitioner(numel, n)
-    out = {k: [0, 0, 0.0, 0.0] for k in ("push today", "push by index", "pull hash order", "pull by index")}
+    out = {k: [0, 0, 0.0, 0.0] for k in ("push today", "push by index", "pull hash order", "pull by index",
+                                          "reply hash order", "reply by index")}
 
     def add(key, got):
         out[key] = [a + b for a, b in zip(out[key], got)]
@@ -81,6 +90,16 @@ def measure(step, bits: int) -> dict:
         gi, p = idx[sel], pos[sel]
         add("pull hash order", zero_share(total[gi[torch.argsort(p)]], [int(sel.sum())], bits))
         add("pull by index", zero_share(total[gi[torch.argsort(gi)]], [int(sel.sum())], bits))
+    # Step 3: the reduce-scatter's reply, per hash owner: a segment per range owner.
+    ends_R = torch.tensor([e for _, e in even_ranges(numel, n)])
+    for i in range(n):
+        sel = owner == i
+        gi, p = idx[sel], pos[sel]
+        rng = torch.searchsorted(ends_R, gi, right=True)
+        seg = torch.bincount(rng, minlength=n).cumsum(0).tolist()
+        by_pos = torch.argsort(rng * (numel // n + 2) + p)  # range owner, then position: the old S_ir order
+        add("reply hash order", zero_share(total[gi[by_pos]], seg, bits))
+        add("reply by index", zero_share(total[gi[torch.argsort(gi)]], seg, bits))  # ranges ascend with index
     return {k: dict(zero_share=z / max(1, c), rel_l2=(e / r) ** 0.5 if r else 0.0, values=c)
             for k, (z, c, e, r) in out.items()}
 
@@ -96,17 +115,22 @@ def main(argv=None) -> int:
              f"Generated by `benchmarks/comm/bench_value_bits_zeros.py` ({time.strftime('%Y-%m-%d')}; method and "
              "commands in its docstring): the share of non-zero values whose code is 0 and the relative L2 error "
              f"after quantizing in blocks of {VALUE_BLOCK} (scale amax / qmax), on the push (each rank's selected "
-             "values per owner) and on the pull (each owner's sums, first step, no owner residual), in hash order "
-             "(ZEN's pull until 2026-12-06) and by ascending index (tensor by tensor: ZEN's push, and its pull since).", "",
-             "| workload | ranks | bits | push: ZEN's order | push: by index | pull: hash order (before) | pull: by index (now) |",
-             "|---|---|---|---|---|---|---|"]
+             "values per owner), on the pull (each owner's sums, first step, no owner residual) and on the "
+             "reduce-scatter's reply (the same sums, a segment per range owner), in hash order (ZEN's pull and reply "
+             "until 2026-12-06) and by ascending index (tensor by tensor: ZEN's push, and its pull and reply since).",
+             "",
+             "| workload | ranks | bits | push: ZEN's order | push: by index | pull: hash order (before) "
+             "| pull: by index (now) | reduce-scatter reply: hash order (before) "
+             "| reduce-scatter reply: by index (now) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for spec in a.workload:
         label, _, step = load_workload(spec)
         for bits in a.bits:
             r = measure(step, bits)
             cell = lambda k: f"{100 * r[k]['zero_share']:.1f} % coded 0, L2 {r[k]['rel_l2']:.3f}"  # noqa: E731
             lines.append(f"| `{label}` | {step.world_size} | {bits} | {cell('push today')} | {cell('push by index')} | "
-                         f"{cell('pull hash order')} | {cell('pull by index')} |")
+                         f"{cell('pull hash order')} | {cell('pull by index')} | {cell('reply hash order')} | "
+                         f"{cell('reply by index')} |")
             print(lines[-1], flush=True)
     text = "\n".join(lines) + "\n"
     if a.out:

@@ -21,7 +21,10 @@ tables once per layout.
 Pull wire format per (server, owner): empty when no entry, else ``[header int64×2 = (format, count) |
 body]``: COO ``positions in S_ir (int32, or int64 past 2^31) | values``; bitmap ``⌈|S_ir|/64⌉``
 little-endian int64 words ``| values``; dense ``|S_ir|`` values. Values are the sums in the gradient's
-dtype; ``mean`` divides the owner's range after decoding (the order ``dense`` uses).
+dtype; ``mean`` divides the owner's range after decoding (the order ``dense`` uses). With
+``zen.dgc.value_bits`` the values are ``scales | codes`` and ``S_ir`` is in ascending global index, not in
+position order (``_reduce_scatter_lowbit``), so the pushed values and the reply both quantize in blocks
+that hold one tensor of the bucket after another (position order mixes them all in every block).
 
 Legend: ``_M`` a server's partition, ``_R`` this rank's range (units: rows of a row-form gradient).
 """
@@ -64,12 +67,15 @@ def predict_zen_bytes(p: RSProfile) -> dict:
 
 
 class _Layout:
-    """The pull's tables for one (numel, n, ranges, rank): which of this server's positions each owner
-    gets (``own_order`` grouped by owner at ``own_cuts``, position order inside) and where each server's
-    entries land in this rank's range (``tgt`` offsets grouped by server at ``tgt_cuts``). Kept as int32
-    where they fit: ``4·(|𝕀_rank| + |R_rank|)`` bytes per layout, about ``8·N/n``."""
+    """The pull's tables for one (numel, n, ranges, rank, order): which of this server's positions each
+    owner gets (``own_order`` grouped by owner at ``own_cuts``) and where each server's entries land in this
+    rank's range (``tgt`` offsets grouped by server at ``tgt_cuts``), ``S_ir`` inside a group in position
+    order, or with ``index_order`` in ascending global index (the low-bit pull, whose blocks must not mix
+    the bucket's tensors: ``_reduce_scatter_lowbit``). Kept as int32 where they fit:
+    ``4·(|𝕀_rank| + |R_rank|)`` bytes per layout, about ``8·N/n``."""
 
-    def __init__(self, part, ranges: list[tuple[int, int]], rank: int, device: torch.device) -> None:
+    def __init__(self, part, ranges: list[tuple[int, int]], rank: int, device: torch.device,
+                 index_order: bool = False) -> None:
         # Built once per layout, but it sets the first step's peak memory (several position-sized int64
         # arrays at once): each intermediate is freed as soon as it is used, and arithmetic runs in place.
         n, numel = part.num_parts, part.numel
@@ -79,19 +85,28 @@ class _Layout:
         m = part.part_size(rank)
         x_M = part.indices_of(rank, torch.arange(m, dtype=torch.int64, device=device))
         owner_M = torch.searchsorted(ends, x_M, right=True, out_int32=True)  # owners < n: int32 is exact
-        del x_M
         own_counts = torch.bincount(owner_M, minlength=n)
-        self.own_order = torch.sort(owner_M, stable=True)[1].to(idt)
-        del owner_M
+        if index_order:  # the ranges tile [0, N) in rank order: ascending indices are grouped by owner too
+            del owner_M
+            self.own_order = torch.argsort(x_M).to(idt)
+            del x_M
+        else:
+            del x_M
+            self.own_order = torch.sort(owner_M, stable=True)[1].to(idt)
+            del owner_M
         # Owner side: the server and position of each unit of this rank's range.
         lo, hi = ranges[rank]
         y_R = ops.permute(torch.arange(lo, hi, dtype=torch.int64, device=device), numel, part.keys_on(device))
         srv_R = y_R % n
-        key = srv_R * (numel // n + 2)
-        key += y_R.div_(n, rounding_mode="floor")
-        del y_R
-        self.tgt = torch.argsort(key).to(idt)
-        del key
+        if index_order:  # a server's units in ascending offset, i.e. ascending global index
+            del y_R
+            self.tgt = torch.sort(srv_R, stable=True)[1].to(idt)
+        else:
+            key = srv_R * (numel // n + 2)
+            key += y_R.div_(n, rounding_mode="floor")
+            del y_R
+            self.tgt = torch.argsort(key).to(idt)
+            del key
         counts = torch.stack([own_counts, torch.bincount(srv_R, minlength=n)])
         cuts = torch.cat([counts.new_zeros(2, 1), counts.cumsum(1)], 1)
         self.own_cuts_dev = cuts[0]
@@ -120,11 +135,11 @@ class ZenReduceScatter(ReduceScatterScheme):
     def options(self) -> dict:
         return self.zen.options()
 
-    def _layout(self, part, ranges, rank, device) -> _Layout:
-        key = (part.numel, part.num_parts, part.seed, tuple(ranges), rank, device)
+    def _layout(self, part, ranges, rank, device, index_order: bool = False) -> _Layout:
+        key = (part.numel, part.num_parts, part.seed, tuple(ranges), rank, device, index_order)
         lay = self._layouts.get(key)
         if lay is None:
-            lay = _Layout(part, ranges, rank, device)
+            lay = _Layout(part, ranges, rank, device, index_order)
             with self._lock:
                 if len(self._layouts) >= _MAX_LAYOUTS:
                     self._layouts.clear()
@@ -211,7 +226,9 @@ class ZenReduceScatter(ReduceScatterScheme):
 
         1-3. the quantized push and fp32 aggregation of the all-reduce (``push_aggregate_lowbit``; the sender's
              error feedback included), one packed exchange for the group;
-        4.   per owner, this server's touched entries in ``S_ir`` (one host read for the group);
+        4.   per owner, this server's touched entries in ``S_ir``, here in ascending global index (one host
+             read for the group); the push already sends each owner its values in the gradient's order,
+             ascending index (tensor by tensor) for DGC's;
         5.   each owner's entries plus the server's owner residual, quantized in one op with a segment per
              owner (``quantize_owned``: the owner residual keeps what that loses); message ``[format, count
              | index part | scales | codes]`` (index part: positions in ``S_ir``, a bitmap over ``S_ir``, or
@@ -226,7 +243,10 @@ class ZenReduceScatter(ReduceScatterScheme):
         # Step 4.
         for c, (_, urs) in zip(calls, units):
             c.timer.start("pull_s")
-            c.lay = self._layout(c.part, urs, rank, c.device)
+            # S_ir in ascending global index (tensor by tensor), not in position (hash) order, where every
+            # block of a reply mixed the bucket's tensors and a large one's scale coded a small one's sums
+            # as 0 (benchmarks/comm/results/value_bits_zeros.md); both ends use the same table.
+            c.lay = self._layout(c.part, urs, rank, c.device, index_order=True)
             c.ts = c.touched[c.lay.own_order.long()]
             csum = torch.zeros(c.m + 1, dtype=torch.int64, device=c.device)
             torch.cumsum(c.ts, 0, out=csum[1:])
