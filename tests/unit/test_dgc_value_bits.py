@@ -441,3 +441,35 @@ def test_auto_runs_low_bit_values_through_its_carrier():
             assert torch.equal(res[r][0][s], res[0][0][s])
     assert res[0][1].scheme.carries_low_bits and set(res[0][1].scheme.candidates) <= {"zen", "zen_coo"}
     assert (res[0][0][1] - ref[0][0][1]).abs().max() <= 12
+
+
+@pytest.mark.parametrize("bits,block", [(8, 128), (4, 32)])
+def test_each_width_quantizes_in_its_own_block(monkeypatch, bits, block):
+    """Per-step DGC values: blocks of 128 at 8 bits, 32 at 4 (``core/lowbit.py``: why), at the sender and the
+    owner; the cost model counts the same scales (its bytes equal SimWorld's in the test above)."""
+    from zen_ext.core import zen_lowbit
+
+    seen = []
+    for name in ("quantize_sent_", "quantize_owned_"):
+        real = getattr(ops, name)
+
+        def spy(*a, _real=real, _name=name):
+            seen.append((_name, a[5] if _name == "quantize_sent_" else a[4], a[6] if _name == "quantize_sent_" else a[5]))
+            return _real(*a)
+        monkeypatch.setattr(zen_lowbit.ops, name, spy)
+    _run(3, 2, bits=bits)
+    assert {s[0] for s in seen} == {"quantize_sent_", "quantize_owned_"}
+    assert {(b, k) for _, b, k in seen} == {(bits, block)}
+
+
+def test_outer_low_bit_picks_keep_blocks_of_128(monkeypatch):
+    """``zen.outer``'s picks keep blocks of 128 at 4 bits (``outer/average.py``: the block its bytes and quality
+    were measured with), where per-step DGC uses 32."""
+    from tests.unit.test_outer_lowbit import _rounds
+    from zen_ext.core import zen_lowbit
+
+    seen = []
+    real = ops.quantize_sent_
+    monkeypatch.setattr(zen_lowbit.ops, "quantize_sent_", lambda *a: seen.append(a[6]) or real(*a))
+    _rounds(3, {"enabled": True, "every": 2, "density": 0.25, "value_bits": 4}, rounds=1)
+    assert seen and set(seen) == {128}

@@ -16,13 +16,14 @@ import pytest
 import torch
 
 from zen_ext import SimWorld, ops
-from zen_ext.core.lowbit import VALUE_BLOCK, LowBitValues
+from zen_ext.core.lowbit import VALUE_BLOCK as BLOCKS, LowBitValues
 from zen_ext.core.reduce_scatter import build_reduce_scatter
 from zen_ext.core.rs_base import even_ranges
 from zen_ext.core.types import SparseGrad
 
 NUMEL, BIG = 8192, 1024  # the large tensor is [0, BIG), the small one [BIG, NUMEL)
 BITS = 4
+VALUE_BLOCK = BLOCKS[BITS]
 
 
 def _ranges(kind: str, n: int) -> list[tuple[int, int]]:
