@@ -202,8 +202,8 @@ class OuterDeepSpeed:
 
     def _save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
         """1. DeepSpeed's checkpoint: into ``save_dir`` (ZeRO-0), into the replica group's own directory
-        (ZeRO-1/2; ``<save_dir>/latest`` written here). 2. The per-rank file. 3. A barrier: every rank's
-        files exist when any rank returns."""
+        (ZeRO-1/2). 2. The per-rank file. 3. A barrier: every rank's files exist when any rank returns;
+        ZeRO-1/2 then writes ``<save_dir>/latest`` (so it never names a tag whose files are incomplete)."""
         import torch.distributed as dist
 
         tag = checkpoint_tag(self.engine, tag)
@@ -221,14 +221,22 @@ class OuterDeepSpeed:
         if not self.stage:
             sd.update(module=self.engine.module.state_dict(), optimizer=self.engine.optimizer.state_dict())
         torch.save(sd, path)
-        if self.stage and save_latest and self.rank == 0:
-            with open(os.path.join(save_dir, "latest"), "w") as f:
-                f.write(tag)
-        # Step 3: saved everywhere.
+        # Step 3: saved everywhere, then the pointer to it.
         dist.barrier()
+        if self.stage and save_latest:
+            if self.rank == 0:
+                with open(os.path.join(save_dir, "latest"), "w") as f:
+                    f.write(str(tag))
+            dist.barrier()
         return out
 
     def _load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        """DeepSpeed's checkpoint (ZeRO-1/2: the replica group's, the tag from ``<load_dir>/latest`` when
+        None), then the per-rank file over it.
+
+        Raises:
+            ValueError: the per-rank file was saved by a rank of another replica group.
+        """
         if self.stage:
             if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
                 log.warning("zen.outer: no %s to name the checkpoint to load; nothing loaded (as DeepSpeed)",
