@@ -268,6 +268,17 @@ def _zero_groups_worker(rank, world, stage, ckpt_dir):
     resumed.load_checkpoint(os.path.join(ckpt_dir, "d0"))
     out["d0_resumed"] = steps(resumed, 5, 7)
     resumed.zen.close()
+    # Every rank's file claims the other replica group: each rank refuses it (after DeepSpeed's load).
+    path = os.path.join(ckpt_dir, "d0", "global_step4", "zen_ext", f"outer_rank{rank}.pt")
+    sd = torch.load(path, weights_only=False)
+    torch.save(dict(sd, replica=1 - sd["replica"]), path)
+    dist.barrier()
+    wrong = build(0)
+    try:
+        wrong.load_checkpoint(os.path.join(ckpt_dir, "d0"))
+    except ValueError as exc:
+        out["wrong_group"] = str(exc)
+    wrong.zen.close()
 
     engine = build(1)
     out["d1"] = steps(engine, 1, 9, save=4)
@@ -321,7 +332,7 @@ def test_zero_checkpoint_per_replica_group_resumes_bitwise(zero_run):
     """save_checkpoint under ZeRO-1/2 writes each replica group's DeepSpeed checkpoint into a directory of its
     own (no file written twice) and each rank's OuterSync state; a run resumed mid-round (step 4, through
     ``latest``) equals the uninterrupted one bitwise at every step: weights, fp32 partition, Adam's state,
-    θ_global, e, momentum."""
+    θ_global, e, momentum; a rank whose per-rank file another replica group saved refuses it."""
     stage, run = zero_run
     for r in run:
         full, res = r["d0"], r["d0_resumed"]
@@ -338,6 +349,9 @@ def test_zero_checkpoint_per_replica_group_resumes_bitwise(zero_run):
     assert [f for f in files if f.startswith("d0/global_step4/zen_ext/")] == [
         f"d0/global_step4/zen_ext/outer_rank{r}.pt" for r in range(4)]
     assert not torch.equal(run[0]["d0_resumed"]["params"][0], run[2]["d0_resumed"]["params"][0])  # mid-round
+    for rank, r in enumerate(run):
+        assert f"was saved by a rank of replica group {1 - rank // 2}, this rank is in {rank // 2}: resume with the " \
+               f"same replica groups" in r["wrong_group"]
 
 
 def test_zero_delay_1_merges_into_the_weights(zero_run):
