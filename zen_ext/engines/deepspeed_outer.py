@@ -16,8 +16,9 @@ data-parallel group is the rank's replica group confines ZeRO to it (checked: th
 The engine's reduction is then left as it is. The outer sync runs across the replica groups on each
 rank's flat fp32 partitions (``single_partition_of_fp32_groups``: the optimizer's master weights, so
 θ_global and e are shard-sized, padding included), over the group of the ranks with the same index in
-every replica group; after each outer step the optimizer copies the partitions into the model's weights
-and all-gathers them inside the replica group (``update_lp_params``, what its own step ends with).
+every replica group; after each outer step (and after ``finish`` merged a round in flight) the optimizer
+copies the partitions into the model's weights and all-gathers them inside the replica group
+(``update_lp_params``, what its own step ends with).
 
 What is refused, before training (``NotImplementedError`` naming what is served):
 
@@ -29,17 +30,25 @@ What is refused, before training (``NotImplementedError`` naming what is served)
 ``zen.outer.delay: 1`` (the sum of round t on a communication thread over a process group of its own while
 round t + 1 trains, ``outer/sync.py``): ``finish()`` applies the last round; ``close()`` calls it, and
 ``recipes/finetune_llm.py`` calls it before its final evaluation. A checkpoint holds the round in flight
-(its sum waited for, the merge still due), so resuming stays bitwise. ZeRO-0 only: under ZeRO-1/2 the
-merge would also have to reach the weights (refused).
+(its sum waited for, the merge still due), so resuming stays bitwise. Under ZeRO-1/2 the late merge
+(step 3 of ``outer/sync.py``) writes the fp32 partitions like the restart does, so the same
+``update_lp_params`` carries it into the weights.
 
-Checkpoints (ZeRO-0; under ZeRO-1/2 ``save_checkpoint`` is refused: DeepSpeed names the partition files
-by data-parallel rank and lets data-parallel rank 0 write the model, so the replica groups' files would
-overwrite each other): DeepSpeed's ZeRO-0 checkpoint holds rank 0's weights and optimizer state only (it assumes
-equal replicas), but between outer steps each replica has its own. ``save_checkpoint`` /
-``load_checkpoint`` therefore also write and read, per rank, ``<dir>/<tag>/zen_ext/outer_rank<r>.pt``:
-the replica's own weights and inner optimizer state, and its ``OuterSync`` state (θ_global, its own
-error feedback, the outer momentum). A resumed run equals the uninterrupted one bitwise
-(tests/e2e/test_deepspeed_outer.py).
+Checkpoints, per rank, ``<dir>/<tag>/zen_ext/outer_rank<r>.pt``: the rank's ``OuterSync`` state (θ_global,
+its own error feedback, the outer momentum, the round in flight), next to what DeepSpeed writes:
+
+* ZeRO-0: DeepSpeed's checkpoint holds rank 0's weights and optimizer state only (it assumes equal
+  replicas), but between outer steps each replica has its own; the per-rank file also holds the
+  replica's own weights and inner optimizer state, which ``load_checkpoint`` puts over rank 0's.
+* ZeRO-1/2: DeepSpeed names the partition files by data-parallel rank and lets data-parallel rank 0 write
+  the model, so two replica groups would overwrite each other's files in one directory. Each replica
+  group ``g`` (its index among the groups ordered by their ranks) therefore gets DeepSpeed's complete
+  checkpoint in a directory of its own, ``<dir>/<tag>/replica<g>/<tag>/`` (DeepSpeed's ``save_dir`` is
+  ``<dir>/<tag>/replica<g>``, the tag the same on every rank, so its tag check passes); ``<dir>/latest``
+  is written here, as DeepSpeed would.
+
+A resumed run equals the uninterrupted one bitwise (weights, inner optimizer state, ``OuterSync`` state;
+``tests/e2e/test_deepspeed_outer.py``).
 """
 
 from __future__ import annotations
@@ -57,7 +66,8 @@ from .deepspeed_compat import checkpoint_tag, loaded_tag
 log = logging.getLogger(__name__)
 
 SERVED = ("zen.outer on DeepSpeed supports ZeRO-0 with fp32 weights, each data-parallel rank one replica, or ZeRO-1/2 "
-          "with fp32 weights inside replica groups (an mpu whose data-parallel group is the rank's replica group)")
+          "with fp32 weights inside replica groups (an mpu whose data-parallel group is the rank's replica group); "
+          "delay 0 and 1, checkpoints")
 
 
 class OuterDeepSpeed:
@@ -79,10 +89,6 @@ class OuterDeepSpeed:
         if engine.fp16_enabled() or engine.bfloat16_enabled():
             raise NotImplementedError(f"{SERVED}; got {'fp16' if engine.fp16_enabled() else 'bf16'} (the "
                                       f"optimizer's fp32 master weights would miss the outer restart)")
-        if stage and cfg.outer.delay:
-            raise NotImplementedError(f"{SERVED}; zen.outer.delay ({cfg.outer.delay}) must be 0 under ZeRO-{stage}: "
-                                      f"the round merged late would also have to reach the weights (update_lp_params), "
-                                      f"not built; delay 1 is served under ZeRO-0")
         tp = engine.autotp_size() if hasattr(engine, "autotp_size") else 1
         if (tp or 1) > 1 or getattr(engine, "pipeline_parallelism", False) or getattr(engine, "has_moe_layers", False):
             raise NotImplementedError(f"{SERVED}; not AutoTP, pipeline parallelism or MoE")
@@ -90,12 +96,13 @@ class OuterDeepSpeed:
         self.rank = dist.get_rank()
         # Step 2: the replicas and the outer sync (broadcasts rank 0's weights, compares the layout).
         group = engine.seq_data_parallel_group
+        self.replica = None  # ZeRO-1/2: the index of this rank's replica group (its checkpoint directory)
         if stage == 0:
             named = engine.module.named_parameters()
         else:  # the optimizer's flat fp32 partitions, across the ranks holding the same ones
             parts = engine.optimizer.single_partition_of_fp32_groups
             named = [(f"fp32_partition{i}", t) for i, t in enumerate(parts)]
-            group = replicate_group(group, stage)
+            group, self.replica = replicate_group(group, stage)
         self.outer = OuterSync(named, TorchCommunicator(group, cfg.exchange_impl),
                                cfg.outer, scheme=cfg.build_scheme(), bucket_cap_mb=cfg.bucket_cap_mb)
         if stage:
@@ -153,8 +160,12 @@ class OuterDeepSpeed:
 
     def finish(self) -> None:
         """Apply the outer round still in flight (``zen.outer.delay: 1``; nothing at delay 0): call it on every
-        rank at the end of training, before evaluating or saving the final model (``OuterSync.finish``)."""
+        rank at the end of training, before evaluating or saving the final model (``OuterSync.finish``).
+        ZeRO-1/2: the merged partitions then reach the weights (``update_lp_params``)."""
+        merged = any(b.inflight is not None for b in self.outer.buckets)  # the same on every rank
         self.outer.finish()
+        if merged and self.stage:
+            self.engine.optimizer.update_lp_params()
         self._count()
 
     # --- what the recipes read ------------------------------------------------------------------------------
@@ -175,6 +186,7 @@ class OuterDeepSpeed:
         if getattr(self, "_closed", False):
             return
         self._closed = True
+        self.finish()
         self.outer.close()
         self._count()
         if self.rank == 0 and self.cfg.stats.summary:
@@ -184,34 +196,66 @@ class OuterDeepSpeed:
     def _path(self, root, tag) -> str:
         return os.path.join(root, str(tag), "zen_ext", f"outer_rank{self.rank}.pt")
 
-    def _save_checkpoint(self, save_dir, tag=None, *args, **kwargs):
-        if self.stage:
-            raise NotImplementedError(f"zen.outer on DeepSpeed ZeRO-{self.stage} inside replica groups: "
-                                      f"save_checkpoint is not served: DeepSpeed names the partition files by "
-                                      f"data-parallel rank and lets data-parallel rank 0 write the model, so the "
-                                      f"replica groups would overwrite each other's files; ZeRO-0 checkpoints are "
-                                      f"served")
+    def _group_dir(self, root, tag) -> str:
+        """ZeRO-1/2: the ``save_dir`` DeepSpeed writes this replica group's checkpoint under."""
+        return os.path.join(root, str(tag), f"replica{self.replica}")
+
+    def _save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True, **kwargs):
+        """1. DeepSpeed's checkpoint: into ``save_dir`` (ZeRO-0), into the replica group's own directory
+        (ZeRO-1/2). 2. The per-rank file. 3. A barrier: every rank's files exist when any rank returns;
+        ZeRO-1/2 then writes ``<save_dir>/latest`` (so it never names a tag whose files are incomplete)."""
+        import torch.distributed as dist
+
         tag = checkpoint_tag(self.engine, tag)
-        out = self._orig_save(save_dir, tag, *args, **kwargs)
+        client_state = {} if client_state is None else client_state
+        # Step 1: DeepSpeed's files.
+        if self.stage:
+            out = self._orig_save(self._group_dir(save_dir, tag), tag, client_state=client_state, save_latest=False,
+                                  **kwargs)
+        else:
+            out = self._orig_save(save_dir, tag, client_state=client_state, save_latest=save_latest, **kwargs)
+        # Step 2: this rank's outer state (ZeRO-0: its replica's weights and inner optimizer state too).
         path = self._path(save_dir, tag)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        torch.save({"outer": self.outer.state_dict(), "totals": dict(self.totals),
-                    "module": self.engine.module.state_dict(), "optimizer": self.engine.optimizer.state_dict()}, path)
+        sd = {"outer": self.outer.state_dict(), "totals": dict(self.totals), "replica": self.replica}
+        if not self.stage:
+            sd.update(module=self.engine.module.state_dict(), optimizer=self.engine.optimizer.state_dict())
+        torch.save(sd, path)
+        # Step 3: saved everywhere, then the pointer to it.
+        dist.barrier()
+        if self.stage and save_latest:
+            if self.rank == 0:
+                with open(os.path.join(save_dir, "latest"), "w") as f:
+                    f.write(str(tag))
+            dist.barrier()
         return out
 
     def _load_checkpoint(self, load_dir, tag=None, *args, **kwargs):
+        """DeepSpeed's checkpoint (ZeRO-1/2: the replica group's, the tag from ``<load_dir>/latest`` when
+        None), then the per-rank file over it.
+
+        Raises:
+            ValueError: the per-rank file was saved by a rank of another replica group.
+        """
         if self.stage:
-            raise NotImplementedError(f"zen.outer on DeepSpeed ZeRO-{self.stage} inside replica groups: "
-                                      f"load_checkpoint is not served (nor save_checkpoint: DeepSpeed's "
-                                      f"per-data-parallel-rank files would collide across the replica groups)")
-        load_path, client_state = self._orig_load(load_dir, tag, *args, **kwargs)
+            if tag is None and not os.path.isfile(os.path.join(load_dir, "latest")):
+                log.warning("zen.outer: no %s to name the checkpoint to load; nothing loaded (as DeepSpeed)",
+                            os.path.join(load_dir, "latest"))
+                return None, None
+            tag = loaded_tag(load_dir, tag)
+            load_path, client_state = self._orig_load(self._group_dir(load_dir, tag), tag, *args, **kwargs)
+        else:
+            load_path, client_state = self._orig_load(load_dir, tag, *args, **kwargs)
         if load_path is None:
             return load_path, client_state
         tag = loaded_tag(load_dir, tag)
         sd = torch.load(self._path(load_dir, tag), weights_only=False)
-        # This replica's own weights and inner optimizer state over DeepSpeed's (rank 0's) copy.
-        self.engine.module.load_state_dict(sd["module"])
-        self.engine.optimizer.load_state_dict(sd["optimizer"])
+        if sd.get("replica") != self.replica:
+            raise ValueError(f"zen.outer checkpoint {self._path(load_dir, tag)} was saved by a rank of replica group "
+                             f"{sd.get('replica')}, this rank is in {self.replica}: resume with the same replica groups")
+        if not self.stage:  # this replica's own weights and inner optimizer state over DeepSpeed's (rank 0's) copy
+            self.engine.module.load_state_dict(sd["module"])
+            self.engine.optimizer.load_state_dict(sd["optimizer"])
         self.outer.load_state_dict(sd["outer"])
         self.totals.update(sd["totals"])
         return load_path, client_state
@@ -219,7 +263,8 @@ class OuterDeepSpeed:
 
 def replicate_group(dp_group, stage: int):
     """The group of the ranks holding the same ZeRO partitions as this one: index ``j`` of every replica
-    group (the data-parallel groups of all ranks, gathered once; every rank creates every group, in order).
+    group (the data-parallel groups of all ranks, gathered once; every rank creates every group, in order),
+    and the index of this rank's replica group among the groups ordered by their ranks.
 
     Raises:
         NotImplementedError: one data-parallel group spanning every rank, or groups that do not split the
@@ -244,4 +289,4 @@ def replicate_group(dp_group, stage: int):
         pg = dist.new_group(ranks)
         if dist.get_rank() in ranks:
             mine = pg
-    return mine
+    return mine, next(i for i, g in enumerate(groups) if dist.get_rank() in g)
