@@ -314,6 +314,8 @@ def main(argv=None) -> list[dict]:
                 group["lr"] = peak * factor
         optimizer.step()
         optimizer.zero_grad()
+        if outer and step == args.steps:
+            zen.finish()  # zen.outer.delay 1: the last round's sum is applied before the final eval and save
         rec = {"step": step, "loss": common.all_reduce_mean(loss.item(), dist.group.WORLD),
                "lr": optimizer.param_groups[0]["lr"],
                "tokens_per_s": fsdp["micro_batch"] * args.seq_len * world / (time.perf_counter() - t0)}

@@ -4,13 +4,15 @@ attachment the training loop reads, and per-rank checkpoints.
 ``OuterRun`` wraps ``zen_ext.engines.fsdp_outer.register_outer``'s ``FSDPOuterSync`` with what the loop reads of
 a per-step attachment (``cfg``, ``annotate``, ``totals``, ``summary``, ``close``): ``totals`` counts the bytes
 the outer steps sent and, per inner step, what a dense per-step all-reduce of the rank's shard across the
-replicas would have sent (plain HSDP's cross-replica traffic).
+replicas would have sent (plain HSDP's cross-replica traffic). ``finish()`` applies the round still in flight
+(``zen.outer.delay: 1``; nothing at delay 0): the loop calls it after the last step, before the final eval.
 
 Checkpoints are per rank: the replicas' weights and inner optimizer state differ (between outer steps the
 weights, always the optimizer state), and ``torch.distributed.checkpoint`` keeps one copy of what the
 mesh calls replicated. ``<output_dir>/checkpoints/step<N>/outer_rank<RRRRR>.pt`` holds the step, the rank's
 shards and optimizer state (``fsdp_outer.local_state_dict``), its ``FSDPOuterSync`` state (θ_global, error
-feedback, momentum) and the totals; ``recipe_optimizer.json`` and ``checkpoints/latest`` as in
+feedback, momentum; at ``delay: 1`` also the anchor and the merge still due of the round in flight, whose sum
+the save waits for) and the totals; ``recipe_optimizer.json`` and ``checkpoints/latest`` as in
 recipes/fsdp_checkpoint.py. Resuming needs the same world size and ``--replicas``.
 """
 
@@ -39,10 +41,15 @@ class OuterRun:
         optimizer.register_step_post_hook(lambda opt, args, kwargs: self._count())
         self._closed = False
 
-    def _count(self) -> None:
+    def _fold(self) -> None:
+        """The outer sync's statistics since the last call into ``totals`` (``delay: 1``: a round's bytes count
+        when its sum is waited for: the next outer step, ``finish``, a checkpoint's ``state_dict``)."""
         st = self.outer.pop_stats()
         for k in ("bytes_sent", "outer_steps", "picks", "numel"):
             self.totals[k] += st[k]
+
+    def _count(self) -> None:
+        self._fold()
         n = self.replicas
         self.totals["dense_bytes"] += 2 * (n - 1) * 4 * sum(b.numel for b in self.outer.buckets) // n
 
@@ -56,6 +63,11 @@ class OuterRun:
                 f"{t['outer_steps']} outer steps): sent {t['bytes_sent']:,} bytes per rank, {ratio:.4f}x a per-step "
                 f"dense all-reduce's {t['dense_bytes']:,}; {t['picks']:,} of {t['numel']:,} entries picked")
 
+    def finish(self) -> None:
+        """Apply the outer round still in flight (``FSDPOuterSync.finish``); every rank, at the same step."""
+        self.outer.finish()
+        self._fold()
+
     def close(self) -> None:
         """End of training: rank 0 prints ``summary()`` (``zen.stats.summary``), once; FSDP gets its all-reduce back."""
         if self._closed:
@@ -64,6 +76,7 @@ class OuterRun:
         if dist.get_rank() == 0 and self.cfg.stats.summary:
             print(self.summary(), flush=True)
         self.outer.close()
+        self._fold()
 
 
 def _file(path: str, rank: int) -> str:
@@ -77,7 +90,9 @@ def save(ckpt_dir: str, step: int, model, optimizer, run: OuterRun, optimizer_na
     rank = dist.get_rank()
     path = os.path.join(ckpt_dir, f"step{step}")
     os.makedirs(path, exist_ok=True)
-    torch.save({"step": step, "local": local_state_dict(model, optimizer), "outer": run.outer.state_dict(),
+    outer = run.outer.state_dict()  # delay 1: waits for the round in flight, whose bytes then count
+    run._fold()  # in the saved totals, as a resumed run (whose round in flight is restored done) counts them
+    torch.save({"step": step, "local": local_state_dict(model, optimizer), "outer": outer,
                 "totals": dict(run.totals)}, _file(path, rank))
     common.save_optimizer_name(path, optimizer_name, rank)
     dist.barrier()

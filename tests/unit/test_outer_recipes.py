@@ -38,9 +38,10 @@ def test_fsdp_recipe_flags_fill_zen_outer_and_choose_the_hsdp_mesh():
     from recipes.finetune_llm_fsdp import build_optimizer, load_config, mesh_shape, outer_enabled, parse_args
 
     path = os.path.join(ROOT, "configs", "fsdp2_zen_dgc5.json")
-    args = parse_args(["--config", path, "--outer_every", "4", "--outer_density", "1", "--replicas", "2"])
+    args = parse_args(["--config", path, "--outer_every", "4", "--outer_density", "1", "--outer_delay", "1",
+                       "--replicas", "2"])
     fsdp, zen = load_config(path, args)
-    assert zen["outer"] == {"enabled": True, "every": 4, "density": 1.0} and outer_enabled(zen)
+    assert zen["outer"] == {"enabled": True, "every": 4, "density": 1.0, "delay": 1} and outer_enabled(zen)
     assert not outer_enabled(load_config(path, parse_args(["--config", path]))[1])  # without the flag: as before
     assert mesh_shape(2, 4, True) == (2, 2) and mesh_shape(None, 4, True) == (4, 1)
     assert mesh_shape(None, 4, False) is None

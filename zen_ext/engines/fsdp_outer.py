@@ -16,10 +16,19 @@ step sends the picks of ``P / L`` elements per rank, all shard ranks at once on 
 Top-k chunks run over the rank's shard (consecutive elements of its shards of consecutive parameters), so
 which entries are picked depends on ``L``; at density 1 (dense DiLoCo) the result does not.
 
+``zen.outer.delay: 1`` (Streaming DiLoCo's overlap, ``outer/sync.py``): the sum of round t runs on the
+communication thread over a process group of its own (the replicate group's members, built when the
+``FSDPOuterSync`` is made: never the group FSDP or the training loop use) while round t + 1's inner steps
+train; the anchor θ_a is shard-sized too (+4 B a local element), and round t's average is merged into the
+local shards at the next outer step (θ_local ← θ_global + (θ_local − θ_a)), as on DDP and DeepSpeed ZeRO-0.
+The merge writes the shards, so it needs them sharded as the restart does; ``finish()`` (the recipe calls it
+before its final eval) and ``close()`` apply the round still in flight.
+
 Checkpoints: the replicas' weights and inner optimizer state differ between outer steps (and the inner
 optimizer state at outer steps too), while ``torch.distributed.checkpoint`` keeps one copy of what the
 mesh calls replicated. Save every rank's own shards and optimizer state with the outer state
-(``state_dict`` here; the FSDP2 recipe's per-rank files, recipes/fsdp_checkpoint.py).
+(``state_dict`` here; the FSDP2 recipe's per-rank files, recipes/fsdp_outer.py). At ``delay: 1`` the outer
+state first waits for the round in flight and holds the merge still due (``OuterSync.state_dict``).
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ from .fsdp_hsdp import agree_hsdp, check_hsdp_groups, hsdp_param_groups
 __all__ = ["FSDPOuterSync", "SERVED", "load_local_state_dict", "local_state_dict", "register_outer"]
 
 SERVED = ("zen.outer on FSDP2 serves HSDP: fully_shard on a 2-D (\"replicate\", \"shard\") device mesh spanning every "
-          "rank, replicate dim >= 2, every trainable parameter sharded by fully_shard")
+          "rank, replicate dim >= 2, every trainable parameter sharded by fully_shard; zen.outer.delay 0 or 1")
 """What ``register_outer`` serves, named in its errors."""
 
 
@@ -44,8 +53,8 @@ class FSDPOuterSync(OuterSync):
     """``OuterSync`` over each rank's local shards of an FSDP2 HSDP model (built by ``register_outer``).
 
     Adds to ``OuterSync``: ``mesh_shape`` ``(replicas, shard)``, checked when a state dict is loaded (a
-    shard's state fits only its mesh and shard rank), and ``close()``, which hands the cross-replica
-    all-reduce back to FSDP.
+    shard's state fits only its mesh and shard rank), a check that the shards are sharded before the outer
+    step and ``finish()`` write them, and ``close()``, which hands the cross-replica all-reduce back to FSDP.
     """
 
     def __init__(self, named_params, comm, cfg, *, scheme, bucket_cap_mb: float, mesh_shape: tuple[int, int],
@@ -60,19 +69,34 @@ class FSDPOuterSync(OuterSync):
         with torch.no_grad():
             return p.to_local()
 
-    def outer_step(self) -> None:
-        """``OuterSync.outer_step`` after checking that every FSDP module holds its parameters sharded (the
-        restart writes the shards; parameters left unsharded would keep the replica's old values)."""
+    def _check_sharded(self, at: str) -> None:
+        """Every FSDP module holds its parameters sharded: the restart (delay 0) and the merge (delay 1) write
+        the shards, which parameters left unsharded would not read back until FSDP reshards them.
+
+        Raises:
+            RuntimeError: a module holds unsharded parameters at ``at``.
+        """
         for name, pg in self._param_groups:
             if not pg.is_sharded:
-                raise RuntimeError(f"zen.outer: FSDP module {name or '<root>'} holds unsharded parameters at the outer "
-                                   f"step; the restart from θ_global writes the shards, which the next forward would "
-                                   f"not all-gather: keep set_reshard_after_backward(True) (FSDP's default)")
+                raise RuntimeError(f"zen.outer: FSDP module {name or '<root>'} holds unsharded parameters at {at}; "
+                                   f"the outer sync writes the shards, which the next forward would not all-gather: "
+                                   f"keep set_reshard_after_backward(True) (FSDP's default), reshard() before it")
+
+    def outer_step(self) -> None:
+        """``OuterSync.outer_step`` after checking that every FSDP module holds its parameters sharded."""
+        self._check_sharded("the outer step")
         super().outer_step()
 
+    def finish(self) -> None:
+        """``OuterSync.finish`` (``delay: 1``: the round in flight merged into the shards) after the same check,
+        when a round is in flight."""
+        if any(b.inflight is not None for b in self.buckets):
+            self._check_sharded("finish()")
+        super().finish()
+
     def close(self) -> None:
-        """``OuterSync.close``, then FSDP's own cross-replica all-reduce is back (each parameter group's
-        replicate group). Idempotent."""
+        """``OuterSync.close`` (``finish()``, the communication thread stopped), then FSDP's own cross-replica
+        all-reduce is back (each parameter group's replicate group). Idempotent."""
         super().close()
         for info, native in self._native:
             info.replicate_process_group = native
@@ -105,7 +129,9 @@ def register_outer(model: torch.nn.Module, cfg: "ZenConfig | dict", optimizer=No
        same mesh, modules and section (one gather over the world).
     2. Each FSDP parameter group's replicate group becomes a one-rank group (FSDP's all-reduce: the identity).
     3. The ``FSDPOuterSync`` over the real replicate group, on each rank's local shards; with ``optimizer``,
-       the outer step runs after every ``every``-th ``optimizer.step()`` (a post-step hook).
+       the outer step runs after every ``every``-th ``optimizer.step()`` (a post-step hook). ``delay: 1``:
+       its sums run on a communication thread over a copy of the replicate group; call ``finish()`` on every
+       rank at the end of training, before the final eval or save.
 
     Args:
         model: the ``fully_shard``-ed model.
@@ -115,7 +141,7 @@ def register_outer(model: torch.nn.Module, cfg: "ZenConfig | dict", optimizer=No
             ``outer.maybe_step(step)`` after each step yourself.
 
     Returns:
-        The ``FSDPOuterSync`` (``state_dict`` for checkpoints, ``pop_stats``, ``close``).
+        The ``FSDPOuterSync`` (``state_dict`` for checkpoints, ``pop_stats``, ``finish``, ``close``).
 
     Raises:
         ValueError: ``zen.outer.enabled`` is false.
@@ -126,10 +152,6 @@ def register_outer(model: torch.nn.Module, cfg: "ZenConfig | dict", optimizer=No
     cfg = cfg if isinstance(cfg, ZenConfig) else ZenConfig.from_dict(cfg)
     if not (cfg.enabled and cfg.outer.enabled):
         raise ValueError("zen.outer.enabled (False) must be true to register the outer synchronization")
-    if cfg.outer.delay:
-        raise NotImplementedError(f"{SERVED}; zen.outer.delay ({cfg.outer.delay}) must be 0 on FSDP2 HSDP: the "
-                                  f"overlapped round (delay 1) is served by DDP and DeepSpeed ZeRO-0, not built for "
-                                  f"the shards")
     check_fsdp_internals(model, path="HSDP")
     found = hsdp_param_groups(model)
     if not found:
@@ -164,7 +186,8 @@ def register_outer(model: torch.nn.Module, cfg: "ZenConfig | dict", optimizer=No
         print(f"zen_ext: zen.outer on FSDP2 HSDP (replicate={shape[0]} x shard={shape[1]}): every {o.every} steps, "
               f"density {o.density:g} per {o.chunk}-element chunk, error decay {o.error_decay:g}, outer SGD lr "
               f"{o.lr:g} momentum {o.momentum:g}{' nesterov' if o.nesterov else ''}, average {o.average}, "
-              f"scheme {cfg.scheme}, {outer.state_bytes():,} bytes of outer state on rank 0", flush=True)
+              f"scheme {cfg.scheme}{', delay 1 (overlapped)' if o.delay else ''}, {outer.state_bytes():,} bytes of "
+              f"outer state on rank 0", flush=True)
     return outer
 
 
