@@ -99,18 +99,22 @@ def _delayed(rank, ckpt_dir):
                 thetas[step] = torch.cat([b["theta"] for b in engine.zen.outer.state_dict()["buckets"]])
             if save and step == 4:
                 engine.save_checkpoint(ckpt_dir, tag="step4")
+                saved_totals.update(engine.zen.totals)
         engine.zen.finish()
         return params, thetas, _flat(engine.module), torch.cat([b.theta_N for b in engine.zen.outer.buckets])
 
+    saved_totals = {}
     engine = _engine(_cfg(delay=1))
     full = steps(engine, 1, 9, save=True)
     totals = dict(engine.zen.totals)
     engine.zen.close()
     resumed_engine = _engine(_cfg(delay=1))
     resumed_engine.load_checkpoint(ckpt_dir, tag="step4")
+    loaded_totals = dict(resumed_engine.zen.totals)
     resumed = steps(resumed_engine, 5, 9)
     resumed_engine.zen.close()
-    return {"full": full, "resumed": resumed, "totals": totals}
+    return {"full": full, "resumed": resumed, "totals": totals, "saved_totals": saved_totals,
+            "loaded_totals": loaded_totals}
 
 
 @pytest.fixture(scope="module")
@@ -149,6 +153,9 @@ def test_delay_1_theta_equal_flushed_and_resumed_bitwise(run):
         assert torch.equal(r_final, final) and all(torch.equal(a, b) for a, b in zip(r_params, params[4:]))
         assert all(torch.equal(r_thetas[s], thetas[s]) for s in (6, 9))
         assert r["delayed"]["totals"]["outer_steps"] == 3 and r["delayed"]["totals"]["bytes_sent"] > 0
+        # the round the checkpoint waited for counts in the totals it saves (round 1's sum: bytes sent)
+        assert r["delayed"]["loaded_totals"] == r["delayed"]["saved_totals"]
+        assert r["delayed"]["saved_totals"]["bytes_sent"] > 0
     for s in (3, 6):
         assert not torch.equal(run[1]["delayed"]["full"][0][s - 1], ref[0][s - 1])
 

@@ -217,7 +217,9 @@ class OuterDeepSpeed:
         # Step 2: this rank's outer state (ZeRO-0: its replica's weights and inner optimizer state too).
         path = self._path(save_dir, tag)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        sd = {"outer": self.outer.state_dict(), "totals": dict(self.totals), "replica": self.replica}
+        outer = self.outer.state_dict()  # delay 1: waits for the round in flight, whose bytes then count
+        self._count()
+        sd = {"outer": outer, "totals": dict(self.totals), "replica": self.replica}
         if not self.stage:
             sd.update(module=self.engine.module.state_dict(), optimizer=self.engine.optimizer.state_dict())
         torch.save(sd, path)
