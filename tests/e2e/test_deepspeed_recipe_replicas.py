@@ -1,8 +1,9 @@
 """recipes/finetune_llm.py with ``--replicas 2``: zen.outer under DeepSpeed ZeRO-1 and ZeRO-2 inside 2 replica
 groups of 2 ranks (4 gloo ranks, the ``deepspeed`` launcher), run as docs/outer.md's ``deepspeed-outer-recipe``
-command line with a few steps added (6 steps, outer steps at 3 and 6, a checkpoint at step 4, mid-round), through
-tests/e2e/_recipe_replicas.py for every rank's final weights and first micro-batches; at ZeRO-1 the recipe then
-resumes from the step-4 checkpoint. One fixture per stage serves its tests. The refusals run the recipe's checks alone (no launch) and one recipe process."""
+command line with a few steps added (6 steps, outer steps at 3 and 6, a checkpoint at step 4, mid-round; ZeRO-2
+at ``--outer_delay 1``), through tests/e2e/_recipe_replicas.py for every rank's final weights and first
+micro-batches; at ZeRO-1 the recipe then resumes from the step-4 checkpoint. One fixture per stage serves its
+tests. The refusals run the recipe's checks alone (no launch) and one recipe process."""
 
 import json
 import math
@@ -42,7 +43,7 @@ def run(request, tmp_path_factory):
         cfg = json.load(open(os.path.join(ROOT, args[args.index("--deepspeed_config") + 1])))
         cfg["zero_optimization"]["stage"] = stage
         (tmp / "cfg.json").write_text(json.dumps(cfg))
-        args += ["--deepspeed_config", str(tmp / "cfg.json")]
+        args += ["--deepspeed_config", str(tmp / "cfg.json"), "--outer_delay", "1"]  # the last round merged at the end
     out = str(tmp / "out")
     rec = {"stage": stage, "out": out, **_launch(args, out)}
     if stage == 1:  # the recipe's --resume from the mid-round checkpoint (step 4) of the run above, to step 6
@@ -76,6 +77,7 @@ def test_recipe_trains_zero_inside_two_replica_groups(run):
     assert f"ZeRO-{stage} world=4 dp=2" in text  # DeepSpeed's data-parallel group: the replica group
     assert f"zen.outer on DeepSpeed ZeRO-{stage} (inside groups of 2 ranks, 2 replicas): every 3 steps" in text
     assert "zen.outer summary (2 replicas, 2 outer steps)" in text
+    assert ("scheme zen, delay 1 (overlapped)" in text) == (stage == 2)
     assert [r["step"] for r in log] == [1, 2, 3, 4, 5, 6]
     assert all(math.isfinite(r["loss"]) for r in log) and log[-1]["loss"] < log[0]["loss"] - 0.02
     assert [r["step"] for r in log if "eval_loss" in r] == [3, 6] and math.isfinite(log[-1]["eval_loss"])
@@ -84,9 +86,9 @@ def test_recipe_trains_zero_inside_two_replica_groups(run):
 
 @pytest.mark.slow
 def test_replicas_equal_after_the_outer_step_and_apart_mid_round(run):
-    """After step 6 (an outer step) all 4 ranks hold bitwise the same weights; the two groups' DeepSpeed
-    checkpoints of step 4 (one inner step after the outer step at 3) hold different ones: each group trained
-    alone."""
+    """After step 6 (an outer step; under delay 1 with the last round merged at the end) all 4 ranks
+    hold bitwise the same weights; the two groups' DeepSpeed checkpoints of step 4 (one inner step after the
+    outer step at 3) hold different ones: each group trained alone."""
     w = run["weights"]
     assert len(w[0]) > 10 and all(w[r].keys() == w[0].keys() for r in range(4))
     assert all(torch.equal(w[r][k], w[0][k]) for r in range(1, 4) for k in w[0])
