@@ -15,6 +15,12 @@ Outputs in ``--output_dir``: ``tokenizer.json`` (a trained tokenizer, reused on 
 record), ``checkpoints/`` (DeepSpeed checkpoints with each rank's ZEN state), ``summary.json`` (with
 ``--memory_report`` each rank's memory: ``recipes/memory_report.py``) and
 ``loss.png``, and a summary printed at the end (bytes vs dense all-reduce, scheme choices, loss curve).
+
+``zen.outer`` (``--outer_every`` and friends, docs/outer.md) trains replicas with local steps: under ZeRO-0
+every rank is one; under ZeRO-1/2 ``--replicas R`` makes R replica groups of world/R consecutive ranks
+(``zen_ext.engines.deepspeed_replicas``), ZeRO partitions inside each and the outer sync runs across them.
+DeepSpeed's data-parallel group is then the replica group, so the data is sharded over the whole world
+(every rank a share of its own) and the logged losses are means over every rank.
 """
 
 from __future__ import annotations
@@ -42,6 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--frozen_variance_after", default=None, help=argparse.SUPPRESS)  # removed: load_ds_config
     common.add_optimizer_args(p)
     common.add_outer_args(p)
+    p.add_argument("--replicas", type=int, default=None,
+                   help="zen.outer under ZeRO-1/2: R replica groups of world/R consecutive ranks, ZeRO partitioned "
+                   "inside each, the outer sync across them (ZeRO-0 needs none: every rank is a replica)")
     p.add_argument("--memory_report", action="store_true", help="each rank's resident memory after engine init and "
                    "over the training steps, and zen_ext's state bytes, into summary.json (recipes/memory_report.py)")
     p.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
@@ -87,6 +96,56 @@ def load_ds_config(args) -> dict:
         if stats.get("jsonl_path") is None:
             stats["jsonl_path"] = os.path.join(args.output_dir, "zen_stats.jsonl")
     return ds
+
+
+def check_replicas(replicas: int | None, ds_config: dict) -> None:
+    """``--replicas`` against the config, before any process group exists: it serves ``zen.outer`` under
+    ZeRO-1/2 (R replica groups, ZeRO inside each), and ZeRO-1/2 under ``zen.outer`` need it.
+
+    Raises:
+        common.ConfigError: ``--replicas`` without ``zen.outer``, under ZeRO-0 or ZeRO-3, or below 2;
+            ``zen.outer`` under ZeRO-1/2 without ``--replicas``.
+    """
+    from zen_ext.config import ZenConfig
+
+    zen = ZenConfig.from_ds_config(ds_config)  # validated by load_ds_config
+    outer = zen.enabled and zen.outer.enabled
+    stage = (ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if replicas is None:
+        if outer and stage in (1, 2):
+            raise common.ConfigError(f"zero_optimization.stage ({stage}) with zen.outer must come with --replicas R: "
+                                     f"ZeRO-{stage} partitions inside each of R replica groups of world/R ranks and "
+                                     f"the outer sync runs across them (or use stage 0: every rank a replica)")
+        return
+    if not outer:
+        raise common.ConfigError(f"--replicas ({replicas}) must come with zen.outer (--outer_every H, or "
+                                 f"zen.outer.enabled in the config): without it nothing would synchronize the "
+                                 f"replica groups")
+    if stage == 0:
+        raise common.ConfigError(f"--replicas ({replicas}) must be left out under ZeRO-0: zen.outer already makes "
+                                 f"every rank a replica of its own there; --replicas groups ranks for ZeRO-1/2")
+    if stage not in (1, 2):
+        raise common.ConfigError(f"--replicas ({replicas}) must be used with zero_optimization.stage 1 or 2, got "
+                                 f"{stage}: zen.outer does not serve ZeRO-3 (its parameters are partitioned too)")
+    if replicas < 2:
+        raise common.ConfigError(f"--replicas ({replicas}) must be >= 2 with zen.outer (the outer sync runs across "
+                                 f"replicas)")
+
+
+def replica_mpu(replicas: int | None):
+    """The DeepSpeed ``mpu`` of ``--replicas`` (``zen_ext.engines.deepspeed_replicas``), None without it.
+
+    Raises:
+        common.ConfigError: ``replicas`` does not divide the world size.
+    """
+    if replicas is None:
+        return None
+    world = dist.get_world_size()
+    if world % replicas:
+        raise common.ConfigError(f"--replicas ({replicas}) must divide the world size ({world})")
+    from zen_ext.engines.deepspeed_replicas import replica_mpu as build
+
+    return build(replicas)
 
 
 def optimizer_choice(args, ds_config: dict) -> tuple[str, str]:
@@ -167,8 +226,10 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     # Step 1: processes and config (the "zen" section is validated inside initialize, before any step).
     ds_config = load_ds_config(args)
+    check_replicas(args.replicas, ds_config)
     deepspeed.init_distributed()
     rank = dist.get_rank()
+    mpu = replica_mpu(args.replicas)  # zen.outer under ZeRO-1/2: ZeRO inside each replica group
     os.makedirs(args.output_dir, exist_ok=True)
 
     # Step 2: data, model, engine.
@@ -180,14 +241,17 @@ def main(argv=None) -> list[dict]:
     optimizer = client_optimizer(args, ds_config, model)
     optimizer_text = _describe_optimizer(optimizer, ds_config)  # before ZeRO flattens the groups
     engine, _, _, _ = zen_ext.deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config,
-                                                   optimizer=optimizer)
+                                                   optimizer=optimizer, mpu=mpu)
     zen = getattr(engine, "zen", None)
     memory = memory_report.MemoryReport() if args.memory_report else None
     if args.save_model and engine.zero_optimization_stage() >= 3:
         raise common.ConfigError(f"--save_model ({args.save_model}) needs ZeRO stage 0, 1 or 2: ZeRO-3 partitions "
                                  "the parameters across ranks")
     dp_group = engine.data_parallel_group  # with AutoTP: the replicas; TP ranks of one replica share batches
-    dp_rank, dp_size = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    dp_size = dist.get_world_size(dp_group)
+    data_group, data_rank, data_size = dp_group, dist.get_rank(dp_group), dp_size  # who reads which batches
+    if mpu is not None:  # DeepSpeed's data-parallel group is the replica group: every rank of the world a share
+        data_group, data_rank, data_size = dist.group.WORLD, mpu.data_rank, mpu.data_world
     ckpt_dir = os.path.join(args.output_dir, "checkpoints")
     start = 0
     if args.resume and os.path.isfile(os.path.join(ckpt_dir, "latest")):
@@ -204,6 +268,10 @@ def main(argv=None) -> list[dict]:
               f"accum={accum} train_blocks={len(train_blocks)} eval_blocks={len(eval_blocks)} start_step={start} "
               f"lr_schedule={_describe_schedule(ds_config)} optimizer={optimizer_text} ({optimizer_why})",
               flush=True)
+        if mpu is not None:
+            print(f"deepspeed recipe: replicas: {mpu.describe()}, ZeRO-{engine.zero_optimization_stage()} inside "
+                  f"each, zen.outer across them; data sharded over all {data_size} ranks (rank r reads share r)",
+                  flush=True)
         if zen and zen.cfg.dgc.enabled and optimizer_text.lower() in ("adam", "adamw"):
             print("deepspeed recipe: hint: DGC under plain Adam ends well above dense's loss; CatchUpAdamW (the "
                   "default without --plain_adam) closes most of that gap (docs/results/time_to_quality_history.md)",
@@ -212,7 +280,7 @@ def main(argv=None) -> list[dict]:
     # Step 3: train.
     if memory is not None:
         memory.at_init()  # after data, model and engine: the peak from here on is the training steps'
-    batches = common.train_batches(train_blocks, micro, dp_rank, dp_size, seed=args.seed, start_step=start * accum)
+    batches = common.train_batches(train_blocks, micro, data_rank, data_size, seed=args.seed, start_step=start * accum)
     log = common.StepLog(args.output_dir, rank, start, args.steps)
     for step in range(start + 1, args.steps + 1):
         t0 = time.perf_counter()
@@ -228,13 +296,13 @@ def main(argv=None) -> list[dict]:
         step_s = time.perf_counter() - t0  # the step alone: evaluation and checkpoints come after
         if step == args.steps and zen is not None and hasattr(zen, "finish"):
             zen.finish()  # zen.outer.delay 1: the last round's sum is applied before the final eval and save
-        rec = {"step": step, "loss": common.all_reduce_mean(loss_sum / accum, dp_group), "step_s": step_s,
-               "tokens_per_s": accum * micro * args.seq_len * dp_size / step_s}
+        rec = {"step": step, "loss": common.all_reduce_mean(loss_sum / accum, data_group), "step_s": step_s,
+               "tokens_per_s": accum * micro * args.seq_len * data_size / step_s}
         if zen is not None:
             rec["bytes_sent"] = zen.totals["bytes_sent"]
             rec["dense_bytes"] = zen.totals["dense_bytes"]
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-            rec["eval_loss"] = common.evaluate(engine, eval_blocks, micro, dp_rank, dp_size, dp_group)
+            rec["eval_loss"] = common.evaluate(engine, eval_blocks, micro, data_rank, data_size, data_group)
         log.log(rec)
         if memory is not None and step == args.steps:  # before the checkpoint save's copies
             memory.at_train_end(zen, engine.module)

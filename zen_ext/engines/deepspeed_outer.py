@@ -120,7 +120,7 @@ class OuterDeepSpeed:
         engine.save_checkpoint, engine.load_checkpoint = self._save_checkpoint, self._load_checkpoint
         if self.rank == 0:
             o = cfg.outer
-            where = f"ZeRO-{stage} inside groups of {engine.seq_dp_world_size} ranks, " if stage else "ZeRO-0 ("
+            where = f"ZeRO-{stage} (inside groups of {engine.seq_dp_world_size} ranks, " if stage else "ZeRO-0 ("
             print(f"zen_ext: zen.outer on DeepSpeed {where}{self.dp_size} replicas): every {o.every} steps, "
                   f"density {o.density:g} per {o.chunk}-element chunk, error decay {o.error_decay:g}, outer SGD lr "
                   f"{o.lr:g} momentum {o.momentum:g}{' nesterov' if o.nesterov else ''}, average {o.average}, "
