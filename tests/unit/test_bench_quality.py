@@ -305,6 +305,8 @@ def test_value_bits_variants_pair_with_todays_dgc_of_the_same_path(tmp_path):
     assert v4.endswith("| met (+0.200% ≤ 0.3%) | met (+0.100% ≤ 0.3%) |")
     assert "| 1 (0) | +0.300% [+0.300% – +0.300%]" in v8  # 8 bits: 0.1 %
     assert v8.endswith("| **not met** (+0.200% over) | **not met** (+0.050% over) |")
+    (only,) = vbr.gap_rows(str(tmp_path), ["scratch"], ["dgc1_v4"], only=[1, 2])  # --seeds: seed 1 alone is paired
+    assert "| dgc1_v4 | dgc1 | 1 (1) | +0.300% [+0.300% – +0.300%]" in only
 
 
 def test_the_modules_depend_one_way():
