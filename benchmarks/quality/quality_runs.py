@@ -36,8 +36,28 @@ def _launch(args_list: list[str], log_path: str, port: int | None = None, fsdp: 
     """Run the recipe on 2 ranks (the DeepSpeed recipe under its launcher, or with ``fsdp`` the FSDP2 recipe
     under torchrun), or with ``nodes`` on that many emulated nodes of 2 ranks (``quality_nodes.py``);
     returns its wall time in seconds. Raises on a failed run."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
     port = port or free_port()
+    try:
+        return _run_recipe(args_list, log_path, port, fsdp, nodes)
+    finally:
+        unlink_ds_shm(port)
+
+
+def unlink_ds_shm(port: int) -> None:
+    """Remove the /dev/shm buffers DeepSpeed's CPU shared-memory all-reduce made for the run on ``port``: it
+    names one per rank by the master port and never unlinks it (69 MB each), so a sweep of a few hundred runs
+    filled 16 GB of RAM and the OOM killer took other jobs (tests/conftest.py does the same for the tests)."""
+    import glob
+
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+        try:
+            os.unlink(path)
+        except OSError:  # gone already
+            pass
+
+
+def _run_recipe(args_list: list[str], log_path: str, port: int, fsdp: bool, nodes: int) -> float:
+    env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", PYTHONPATH=ROOT, PYTHONUNBUFFERED="1")
     if nodes:
         import quality_nodes
 

@@ -320,3 +320,27 @@ def test_the_modules_depend_one_way():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() and "quality_bytes" in out.stdout and "quality_fsdp" in out.stdout
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")
+def test_a_run_leaves_no_deepspeed_shm_buffer(monkeypatch, tmp_path):
+    """DeepSpeed's CPU all-reduce leaves a /dev/shm buffer per rank named by the master port: each run removes
+    its own (a failed one too), and only its own."""
+    port, other = qruns.free_port(), qruns.free_port()
+    mine = [f"/dev/shm/deepspeed_allreduce_buffer_{r}_127.0.0.1_{port}_0" for r in (0, 1)]
+    theirs = f"/dev/shm/deepspeed_allreduce_buffer_0_127.0.0.1_{other}_0"
+
+    def fake_run(*_):
+        for path in mine + [theirs]:
+            open(path, "w").close()
+        raise RuntimeError("run failed")
+
+    monkeypatch.setattr(qruns, "_run_recipe", fake_run)
+    try:
+        with pytest.raises(RuntimeError, match="run failed"):
+            qruns._launch(["--steps", "1"], str(tmp_path / "log.txt"), port)
+        assert not any(os.path.exists(p) for p in mine) and os.path.exists(theirs)
+    finally:
+        for path in mine + [theirs]:
+            if os.path.exists(path):
+                os.unlink(path)
