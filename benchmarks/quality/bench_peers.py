@@ -288,7 +288,11 @@ def main(argv=None) -> None:
     measured = peers_bytes.measured_zen(args.runs)
     at2 = next(r for r in demo if r["n"] == 2)
     scale = {k: measured[f"ddp_{k}"] / at2[k] for k in ("zen_dgc5", "zen_dgc1") if f"ddp_{k}" in measured}
-    text += ("\n### Modelled time to dense + 1 % (finetune; peers_time.py)\n\n" + peers_time.report(results, demo, big, scale)
+    lab = peers_time.lab_step_s(os.path.join(ROOT, "benchmarks/cluster/results/peers_lab.jsonl"))
+    text += ("\n### Modelled time to dense + 1 % (finetune; peers_time.py)\n\n"
+             + peers_time.report(results, demo, big, scale, lab)
+             + ("\n\nMEASURED columns: step seconds on the emulated cluster (benchmarks/cluster/results/peers_lab.md), "
+                "time × dense from the same paired seeds' steps." if lab else "")
              + "\n\nzen_ext's modelled demo bytes scaled by measured / modelled at 2 ranks: "
              + ", ".join(f"{k} {v:.3f}" for k, v in scale.items()) + ". Model check: "
              + "; ".join(peers_time.calibration(os.path.join(ROOT, "benchmarks/cluster/results/cluster_e2e.jsonl")))

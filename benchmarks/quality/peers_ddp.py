@@ -11,7 +11,8 @@ Methods (``--method``):
 * ``dense``: DDP's own all-reduce.
 * ``zen``: ``zen_ext.engines.ddp.register_zen_hook`` with ``{"dgc": {"enabled": true, "density": d}}``
   (``--zen_density``; ``--zen_residual_dtype int4`` for the 4-bit residual) and CatchUpAdamW, the
-  project's defaults under DGC.
+  project's defaults under DGC; ``--zen_warmup_steps`` / ``--zen_value_bits`` set ``dgc.warmup_steps`` (0: no
+  density ramp, the steady state a timing run wants) and ``dgc.value_bits``.
 * ``powersgd``: torch's ``powerSGD_hook`` (``PowerSGDState``: ``--powersgd_rank``, ``--powersgd_start_iter``
   — torch's docstring recommends 10 % of the steps and no less than the warm-up; warm start and error
   feedback on, ``min_compression_rate`` 2, as torch's defaults).
@@ -23,7 +24,10 @@ For the DiLoCo family the eval loss at a step is the loss of the replicas' avera
 all-reduce for evaluation only, not counted in bytes): at a synchronization step the replicas are equal and
 this is the global model. ``train_log.jsonl`` records per step the loss, the cumulative ``bytes_sent`` by
 this rank (each method's actual messages: see ``bytes_per_step`` below), step seconds and eval losses;
-``summary.json`` as the other recipes.
+``summary.json`` as the other recipes. ``elapsed_s`` is the time from the start of step 1 to the end of the
+step's loss all-reduce: differences of it are the step's wall time including the wait for the slowest rank, which
+a DiLoCo inner step (no communication) otherwise leaves out (``benchmarks/cluster/bench_peers_lab.py`` times with
+it on the emulated cluster).
 """
 
 from __future__ import annotations
@@ -57,9 +61,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the DeepSpeed config whose optimizer, warm-up, clip and micro-batch the run takes")
     p.add_argument("--zen_density", type=float, default=0.05)
     p.add_argument("--zen_residual_dtype", default="float32", choices=("float32", "int4"))
+    p.add_argument("--zen_warmup_steps", type=int, default=None, help="zen.dgc.warmup_steps (default: the project's)")
+    p.add_argument("--zen_value_bits", type=int, default=None, help="zen.dgc.value_bits (8 or 4; default: off)")
     p.add_argument("--powersgd_rank", type=int, default=1)
     p.add_argument("--powersgd_start_iter", type=int, default=None,
                    help="default: 10 %% of --steps, at least the warm-up steps and 2 (torch's rule with warm start)")
+    p.add_argument("--ddp_bucket_cap_mb", type=float, default=None,
+                   help="DDP's bucket_cap_mb (default DDP's: 25 MB, the first bucket 1 MB); set, every bucket is this size")
+    p.add_argument("--torchft_init_sync", action=argparse.BooleanOptionalAction, default=True,
+                   help="torchft Manager(init_sync=...): replica 0's state sent to the others at the first quorum "
+                        "(torchft's docstring: False when every replica is initialized identically, as here)")
     p.add_argument("--sync_every", type=int, default=None, help="H (diloco: required; sparseloco: 15)")
     return p.parse_args(argv)
 
@@ -118,7 +129,19 @@ def averaged_eval(model, eval_blocks, micro: int, rank: int, world: int) -> floa
     return loss
 
 
-def start_torchft(model, inner, sync_every: int, rank: int, world: int):
+def reachable_address() -> str:
+    """This rank's address as the other ranks reach it: ``localhost`` on one machine, else the address of the
+    interface that routes to ``MASTER_ADDR`` (on the emulated cluster each rank is a network namespace, where
+    ``localhost`` and the machine's host name are that namespace's own loopback)."""
+    master = os.environ.get("MASTER_ADDR", "localhost")
+    if master in ("localhost", "") or master.startswith("127."):
+        return "localhost"
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((master, 9))  # UDP connect sends nothing: it only picks the route and source address
+        return s.getsockname()[0]
+
+
+def start_torchft(model, inner, sync_every: int, rank: int, world: int, init_sync: bool = True):
     """torchft's DiLoCo: a lighthouse on rank 0 (in process, as torchft's CPU tests start it), one Manager per
     rank (a replica group of one rank, its own TCPStore), the outer Nesterov SGD. Returns (manager, DiLoCo)."""
     from datetime import timedelta
@@ -129,21 +152,23 @@ def start_torchft(model, inner, sync_every: int, rank: int, world: int):
 
     lighthouse = None
     addr = [None]
+    here = reachable_address()
     if rank == 0:
         from torchft.coordination import LighthouseServer
 
         lighthouse = LighthouseServer(bind="[::]:0", min_replicas=world)
-        addr = [lighthouse.address()]
+        # The lighthouse advertises the machine's host name; the other ranks reach it at rank 0's address.
+        addr = [f"http://{here}:{lighthouse.address().rsplit(':', 1)[1]}"]
     dist.broadcast_object_list(addr, src=0)
-    store = dist.TCPStore(host_name="localhost", port=0, is_master=True, wait_for_workers=False)
+    store = dist.TCPStore(host_name=here, port=0, is_master=True, wait_for_workers=False)
     outer = torch.optim.SGD(model.parameters(), **DILOCO_OUTER)
     manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=120)), min_replica_size=world,
                       load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["optim"])),
                       state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
-                      use_async_quorum=False, replica_id=f"peers_replica_{rank}", store_addr="localhost",
+                      use_async_quorum=False, replica_id=f"peers_replica_{rank}", store_addr=here,
                       store_port=store.port, rank=0, world_size=1, lighthouse_addr=addr[0],
-                      hostname="localhost", timeout=timedelta(seconds=120),
-                      quorum_timeout=timedelta(seconds=120))
+                      hostname=here, timeout=timedelta(seconds=120),
+                      quorum_timeout=timedelta(seconds=120), init_sync=init_sync)
     diloco = DiLoCo(manager, [model], inner, outer, sync_every=sync_every)
     return manager, diloco, (lighthouse, store)
 
@@ -152,7 +177,8 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     # Step 1: settings, processes.
     opt = optimizer_settings(args.ds_config)
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # benchmarks/cluster/peers_lab_runs.py runs several methods in one process
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     os.makedirs(args.output_dir, exist_ok=True)
 
@@ -168,18 +194,20 @@ def main(argv=None) -> list[dict]:
     if args.method in ("dense", "zen", "powersgd"):
         from torch.nn.parallel import DistributedDataParallel
 
-        train_model = DistributedDataParallel(model)
+        train_model = DistributedDataParallel(model, bucket_cap_mb=args.ddp_bucket_cap_mb)
     if args.method == "zen":
         from zen_ext.config import ZenConfig
         from zen_ext.engines.ddp import register_zen_hook
         from zen_ext.optim import CatchUpAdamW, catch_up_param_groups
 
-        zen_cfg = ZenConfig.from_dict({"dgc": {"enabled": True, "density": args.zen_density,
-                                               "residual_dtype": args.zen_residual_dtype},
-                                       "stats": {"summary": False}})
+        dgc = {"enabled": True, "density": args.zen_density, "residual_dtype": args.zen_residual_dtype}
+        dgc.update({k: v for k, v in (("warmup_steps", args.zen_warmup_steps), ("value_bits", args.zen_value_bits))
+                    if v is not None})
+        zen_cfg = ZenConfig.from_dict({"dgc": dgc, "stats": {"summary": False}})
         optimizer = CatchUpAdamW(catch_up_param_groups(model, zen_cfg), **kw)
         hook_state = register_zen_hook(train_model, zen_cfg, optimizer=optimizer)
-        described = f"zen DDP hook (DGC {args.zen_density:g}, residual {args.zen_residual_dtype}, CatchUpAdamW)"
+        described = (f"zen DDP hook (DGC {args.zen_density:g}, residual {args.zen_residual_dtype}, warmup_steps "
+                     f"{args.zen_warmup_steps}, value_bits {args.zen_value_bits}, CatchUpAdamW)")
     else:
         optimizer = torch.optim.AdamW(model.parameters(), **kw)
     if args.method == "dense":
@@ -199,7 +227,8 @@ def main(argv=None) -> list[dict]:
     elif args.method == "diloco":
         if not args.sync_every:
             raise common.ConfigError("--sync_every must be set for diloco (H; the benchmark runs 10 and 50)")
-        manager, diloco, keep = start_torchft(model, optimizer, args.sync_every, rank, world)
+        manager, diloco, keep = start_torchft(model, optimizer, args.sync_every, rank, world,
+                                               args.torchft_init_sync)
         diloco.__enter__()
         outer_bytes = ring_allreduce_bytes(n_params, 4, world)  # torchft: one fp32 all-reduce per parameter
         described = f"torchft DiLoCo (H {args.sync_every}, outer SGD {DILOCO_OUTER})"
@@ -219,6 +248,7 @@ def main(argv=None) -> list[dict]:
     progress = common.progress_bar(rank, 0, args.steps)
     records: list[dict] = []
     sent = 0
+    start = time.perf_counter()
     for step in range(1, args.steps + 1):
         t0 = time.perf_counter()
         batch = next(batches)
@@ -248,6 +278,7 @@ def main(argv=None) -> list[dict]:
         else:
             sent = sparseloco.bytes_sent
         rec = {"step": step, "loss": common.all_reduce_mean(loss.item(), dist.group.WORLD), "step_s": step_s,
+               "elapsed_s": time.perf_counter() - start,
                "tokens_per_s": opt["micro_batch"] * args.seq_len * world / step_s, "bytes_sent": sent,
                "dense_bytes": step * ring_allreduce_bytes(n_params, 4, world)}
         if synced is not None:
@@ -271,6 +302,8 @@ def main(argv=None) -> list[dict]:
         log_file.close()
         common.write_outputs(args.output_dir, records, None, {"method": described, "memory": peak})
     dist.barrier()
+    if keep and keep[0] is not None:
+        keep[0].shutdown()  # the lighthouse (rank 0), so that a next run in this process starts its own
     del keep
     return records
 

@@ -78,3 +78,46 @@ def test_time_model_uses_bytes_over_rate_plus_compute():
     assert cells[2] == "0.220"
     assert cells[3] == f"**{100 * 0.22 / (194 * 0.2):.2f}×**"
     assert cells[4] == "0.10" and cells[5] == f"**{100 * 0.1 / (194 * 1.0):.3f}×**"
+
+
+def test_time_model_lab_columns_use_measured_step_ratio():
+    dense = [_result("ddp_dense", 0, [[100, 3.5], [200, 3.0]], step_s=0.1)]
+    zen = [_result("ddp_zen_dgc5", 0, [[100, 3.0], [200, 2.9]], step_s=0.2)]
+    demo = [{"n": n, "dense": 3.125e6, "zen_dgc5": 0.3125e6} for n in (8, 16)]
+    big = [{"n": n, "dense": 31.25e6, "zen_dgc5": 3.125e6} for n in (8, 16)]
+    lab = {"8 hosts × 250 Mbit/s": {"dense": 2.0, "zen_dgc5": 0.5}, "16 hosts × 100 Mbit/s": {"dense": 4.0}}
+    text = peers_time.report(dense + zen, demo, big, {"zen_dgc5": 2.0}, lab)
+    cells = [c.strip() for c in next(x for x in text.splitlines() if x.startswith("| ddp_zen_dgc5")).strip("|").split("|")]
+    # The modelled cells keep their places; the lab ones follow: steps 100 vs dense's 194, step 0.5 s vs 2.0 s.
+    assert cells[2] == "0.220" and len(cells) == 14
+    assert cells[10:] == ["0.500", f"**{100 * 0.5 / (194 * 2.0):.2f}×**", "–", "no lab measurement"]
+
+
+def test_lab_section_reads_quality_and_modelled_tables(tmp_path):
+    md = "\n".join([
+        "| variant | e1 | e2 | e3 | gap | reaches | bytes | step |",
+        "| ddp_dense (5 seeds) | 1 | 1 | 1 | +0 % | 5/5; 100 | 1 KiB | 0.1 |",
+        "| ddp_zen_dgc5 (5 seeds) | 1 | 1 | 1 | +0 % | 5/5; 90 | 1 KiB | 0.1 |",
+        "| powersgd_r1 (3 seeds) | 1 | 1 | 1 | +9 % | 0/3 | 1 KiB | 0.1 |",
+        "| ddp_dense (3 seeds) | 1 | 1 | 1 | +0 % | 3/3; 500 | 1 KiB | 0.1 |",  # a later (scratch) table: ignored
+        "| ddp_dense | 5/5 | 0.1 | **1.00×** | 1 | **1.000×** | 0.2 | **1.00×** | 2 | **1.000×** |",
+        "| ddp_zen_dgc5 | 5/5 | 0.1 | **0.80×** | 1 | **0.238×** | 0.2 | **0.64×** | 2 | **0.345×** |",
+        "| powersgd_r1 | 0/3 | 0.1 | not reached | 1 | not reached | 0.2 | not reached | 2 | not reached |"])
+    lab = {"8 hosts × 250 Mbit/s": {"dense": 2.0, "zen_dgc5": 1.0, "powersgd_r1": 0.5},
+           "16 hosts × 100 Mbit/s": {"dense": 4.0, "zen_dgc5": 3.0}}
+    rows = {r.split(" |")[0].strip("| "): [c.strip() for c in r.strip("|").split("|")]
+            for r in peers_time.lab_section(md, lab).splitlines()[2:]}
+    assert rows["ddp_zen_dgc5"][1:] == ["5/5; 90", "1.000 (0.50×)", "**0.45×**", "**0.80×**", "**0.238×**",
+                                        "3.000 (0.75×)", "**0.68×**", "**0.64×**", "**0.345×**"]
+    assert rows["powersgd_r1"][2:4] == ["0.500 (0.25×)", "not reached in the run"]
+    assert rows["powersgd_r1"][6:8] == ["–", "no lab measurement"]
+
+
+def test_reachable_address_is_localhost_on_one_machine(monkeypatch):
+    from peers_ddp import reachable_address
+
+    for master in ("127.0.0.1", "localhost"):
+        monkeypatch.setenv("MASTER_ADDR", master)
+        assert reachable_address() == "localhost"
+    monkeypatch.delenv("MASTER_ADDR")
+    assert reachable_address() == "localhost"
