@@ -329,6 +329,30 @@ void decode_pull_cpu(const at::Tensor& out, const at::Tensor& msg, int64_t part,
 // zen.dgc.value_bits, worker side (core/zen_lowbit.py, step 5): the global indices of a pulled message's
 // positions, stored at their rows; the message's values follow those indices in ascending order (the owner
 // quantizes its sums in that order), so the decode sorts them before it writes.
+// Sorts g (values below 2^bits) ascending: an LSD radix sort, 11 bits a pass, so a message of K indices costs
+// O(K · ceil(bits / 11)) instead of std::sort's O(K log K) (measured: a 16-rank DGC 1 % decode spent 10 of its
+// 14 ms in std::sort). tmp is scratch of g's size.
+void radix_sort_indices(std::vector<int64_t>& g, std::vector<int64_t>& tmp, int bits) {
+  constexpr int kRadixBits = 11;
+  constexpr size_t kBuckets = size_t(1) << kRadixBits;
+  const size_t K = g.size();
+  if (K < 2) return;
+  tmp.resize(K);
+  std::vector<size_t> count(kBuckets);
+  for (int shift = 0; shift < bits; shift += kRadixBits) {
+    std::fill(count.begin(), count.end(), size_t(0));
+    for (size_t j = 0; j < K; ++j) ++count[(uint64_t(g[j]) >> shift) & (kBuckets - 1)];
+    size_t sum = 0;
+    for (size_t b = 0; b < kBuckets; ++b) {
+      const size_t c = count[b];
+      count[b] = sum;
+      sum += c;
+    }
+    for (size_t j = 0; j < K; ++j) tmp[count[(uint64_t(g[j]) >> shift) & (kBuckets - 1)]++] = g[j];
+    g.swap(tmp);
+  }
+}
+
 struct GlobalIndexWriter {
   int64_t* g;
   int64_t part, n;
@@ -361,6 +385,9 @@ void decode_pulls_lowbit_cpu(const at::Tensor& out, at::TensorList msgs, const a
   TORCH_CHECK(uint64_t(numel) <= kMaxNumel, op, ": numel must be <= 2^62, got ", numel);
   const FeistelKeys k = read_keys(keys);
   const int dbits = domain_bits(uint64_t(numel));
+  int index_bits = 1;  // every global index is below numel
+  while (index_bits < 63 && (int64_t(1) << index_bits) < numel) ++index_bits;
+  std::vector<int64_t> g, tmp;
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& msg = msgs[i];
     check_bytes(msg, "decode_pulls_lowbit_: msg");
@@ -381,9 +408,9 @@ void decode_pulls_lowbit_cpu(const at::Tensor& out, at::TensorList msgs, const a
     if (nb) std::memcpy(scales.data(), idx_in + ib, size_t(4 * nb));
     const uint8_t* codes = idx_in + ib + 4 * nb;
     // Value j lands at the j-th smallest global index of the message's positions.
-    std::vector<int64_t> g(static_cast<size_t>(count));
+    g.assign(static_cast<size_t>(count), 0);
     for_each_position(fmt, count, m, idx_in, idx_bytes, op, GlobalIndexWriter{g.data(), i, n, uint64_t(numel), k, dbits});
-    std::sort(g.begin(), g.end());
+    radix_sort_indices(g, tmp, index_bits);
     // Row j's value: q_j · scale[j / block] (fp32; 8 bits an int8 code, 4 bits the nibble j % 2 of byte j / 2,
     // offset 8, as csrc/cpu/lowbit.cpp's dequantize_blocks), divided by divisor in fp32, cast on store.
     const float div = float(divisor);
