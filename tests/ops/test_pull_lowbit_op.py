@@ -93,6 +93,17 @@ def test_oracle_equals_direct_and_op_equals_oracle(dtype, bits, fmt, numel, n, b
 
 
 @needs_op
+def test_above_2_pow_22_elements_the_op_equals_the_oracle():
+    """Past 2^22 elements the decode's radix sort of the global indices takes three 11-bit passes."""
+    numel, n, bits, block = (1 << 22) + 4099, 3, 4, 32
+    msgs, _, isz = _messages(numel, n, bits, block, FMTS["coo"], torch.int32, seed=22, density=0.002)
+    got_ref, got = torch.zeros(numel), torch.zeros(numel)
+    ref.decode_pulls_lowbit_(got_ref, msgs, KEYS, isz, bits, block, 1)
+    torch.ops.zen_ext.decode_pulls_lowbit_(got, msgs, KEYS, isz, bits, block, 1)
+    assert torch.equal(got, got_ref) and int((got != 0).sum()) > 1000
+
+
+@needs_op
 def test_owners_carrying_nothing_and_empty_messages_leave_out_alone():
     numel, n = 300, 4
     msgs, want, isz = _messages(numel, n, 4, 128, FMTS["coo"], torch.int32, seed=1, density=0.0)
