@@ -33,6 +33,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_outer_delay import report_cli, round_cells  # noqa: E402  (the same table as DDP's)
 
 
 def _variant(a, name, mesh, batches, rank):
@@ -134,13 +136,8 @@ def report(jsonl: str, md: str, command: str, note: str = "") -> None:
            "outer s | sum s | wait s | bytes sent per round | load1 |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in recs:
-        rs = r["round_s"]
         cells = [r["when"], r["rate"], "{} × {}".format(*r["mesh"]), f"{r['density']:g}", str(r["every"]),
-                 r["variant"], f"{rs['min']:.3f} / {rs['median']:.3f} / {rs['max']:.3f}",
-                 f"{r['ratio_to_delay0']:.2f}"]
-        cells += [f"{r[k]:.3f}" if k in r else "—" for k in ("outer_s_per_round", "sum_s_per_round",
-                                                             "wait_s_per_round")]
-        cells += [f"{r['bytes_sent_per_round']:,.0f}" if "bytes_sent_per_round" in r else "—", f"{r['load1']:.1f}"]
+                 r["variant"], *round_cells(r), f"{r['load1']:.1f}"]
         out.append("| " + " | ".join(cells) + " |")
     out += ["", note] if note else []
     out += ["", provenance("load from other jobs varied during the runs: compare rows of one run only")]
@@ -149,14 +146,7 @@ def report(jsonl: str, md: str, command: str, note: str = "") -> None:
 
 
 def main() -> None:
-    if "--report" in sys.argv:
-        q = argparse.ArgumentParser()
-        q.add_argument("--report", required=True)
-        q.add_argument("--md", required=True)
-        q.add_argument("--command", default="see the module docstring")
-        q.add_argument("--note", default="", help="a paragraph under the table")
-        b = q.parse_args()
-        report(b.report, b.md, b.command, b.note)
+    if report_cli(report):
         return
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=os.path.join(ROOT, "configs", "models", "llama-tiny-untied.json"))

@@ -137,24 +137,37 @@ def report(jsonl: str, md: str, command: str, note: str = "") -> None:
         f.write("\n".join(out) + "\n")
 
 
-def _row(r: dict) -> str:
+def round_cells(r: dict) -> list[str]:
+    """A record's round time, its ratio to delay 0, the per-round outer / sum / wait seconds and bytes (the
+    table columns after ``variant``; ``bench_fsdp_outer_delay.py`` shares them)."""
     rs = r["round_s"]
-    cells = [r["when"], r["rate"], str(r["world"]), f"{r['density']:g}", str(r["every"]), r["variant"],
-             f"{rs['min']:.3f} / {rs['median']:.3f} / {rs['max']:.3f}", f"{r['ratio_to_delay0']:.2f}"]
+    cells = [f"{rs['min']:.3f} / {rs['median']:.3f} / {rs['max']:.3f}", f"{r['ratio_to_delay0']:.2f}"]
     cells += [f"{r[k]:.3f}" if k in r else "—" for k in ("outer_s_per_round", "sum_s_per_round", "wait_s_per_round")]
     cells.append(f"{r['bytes_sent_per_round']:,.0f}" if "bytes_sent_per_round" in r else "—")
-    return "| " + " | ".join(cells) + " |"
+    return cells
+
+
+def _row(r: dict) -> str:
+    cells = [r["when"], r["rate"], str(r["world"]), f"{r['density']:g}", str(r["every"]), r["variant"]]
+    return "| " + " | ".join(cells + round_cells(r)) + " |"
+
+
+def report_cli(report) -> bool:
+    """``--report JSONL --md MD [--command ...] [--note ...]``: render ``report`` and return True; else False."""
+    if "--report" not in sys.argv:
+        return False
+    q = argparse.ArgumentParser()
+    q.add_argument("--report", required=True)
+    q.add_argument("--md", required=True)
+    q.add_argument("--command", default="see the module docstring")
+    q.add_argument("--note", default="", help="a paragraph under the table")
+    b = q.parse_args()
+    report(b.report, b.md, b.command, b.note)
+    return True
 
 
 def main() -> None:
-    if "--report" in sys.argv:
-        q = argparse.ArgumentParser()
-        q.add_argument("--report", required=True)
-        q.add_argument("--md", required=True)
-        q.add_argument("--command", default="see the module docstring")
-        q.add_argument("--note", default="", help="a paragraph under the table")
-        b = q.parse_args()
-        report(b.report, b.md, b.command, b.note)
+    if report_cli(report):
         return
     p = argparse.ArgumentParser()
     p.add_argument("--model", default=os.path.join(ROOT, "configs", "models", "llama-tiny-untied.json"))

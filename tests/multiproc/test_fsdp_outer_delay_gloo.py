@@ -23,7 +23,8 @@ import io
 import torch
 
 from tests.multiproc.launch import run_workers
-from tests.multiproc.test_fsdp_outer_gloo import DILOCO, _flat, _inner_opt, _loss, _mesh, _model, _shard, _train
+from tests.multiproc.test_fsdp_outer_gloo import (DILOCO, _flat, _inner_opt, _inner_step_full, _loss, _mesh, _model,
+                                                  _shard, _train)
 
 
 def _locals(model):
@@ -104,15 +105,7 @@ def _delayed_reference(kind, shape=(2, 2)):
     opts = [_inner_opt(kind, m.parameters()) for m in models]
     in_flight, after = False, []
     for step in range(1, STEPS + 1):
-        for r, (m, opt) in enumerate(zip(models, opts)):
-            grads = []
-            for s in range(shard):
-                m.zero_grad()
-                _loss(kind, m, step, r * shard + s).backward()
-                grads.append([p.grad.clone() for p in m.parameters()])
-            for i, p in enumerate(m.parameters()):
-                p.grad = sum(g[i] for g in grads) / shard
-            opt.step()
+        _inner_step_full(kind, models, opts, step, shard)
         if step % EVERY == 0:
             with torch.no_grad():
                 deltas = [[a - p for a, p in zip(anchors[r], m.parameters())] for r, m in enumerate(models)]

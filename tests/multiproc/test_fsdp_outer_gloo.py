@@ -119,6 +119,20 @@ def test_replicas_apart_between_outer_steps_equal_after():
 DILOCO = {"enabled": True, "every": 2, "density": 1, "average": "mean", "lr": 0.5, "momentum": 0.5, "nesterov": True}
 
 
+def _inner_step_full(kind, models, opts, step, shard):
+    """One inner step of every replica on full parameters: replica r's gradient is the mean of ranks
+    ``r·L + s``' gradients (what HSDP's reduce-scatter inside the replica group gives)."""
+    for r, (m, opt) in enumerate(zip(models, opts)):
+        grads = []
+        for s in range(shard):
+            m.zero_grad()
+            _loss(kind, m, step, r * shard + s).backward()
+            grads.append([p.grad.clone() for p in m.parameters()])
+        for i, p in enumerate(m.parameters()):
+            p.grad = sum(g[i] for g in grads) / shard
+        opt.step()
+
+
 def _reference(kind, steps, every, shape=SHAPE):
     """DiLoCo on full parameters: replica r's gradient is the mean of ranks ``r·L + s``' gradients."""
     replicas, shard = shape
@@ -127,15 +141,7 @@ def _reference(kind, steps, every, shape=SHAPE):
     models = [_model(kind) for _ in range(replicas)]
     opts = [_inner_opt(kind, m.parameters()) for m in models]
     for step in range(1, steps + 1):
-        for r, (m, opt) in enumerate(zip(models, opts)):
-            grads = []
-            for s in range(shard):
-                m.zero_grad()
-                _loss(kind, m, step, r * shard + s).backward()
-                grads.append([p.grad.clone() for p in m.parameters()])
-            for i, p in enumerate(m.parameters()):
-                p.grad = sum(g[i] for g in grads) / shard
-            opt.step()
+        _inner_step_full(kind, models, opts, step, shard)
         if step % every == 0:
             with torch.no_grad():
                 for i, t in enumerate(theta):
