@@ -36,9 +36,9 @@ the pushed values 0 from random weights (relative L2 error 0.13) and trained fro
 the gradient's dtype; blocks of 32 halve the zeros (L2 0.09-0.10) and cost 4/32 = 0.125 bytes a value, 3.0×
 fewer bytes than fp32 at DGC 1 % instead of 3.2× (``benchmarks/comm/results/value_bits_zeros.md``,
 ``benchmarks/comm/results/value_bits_bytes.md``; quality in ``docs/sparsifiers.md``). A non-uniform code
-kept more values off zero at the same bytes but not the L2 error (blocks of 128, powers of two: 4 % zeros,
-L2 0.18; FP4 E2M1: 40 %, 0.11), and powers of two trained no better than blocks of 128 (one seed, +1.1 %).
-fp32 scales keep the block's exact ``amax/qmax`` (no second rounding).
+kept more values off zero at the same bytes but not the L2 error (blocks of 128, DGC 5 % trace: powers of
+two 4 % zeros, L2 0.18; FP4 E2M1 40 %, L2 0.11; the zeros file's second table). fp32 scales keep the block's
+exact ``amax/qmax`` (no second rounding).
 
 Legend: ``_K`` values of a rank, ``_C`` positions a pull carries, ``_M`` one partition's index-set size.
 """
