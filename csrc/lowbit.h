@@ -7,6 +7,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #ifdef __CUDACC__
@@ -82,6 +83,32 @@ ZEN_LB_HD float amax_step(float a, float x) {
 // Whether a block's scale quantizes (a finite number > 0); else every code is 0.
 ZEN_LB_HD bool scale_ok(float s) { return s > 0.0f && s <= 3.402823466e38f; }
 
+// A block's scale as it travels: amax / qmax (the caller's fp32 division), at 4 bits truncated to bf16 (its
+// high half), the dtype 4-bit scales take on the wire (2 bytes a block: blocks of 16 cost what fp32 scales per
+// 32 did). Down, never up: qmax · scale stays at or below amax (no overflow near the fp32 maximum), and x / scale
+// passes qmax by under 2^-7 relative, so the clamp costs less than half a step. The sender and every receiver
+// dequantize with the same value, and q · scale (4 bits times 8) is exact in fp32. A scale that is not a finite
+// number > 0 is kept (its codes are 0); one that truncates to 0 (amax below qmax · 2^-133) codes 0 as well.
+ZEN_LB_HD float wire_scale(float s, int64_t bits) {
+#ifdef __CUDA_ARCH__
+  const float t = __uint_as_float(__float_as_uint(s) & 0xFFFF0000u);
+#else
+  uint32_t u;
+  std::memcpy(&u, &s, 4);
+  // An empty asm the optimizer cannot see through: GCC 12 (-O1 and above) dropped this mask, as if the
+  // truncated float were s itself, once the caller's range checks on s were inlined around it
+  // (tests/ops/test_lowbit_ops.py's op-against-oracle cases catch it).
+  asm volatile("" : "+r"(u));
+  u &= 0xFFFF0000u;
+  float t;
+  std::memcpy(&t, &u, 4);
+#endif
+  return bits == 4 && scale_ok(s) ? t : s;
+}
+
+// Bytes of one block's scale on the wire (zen_ext/core/lowbit.py SCALE_BYTES): fp32 at 8 bits, bf16 at 4.
+ZEN_LB_HD int64_t scale_bytes_of(int64_t bits) { return bits == 4 ? 2 : 4; }
+
 // The code of x in a block of scale s (scale_ok): rint(x / s) clamped to [-qmax, qmax], ties to even.
 ZEN_LB_HD int code_of(float x, float s, int qmax) {
 #ifdef __CUDA_ARCH__
@@ -105,7 +132,7 @@ inline void quantize_host(const Layout& L, int64_t bits, int64_t block, uint8_t*
       const int64_t b1 = b0 + block < c ? b0 + block : c;
       float a = 0.0f;
       for (int64_t o = b0; o < b1; ++o) a = amax_step(a, buf[o - b0] = get(e0 + o));
-      const float sc = a / float(qmax);
+      const float sc = wire_scale(a / float(qmax), bits);
       sp[bi] = sc;
       const bool ok = scale_ok(sc);
       for (int64_t o = b0; o < b1; ++o) {

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <vector>
 
+#include "../lowbit.h"
 #include "../pull_format.h"
 #include "feistel32.h"
 
@@ -367,7 +368,8 @@ struct GlobalIndexWriter {
 };
 
 // Every owner's low-bit pull message (msgs[i] from owner i of n = msgs.size()) written into out (1-D,
-// numel, zeroed by the caller): [format, count | index part | scales (fp32, ceil(count / block)) | codes
+// numel, zeroed by the caller): [format, count | index part | scales (ceil(count / block); fp32 at 8 bits,
+// bf16 at 4) | codes
 // (ceil(count · bits / 8))], the index part as decode_pull_'s (dense: count is the partition's size), the
 // values in ascending order of their positions' global indices. One
 // op per bucket, no host read, the header read by the op: the oracle is
@@ -400,13 +402,21 @@ void decode_pulls_lowbit_cpu(const at::Tensor& out, at::TensorList msgs, const a
                 " with count ", count, " of a partition of ", m);
     TORCH_CHECK(count >= 0 && count <= m, op, ": count (", count, ") must be in [0, ", m, "]");
     const int64_t ib = index_bytes(fmt, count, m, idx_bytes), nb = (count + block - 1) / block;
-    TORCH_CHECK(nbytes == kHeaderBytes + ib + 4 * nb + (count * bits + 7) / 8, op, ": message ", i, " of ", nbytes,
+    const int64_t sb = lowbit::scale_bytes_of(bits);
+    TORCH_CHECK(nbytes == kHeaderBytes + ib + sb * nb + (count * bits + 7) / 8, op, ": message ", i, " of ", nbytes,
                 " bytes does not match format ", fmt, " with count ", count);
     const uint8_t* idx_in = p + kHeaderBytes;
-    // The scales are copied out (the message's fp32 run may be unaligned for a float load).
+    // The scales are copied out (the message's run may be unaligned for a float load); a bf16 scale (4 bits)
+    // is the high half of its fp32.
     std::vector<float> scales(static_cast<size_t>(nb));
-    if (nb) std::memcpy(scales.data(), idx_in + ib, size_t(4 * nb));
-    const uint8_t* codes = idx_in + ib + 4 * nb;
+    if (nb && sb == 4) std::memcpy(scales.data(), idx_in + ib, size_t(4 * nb));
+    for (int64_t b = 0; sb == 2 && b < nb; ++b) {
+      uint16_t h;
+      std::memcpy(&h, idx_in + ib + 2 * b, 2);
+      const uint32_t u = uint32_t(h) << 16;
+      std::memcpy(&scales[size_t(b)], &u, 4);
+    }
+    const uint8_t* codes = idx_in + ib + sb * nb;
     // Value j lands at the j-th smallest global index of the message's positions.
     g.assign(static_cast<size_t>(count), 0);
     for_each_position(fmt, count, m, idx_in, idx_bytes, op, GlobalIndexWriter{g.data(), i, n, uint64_t(numel), k, dbits});

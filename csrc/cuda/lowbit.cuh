@@ -55,7 +55,7 @@ __global__ void quantize_kernel(Src src, const int64_t* __restrict__ table, int6
     __syncthreads();
   }
   const int qmax = qmax_of(bits);
-  const float sc = __fdiv_rn(red[0], float(qmax));
+  const float sc = wire_scale(__fdiv_rn(red[0], float(qmax)), bits);
   if (t == 0) scales[bi] = sc;
   const int q = mine && scale_ok(sc) ? code_of(v, sc, qmax) : 0;
   if (mine) src.store(e, v, __fmul_rn(float(q), sc));

@@ -52,7 +52,8 @@ def test_reference_rules(bits, block, case):
     assert codes.numel() == code[-1] and scales.numel() == blk[-1] and deq.dtype == torch.float32
     assert torch.equal(_bits32(ref.dequantize_blocks(codes, scales, ends, bits, block)), _bits32(deq))
     qmax = ref.QMAX[bits]
-    # Per block: scale = amax / qmax; |x - x̂| <= scale / 2 where the scale quantizes; 0 where it is 0.
+    # Per block: scale = amax / qmax (at 4 bits rounded up to bf16); |x - x̂| <= scale / 2 where the scale
+    # quantizes; 0 where it is 0.
     elem = [0] + list(ends)
     for s in range(len(ends)):
         for j, b0 in enumerate(range(elem[s], elem[s + 1], block)):
@@ -61,7 +62,11 @@ def test_reference_rules(bits, block, case):
             if torch.isnan(xb).any() or torch.isinf(xb).any():
                 assert not math.isfinite(sc.item()) and torch.isnan(deq[b0: b0 + xb.numel()]).all()
                 continue
-            assert sc.item() == (xb.abs().max() / qmax).item()
+            exact = xb.abs().max() / qmax
+            assert sc.item() == ref.wire_scale(exact.reshape(1), bits).item()
+            if bits == 4:  # truncated to bf16: what travels is what every rank decodes with
+                assert sc.item() == sc.to(torch.bfloat16).float().item() and sc <= exact
+                assert sc > exact * (1 - 2 ** -7) or exact < 2 ** -126
             db = deq[b0: b0 + xb.numel()]
             if sc.item() == 0:
                 assert torch.equal(_bits32(db), _bits32(torch.zeros_like(db)))  # +0.0, never -0.0
@@ -69,6 +74,21 @@ def test_reference_rules(bits, block, case):
                 assert ((xb - db).abs() <= sc / 2 * (1 + 1e-6)).all()
                 assert (db.abs() <= xb.abs().max() * (1 + 1e-6)).all()  # qmax·(amax/qmax) may round up by an ulp
     assert not (_bits32(deq) == _bits32(torch.tensor(-0.0))).any()
+
+
+def test_four_bit_scales_truncate_to_bf16():
+    # 3 / 7 = 0.428571... in fp32; truncated to bf16 (8 significant bits): 219 / 512 = 0.427734375. x = 3 then
+    # codes to rint(7.014) = 7, decoded 7 · 0.427734375 = 2.994140625 exactly (at or below amax: no overflow);
+    # 7 / 7 = 1 is exact. At the fp32 maximum the 4-bit values stay finite.
+    x = torch.tensor([3.0, 1.0, 0.5, 0.0, -7.0, 0.0, 0.0, 0.0])
+    codes, scales, deq = ref.quantize_blocks(x, [8], 4, 4)
+    assert scales.tolist() == [0.427734375, 1.0]
+    assert deq.tolist() == [2.994140625, 0.85546875, 0.427734375, 0.0, -7.0, 0.0, 0.0, 0.0]
+    _, scales8, _ = ref.quantize_blocks(x, [8], 8, 4)  # 8 bits keep the exact fp32 scale
+    assert scales8[0].item() == (torch.tensor(3.0) / 127).item()
+    big = torch.tensor([3.4e38, -3.4e38])
+    _, _, deq = ref.quantize_blocks(big, [2], 4, 2)
+    assert torch.isfinite(deq).all() and (deq.abs() <= 3.4e38).all()
 
 
 def test_reference_ties_to_even_and_exact_codes():

@@ -52,7 +52,7 @@ def _messages(numel, n, bits, block, fmt_of, idt, seed, density=0.3):
             index = pos.to(idt)
         else:
             index = torch.empty(0, dtype=torch.uint8)
-        msg = pack(torch.tensor([fmt, k], dtype=torch.int64), index, scales, codes)
+        msg = pack(torch.tensor([fmt, k], dtype=torch.int64), index, scales.to(ref.SCALE_DTYPE[bits]), codes)
         # Pulled messages sit at any byte offset of a receive buffer: misalign each.
         shifted = torch.empty(msg.numel() + 1, dtype=torch.uint8)[1:]
         shifted.copy_(msg)

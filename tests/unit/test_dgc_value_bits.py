@@ -443,9 +443,9 @@ def test_auto_runs_low_bit_values_through_its_carrier():
     assert (res[0][0][1] - ref[0][0][1]).abs().max() <= 12
 
 
-@pytest.mark.parametrize("bits,block", [(8, 128), (4, 32)])
+@pytest.mark.parametrize("bits,block", [(8, 128), (4, 16)])
 def test_each_width_quantizes_in_its_own_block(monkeypatch, bits, block):
-    """Per-step DGC values: blocks of 128 at 8 bits, 32 at 4 (``core/lowbit.py``: why), at the sender and the
+    """Per-step DGC values: blocks of 128 at 8 bits, 16 at 4 (``core/lowbit.py``: why), at the sender and the
     owner; the cost model counts the same scales (its bytes equal SimWorld's in the test above)."""
     from zen_ext.core import zen_lowbit
 

@@ -50,10 +50,13 @@ from typing import Callable
 
 import torch
 
-from ..ops._reference_lowbit import layout
+from ..ops._reference_lowbit import SCALE_DTYPE, layout
+from .wire import view_as
 
-VALUE_BLOCK = {8: 128, 4: 32}
-"""Values per fp32 scale at each width (module docstring: why 128 and 32)."""
+VALUE_BLOCK = {8: 128, 4: 16}
+"""Values per scale at each width (module docstring: why 128 and 16)."""
+SCALE_BYTES = {bits: dt.itemsize for bits, dt in SCALE_DTYPE.items()}
+"""Bytes of a block's scale on the wire: fp32 at 8 bits, bf16 at 4 (module docstring: why)."""
 VALUE_BITS = (8, 4)
 """``zen.dgc.value_bits``' values."""
 
@@ -86,7 +89,19 @@ class LowBitValues:
 def value_bytes(count: int, bits: int, block: int | None = None) -> int:
     """Bytes of ``count`` values in one segment: the scales and the codes (``block`` None: the width's own)."""
     block = block or VALUE_BLOCK[bits]
-    return 4 * ((count + block - 1) // block) + (count * bits + 7) // 8
+    return SCALE_BYTES[bits] * ((count + block - 1) // block) + (count * bits + 7) // 8
+
+
+def wire_scales(scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """The ops' fp32 scales in their wire dtype (exact: at 4 bits the ops already rounded them to bf16)."""
+    return scales.to(SCALE_DTYPE[bits])
+
+
+def read_scales(buf_B: torch.Tensor, offset: int, count: int, bits: int) -> torch.Tensor:
+    """``count`` scales at byte ``offset`` of a received message, in their wire dtype: the caller casts the
+    concatenation of every message's to fp32 once (``.float()``; a no-op at 8 bits), so a bucket costs one
+    cast, not one per peer."""
+    return view_as(buf_B, offset, count, SCALE_DTYPE[bits])
 
 
 def push_bytes(count: int, idx_bytes: int, bits: int, block: int | None = None) -> int:

@@ -284,12 +284,12 @@ class ZenReduceScatter(ReduceScatterScheme):
                     where.append(tg[view_as(buf, off, cnt, c.idt).to(torch.int64)])
                     off += cnt * c.isz
                 nb = (cnt + lb.block - 1) // lb.block
-                sc.append(view_as(buf, off, nb, torch.float32))
-                cd.append(buf[off + 4 * nb: off + lowbit.value_bytes(cnt, lb.bits, lb.block)])
+                sc.append(lowbit.read_scales(buf, off, nb, lb.bits))
+                cd.append(buf[off + lowbit.SCALE_BYTES[lb.bits] * nb: off + lowbit.value_bytes(cnt, lb.bits, lb.block)])
                 ends.append((ends[-1] if ends else 0) + cnt)
             res = torch.zeros(hi - lo, dtype=c.dtype, device=c.device)
             if ends:
-                vals = ops.dequantize_blocks(torch.cat(cd), torch.cat(sc), ends, lb.bits, lb.block)
+                vals = ops.dequantize_blocks(torch.cat(cd), torch.cat(sc).float(), ends, lb.bits, lb.block)
                 if op == "mean":
                     vals = vals / n
                 res.index_copy_(0, torch.cat(where), vals.to(c.dtype))
@@ -321,6 +321,7 @@ class ZenReduceScatter(ReduceScatterScheme):
         C = torch.cat(carried) if carried else sel
         ends = list(itertools.accumulate(counts))
         codes, scales = quantize_owned(c, c.lay.own_order.long().index_select(0, C), ends, n if op == "mean" else 1)
+        scales = lowbit.wire_scales(scales, lb.bits)
         _, code_at, blk_at = lowbit.segment_layout(ends, lb.bits, lb.block)
         head = torch.tensor([v for f, k in zip(fmts, counts) for v in (f, k)], dtype=torch.int64, device=c.device)
         send, at = [], 0

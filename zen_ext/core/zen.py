@@ -322,7 +322,8 @@ class ZenScheme(SyncScheme):
         """``predict_traffic`` for element-form gradients whose values travel in ``bits``."""
         n, tr = p.n, Traffic(p.n)
         c_PP = p.counts_PP("hash_counts")
-        tr.exchange_v(c_PP * p.index_bytes + 4 * torch.ceil(c_PP / lowbit.VALUE_BLOCK[bits]) + torch.ceil(c_PP * bits / 8))
+        tr.exchange_v(c_PP * p.index_bytes + lowbit.SCALE_BYTES[bits] * torch.ceil(c_PP / lowbit.VALUE_BLOCK[bits])
+                      + torch.ceil(c_PP * bits / 8))
         per_server = ZenScheme._union_per_server(p)
         fmt = opts.get("pull_format", "auto")
 

@@ -17,7 +17,7 @@ import torch
 from .. import ops
 from ..comm.base import Communicator
 from ..ops._reference import mask_to_words
-from .lowbit import cheapest_format, push_count, segment_layout
+from .lowbit import SCALE_BYTES, cheapest_format, push_count, read_scales, segment_layout, wire_scales
 from .wire import pack, view_as
 from .zen_count import CONTRIBUTORS, divide_by_senders_, sender_counts
 from .zen_wire import FMT_BITMAP, FMT_COO, FMT_DENSE, FMT_NAMES, ZenCall
@@ -70,7 +70,7 @@ def sync_group_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: str,
             index = pos_C.to(c.idt)
         else:
             index = torch.empty(0, dtype=torch.uint8, device=c.device)
-        msg = pack(head, index, scales, codes)
+        msg = pack(head, index, wire_scales(scales, lb.bits), codes)
         del c.acc, c.touched
         pulls.append((c, fmt, comm.all_gather_v(msg)))
         c.timer.stop()
@@ -114,6 +114,7 @@ def push_aggregate_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: 
         c.timer.start("push_s")
         lb = c.sg.lowbit
         codes, scales = _quantize_sent(c, bounds)
+        scales = wire_scales(scales, lb.bits)
         elem, code_at, blk_at = segment_layout(bounds, lb.bits, lb.block)
         send = []
         for j in range(n):
@@ -144,13 +145,13 @@ def push_aggregate_lowbit(scheme, comm: Communicator, calls: list[ZenCall], op: 
             if k:
                 nb = (k + lb.block - 1) // lb.block
                 pos.append(view_as(r, 0, k, c.idt))
-                sc.append(view_as(r, k * c.isz, nb, torch.float32))
-                cd.append(r[k * c.isz + 4 * nb:])
+                sc.append(read_scales(r, k * c.isz, nb, lb.bits))
+                cd.append(r[k * c.isz + SCALE_BYTES[lb.bits] * nb:])
         ends = list(itertools.accumulate(counts))
         c.acc = torch.zeros(c.m, dtype=torch.float32, device=c.device)
         c.touched = torch.zeros(c.m, dtype=torch.bool, device=c.device)
         if pos:  # dequantize, sum in sender order, mark: one op
-            ops.dequantize_add_blocks_(c.acc, c.touched, torch.cat(pos), torch.cat(cd), torch.cat(sc), ends, lb.bits,
+            ops.dequantize_add_blocks_(c.acc, c.touched, torch.cat(pos), torch.cat(cd), torch.cat(sc).float(), ends, lb.bits,
                                        lb.block)
         if op == CONTRIBUTORS:  # each position divided by its senders before the pull quantizes it
             divide_by_senders_(c.acc, sender_counts(pos, c.m, c.device))

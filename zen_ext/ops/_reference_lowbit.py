@@ -7,7 +7,9 @@ peer), and each segment into blocks of ``block`` values; a block never straddles
 segment's codes and scales are contiguous slices a message can carry alone. Per block:
 
 * ``scale = amax / qmax`` in fp32 (``amax`` the block's largest ``|x|``, NaN if any ``x`` is NaN;
-  ``qmax`` 127 for 8 bits, 7 for 4 bits: symmetric, so 0 is exact and signs cost nothing);
+  ``qmax`` 127 for 8 bits, 7 for 4 bits: symmetric, so 0 is exact and signs cost nothing); at 4 bits a
+  finite scale > 0 is truncated to bf16 (``wire_scale``: the dtype 4-bit scales travel in; 0 if it
+  truncates to 0, below ``2^-133``);
 * ``q = rint(x / scale)`` clamped to ``[-qmax, qmax]`` (round to nearest, ties to even: deterministic,
   the same on every device), ``q = 0`` where ``scale`` is not a finite number > 0 (an all-zero block, an
   ``amax`` below ``qmax`` times the smallest subnormal, or a non-finite value);
@@ -27,7 +29,8 @@ The fused forms (one pass each where the scheme used to run several ops; ``core/
 Layout: 8 bits, one int8 code a byte; 4 bits, ``q + 8`` in a nibble, two a byte, the even element of a
 pair in the low nibble, a segment's codes starting on a byte (``ceil(c/2)`` bytes; the last high nibble
 of an odd segment is 0). Segment ``s`` of ``c_s`` values takes ``ceil(c_s·bits/8)`` code bytes and
-``ceil(c_s/block)`` fp32 scales, the segments back to back in both.
+``ceil(c_s/block)`` scales (the ops hand them out as fp32; on the wire fp32 at 8 bits, bf16 at 4:
+``SCALE_DTYPE``), the segments back to back in both.
 """
 
 from __future__ import annotations
@@ -38,6 +41,18 @@ FUSED_LOWBIT_OPS = ("quantize_sent_", "dequantize_add_blocks_", "quantize_owned_
 """The fused forms (module docstring), in ``force_reference`` to run the unfused sequences."""
 QMAX = {8: 127, 4: 7}
 """The largest code magnitude for each supported width."""
+SCALE_DTYPE = {8: torch.float32, 4: torch.bfloat16}
+"""The dtype a block's scale travels in (``csrc/lowbit.h`` ``scale_bytes_of``)."""
+
+
+def wire_scale(scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """fp32 ``scale`` as it travels: at 4 bits each finite scale > 0 truncated to bf16 (its high half: down,
+    so ``qmax · scale`` never passes ``amax`` nor overflows; ``q · scale`` is exact in fp32); else unchanged."""
+    if bits != 4 or not scale.numel():
+        return scale
+    ok = (scale > 0) & torch.isfinite(scale)
+    down = (scale.view(torch.int32) & -65536).view(torch.float32)
+    return torch.where(ok, down, scale)
 
 
 def check_args(bits: int, block: int, seg_ends: list[int], numel: int, op: str) -> None:
@@ -91,7 +106,7 @@ def quantize_blocks(values: torch.Tensor, seg_ends: list[int], bits: int, block:
     lane = off_K % block
     mat = torch.zeros(nb, block, dtype=torch.float32, device=device)
     mat[blk_K, lane] = x.abs()
-    scales = mat.amax(1) / qmax if nb else torch.zeros(0, dtype=torch.float32, device=device)
+    scales = wire_scale(mat.amax(1) / qmax, bits) if nb else torch.zeros(0, dtype=torch.float32, device=device)
     s_K = scales[blk_K]
     ok = (s_K > 0) & torch.isfinite(s_K)
     q = torch.where(ok, torch.round(x / torch.where(ok, s_K, torch.ones_like(s_K))), torch.zeros_like(x))
@@ -243,12 +258,13 @@ def decode_pulls_lowbit_(out: torch.Tensor, msgs: list[torch.Tensor], keys_R: to
             raise ValueError(f"decode_pulls_lowbit_: bad format {f} with count {k} of a partition of {m_i}")
         nb = (k + block - 1) // block
         nc = (k * bits + 7) // 8
-        if msg.numel() != at + 4 * nb + nc:
+        sb = SCALE_DTYPE[bits].itemsize
+        if msg.numel() != at + sb * nb + nc:
             raise ValueError(f"decode_pulls_lowbit_: message {i} of {msg.numel()} bytes does not match format {f} "
                              f"with count {k}")
         idx.append(permute(p * n + i, numel, keys_R, inverse=True).sort().values)  # values follow ascending indices
-        scales.append(R._bytes_as(msg, at, nb, torch.float32))
-        codes.append(msg[at + 4 * nb:])
+        scales.append(R._bytes_as(msg, at, nb, SCALE_DTYPE[bits]).to(torch.float32))
+        codes.append(msg[at + sb * nb:])
         ends.append(ends[-1] + k)
     vals = dequantize(torch.cat(codes), torch.cat(scales), ends[1:], bits, block)
     if divisor != 1:
