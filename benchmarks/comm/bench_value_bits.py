@@ -95,7 +95,7 @@ def split(rec: Recorder, n: int, rank: int, numel: int, vbytes: int, bits: int |
             if bits:
                 c = lowbit.push_count(size, isz, bits)
                 out["push_idx"] += c * isz
-                out["push_scale"] += 4 * ((c + lowbit.VALUE_BLOCK[bits] - 1) // lowbit.VALUE_BLOCK[bits])
+                out["push_scale"] += lowbit.SCALE_BYTES[bits] * ((c + lowbit.VALUE_BLOCK[bits] - 1) // lowbit.VALUE_BLOCK[bits])
                 out["push_val"] += (c * bits + 7) // 8
             elif size == m_j * vbytes:  # the partition sent dense
                 out["push_val"] += size
@@ -108,7 +108,7 @@ def split(rec: Recorder, n: int, rank: int, numel: int, vbytes: int, bits: int |
         m = max(0, (numel - rank + n - 1) // n)
         head, total = 16, msg.numel()
         if bits:
-            scales = 4 * ((count + lowbit.VALUE_BLOCK[bits] - 1) // lowbit.VALUE_BLOCK[bits])
+            scales = lowbit.SCALE_BYTES[bits] * ((count + lowbit.VALUE_BLOCK[bits] - 1) // lowbit.VALUE_BLOCK[bits])
             vals = (count * bits + 7) // 8
         else:
             scales, vals = 0, count * vbytes if fmt != FMT_DENSE else m * vbytes

@@ -100,6 +100,7 @@ def _lowbit_pulls():
     from zen_ext.core.wire import pack
 
     codes, scales, _ = torch.ops.zen_ext.quantize_blocks(torch.tensor([1.5, -2.0]), [2], 4, 128)
+    scales = scales.to(torch.bfloat16)  # 4-bit scales travel as bf16 (core/lowbit.py SCALE_BYTES)
     coo = pack(torch.tensor([0, 2], dtype=torch.int64), torch.tensor([0, 4], dtype=torch.int32), scales, codes)
     bitmap = pack(torch.tensor([1, 2], dtype=torch.int64), torch.tensor([0b10001], dtype=torch.int64), scales, codes)
     return [coo, bitmap]

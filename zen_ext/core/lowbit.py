@@ -1,8 +1,9 @@
 """Low-bit values on ZEN's wire (``zen.dgc.value_bits``: 8 or 4), with error feedback at both ends.
 
 DGC keeps 1-5 % of a bucket, and then most of ZEN's bytes are values (pushed COO, pulled after the
-bitmap). With ``value_bits`` every value travels as a symmetric code of 8 or 4 bits with one fp32 scale
-per block of ``VALUE_BLOCK[bits]`` values (``ops.quantize_blocks``; format in ``ops/_reference_lowbit.py``):
+bitmap). With ``value_bits`` every value travels as a symmetric code of 8 or 4 bits with one scale per
+block of ``VALUE_BLOCK[bits]`` values (fp32 at 8 bits, bf16 at 4: ``SCALE_BYTES``; ``ops.quantize_blocks``,
+format in ``ops/_reference_lowbit.py``):
 
 1. **Push**: a rank groups its selected values by owner (h0, as ZEN does), quantizes each owner's
    segment in blocks (a block never straddles two owners, so a message carries its own scales), and
@@ -24,21 +25,25 @@ per block of ``VALUE_BLOCK[bits]`` values (``ops.quantize_blocks``; format in ``
    sums as 0: ``benchmarks/comm/results/value_bits_zeros.md``). Every rank, the owner included, decodes the
    same message with the same ops, so replicas stay bitwise identical.
 
-Message layouts: push ``[pos (index dtype) | scales (fp32, ceil(c/B)) | codes (ceil(c·bits/8))]`` per
+Message layouts: push ``[pos (index dtype) | scales (ceil(c/B), fp32 or bf16) | codes (ceil(c·bits/8))]`` per
 peer (empty when nothing goes there; its count follows from its size: ``push_count``); pull above, the
 bitmap padded to 8 bytes.
 
-Why ``VALUE_BLOCK`` is 128 at 8 bits and 32 at 4: a block's scale is its largest ``|x|``, and DGC's selected
-values are the tail of the distribution, so the largest of a block grows with the block and a coarse grid
-loses the small ones. At 8 bits (±127 steps) 128 values lose little (relative L2 error 0.009 on the recorded
-DGC traces) for 4/128 = 0.031 bytes a value of fp32 scales. At 4 bits (±7 steps) blocks of 128 coded 45 % of
-the pushed values 0 from random weights (relative L2 error 0.13) and trained from scratch 1.1 % behind DGC in
-the gradient's dtype; blocks of 32 halve the zeros (L2 0.09-0.10) and cost 4/32 = 0.125 bytes a value, 3.0×
-fewer bytes than fp32 at DGC 1 % instead of 3.2× (``benchmarks/comm/results/value_bits_zeros.md``,
-``benchmarks/comm/results/value_bits_bytes.md``; quality in ``docs/sparsifiers.md``). A non-uniform code
-kept more values off zero at the same bytes but not the L2 error (blocks of 128, DGC 5 % trace: powers of
-two 4 % zeros, L2 0.18; FP4 E2M1 40 %, L2 0.11; the zeros file's second table). fp32 scales keep the block's
-exact ``amax/qmax`` (no second rounding).
+Why ``VALUE_BLOCK`` is 128 at 8 bits and 16 at 4, and 4-bit scales bf16: a block's scale is its largest
+``|x|``, and DGC's selected values are the tail of the distribution, so the largest of a block grows with the
+block and a coarse grid loses the small ones. At 8 bits (±127 steps) 128 values lose little (relative L2 error
+0.009 on the recorded DGC traces) for 4/128 = 0.031 bytes a value of fp32 scales. At 4 bits (±7 steps) blocks
+of 128 coded 45 % of the pushed values 0 from random weights (relative L2 error 0.13) and trained from scratch
+1.1 % behind DGC in the gradient's dtype; blocks of 32 halved the zeros (L2 0.09-0.10) but still trained 0.59 %
+behind at DGC 1 % (10 seeds); blocks of 16 (L2 0.075-0.081) trained 0.22 % behind (0.29 % at DGC 5 %; 10 seeds,
+fp32 scales: ``docs/results/value_bits_history/time_to_quality_value_bits_scratch_b16_fp32_scales.md``).
+Their scales travel as bf16, truncated inside the quantizing ops (``wire_scale``: the sender's error feedback
+and every receiver use the value that travels), so blocks of 16 cost 2/16 = 0.125 bytes a value, what fp32
+scales per 32 did: 3.0× fewer bytes than fp32 values at DGC 1 % (``benchmarks/comm/results/value_bits_zeros.md``,
+``benchmarks/comm/results/value_bits_bytes.md``; quality in ``docs/sparsifiers.md``). A bf16 scale is within
+2^-8 of ``amax/qmax`` (truncated: ``qmax · scale`` never passes ``amax``), a change far below a 4-bit step. A
+non-uniform code kept more values off zero at the same bytes but not the L2 error (blocks of 128, DGC 5 %
+trace: powers of two 4 % zeros, L2 0.18; FP4 E2M1 40 %, L2 0.11; the zeros file's second table).
 
 Legend: ``_K`` values of a rank, ``_C`` positions a pull carries, ``_M`` one partition's index-set size.
 """

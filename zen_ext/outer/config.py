@@ -65,7 +65,7 @@ class OuterConfig:
     trains and is merged into each replica at the next outer step; call ``finish()`` at the end of
     training). Default 0."""
     value_bits: int | None = None
-    """Bits per picked value on the wire: 8 or 4 (block-quantized, an fp32 scale per 128 values; what
+    """Bits per picked value on the wire: 8 or 4 (block-quantized, a scale per 128 values, fp32 or bf16; what
     quantization loses stays in the error feedback), or unset: fp32. ZEN schemes only (``zen``,
     ``zen_coo``), density < 1. Default unset (SparseLoCo sends 2-bit values)."""
 

@@ -99,8 +99,8 @@ class DGCConfig:
     the draw hashes the element and the step, the same on every device)."""
     value_bits: int | None = None
     """Bits of each value on the wire: null (default) sends the gradient's dtype, as always; ``8`` or ``4``
-    send symmetric codes with one fp32 scale per block of selected values (128 at 8 bits, 32 at 4: 1.03
-    or 0.63 bytes a value, scales included), with error feedback at both ends: what quantization loses stays in DGC's
+    send symmetric codes with one scale per block of selected values (fp32 per 128 at 8 bits, bf16 per 16
+    at 4: 1.03 or 0.63 bytes a value, scales included), with error feedback at both ends: what quantization loses stays in DGC's
     residual (``residual = accumulated − dequantized(sent)``), and each ZEN owner keeps an owner residual
     (fp32, about ``numel/n`` per bucket per rank, checkpointed) for its sums (``owner_error_feedback``).
     Needs a scheme that carries low-bit values (``zen``, ``zen_coo``, or ``auto``, which then chooses
