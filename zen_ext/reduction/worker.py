@@ -115,8 +115,9 @@ class CommWorker:
         """
         # Step 1: state.
         if self._closed:
-            raise RuntimeError("zen: the communication worker was closed (ZenHookState.close()); build a new "
-                               "state to synchronize again")
+            raise RuntimeError(f"zen: the communication worker was closed ({self._thread.name!r}, by its owner's "
+                               "close(): ZenHookState.close() or OuterSync.close()); build a new state to "
+                               "synchronize again")
         cuda = self._stream is not None
         fut: torch.futures.Future = torch.futures.Future(devices=[self.device]) if cuda else torch.futures.Future()
         if self._failed is not None:
