@@ -26,9 +26,9 @@ Methods (``--method``):
   DDP's per-step all-reduce is off (``register_outer``'s local-gradients hook); the outer step runs from the
   inner AdamW's post-step hook, so the loop is the same as the other methods'.
 
-For the DiLoCo family (``diloco``, ``sparseloco``, ``zen_outer``) the eval loss at a step is the loss of the replicas' averaged parameters (an
-all-reduce for evaluation only, not counted in bytes): at a synchronization step the replicas are equal and
-this is the global model. ``train_log.jsonl`` records per step the loss, the cumulative ``bytes_sent`` by
+For the DiLoCo family (``diloco``, ``sparseloco``, ``zen_outer``) the eval loss at a step is the loss of the
+replicas' averaged parameters (an all-reduce for evaluation only, not counted in bytes): at a synchronization
+step the replicas are equal and this is the global model. ``train_log.jsonl`` records per step the loss, the cumulative ``bytes_sent`` by
 this rank (each method's actual messages: see ``bytes_per_step`` below), step seconds and eval losses;
 ``summary.json`` as the other recipes. ``elapsed_s`` is the time from the start of step 1 to the end of the
 step's loss all-reduce: differences of it are the step's wall time including the wait for the slowest rank, which
