@@ -32,7 +32,7 @@ Method:
    shared machine hits all methods alike.
 4. A run's time per step is its timed window's wall time over its steps: the window starts after
    ``--warmup`` steps and is ``--steps`` steps long, or ``H`` for the DiLoCo family (DiLoCo H 50, SparseLoCo
-   H 15), so it holds exactly one outer synchronization and its mean is the per-inner-step time including the
+   H 15, zen.outer H 15 or 5: steps 3 to H + 2 hold step H), so it holds exactly one outer synchronization and its mean is the per-inner-step time including the
    outer all-reduce (all-gather) spread over H. The wall time is rank 0's ``elapsed_s`` (start of step 1 to
    the end of the step's loss all-reduce, which waits for the slowest rank); for the DeepSpeed recipe (qgZ,
    dense ZeRO-3) the sum of its step times (forward, backward and step; ZeRO-3's own collectives synchronize
@@ -89,6 +89,13 @@ METHODS: dict[str, dict] = {
         "--method", "diloco", "--sync_every", "50", "--no-torchft_init_sync"], H=50),
     "sparseloco_h15": dict(describe="SparseLoCo H 15 (per inner step)", args=[
         "--method", "sparseloco", "--sync_every", "15"], H=15),
+    # zen_ext's own outer sync (peers_ddp --method zen_outer, bench_peers.py's zen_outer rows): the window is H.
+    "zen_outer_diloco": dict(describe="zen.outer dense DiLoCo on ZEN, H 15 (per inner step)", args=[
+        "--method", "zen_outer", "--zen_outer", "diloco", "--sync_every", "15"], H=15),
+    "zen_outer_d25_4bit": dict(describe="zen.outer top-1,024 of 4,096, 4-bit, H 15 (per inner step)", args=[
+        "--method", "zen_outer", "--zen_outer", "outer_d25_4bit", "--sync_every", "15"], H=15),
+    "zen_outer_d25_h5_4bit": dict(describe="zen.outer top-1,024 of 4,096, 4-bit, H 5 (per inner step)", args=[
+        "--method", "zen_outer", "--zen_outer", "outer_d25_h5_4bit"], H=5),
     "dense_z3": dict(describe="DeepSpeed ZeRO-3, dense reduce-scatter", deepspeed={}),
     "qgz_z3": dict(describe="ZeRO++ qgZ (CPU emulation), ZeRO-3", deepspeed={"zero_quantized_gradients": True},
                    baseline2="dense_z3"),

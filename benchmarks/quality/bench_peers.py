@@ -51,7 +51,13 @@ VARIANTS: dict[str, list[str]] = {
     "powersgd_r4": ["--method", "powersgd", "--powersgd_rank", "4"],
     "diloco_h10": ["--method", "diloco", "--sync_every", "10"],
     "diloco_h50": ["--method", "diloco", "--sync_every", "50"],
+    "diloco_h15": ["--method", "diloco", "--sync_every", "15"],  # torchft at zen_outer_diloco's H: the same algorithm
     "sparseloco_h15": ["--method", "sparseloco", "--sync_every", "15"],
+    # zen_ext's own outer sync (zen.outer through register_outer) at the outer harness's settings of these names
+    # (bench_outer_quality.py VARIANTS): dense DiLoCo on ZEN, and top-1,024 of 4,096 in 4 bits at H 15 and H 5.
+    "zen_outer_diloco": ["--method", "zen_outer", "--zen_outer", "diloco", "--sync_every", "15"],
+    "zen_outer_d25_4bit": ["--method", "zen_outer", "--zen_outer", "outer_d25_4bit", "--sync_every", "15"],
+    "zen_outer_d25_h5_4bit": ["--method", "zen_outer", "--zen_outer", "outer_d25_h5_4bit"],
 }
 NODE_VARIANTS: dict[str, dict] = {
     # DeepSpeed ZeRO-3 on 2 emulated nodes × 2 ranks (quality_nodes.py), the recipe with the qgZ emulation

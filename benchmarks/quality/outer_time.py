@@ -81,6 +81,11 @@ measured here; per-step time = compute + bytes / link rate (`benchmarks/quality/
 `peers_time.py`'s model). "× dense": time to the target over dense DDP's time to it, median over the seeds that
 reach it. Demo: the compute-bound form (CPU compute); 58 M: the communication-bound limit (compute 0).
 
+MEASURED since: zen.outer's `diloco`, `outer_d25_4bit` and `outer_d25_h5_4bit` trained through `register_outer` in
+the peers harness (`benchmarks/quality/results/peers.md`, rows `zen_outer_*`: 2 DDP ranks, 5 seeds) and timed on
+the emulated cluster at both lab sizes beside dense DDP, per-step DGC, torchft DiLoCo and SparseLoCo:
+`benchmarks/quality/results/outer_time_measured.md`.
+
 Commands (`Q` = `OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python benchmarks/quality/bench_outer_quality.py
 --seeds 0 1 2 3 4 --eval_every 1 --jsonl benchmarks/quality/results/outer_time_runs.jsonl`, `B` = `OMP_NUM_THREADS=1 nice -n 10
 .venv/bin/python benchmarks/comm/bench_outer_bytes.py --replicas 8 16 --rounds 4 --shared_steps 30`):

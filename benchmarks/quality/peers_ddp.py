@@ -19,10 +19,16 @@ Methods (``--method``):
 * ``diloco``: torchft 0.2.0's ``DiLoCo`` (``--sync_every`` H, outer SGD lr 0.7, momentum 0.9, Nesterov as
   the DiLoCo paper) with an in-process lighthouse on rank 0 and one replica group per rank (gloo).
 * ``sparseloco``: ``benchmarks/quality/sparseloco.py`` at its published settings (H = 15 by default).
+* ``zen_outer``: zen_ext's own outer synchronization (``zen_ext.engines.ddp_outer.register_outer``, ``zen.outer``,
+  ``zen.scheme: zen``) at a setting of the outer harness (``--zen_outer``: a variant of
+  ``benchmarks/quality/bench_outer_quality.py``'s ``VARIANTS``, e.g. ``diloco``, ``outer_d25_4bit``,
+  ``outer_d25_h5_4bit``; H is the variant's own, else ``--sync_every``, else 15, the harness's default).
+  DDP's per-step all-reduce is off (``register_outer``'s local-gradients hook); the outer step runs from the
+  inner AdamW's post-step hook, so the loop is the same as the other methods'.
 
-For the DiLoCo family the eval loss at a step is the loss of the replicas' averaged parameters (an
-all-reduce for evaluation only, not counted in bytes): at a synchronization step the replicas are equal and
-this is the global model. ``train_log.jsonl`` records per step the loss, the cumulative ``bytes_sent`` by
+For the DiLoCo family (``diloco``, ``sparseloco``, ``zen_outer``) the eval loss at a step is the loss of the
+replicas' averaged parameters (an all-reduce for evaluation only, not counted in bytes): at a synchronization
+step the replicas are equal and this is the global model. ``train_log.jsonl`` records per step the loss, the cumulative ``bytes_sent`` by
 this rank (each method's actual messages: see ``bytes_per_step`` below), step seconds and eval losses;
 ``summary.json`` as the other recipes. ``elapsed_s`` is the time from the start of step 1 to the end of the
 step's loss all-reduce: differences of it are the step's wall time including the wait for the slowest rank, which
@@ -48,7 +54,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from recipes import common  # noqa: E402
 
-METHODS = ("dense", "zen", "powersgd", "diloco", "sparseloco")
+METHODS = ("dense", "zen", "powersgd", "diloco", "sparseloco", "zen_outer")
+LOCAL_STEPS = ("diloco", "sparseloco", "zen_outer")
+"""The DiLoCo family: inner steps without communication, evaluated on the replicas' mean parameters."""
 DILOCO_OUTER = {"lr": 0.7, "momentum": 0.9, "nesterov": True}
 """The DiLoCo paper's outer optimizer (arXiv 2311.08105; torchtitan's torchft experiment uses the same)."""
 
@@ -71,7 +79,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--torchft_init_sync", action=argparse.BooleanOptionalAction, default=True,
                    help="torchft Manager(init_sync=...): replica 0's state sent to the others at the first quorum "
                         "(torchft's docstring: False when every replica is initialized identically, as here)")
-    p.add_argument("--sync_every", type=int, default=None, help="H (diloco: required; sparseloco: 15)")
+    p.add_argument("--sync_every", type=int, default=None,
+                   help="H (diloco: required; sparseloco: 15; zen_outer: the variant's, else this, else 15)")
+    p.add_argument("--zen_outer", default=None,
+                   help="zen_outer: a variant of benchmarks/quality/bench_outer_quality.py's VARIANTS (not dense)")
     return p.parse_args(argv)
 
 
@@ -173,6 +184,27 @@ def start_torchft(model, inner, sync_every: int, rank: int, world: int, init_syn
     return manager, diloco, (lighthouse, store)
 
 
+def zen_outer_config(variant: str | None, sync_every: int | None) -> dict:
+    """The ``zen`` section of a ``zen_outer`` run: the outer harness's variant (its own ``every``, else
+    ``sync_every``, else 15) summed by ZEN (``value_bits`` needs a ZEN scheme; ``bench_outer_quality`` uses it)."""
+    from bench_outer_quality import VARIANTS
+
+    if not VARIANTS.get(variant):
+        raise common.ConfigError(f"--zen_outer ({variant}) must be one of "
+                                 f"{[v for v, c in VARIANTS.items() if c]} (bench_outer_quality.py's VARIANTS)")
+    outer = {"enabled": True, "every": sync_every or 15, **VARIANTS[variant]}
+    return {"scheme": "zen", "outer": outer, "stats": {"summary": False}}
+
+
+def start_zen_outer(ddp_model, optimizer, variant: str | None, sync_every: int | None):
+    """zen.outer on the DDP model as a user sets it up (``register_outer`` with the inner optimizer, whose
+    post-step hook runs the outer step). Returns (OuterSync, the ``zen`` section)."""
+    from zen_ext.engines.ddp_outer import register_outer
+
+    cfg = zen_outer_config(variant, sync_every)
+    return register_outer(ddp_model, cfg, optimizer=optimizer), cfg
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     # Step 1: settings, processes.
@@ -188,13 +220,15 @@ def main(argv=None) -> list[dict]:
     model = common.build_model(args.model, seed=args.seed, vocab_size=vocab)
     n_params = sum(p.numel() for p in model.parameters())
     kw = dict(lr=opt["lr"], betas=opt["betas"], eps=opt["eps"], weight_decay=opt["weight_decay"])
-    hook_state, diloco, sparseloco, keep = None, None, None, None
+    hook_state, diloco, sparseloco, keep, outer = None, None, None, None, None
     per_step_bytes = 0
     train_model = model
-    if args.method in ("dense", "zen", "powersgd"):
+    if args.method in ("dense", "zen", "powersgd", "zen_outer"):
         from torch.nn.parallel import DistributedDataParallel
 
-        train_model = DistributedDataParallel(model, bucket_cap_mb=args.ddp_bucket_cap_mb)
+        # zen_outer: DDP must not broadcast rank 0's buffers (the rotary tables) at every forward
+        train_model = DistributedDataParallel(model, bucket_cap_mb=args.ddp_bucket_cap_mb,
+                                              broadcast_buffers=args.method != "zen_outer")
     if args.method == "zen":
         from zen_ext.config import ZenConfig
         from zen_ext.engines.ddp import register_zen_hook
@@ -237,6 +271,9 @@ def main(argv=None) -> list[dict]:
 
         sparseloco = SparseLoCo(model, sync_every=args.sync_every or 15)
         described = f"SparseLoCo (direct implementation, {sparseloco.s})"
+    elif args.method == "zen_outer":
+        outer, zen_cfg = start_zen_outer(train_model, optimizer, args.zen_outer, args.sync_every)
+        described = f"zen.outer {args.zen_outer} via register_outer ({zen_cfg['outer']}, scheme zen)"
     peak_lrs = [g["lr"] for g in optimizer.param_groups]
     if rank == 0:
         print(f"peers recipe: {described} world={world} params={n_params} micro_batch={opt['micro_batch']} "
@@ -275,6 +312,8 @@ def main(argv=None) -> list[dict]:
             sent += ring_allreduce_bytes(n_params, 4, world) if step <= start_iter else compressed_bytes
         elif args.method == "diloco":
             sent += outer_bytes if step % args.sync_every == 0 else 0
+        elif args.method == "zen_outer":
+            sent += outer.pop_stats()["bytes_sent"]  # the outer sums' own count (TorchCommunicator)
         else:
             sent = sparseloco.bytes_sent
         rec = {"step": step, "loss": common.all_reduce_mean(loss.item(), dist.group.WORLD), "step_s": step_s,
@@ -284,7 +323,7 @@ def main(argv=None) -> list[dict]:
         if synced is not None:
             rec["synced"] = synced
         if (args.eval_every and step % args.eval_every == 0) or step == args.steps:
-            if args.method in ("diloco", "sparseloco"):
+            if args.method in LOCAL_STEPS:
                 rec["eval_loss"] = averaged_eval(model, eval_blocks, opt["micro_batch"], rank, world)
             else:
                 rec["eval_loss"] = common.evaluate(train_model, eval_blocks, opt["micro_batch"], rank, world,
@@ -297,6 +336,9 @@ def main(argv=None) -> list[dict]:
         manager.shutdown(wait=False)
     if hook_state is not None:
         hook_state.close()
+    if outer is not None:
+        outer.finish()  # delay 0: nothing in flight; the call a delay-1 setting would need
+        outer.close()
     peak = common.gather_peak_memory(world)
     if rank == 0:
         log_file.close()

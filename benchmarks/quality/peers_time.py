@@ -54,9 +54,12 @@ EXTRA_ROWS = {"zero3_2x2_qgz": [("qgz_zero3", "zero3_2x2_qgz + ZeRO-3 fp32 param
 the parameters twice per step)."""
 LAB_METHOD = {"ddp_dense": "dense", "ddp_zen_dgc5": "zen_dgc5", "ddp_zen_dgc1": "zen_dgc1",
               "powersgd_r1": "powersgd_r1", "powersgd_r4": "powersgd_r4", "diloco_h50": "diloco_h50",
-              "sparseloco_h15": "sparseloco_h15", "zero3_2x2_qgz + ZeRO-3 fp32 parameter all-gathers": "qgz_z3"}
+              "sparseloco_h15": "sparseloco_h15", "zero3_2x2_qgz + ZeRO-3 fp32 parameter all-gathers": "qgz_z3",
+              "zen_outer_diloco": "zen_outer_diloco", "zen_outer_d25_4bit": "zen_outer_d25_4bit",
+              "zen_outer_d25_h5_4bit": "zen_outer_d25_h5_4bit"}
 """Table row → the ``bench_peers_lab.py`` method whose measured step time it takes; rows not listed have no lab
-measurement (a 4-bit residual, DiLoCo H 10, qgZ without ZeRO-3's all-gathers or with qwZ's)."""
+measurement (a 4-bit residual, DiLoCo H 10, qgZ without ZeRO-3's all-gathers or with qwZ's). The zen.outer rows
+have no modelled time (``BYTES_KEY``): their lab section rows say so and carry the measured columns alone."""
 LAB_RUNS = {"8 hosts × 250 Mbit/s": (8, "250mbit"), "16 hosts × 100 Mbit/s": (16, "100mbit")}
 
 
@@ -176,6 +179,9 @@ def lab_section(peers_md: str, lab: dict) -> str:
             reach[m.group(1)] = (hit.group(1), hit.group(2), float(hit.group(3)) if hit.group(3) else None)
         elif line.startswith("| ") and len(cells) == 10 and cells[0] not in modelled and cells[1].count("/") == 1:
             modelled[cells[0]] = (cells[1], cells[3], cells[5], cells[7], cells[9])
+    for row in reach:  # quality rows measured on the lab but not modelled (zen.outer): measured columns only
+        if row not in modelled and row in LAB_METHOD:
+            modelled[row] = (reach[row][0],) + ("not modelled",) * 4
     dense = reach.get("ddp_dense", (0, 0, None))[2]
     z3 = reach.get("zero3_2x2_dense", (0, 0, None))[2]
     head = ["method", "seeds reaching; median step"]

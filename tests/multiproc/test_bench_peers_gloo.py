@@ -1,6 +1,7 @@
 """The peers benchmark's own implementations on real gloo processes (``benchmarks/quality/``): the ZeRO++ qgZ
-emulation against a direct float reference of the same quantization, and SparseLoCo's outer step against a
-direct computation of its published algorithm."""
+emulation against a direct float reference of the same quantization, SparseLoCo's outer step against a
+direct computation of its published algorithm, and the zen_outer method's wiring of zen_ext's own
+``register_outer`` (density 1 with outer lr 1 is the replicas' mean after H local steps)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks", "quality"))
 
 import qgz_emulation as qgz  # noqa: E402
 import sparseloco as sl  # noqa: E402
+from peers_ddp import ring_allreduce_bytes  # noqa: E402
 
 
 def _qgz_inputs(world: int):
@@ -169,3 +171,70 @@ def test_sparseloco_outer_step_matches_direct_computation():
         assert sent == (world - 1) * msg
     # Every replica restarts from the same parameters.
     assert all(torch.equal(results[0][0], x[0]) for x in results)
+
+
+def _zen_outer_worker(rank, world, variant, sync_every, steps, inputs):
+    """peers_ddp's zen_outer wiring (DDP without buffer broadcasts, start_zen_outer with the inner AdamW) beside
+    the same model trained alone on the same batches: the parameters after every step, and the bytes."""
+    import copy
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from peers_ddp import start_zen_outer
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 16))
+    alone = copy.deepcopy(net)
+    ddp = DDP(net, broadcast_buffers=False)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    opt_alone = torch.optim.AdamW(alone.parameters(), lr=1e-2)
+    outer, _ = start_zen_outer(ddp, opt, variant, sync_every)
+    flat = (lambda m: torch.cat([p.detach().reshape(-1).clone() for p in m.parameters()]))
+    params, alone_params, sent = [], [], []
+    for step in range(steps):
+        x, y = inputs[rank][step]
+        for model, o in ((ddp, opt), (alone, opt_alone)):
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            o.step()
+            o.zero_grad()
+        params.append(flat(net))
+        alone_params.append(flat(alone))
+        sent.append(outer.pop_stats()["bytes_sent"])
+    outer.close()
+    return params, alone_params, sent
+
+
+def _zen_outer_inputs(world, steps):
+    g = torch.Generator().manual_seed(5)
+    return [[(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(steps)]
+            for _ in range(world)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zen_outer_density_1_lr_1_is_the_replicas_mean_after_h_steps(world):
+    # "average": density 1, outer SGD lr 1 without momentum, mean: θ_global − (θ_global − mean θ_local) = the
+    # mean of the replicas' parameters, each trained alone for H steps.
+    h = 3
+    out = run_workers(_zen_outer_worker, world, "average", h, h + 1, _zen_outer_inputs(world, h + 1))
+    numel = out[0][0][0].numel()
+    mean = sum(o[1][h - 1] for o in out) / world
+    for params, alone, sent in out:
+        for step in range(h - 1):  # inner steps: the replica's own training, bit for bit
+            assert torch.equal(params[step], alone[step])
+        assert torch.allclose(params[h - 1], mean, atol=1e-6, rtol=0)
+        assert not torch.equal(params[h - 1], alone[h - 1])
+        # one fp32 ring all-reduce at the outer step, nothing at inner steps (what peers_ddp counts)
+        assert sent == [0] * (h - 1) + [ring_allreduce_bytes(numel, 4, world), 0]
+    assert all(torch.equal(o[0][h - 1], out[0][0][h - 1]) for o in out)
+    assert not torch.equal(out[0][0][h], out[1][0][h])  # after the sync, apart again
+
+
+def test_zen_outer_sparse_4bit_replicas_equal_after_sync():
+    world, steps = 3, 5
+    out = run_workers(_zen_outer_worker, world, "outer_d25_h5_4bit", None, steps, _zen_outer_inputs(world, steps))
+    numel = out[0][0][0].numel()
+    for params, alone, sent in out:
+        assert torch.equal(params[0], alone[0])
+        assert sent[:4] == [0] * 4 and 0 < sent[4] < ring_allreduce_bytes(numel, 4, world)
+    assert all(torch.equal(o[0][4], out[0][0][4]) for o in out)  # bitwise θ_global on every replica
+    assert not torch.equal(out[0][0][3], out[1][0][3])

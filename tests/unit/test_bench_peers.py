@@ -99,6 +99,7 @@ def test_lab_section_reads_quality_and_modelled_tables(tmp_path):
         "| ddp_dense (5 seeds) | 1 | 1 | 1 | +0 % | 5/5; 100 | 1 KiB | 0.1 |",
         "| ddp_zen_dgc5 (5 seeds) | 1 | 1 | 1 | +0 % | 5/5; 90 | 1 KiB | 0.1 |",
         "| powersgd_r1 (3 seeds) | 1 | 1 | 1 | +9 % | 0/3 | 1 KiB | 0.1 |",
+        "| zen_outer_d25_4bit (5 seeds) | 1 | 1 | 1 | +1 % | 3/5; 180 | 1 KiB | 0.1 |",
         "| ddp_dense (3 seeds) | 1 | 1 | 1 | +0 % | 3/3; 500 | 1 KiB | 0.1 |",  # a later (scratch) table: ignored
         "| ddp_dense | 5/5 | 0.1 | **1.00×** | 1 | **1.000×** | 0.2 | **1.00×** | 2 | **1.000×** |",
         "| ddp_zen_dgc5 | 5/5 | 0.1 | **0.80×** | 1 | **0.238×** | 0.2 | **0.64×** | 2 | **0.345×** |",
@@ -111,6 +112,12 @@ def test_lab_section_reads_quality_and_modelled_tables(tmp_path):
                                         "3.000 (0.75×)", "**0.68×**", "**0.64×**", "**0.345×**"]
     assert rows["powersgd_r1"][2:4] == ["0.500 (0.25×)", "not reached in the run"]
     assert rows["powersgd_r1"][6:8] == ["–", "no lab measurement"]
+    # a row with a lab method but no modelled row (zen.outer): the measured columns, the modelled ones said absent
+    lab["8 hosts × 250 Mbit/s"]["zen_outer_d25_4bit"] = 0.4
+    rows = {r.split(" |")[0].strip("| "): [c.strip() for c in r.strip("|").split("|")]
+            for r in peers_time.lab_section(md, lab).splitlines()[2:]}
+    assert rows["zen_outer_d25_4bit"][1:] == ["3/5; 180", "0.400 (0.20×)", "**0.36×**", "not modelled", "not modelled",
+                                              "–", "no lab measurement", "not modelled", "not modelled"]
 
 
 def test_reachable_address_is_localhost_on_one_machine(monkeypatch):
@@ -121,3 +128,30 @@ def test_reachable_address_is_localhost_on_one_machine(monkeypatch):
         assert reachable_address() == "localhost"
     monkeypatch.delenv("MASTER_ADDR")
     assert reachable_address() == "localhost"
+
+
+def test_zen_outer_variants_are_the_outer_harness_settings():
+    from bench_outer_quality import VARIANTS
+
+    from peers_ddp import zen_outer_config
+    from recipes.common import ConfigError
+    from zen_ext.config import ZenConfig
+
+    # bench_peers' rows name the outer harness's variants; H: the variant's own, else --sync_every, else 15.
+    for row, (name, h) in {"zen_outer_diloco": ("diloco", 15), "zen_outer_d25_4bit": ("outer_d25_4bit", 15),
+                           "zen_outer_d25_h5_4bit": ("outer_d25_h5_4bit", 5)}.items():
+        argv = bench_peers.VARIANTS[row]
+        assert argv[argv.index("--zen_outer") + 1] == name
+        sync = int(argv[argv.index("--sync_every") + 1]) if "--sync_every" in argv else None
+        cfg = ZenConfig.from_dict(zen_outer_config(name, sync))
+        assert cfg.scheme == "zen" and cfg.outer.enabled and cfg.outer.every == h
+        for key, value in VARIANTS[name].items():
+            assert getattr(cfg.outer, key) == value, (row, key)
+    diloco = ZenConfig.from_dict(zen_outer_config("diloco", 15)).outer
+    assert (diloco.density, diloco.lr, diloco.momentum, diloco.nesterov, diloco.average) == (1.0, 0.7, 0.9, True, "mean")
+    d25 = ZenConfig.from_dict(zen_outer_config("outer_d25_4bit", 15)).outer
+    assert (d25.density, d25.value_bits, d25.lr, d25.momentum, d25.error_decay) == (0.25, 4, 1.0, 0.0, 0.95)
+    assert ZenConfig.from_dict(zen_outer_config("outer_d25_4bit", None)).outer.every == 15
+    for bad in ("dense", "nope", None):
+        with pytest.raises(ConfigError, match="--zen_outer"):
+            zen_outer_config(bad, 15)
