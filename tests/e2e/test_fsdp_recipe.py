@@ -18,12 +18,12 @@ import io
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
 import torch
 
+from tests.e2e.exit_abort import run_retrying_exit_abort
 from tests.multiproc.launch import free_port
 
 pytestmark = pytest.mark.slow
@@ -41,7 +41,7 @@ def _torchrun(config, out, steps=3, rc=0, model=UNTIED, extra=()):
            "--max_docs", "25", "--tokenizer", "train", "--vocab_size", "512", "--seq_len", "64", "--steps", str(steps),
            "--eval_every", "2", "--model", model, "--output_dir", out, *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_retrying_exit_abort(cmd, out_dir=out, cwd=ROOT, env=env, timeout=600)  # torch's gloo exit abort
     assert proc.returncode == rc, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout if rc == 0 else proc.stderr
 

@@ -20,8 +20,8 @@ How a block runs:
    the README says for CPU).
 
 Every run must exit 0 and print no traceback and no ``Exception ignored`` (the
-ColossalAI plugin's ``__del__`` at interpreter exit). A run that fails with exactly torch's known DDP
-exit abort (``TORCH_EXIT_ABORT``) is run once more.
+ColossalAI plugin's ``__del__`` at interpreter exit). A run that fails with exactly torch's known gloo
+exit abort is run again (``tests/e2e/exit_abort.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from tests.e2e.exit_abort import run_retrying_exit_abort
 from tests.multiproc.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -213,21 +214,8 @@ def _scratch(tmp_path) -> str:
     return str(tmp_path)
 
 
-TORCH_EXIT_ABORT = "terminate called without an active exception"
-"""torch 2.13's DDP on gloo aborts at interpreter exit in ~1 run in 20-60, with or without ZEN
-(docs/colossalai.md, "Ending a run"): a run that fails with exactly that is run again, up to
-``EXIT_ABORT_TRIES`` times in all (a CI run on 2026-11-27 hit it twice in a row)."""
-EXIT_ABORT_TRIES = 3
-
-
 def _run_with_retry(cmd, cwd: str) -> subprocess.CompletedProcess:
-    for attempt in range(EXIT_ABORT_TRIES):
-        proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=600)
-        if (proc.returncode == 0 or TORCH_EXIT_ABORT not in proc.stdout + proc.stderr
-                or attempt == EXIT_ABORT_TRIES - 1):
-            return proc
-        print(f"retrying {cmd[-1][:60]!r} after torch's DDP exit abort")
-    raise AssertionError("unreachable")
+    return run_retrying_exit_abort(cmd, cwd=cwd, env=_env(), timeout=600)
 
 
 def _check_output(proc: subprocess.CompletedProcess, what: str) -> str:
