@@ -33,7 +33,8 @@ Method:
 4. A run's time per step is its timed window's wall time over its steps: the window starts after
    ``--warmup`` steps and is ``--steps`` steps long, or ``H`` for the DiLoCo family (DiLoCo H 50, SparseLoCo
    H 15, zen.outer H 15 or 5: steps 3 to H + 2 hold step H), so it holds exactly one outer synchronization and its mean is the per-inner-step time including the
-   outer all-reduce (all-gather) spread over H. The wall time is rank 0's ``elapsed_s`` (start of step 1 to
+   outer all-reduce (all-gather) spread over H. A ``delay: 1`` method's window starts one round later (steps
+   H + 3 to 2H + 2), so it holds the wait for the round in flight and the next launch, as every later round. The wall time is rank 0's ``elapsed_s`` (start of step 1 to
    the end of the step's loss all-reduce, which waits for the slowest rank); for the DeepSpeed recipe (qgZ,
    dense ZeRO-3) the sum of its step times (forward, backward and step; ZeRO-3's own collectives synchronize
    the ranks inside each). Tokens/s = ranks × micro-batch
@@ -96,6 +97,15 @@ METHODS: dict[str, dict] = {
         "--method", "zen_outer", "--zen_outer", "outer_d25_4bit", "--sync_every", "15"], H=15),
     "zen_outer_d25_h5_4bit": dict(describe="zen.outer top-1,024 of 4,096, 4-bit, H 5 (per inner step)", args=[
         "--method", "zen_outer", "--zen_outer", "outer_d25_h5_4bit"], H=5),
+    # delay 1: round t's sum runs while round t+1 trains, and the next outer step waits for it; one untimed
+    # round first (``lead``), so the window holds one wait for a round in flight and one launch, as every later round.
+    "zen_outer_d25_4bit_delay1": dict(describe="zen.outer top-1,024 of 4,096, 4-bit, H 15, delay 1 (per inner step)",
+                                      args=["--method", "zen_outer", "--zen_outer", "outer_d25_4bit_delay1",
+                                            "--sync_every", "15"], H=15, lead=15),
+    # The floor of the DiLoCo family: the same inner steps with no synchronization in the window (zen.outer's
+    # runner, whose DDP sends nothing per step, with its first outer step far past the run's end).
+    "inner_only": dict(describe="inner steps alone, no synchronization (the DiLoCo family's floor)", args=[
+        "--method", "zen_outer", "--zen_outer", "outer_d25_4bit", "--sync_every", "1000000"], H=15),
     "dense_z3": dict(describe="DeepSpeed ZeRO-3, dense reduce-scatter", deepspeed={}),
     "qgz_z3": dict(describe="ZeRO++ qgZ (CPU emulation), ZeRO-3", deepspeed={"zero_quantized_gradients": True},
                    baseline2="dense_z3"),
@@ -134,6 +144,11 @@ def window(method: str, a) -> int:
     return METHODS[method].get("H", a.steps)
 
 
+def untimed(method: str, a) -> int:
+    """Step 4: steps before the window: ``--warmup``, and a delay-1 method's first round (``lead``)."""
+    return a.warmup + METHODS[method].get("lead", 0)
+
+
 def launch(prog: list[str], run_dir: str, a, env_extra: dict | None = None) -> dict:
     """One ``launch.sh --reuse`` of ``prog`` on the running lab; the machine's CPU over it."""
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", **(env_extra or {}))
@@ -156,18 +171,19 @@ def launch(prog: list[str], run_dir: str, a, env_extra: dict | None = None) -> d
 def timed(method: str, out_dir: str, a) -> dict:
     """Step 4: a run's time per timed step and bytes per timed step from its ``train_log.jsonl``."""
     recs = read_jsonl(os.path.join(out_dir, "train_log.jsonl"))
-    steps = a.warmup + window(method, a)
+    skip = untimed(method, a)
+    steps = skip + window(method, a)
     if len(recs) != steps:
         raise SystemExit(f"bench_peers_lab: {method} logged {len(recs)} of {steps} steps ({out_dir})")
     shutil.rmtree(os.path.join(out_dir, "checkpoints"), ignore_errors=True)
-    win = recs[a.warmup:]
+    win = recs[skip:]
     if "elapsed_s" in recs[0]:
-        span = recs[-1]["elapsed_s"] - recs[a.warmup - 1]["elapsed_s"]
+        span = recs[-1]["elapsed_s"] - recs[skip - 1]["elapsed_s"]
     else:  # the DeepSpeed recipe: its step times, each ending with the loss all-reduce
         span = sum(x["step_s"] for x in win)
     sent = None
     if "elapsed_s" in recs[0]:
-        sent = (win[-1]["bytes_sent"] - recs[a.warmup - 1]["bytes_sent"]) / len(win)
+        sent = (win[-1]["bytes_sent"] - recs[skip - 1]["bytes_sent"]) / len(win)
     qgz = os.path.join(out_dir, "qgz_stats.json")
     if os.path.isfile(qgz):  # the DeepSpeed runs: the qgZ emulation's all-to-all bytes (0 for dense ZeRO-3)
         with open(qgz) as f:
@@ -202,7 +218,7 @@ def run_rep(methods: list[str], n: int, rep: int, a) -> dict[str, dict]:
         os.makedirs(out)
         if os.path.isfile(tok):
             shutil.copy(tok, os.path.join(out, "tokenizer.json"))
-        steps = ["--steps", str(a.warmup + window(m, a)), "--output_dir", out]
+        steps = ["--steps", str(untimed(m, a) + window(m, a)), "--output_dir", out]
         if "deepspeed" in METHODS[m]:
             cfg = os.path.join(out, "ds_config.json")
             with open(cfg, "w") as f:

@@ -80,6 +80,7 @@ VARIANTS = {
     "outer_d0625_nesterov": dict(density=0.0625, lr=0.7, momentum=0.9, nesterov=True),
     "outer_d25_nesterov": dict(density=0.25, lr=0.7, momentum=0.9, nesterov=True),
     "outer_d25_4bit": dict(density=0.25, value_bits=4),
+    "outer_d25_4bit_delay1": dict(density=0.25, value_bits=4, delay=1),
     "outer_d0625_h5_4bit": dict(density=0.0625, every=5, value_bits=4),
     "outer_d25_h5_4bit": dict(density=0.25, every=5, value_bits=4),
 }

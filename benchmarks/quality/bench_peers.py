@@ -58,6 +58,9 @@ VARIANTS: dict[str, list[str]] = {
     "zen_outer_diloco": ["--method", "zen_outer", "--zen_outer", "diloco", "--sync_every", "15"],
     "zen_outer_d25_4bit": ["--method", "zen_outer", "--zen_outer", "outer_d25_4bit", "--sync_every", "15"],
     "zen_outer_d25_h5_4bit": ["--method", "zen_outer", "--zen_outer", "outer_d25_h5_4bit"],
+    # the same H 15 setting with its sum overlapped with the next round's inner steps (zen.outer.delay 1)
+    "zen_outer_d25_4bit_delay1": ["--method", "zen_outer", "--zen_outer", "outer_d25_4bit_delay1",
+                                  "--sync_every", "15"],
 }
 NODE_VARIANTS: dict[str, dict] = {
     # DeepSpeed ZeRO-3 on 2 emulated nodes × 2 ranks (quality_nodes.py), the recipe with the qgZ emulation

@@ -31,6 +31,17 @@ def test_window_holds_one_outer_sync_for_the_diloco_family():
     assert sum(1 for s in range(a.warmup + 1, a.warmup + h + 1) if s % 50 == 0) == 1
 
 
+def test_delay1_window_starts_one_round_later():
+    a = SimpleNamespace(steps=5, warmup=2)
+    m = "zen_outer_d25_4bit_delay1"
+    skip, h = bench_peers_lab.untimed(m, a), bench_peers_lab.window(m, a)
+    assert (skip, h) == (17, 15) and bench_peers_lab.untimed("zen_outer_d25_4bit", a) == 2
+    # The first outer step (15, nothing in flight) is untimed; the window holds step 30, which waits for
+    # round 1's sum and launches round 2's.
+    assert [s for s in range(1, skip + 1) if s % 15 == 0] == [15]
+    assert [s for s in range(skip + 1, skip + h + 1) if s % 15 == 0] == [30]
+
+
 def test_timed_uses_elapsed_span_after_warmup(tmp_path):
     a = SimpleNamespace(steps=3, warmup=2)
     # Step times 5, 5 (warm-up), then 1, 2, 3 s: the window is 6 s over 3 steps; bytes 10 per timed step.
