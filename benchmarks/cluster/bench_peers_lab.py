@@ -102,6 +102,8 @@ METHODS: dict[str, dict] = {
     "zen_outer_d25_4bit_delay1": dict(describe="zen.outer top-1,024 of 4,096, 4-bit, H 15, delay 1 (per inner step)",
                                       args=["--method", "zen_outer", "--zen_outer", "outer_d25_4bit_delay1",
                                             "--sync_every", "15"], H=15, lead=15),
+    "zen_outer_d25_4bit_h50": dict(describe="zen.outer top-1,024 of 4,096, 4-bit, H 50 (per inner step)", args=[
+        "--method", "zen_outer", "--zen_outer", "outer_d25_4bit", "--sync_every", "50"], H=50),
     # The floor of the DiLoCo family: the same inner steps with no synchronization in the window (zen.outer's
     # runner, whose DDP sends nothing per step, with its first outer step far past the run's end).
     "inner_only": dict(describe="inner steps alone, no synchronization (the DiLoCo family's floor)", args=[

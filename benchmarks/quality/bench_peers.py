@@ -61,6 +61,8 @@ VARIANTS: dict[str, list[str]] = {
     # the same H 15 setting with its sum overlapped with the next round's inner steps (zen.outer.delay 1)
     "zen_outer_d25_4bit_delay1": ["--method", "zen_outer", "--zen_outer", "outer_d25_4bit_delay1",
                                   "--sync_every", "15"],
+    # the H 15 setting at DiLoCo H 50's period (fewer outer steps: less CPU and fewer bytes per inner step)
+    "zen_outer_d25_4bit_h50": ["--method", "zen_outer", "--zen_outer", "outer_d25_4bit", "--sync_every", "50"],
 }
 NODE_VARIANTS: dict[str, dict] = {
     # DeepSpeed ZeRO-3 on 2 emulated nodes × 2 ranks (quality_nodes.py), the recipe with the qgZ emulation

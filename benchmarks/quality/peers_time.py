@@ -57,7 +57,8 @@ LAB_METHOD = {"ddp_dense": "dense", "ddp_zen_dgc5": "zen_dgc5", "ddp_zen_dgc1": 
               "sparseloco_h15": "sparseloco_h15", "zero3_2x2_qgz + ZeRO-3 fp32 parameter all-gathers": "qgz_z3",
               "zen_outer_diloco": "zen_outer_diloco", "zen_outer_d25_4bit": "zen_outer_d25_4bit",
               "zen_outer_d25_h5_4bit": "zen_outer_d25_h5_4bit",
-              "zen_outer_d25_4bit_delay1": "zen_outer_d25_4bit_delay1"}
+              "zen_outer_d25_4bit_delay1": "zen_outer_d25_4bit_delay1",
+              "zen_outer_d25_4bit_h50": "zen_outer_d25_4bit_h50"}
 """Table row → the ``bench_peers_lab.py`` method whose measured step time it takes; rows not listed have no lab
 measurement (a 4-bit residual, DiLoCo H 10, qgZ without ZeRO-3's all-gathers or with qwZ's). The zen.outer rows
 have no modelled time (``BYTES_KEY``): their lab section rows say so and carry the measured columns alone."""

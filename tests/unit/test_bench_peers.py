@@ -140,7 +140,8 @@ def test_zen_outer_variants_are_the_outer_harness_settings():
     # bench_peers' rows name the outer harness's variants; H: the variant's own, else --sync_every, else 15.
     for row, (name, h) in {"zen_outer_diloco": ("diloco", 15), "zen_outer_d25_4bit": ("outer_d25_4bit", 15),
                            "zen_outer_d25_h5_4bit": ("outer_d25_h5_4bit", 5),
-                           "zen_outer_d25_4bit_delay1": ("outer_d25_4bit_delay1", 15)}.items():
+                           "zen_outer_d25_4bit_delay1": ("outer_d25_4bit_delay1", 15),
+                           "zen_outer_d25_4bit_h50": ("outer_d25_4bit", 50)}.items():
         argv = bench_peers.VARIANTS[row]
         assert argv[argv.index("--zen_outer") + 1] == name
         sync = int(argv[argv.index("--sync_every") + 1]) if "--sync_every" in argv else None
