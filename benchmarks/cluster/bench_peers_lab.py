@@ -32,9 +32,11 @@ Method:
    shared machine hits all methods alike.
 4. A run's time per step is its timed window's wall time over its steps: the window starts after
    ``--warmup`` steps and is ``--steps`` steps long, or ``H`` for the DiLoCo family (DiLoCo H 50, SparseLoCo
-   H 15, zen.outer H 15 or 5: steps 3 to H + 2 hold step H), so it holds exactly one outer synchronization and its mean is the per-inner-step time including the
-   outer all-reduce (all-gather) spread over H. A ``delay: 1`` method's window starts one round later (steps
-   H + 3 to 2H + 2), so it holds the wait for the round in flight and the next launch, as every later round. The wall time is rank 0's ``elapsed_s`` (start of step 1 to
+   H 15, zen.outer H 5, 15 or 50: steps 3 to H + 2 hold step H), so it holds exactly one outer
+   synchronization and its mean is the per-inner-step time including the outer all-reduce (all-gather)
+   spread over H. A ``delay: 1`` method's window starts one round later (steps H + 3 to 2H + 2), so it holds
+   the wait for the round in flight and the next launch, as every later round. ``inner_only``: 15 steps with
+   no synchronization at all (the floor). The wall time is rank 0's ``elapsed_s`` (start of step 1 to
    the end of the step's loss all-reduce, which waits for the slowest rank); for the DeepSpeed recipe (qgZ,
    dense ZeRO-3) the sum of its step times (forward, backward and step; ZeRO-3's own collectives synchronize
    the ranks inside each). Tokens/s = ranks × micro-batch
